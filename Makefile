@@ -1,0 +1,29 @@
+# Set-up and checks on a fresh machine: `make run` (the main job) and `make test` (the suite).
+# TORCH is installed before the project so its range (torch>=2.4) is already met: on these
+# CPU machines torch==2.13.0 is a CPU wheel on local disk; on a GPU host the same pin from
+# PyPI is the CUDA build (or set TORCH= to keep a torch you already have).
+PY     ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: run test gpu-test proto clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(if $(TORCH),$(BIN)/pip install -q "$(TORCH)")
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/tinyloop generate --prompt "def fibonacci(n):" --loops 8 --max-tokens 96
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,228 @@
+"""Decode attention (one query token per sequence) over a static KV cache, split-K.
+
+    o[b, h] = softmax(scale * q[b, h] . K[b, h // G, :n_b]^T) V[b, h // G, :n_b]
+    n_b = min(seq_lens[b], S),  G = H // Hkv (GQA group)
+
+Slots j < n_b are valid, in any order, so the same kernel serves a linear cache and a ring
+buffer sliding window (S == window, every filled slot valid). n_b == 0 gives a zero output.
+
+Flash-decoding: kernel 1 runs one program per (b, kv head, split of S); the program loads each
+K / V tile once for all G query heads of its group (a (G, hd) x (hd, BLOCK_N) dot) and keeps an
+online softmax, writing the partial (max m, sum l, unnormalized acc) of its split. Kernel 2
+merges the splits of each (b, h). The grid depends only on B, Hkv and S, never on seq_lens,
+so the launch needs no host sync and can be captured in a CUDA graph; splits past n_b write
+neutral partials (m = -inf, l = 0, acc = 0).
+
+Layouts: q (B, H, hd); k_cache, v_cache (B, Hkv, S, hd), any strides; seq_lens (B,) int32 /
+int64 on the device. Dtypes: q and caches share fp16 / bf16 / fp32; softmax and accumulation
+in fp32 (scores in the log2 domain, scale folded into log2(e)); output (B, H, hd) in q.dtype.
+hd need not be a power of two (masked to BLOCK_D).
+"""
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape, interpreting
+
+LOG2E = math.log2(math.e)
+# A split shorter than this costs more in partial traffic than it wins in parallelism.
+MIN_SPLIT_LEN = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    q_ptr,  # (B, H, hd)
+    k_cache_ptr,  # (B, Hkv, S, hd)
+    v_cache_ptr,  # (B, Hkv, S, hd)
+    seq_lens_ptr,  # (B,)
+    m_ptr,  # (B, H, NUM_SPLITS) fp32
+    l_ptr,  # (B, H, NUM_SPLITS) fp32
+    acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
+    stride_q_b, stride_q_h, stride_q_d,
+    stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
+    stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
+    H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
+    qk_scale,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b).to(tl.int32), S)
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # (BLOCK_G,) query heads sharing this kv head
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HD
+    q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    k_base = k_cache_ptr + b * stride_kc_b + kvh * stride_kc_h
+    v_base = v_cache_ptr + b * stride_vc_b + kvh * stride_vc_h
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # Every tile of this loop holds at least one valid slot, so m is finite after the first.
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k = tl.load(k_base + offs_n[None, :] * stride_kc_s + offs_d[:, None] * stride_kc_d,
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m = m_new
+
+    part = (b * H + heads) * NUM_SPLITS + split  # (BLOCK_G,) row of the partial tensors
+    tl.store(m_ptr + part, m, mask=mask_g)
+    tl.store(l_ptr + part, l, mask=mask_g)
+    tl.store(acc_ptr + part[:, None] * HD + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    m_ptr,  # (B, H, NUM_SPLITS) fp32
+    l_ptr,  # (B, H, NUM_SPLITS) fp32
+    acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
+    o_ptr,  # (B, H, hd) contiguous
+    HD, NUM_SPLITS,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)  # b * H + h
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HD
+    m = tl.load(m_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    l = tl.load(l_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=0.0)
+    acc = tl.load(acc_ptr + (bh * NUM_SPLITS + offs_s[:, None]) * HD + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_SPLITS, BLOCK_D)
+    m_max = tl.max(m, axis=0)
+    # An empty sequence has every m = -inf: shift by 0 instead, so weights are 0, not NaN.
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    l_total = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(l_total == 0.0, 1.0, l_total)
+    tl.store(o_ptr + bh * HD + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _block_n(block_d: int) -> int:
+    # The interpreter pays per tile, a GPU per register: small tiles on CPU keep tests exercising
+    # the multi-tile loop on short caches.
+    if interpreting():
+        return 16
+    return 64 if block_d <= 128 else 32
+
+
+def _split_len(B: int, Hkv: int, S: int, device: torch.device, block_n: int) -> int:
+    """Slots per split: enough splits for ~2 programs per SM, none shorter than MIN_SPLIT_LEN."""
+    if device.type != "cuda":
+        return triton.cdiv(max(S, 1), block_n) * block_n  # interpreter: one split, small grid
+    splits = min(max(triton.cdiv(2 * _sm_count(device), B * Hkv), 1), MAX_SPLITS)
+    split_len = max(MIN_SPLIT_LEN, triton.cdiv(S, splits))
+    return triton.cdiv(split_len, block_n) * block_n
+
+
+def _check(op, q, k_cache, v_cache, seq_lens):
+    check_device(op, q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens)
+    check_rank(op, "q", q, 3, "(B, H, hd)")
+    B, H, hd = q.shape
+    check_rank(op, "k_cache", k_cache, 4, "(B, Hkv, S, hd)")
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    check_shape(op, "k_cache", k_cache, (B, Hkv, S, hd))
+    check_shape(op, "v_cache", v_cache, (B, Hkv, S, hd))
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"{op}: query heads {H} must be a multiple of kv heads {Hkv}")
+    check_shape(op, "seq_lens", seq_lens, (B,))
+    check_dtype(op, "seq_lens", seq_lens, (torch.int32, torch.int64))
+    check_dtype(op, "q", q, FLOAT_DTYPES)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} must equal q dtype {q.dtype}")
+
+
+def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len):
+    """decode_attention with an explicit split length (a multiple of the tile); tests use it to
+    force many splits on short caches."""
+    B, H, hd = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
+    if B * H * hd == 0:
+        return o
+    BLOCK_D = max(16, triton.next_power_of_2(hd))
+    block_n = _block_n(BLOCK_D)
+    num_splits = triton.cdiv(max(S, 1), split_len)
+    m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
+    _decode_attention_split_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, seq_lens, m, l, acc,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        H, S, hd, H // Hkv, num_splits, split_len,
+        float(scale) * LOG2E,
+        # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
+        BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
+        BLOCK_N=block_n,
+        BLOCK_D=BLOCK_D,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    _decode_attention_merge_kernel[(B * H,)](
+        m, l, acc, o, hd, num_splits,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_D=BLOCK_D,
+        num_warps=1 if BLOCK_D <= 64 else 2,
+    )
+    return o
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, scale):
+    """q (B, H, hd), caches (B, Hkv, S, hd), seq_lens (B,) -> o (B, H, hd) in q.dtype."""
+    _check("decode_attention", q, k_cache, v_cache, seq_lens)
+    B, H, hd = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    block_n = _block_n(max(16, triton.next_power_of_2(max(hd, 1))))
+    return _decode_attention(q, k_cache, v_cache, seq_lens, scale,
+                             _split_len(B, Hkv, S, q.device, block_n))
+
+
+def masked_attention_ref(q, k_cache, v_cache, mask, scale):
+    """q (B, H, T, hd), caches (B, Hkv, S, hd), mask (B, T, S) bool -> (B, H, T, hd) in q.dtype.
+
+    fp32 softmax attention with GQA; a query with no allowed slot gets a zero output."""
+    G = q.shape[1] // k_cache.shape[1]
+    k = k_cache.float().repeat_interleave(G, dim=1)  # (B, H, S, hd)
+    v = v_cache.float().repeat_interleave(G, dim=1)  # (B, H, S, hd)
+    s = torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale  # (B, H, T, S)
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.where(mask.any(-1)[:, None, :, None], p, 0.0)  # all -inf rows are NaN: zero them
+    return torch.einsum("bhts,bhsd->bhtd", p, v).to(q.dtype)
+
+
+def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale):
+    """The spec, in plain torch."""
+    S = k_cache.shape[2]
+    valid = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
+    return masked_attention_ref(q[:, :, None], k_cache, v_cache, valid[:, None], scale)[:, :, 0]

@@ -1,0 +1,118 @@
+"""`.tinyloop` checkpoints: one safetensors file, the config as JSON in its metadata.
+
+Metadata keys: `tinyloop.format_version` (this module writes FORMAT_VERSION) and
+`tinyloop.config` (LoopedConfig as JSON); optionally `tinyloop.tokenizer` (an HF
+`tokenizer.json` as a string). Tensor names follow Llama (see docs/checkpoint.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from tinyloop.worker.config import LoopedConfig
+from tinyloop.worker.model import LoopedTransformer
+
+FORMAT_VERSION = "1"
+SUPPORTED_VERSIONS = ("1",)
+
+
+class CheckpointError(ValueError):
+    """A `.tinyloop` file that is missing, truncated or inconsistent; the message says which."""
+
+
+def save(model: LoopedTransformer, path: str | os.PathLike, dtype: torch.dtype = torch.float16,
+         tokenizer_json: str | None = None) -> None:
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    meta = {"tinyloop.format_version": FORMAT_VERSION, "tinyloop.config": model.config.to_json()}
+    if tokenizer_json is not None:
+        meta["tinyloop.tokenizer"] = tokenizer_json
+    tmp = f"{path}.tmp"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def _read_header(path: str) -> dict:
+    """Check the safetensors framing ourselves so a truncated file is named as such."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated ({size} bytes, no safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: truncated (header says {n} bytes, file has {size - 8})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: truncated (tensor data needs {8 + n + end} bytes, file has {size})")
+    return header
+
+
+def read_config(path: str | os.PathLike) -> tuple[LoopedConfig, dict]:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    meta = _read_header(path).get("__metadata__") or {}
+    version = meta.get("tinyloop.format_version")
+    if version is None:
+        raise CheckpointError(f"{path}: not a .tinyloop checkpoint (no tinyloop.format_version in metadata)")
+    if version not in SUPPORTED_VERSIONS:
+        raise CheckpointError(f"{path}: unknown format version {version!r} (supported: {SUPPORTED_VERSIONS})")
+    try:
+        cfg = LoopedConfig.from_json(meta["tinyloop.config"])
+    except KeyError:
+        raise CheckpointError(f"{path}: metadata has no tinyloop.config") from None
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: invalid tinyloop.config: {e}") from None
+    return cfg, meta
+
+
+def load(path: str | os.PathLike, device: torch.device | str = "cpu",
+         dtype: torch.dtype = torch.float32) -> tuple[LoopedTransformer, dict]:
+    """-> (model in eval mode on `device` in `dtype`, safetensors metadata)."""
+    path = os.fspath(path)
+    cfg, meta = read_config(path)
+    with torch.device("meta"):
+        model = LoopedTransformer(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = {}
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            missing = sorted(set(expected) - names)
+            if missing:
+                raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}"
+                                      + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+            unexpected = sorted(names - set(expected))
+            if unexpected:
+                raise CheckpointError(f"{path}: unexpected tensor(s) {unexpected[:5]} for this config")
+            for name, shape in expected.items():
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shape:
+                    raise CheckpointError(f"{path}: shape mismatch for {name}: file has "
+                                          f"{tuple(t.shape)}, config needs {shape}")
+                if not t.dtype.is_floating_point:
+                    raise CheckpointError(f"{path}: {name} has dtype {t.dtype}, expected a float type")
+                state[name] = t
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: corrupt safetensors data: {e}") from None
+    model = LoopedTransformer(cfg)
+    model.load_state_dict(state)
+    for name, t in state.items():
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf")
+    return model.to(device=device, dtype=dtype).eval(), meta
+
+
+def init_model(cfg: LoopedConfig, seed: int, std: float = 0.02) -> LoopedTransformer:
+    model = LoopedTransformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(seed), std)
+    return model.eval()

@@ -1,0 +1,111 @@
+"""`LoopedConfig`: the shape of a weight-shared looped transformer, and the presets."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+NORM_PLACEMENTS = ("pre", "sandwich")
+
+
+@dataclass(frozen=True)
+class LoopedConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 128
+    n_prelude: int = 1
+    n_loop_layers: int = 1
+    n_coda: int = 1
+    norm: str = "pre"
+    loop_final_norm: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    default_loops: int = 4
+    max_loops: int = 16
+    max_seq_len: int = 2048
+    bos_id: int = -1
+    eos_id: int = -1
+
+    def __post_init__(self):
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(f"LoopedConfig: {msg}")
+
+        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "d_ff", "n_loop_layers",
+                     "max_loops", "max_seq_len", "default_loops"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("n_prelude", "n_coda"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.d_model % self.n_heads == 0,
+             f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for RoPE")
+        need(self.norm in NORM_PLACEMENTS, f"norm must be one of {NORM_PLACEMENTS}, got {self.norm!r}")
+        need(self.default_loops <= self.max_loops,
+             f"default_loops ({self.default_loops}) exceeds max_loops ({self.max_loops})")
+        for name in ("bos_id", "eos_id"):
+            v = getattr(self, name)
+            need(-1 <= v < self.vocab_size, f"{name} ({v}) outside the vocabulary")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def n_cache_layers(self, max_loops: int | None = None) -> int:
+        """Cache layers for prelude + `max_loops` iterations of the block + coda."""
+        loops = self.max_loops if max_loops is None else max_loops
+        return self.n_prelude + loops * self.n_loop_layers + self.n_coda
+
+    def loop_layer_index(self, iteration: int, j: int) -> int:
+        return self.n_prelude + iteration * self.n_loop_layers + j
+
+    def coda_layer_index(self, j: int, max_loops: int | None = None) -> int:
+        loops = self.max_loops if max_loops is None else max_loops
+        return self.n_prelude + loops * self.n_loop_layers + j
+
+    def n_params(self) -> int:
+        d, f, hd = self.d_model, self.d_ff, self.head_dim
+        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
+        layer = attn + 3 * d * f + (4 if self.norm == "sandwich" else 2) * d
+        n_layers = self.n_prelude + self.n_loop_layers + self.n_coda
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + n_layers * layer + d + head
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoopedConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"LoopedConfig: unknown fields {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> "LoopedConfig":
+        return cls.from_dict(json.loads(s))
+
+
+PRESETS: dict[str, LoopedConfig] = {
+    # Fast enough for every CPU test; GQA, prelude and coda all present.
+    "tiny": LoopedConfig(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, d_ff=160,
+                         n_prelude=1, n_loop_layers=1, n_coda=1, default_loops=4, max_loops=32),
+    "small": LoopedConfig(vocab_size=256, d_model=256, n_heads=8, n_kv_heads=4, d_ff=704,
+                          n_prelude=1, n_loop_layers=2, n_coda=1, default_loops=8, max_loops=32),
+    # The timing model of the GPU issue: d 2048, 16 heads of 128, SwiGLU 5632, vocab 32000,
+    # 2 prelude layers and a 1-layer shared block (~285M parameters).
+    "bench-285m": LoopedConfig(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=16,
+                               d_ff=5632, n_prelude=2, n_loop_layers=1, n_coda=0,
+                               tie_embeddings=False, default_loops=8, max_loops=32,
+                               max_seq_len=4096),
+    # Ouro-1.4B shapes: a 24-layer block looped 4x, vocab 49152 (Ouro model card, ByteDance 2025).
+    "ouro-1.4b": LoopedConfig(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16,
+                              d_ff=5632, n_prelude=0, n_loop_layers=24, n_coda=0, norm="sandwich",
+                              loop_final_norm=True, tie_embeddings=False, default_loops=4,
+                              max_loops=4, max_seq_len=4096, rope_theta=1000000.0),
+}

@@ -1,0 +1,179 @@
+"""The engine: the model's stages run against the static cache, on a pluggable backend.
+
+The stages are the building blocks every generation path composes (generate, resume,
+speculative verify, mixed-depth batches, scoring):
+
+    embed_prelude -> run_loops(start, stop) -> coda -> logits
+
+A `Pass` says where a chunk of tokens sits: its cache lanes, its absolute positions and the
+sliding window. Nothing in a stage reads a device value on the host, so a decode step can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyloop.worker.cache import KVCache
+from tinyloop.worker.model import Attend, LoopedTransformer
+from tinyloop.worker.ops import Ops, masked_attention
+
+
+@dataclass
+class Pass:
+    lanes: slice                 # cache slots of the B lanes, contiguous
+    positions: torch.Tensor      # (B, T) int64 absolute positions
+    kv_len: int                  # host-side bound: every position in the pass is < kv_len
+    window: int = 0              # 0: full cache; W > 0: ring of W positions per lane
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    norm_max: torch.Tensor | None = None   # (B,) max residual L2 norm seen per lane, if tracked
+    trace: list | None = None              # (label, (B, D) last-position residual) per stage
+
+    def narrow(self, n: int) -> "Pass":
+        """The first n lanes (mixed-depth batches keep the deepest lanes first)."""
+        start = self.lanes.start
+        return Pass(slice(start, start + n), self.positions[:n], self.kv_len, self.window,
+                    self.cos[:n], self.sin[:n],
+                    None if self.norm_max is None else self.norm_max[:n], None)
+
+
+@dataclass
+class Counters:
+    """Instrumentation: how much loop-block work actually ran."""
+    loop_iterations: int = 0        # shared-block applications (one per iteration per pass)
+    loop_token_iterations: int = 0  # the same, weighted by tokens x lanes
+
+    def snapshot(self) -> "Counters":
+        return Counters(self.loop_iterations, self.loop_token_iterations)
+
+    def since(self, before: "Counters") -> "Counters":
+        return Counters(self.loop_iterations - before.loop_iterations,
+                        self.loop_token_iterations - before.loop_token_iterations)
+
+
+@dataclass
+class Engine:
+    model: LoopedTransformer
+    cache: KVCache
+    ops: Ops
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self):
+        self.config = self.model.config
+        self.scale = self.config.head_dim ** -0.5
+
+    # -- passes --------------------------------------------------------------------------
+    def make_pass(self, lanes: slice, positions: torch.Tensor, kv_len: int, window: int = 0,
+                  track_norm: bool = False, trace: list | None = None) -> Pass:
+        cos, sin = self.model.rope_tables(positions)
+        B = positions.shape[0]
+        norm_max = torch.zeros(B, device=positions.device) if track_norm else None
+        return Pass(lanes, positions, kv_len, window, cos, sin, norm_max, trace)
+
+    # -- stages --------------------------------------------------------------------------
+    @torch.no_grad()
+    def embed_prelude(self, tokens: torch.Tensor, p: Pass) -> torch.Tensor:
+        """tokens (B, T) -> residual (B, T, D) after the prelude."""
+        x = self.model.tok_embeddings(tokens)
+        self._trace(p, "embed", x)
+        for j, layer in enumerate(self.model.prelude):
+            x = layer(x, self._attend(j, p))
+            self._trace(p, f"pre.{j}", x)
+        return x
+
+    @torch.no_grad()
+    def run_loops(self, x: torch.Tensor, p: Pass, start: int, stop: int,
+                  lane_loops: list[int] | None = None) -> torch.Tensor:
+        """Apply iterations [start, stop) of the shared block in place of the residual.
+
+        lane_loops: per-lane depth for a mixed-depth batch, sorted in descending order;
+        iteration i then advances only the lanes with depth > i (a prefix of the batch)."""
+        cfg = self.config
+        for i in range(start, stop):
+            n = x.shape[0] if lane_loops is None else sum(d > i for d in lane_loops)
+            q = p if n == x.shape[0] else p.narrow(n)
+            attends = [self._attend(cfg.loop_layer_index(i, j), q) for j in range(cfg.n_loop_layers)]
+            y = self.model.iteration(x[:n], attends)
+            x = y if n == x.shape[0] else torch.cat([y, x[n:]], 0)
+            self.counters.loop_iterations += 1
+            self.counters.loop_token_iterations += n * x.shape[1]
+            if p.norm_max is not None:
+                # per-iteration safety check: the residual norm of every token, kept on device
+                p.norm_max[:n] = torch.maximum(p.norm_max[:n], y.float().norm(dim=-1).amax(-1))
+            self._trace(p, f"loop.{i}", x)
+        return x
+
+    @torch.no_grad()
+    def coda(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
+        for j, layer in enumerate(self.model.coda):
+            x = layer(x, self._attend(self.cache.coda_layer(j), p))
+            self._trace(p, f"coda.{j}", x)
+        return x
+
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor, p: Pass | None = None) -> torch.Tensor:
+        if p is not None and p.trace is not None:
+            p.trace.append(("final_ln", self.model.norm(x[:, -1]).float()))
+        return self.model.logits(x).float()
+
+    def forward(self, tokens: torch.Tensor, p: Pass, loops: int,
+                lane_loops: list[int] | None = None, last_only: bool = True) -> torch.Tensor:
+        """The whole model over a chunk: logits (B, T or 1, V)."""
+        x = self.embed_prelude(tokens, p)
+        x = self.run_loops(x, p, 0, loops, lane_loops)
+        x = self.coda(x, p)
+        return self.logits(x[:, -1:] if last_only else x, p)
+
+    # -- attention against the cache -----------------------------------------------------
+    def _attend(self, layer: int, p: Pass) -> Attend:
+        kc = self.cache.k[layer, p.lanes]  # (B, Hkv, S, hd) view
+        vc = self.cache.v[layer, p.lanes]
+        ops, scale, W = self.ops, self.scale, p.window
+
+        def attend(q, k, v):
+            T = q.shape[1]
+            if W == 0 or T == 1:
+                # write first, then read: a single new token cannot evict a key it needs
+                write_idx = p.positions if W == 0 else p.positions % W
+                qr = ops.rope_cache_write(q, k, v, p.cos, p.sin, write_idx, kc, vc)  # (B, H, T, hd)
+                if T == 1:
+                    kv = slice(None) if W == 0 else slice(0, W)
+                    seq_lens = p.positions[:, 0] + 1
+                    return ops.decode_attention(qr[:, :, 0], kc[:, :, kv], vc[:, :, kv],
+                                                seq_lens, scale)[:, :, None]
+                k_pos = torch.arange(p.kv_len, device=q.device)
+                return masked_attention(qr, kc[:, :, :p.kv_len], vc[:, :, :p.kv_len],
+                                        p.positions, k_pos, 0, scale)
+            return self._attend_ring_chunk(q, k, v, p, kc, vc)
+
+        return attend
+
+    def _attend_ring_chunk(self, q, k, v, p: Pass, kc, vc):
+        """A chunk of T > 1 tokens with a window of W: writing the chunk first could evict
+        keys its own earlier queries still need, so attend to (ring as it stands + chunk),
+        then write the chunk's last W tokens."""
+        W = p.window
+        T = q.shape[1]
+        qr = self.ops.apply_rope(q, p.cos, p.sin).transpose(1, 2)  # (B, H, T, hd)
+        kr = self.ops.apply_rope(k, p.cos, p.sin).transpose(1, 2)  # (B, Hkv, T, hd)
+        vt = v.transpose(1, 2)
+        last = p.positions[:, :1] - 1                              # (B, 1) newest position in the ring
+        slot = torch.arange(W, device=q.device)
+        ring_pos = last - (last - slot).remainder(W)               # (B, W); < 0 means empty
+        keys = torch.cat([kc[:, :, :W].to(kr.dtype), kr], 2)
+        vals = torch.cat([vc[:, :, :W].to(vt.dtype), vt], 2)
+        out = masked_attention(qr, keys, vals, p.positions, torch.cat([ring_pos, p.positions], 1),
+                               W, self.scale)
+        tail = slice(max(0, T - W), T)
+        idx = (p.positions[:, tail] % W)[:, None, :, None].expand(-1, kr.shape[1], -1, kr.shape[3])
+        kc.scatter_(2, idx, kr[:, :, tail].to(kc.dtype))
+        vc.scatter_(2, idx, vt[:, :, tail].to(vc.dtype))
+        return out
+
+    @staticmethod
+    def _trace(p: Pass, label: str, x: torch.Tensor) -> None:
+        if p.trace is not None:
+            p.trace.append((label, x[:, -1].float().clone()))
+

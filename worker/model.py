@@ -1,0 +1,153 @@
+"""The looped transformer: weights and the per-layer math.
+
+    embed -> prelude[0..n_prelude) -> (loop block) x L -> coda[0..n_coda) -> norm -> head
+
+A layer never owns its attention: it is handed an `attend(q, k, v)` callable. The training
+path passes causal attention over the sequence; the engine passes one that writes the K/V
+cache layer and reads it back. Same math, one definition.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tinyloop.kernels.rope import apply_rope_ref
+from tinyloop.worker.config import LoopedConfig
+
+# attend(q (B,T,H,hd), k (B,T,Hkv,hd), v (B,T,Hkv,hd)) -> (B,H,T,hd). It receives the raw
+# projections and applies RoPE itself, so that the GPU path can fuse RoPE with the cache write.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LoopedConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        out = attend(q, k, v)  # (B, H, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LoopedConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # up
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm (Llama) or sandwich-norm (norm before and after each sublayer) layer."""
+
+    def __init__(self, cfg: LoopedConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.sandwich = cfg.norm == "sandwich"
+        if self.sandwich:
+            self.post_attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.post_ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        a = self.attention(self.attention_norm(x), attend)
+        if self.sandwich:
+            a = self.post_attention_norm(a)
+        x = x + a
+        f = self.feed_forward(self.ffn_norm(x))
+        if self.sandwich:
+            f = self.post_ffn_norm(f)
+        return x + f
+
+
+class LoopedTransformer(nn.Module):
+    def __init__(self, cfg: LoopedConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        self.loop = nn.ModuleList(Block(cfg) for _ in range(cfg.n_loop_layers))
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.loop_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.loop_final_norm else None
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        """GPT-2 style init: N(0, std), output projections scaled down by depth."""
+        cfg = self.config
+        depth = cfg.n_prelude + cfg.n_loop_layers * cfg.default_loops + cfg.n_coda
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+                continue
+            s = std / (2 * depth) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=generator) * s)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) int -> cos, sin (B, T, hd/2) fp32."""
+        ang = positions.to(torch.float32)[..., None] * self.inv_freq
+        return ang.cos(), ang.sin()
+
+    def iteration(self, x: torch.Tensor, attends: list[Attend]) -> torch.Tensor:
+        """One application of the shared block (all its layers), plus the per-loop norm."""
+        for layer, attend in zip(self.loop, attends):
+            x = layer(x, attend)
+        return self.loop_norm(x) if self.loop_norm is not None else x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        return x @ self.tok_embeddings.weight.t() if self.output is None else self.output(x)
+
+    def forward(self, tokens: torch.Tensor, loops: int) -> torch.Tensor:
+        """Full causal forward with no cache: training, and the recompute the tests compare to.
+
+        tokens (B, T) -> logits (B, T, vocab)."""
+        B, T = tokens.shape
+        pos = torch.arange(T, device=tokens.device).expand(B, T)
+        cos, sin = self.rope_tables(pos)
+
+        def attend(q, k, v):
+            q, k = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+
+        x = self.tok_embeddings(tokens)
+        for layer in self.prelude:
+            x = layer(x, attend)
+        for _ in range(loops):
+            x = self.iteration(x, [attend] * len(self.loop))
+        for layer in self.coda:
+            x = layer(x, attend)
+        return self.logits(x)

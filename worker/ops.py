@@ -1,0 +1,57 @@
+"""Backends: the same engine runs the torch reference ops anywhere and Triton ops on CUDA.
+
+Every op a backend provides has one signature, defined by its `<op>_ref` in
+`tinyloop.kernels`; the Triton launchers beside them take the same arguments.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tinyloop.kernels.decode_attention import decode_attention_ref
+from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
+
+
+class Ops:
+    """The torch reference backend: runs on any device, CPU included."""
+    name = "torch"
+    apply_rope = staticmethod(apply_rope_ref)
+    rope_cache_write = staticmethod(rope_cache_write_ref)
+    decode_attention = staticmethod(decode_attention_ref)
+
+
+class TritonOps(Ops):
+    """Triton kernels for the decode hot path (CUDA only)."""
+    name = "triton"
+
+    def __init__(self):
+        from tinyloop.kernels.decode_attention import decode_attention
+        from tinyloop.kernels.rope import rope_cache_write
+        self.rope_cache_write = rope_cache_write
+        self.decode_attention = decode_attention
+
+
+def select_ops(device: torch.device, backend: str | None = None) -> Ops:
+    backend = backend or ("triton" if device.type == "cuda" else "torch")
+    if backend == "torch":
+        return Ops()
+    if backend == "triton":
+        if device.type != "cuda":
+            raise ValueError(f"backend 'triton' needs a CUDA device, got {device}")
+        return TritonOps()
+    raise ValueError(f"unknown backend {backend!r}: expected 'torch' or 'triton'")
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Attention where each key carries its absolute position (negative: empty slot).
+
+    q (B, H, T, hd), k/v (B, Hkv, S, hd), q_pos (B, T), k_pos (S,) or (B, S).
+    Query at p sees keys at positions in (p - window, p] (window 0: [0, p])."""
+    kp = k_pos if k_pos.dim() == 2 else k_pos[None]
+    kp, qp = kp[:, None, :], q_pos[:, :, None]                    # (B|1, 1, S), (B, T, 1)
+    mask = (kp <= qp) & (kp >= 0)
+    if window:
+        mask = mask & (kp > qp - window)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
+                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
