@@ -1,0 +1,30 @@
+"""Triton kernels of TinyLoop Serve, each beside its plain-torch reference (the spec).
+
+The engine calls the ``*_ref`` functions on CPU and the launchers on CUDA; a launcher and its
+reference take the same arguments and return the same thing.
+"""
+from .decode_attention import decode_attention, decode_attention_ref
+from .rmsnorm import rms_norm, rms_norm_ref
+from .rope import apply_rope_ref, rope_cache_write, rope_cache_write_ref
+from .sampling import argmax, argmax_ref, sample_top_k, sample_top_k_ref
+from .swiglu import swiglu, swiglu_ref
+from .tree_attention import ancestors_from_parents, tree_attention, tree_attention_ref
+
+__all__ = [
+    "ancestors_from_parents",
+    "apply_rope_ref",
+    "argmax",
+    "argmax_ref",
+    "decode_attention",
+    "decode_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope_cache_write",
+    "rope_cache_write_ref",
+    "sample_top_k",
+    "sample_top_k_ref",
+    "swiglu",
+    "swiglu_ref",
+    "tree_attention",
+    "tree_attention_ref",
+]

@@ -1,0 +1,153 @@
+"""Token selection from logits: greedy argmax and top-k sampling with caller-supplied uniforms.
+
+``argmax``: logits (B, V) -> (B,) int64, the first index of the row maximum (torch.argmax's
+tie rule). One program per row scans V in BLOCK_V chunks, keeping the earliest best.
+
+``sample_top_k``: logits (B, V), top_k in 1..1024, temperature > 0, u (B,) fp32 in [0, 1).
+Order the row by descending logit, ties by ascending index, keep the first k = min(top_k, V):
+    w_i = exp((l_i - l_0) * (1 / temperature))        (fp32, l_0 the largest logit)
+and return the first kept token whose cumulative weight exceeds u * sum(w) (the last kept
+token if rounding leaves none). The caller draws u (a counter-based stream keyed by seed and
+position), so every path that reaches a position draws the same token.
+
+Selection uses torch.topk on a unique int64 key (order-preserving bits of the fp32 logit in
+the high word, V - 1 - index in the low word): with no equal keys the top k and their order
+are fully determined on every device, which plain topk does not promise for tied logits. The
+kernel then gathers the kept logits, scans their weights and picks. No host sync anywhere.
+Dtypes: logits fp16 / bf16 / fp32, math in fp32. NaN logits are not supported.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape
+
+MAX_TOP_K = 1024
+
+
+@triton.jit
+def _argmax_kernel(
+    logits_ptr,  # (B, V)
+    out_ptr,  # (B,) int64
+    stride_logits_b, stride_logits_v,
+    V,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    row = logits_ptr + b * stride_logits_b
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(row + offs * stride_logits_v, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x_max = tl.max(x, axis=0)
+        x_idx = v0 + tl.argmax(x, axis=0, tie_break_left=True)
+        # Strictly greater: an equal maximum in a later chunk must not replace the earlier index.
+        better = x_max > best
+        best_idx = tl.where(better, x_idx.to(tl.int64), best_idx)
+        best = tl.where(better, x_max, best)
+    tl.store(out_ptr + b, best_idx)
+
+
+@triton.jit
+def _sample_top_k_kernel(
+    logits_ptr,  # (B, V)
+    top_idx_ptr,  # (B, K) int64, kept token ids in selection order
+    u_ptr,  # (B,) fp32
+    out_ptr,  # (B,) int64
+    stride_logits_b, stride_logits_v,
+    stride_top_b, stride_top_k,
+    K,
+    inv_temperature,
+    BLOCK_K: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    idx = tl.load(top_idx_ptr + b * stride_top_b + offs * stride_top_k, mask=mask, other=0)
+    x = tl.load(logits_ptr + b * stride_logits_b + idx * stride_logits_v, mask=mask, other=0.0).to(tl.float32)
+    x0 = tl.max(tl.where(offs == 0, x, float("-inf")), axis=0)  # the largest kept logit
+    w = tl.where(mask, tl.exp((x - x0) * inv_temperature), 0.0)
+    cdf = tl.cumsum(w, axis=0)
+    threshold = tl.load(u_ptr + b) * tl.sum(w, axis=0)
+    # First position whose cdf exceeds the threshold = number of positions at or below it.
+    pick = tl.minimum(tl.sum(((cdf <= threshold) & mask).to(tl.int32), axis=0), K - 1)
+    tl.store(out_ptr + b, tl.sum(tl.where(offs == pick, idx, 0), axis=0))
+
+
+def _check_logits(op, logits):
+    check_rank(op, "logits", logits, 2, "(B, V)")
+    check_dtype(op, "logits", logits, FLOAT_DTYPES)
+    if logits.shape[1] == 0:
+        raise ValueError(f"{op}: logits must have a non-empty vocab dim, got shape {tuple(logits.shape)}")
+
+
+def argmax(logits):
+    """logits (B, V) -> (B,) int64 greedy tokens."""
+    check_device("argmax", logits=logits)
+    _check_logits("argmax", logits)
+    B, V = logits.shape
+    out = torch.empty((B,), dtype=torch.int64, device=logits.device)
+    if B:
+        BLOCK_V = min(4096, triton.next_power_of_2(V))
+        _argmax_kernel[(B,)](logits, out, *logits.stride(), V, BLOCK_V=BLOCK_V,
+                             num_warps=8 if BLOCK_V >= 4096 else 4)
+    return out
+
+
+def _selection_order(logits, k):
+    """(B, V) -> (B, k) int64 token ids: descending logit, ties by ascending index."""
+    V = logits.shape[1]
+    # + 0.0 turns -0.0 into +0.0, which torch compares as equal; then flip the magnitude bits
+    # of negatives so integer order is float order.
+    bits = (logits.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    low = V - 1 - torch.arange(V, device=logits.device, dtype=torch.int64)  # larger for lower index
+    keys = (ordered << 32) | low  # (B, V), all distinct
+    return keys.topk(k, dim=1).indices
+
+
+def sample_top_k(logits, top_k, temperature, u):
+    """logits (B, V), top_k int, temperature float, u (B,) fp32 -> (B,) int64 sampled tokens."""
+    op = "sample_top_k"
+    check_device(op, logits=logits, u=u)
+    _check_logits(op, logits)
+    B, V = logits.shape
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"{op}: top_k must be an int in [1, {MAX_TOP_K}], got {top_k!r}")
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"{op}: temperature must be a number > 0, got {temperature!r}")
+    check_shape(op, "u", u, (B,))
+    check_dtype(op, "u", u, (torch.float32,))
+    out = torch.empty((B,), dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    k = min(top_k, V)
+    top_idx = _selection_order(logits, k)  # (B, k)
+    BLOCK_K = triton.next_power_of_2(k)
+    _sample_top_k_kernel[(B,)](
+        logits, top_idx, u, out,
+        *logits.stride(), *top_idx.stride(),
+        k, 1.0 / temperature,
+        BLOCK_K=BLOCK_K,
+        num_warps=4 if BLOCK_K >= 256 else 1,
+    )
+    return out
+
+
+def argmax_ref(logits):
+    """The spec, in plain torch."""
+    return logits.argmax(dim=-1)
+
+
+def sample_top_k_ref(logits, top_k, temperature, u):
+    """The spec, in plain torch: stable descending sort, fp32 weights, inverse CDF."""
+    k = min(top_k, logits.shape[1])
+    x, idx = logits.float().sort(dim=1, descending=True, stable=True)
+    x, idx = x[:, :k], idx[:, :k]  # (B, k)
+    inv_t = torch.tensor(1.0 / temperature, dtype=torch.float32)
+    w = torch.exp((x - x[:, :1]) * inv_t)
+    cdf = w.cumsum(dim=1)
+    threshold = u[:, None] * w.sum(dim=1, keepdim=True)
+    pick = (cdf <= threshold).sum(dim=1).clamp(max=k - 1)
+    return idx.gather(1, pick[:, None])[:, 0]
