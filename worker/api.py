@@ -18,6 +18,9 @@ from tinyloop.worker.cache import KVCache
 from tinyloop.worker.engine import Engine
 from tinyloop.worker.generate import Generation, Request, batch, stream
 from tinyloop.worker.ops import select_ops
+from tinyloop.worker import resume as resume_mod
+from tinyloop.worker import scoring
+from tinyloop.worker.resume import ResumeHandle
 from tinyloop.worker.sampling import SamplingParams
 from tinyloop.worker.tokenizer import from_metadata
 
@@ -242,6 +245,122 @@ class Model:
             result[i] = Generation(ids[i] + out[slot], reasons[slot],
                                    {"prompt_tokens": len(ids[i]), "completion_tokens": len(out[slot])})
         return result
+
+
+    # -- warm-start resume --------------------------------------------------------------
+    def build_resume_handle(self, prompt, L_used=8, max_loops=32, cache_window=0) -> ResumeHandle:
+        """Prefill once at L_used; the handle can then resume at any new_L in [L_used, max_loops]."""
+        self._check_open()
+        ids = self._prompt(prompt)
+        if L_used < 0:
+            raise ValueError(f"L_used must be >= 0, got {L_used}")
+        if max_loops < 1:
+            raise ValueError(f"max_loops must be >= 1, got {max_loops}")
+        if L_used > max_loops:
+            raise ValueError(f"L_used={L_used} exceeds max_loops={max_loops}")
+        if max_loops > self.config.max_loops:
+            raise ValueError(f"max_loops={max_loops} exceeds the model's max_loops={self.config.max_loops}")
+        window = self._window(cache_window)
+        if len(ids) > self.max_seq_len:
+            raise RuntimeError(f"prompt of {len(ids)} tokens exceeds max_seq_len {self.max_seq_len}")
+        with self._lock:
+            self._check_open()
+            try:
+                return resume_mod.build(self.engine, 0, ids, int(L_used), int(max_loops), window)
+            except torch.OutOfMemoryError as e:
+                raise RuntimeError(f"out of memory allocating the resume handle: {e}") from None
+
+    def make_resume_request(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
+                            top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,
+                            stop_token_ids=None) -> tuple[ResumeHandle, int, Request]:
+        """Validate `resume_generate`'s arguments (the Ray actor uses this too)."""
+        self._check_open()
+        if not isinstance(handle, ResumeHandle):
+            raise ValueError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
+        if handle.owner != id(self.engine):
+            raise RuntimeError("handle belongs to a different (or closed) Model")
+        if handle.freed:
+            raise RuntimeError("handle has been freed")
+        if isinstance(new_L, bool) or not isinstance(new_L, (int, np.integer)):
+            raise ValueError(f"new_L must be an int, got {type(new_L).__name__}")
+        if not handle.loops_used() <= new_L <= handle.max_loops():
+            raise RuntimeError(f"new_L={new_L} outside [loops_used={handle.loops_used()}, "
+                               f"max_loops={handle.max_loops()}]")
+        window = self._window(cache_window) or handle.cache_window
+        if window != handle.cache_window:
+            raise ValueError(f"cache_window={window} differs from the handle's window "
+                             f"{handle.cache_window}; rebuild the handle with that window")
+        self._fit(handle.seq_len(), max_tokens)
+        req = Request(handle.prompt, int(new_L), int(max_tokens),
+                      self._sampling(temperature, top_k, top_p, repetition_penalty), self._seed(seed),
+                      window, stop_ids=self._stop_ids(stop_token_ids))
+        return handle, int(new_L), req
+
+    def stream_resume(self, resume_request, lane: int = 0):
+        """Generator protocol of `stream`, for a validated `make_resume_request` result."""
+        self._check_open()
+        handle, new_L, req = resume_request
+        if handle.freed:
+            raise RuntimeError("handle has been freed")
+        return resume_mod.resume(self.engine, lane, handle, new_L, req)
+
+    def resume_generate(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
+                        top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,
+                        stop_token_ids=None) -> Generation:
+        """Extend the handle to new_L (iterations [L_used, new_L) only) and decode. The handle is
+        not modified; many resumes on one handle never disturb each other."""
+        rr = self.make_resume_request(handle, new_L, max_tokens, temperature, top_k, top_p, cache_window,
+                                      repetition_penalty, seed, stop_token_ids)
+        with self._lock:
+            self._check_open()
+            return drain(handle.prompt, self.stream_resume(rr))
+
+    def free_resume_handle(self, handle: ResumeHandle) -> None:
+        """Release the handle's memory now (idempotent)."""
+        if not isinstance(handle, ResumeHandle):
+            raise ValueError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
+        handle.free()
+
+    # -- scoring ------------------------------------------------------------------------
+    def score_with_consistency(self, prompt, loops_a, loops_b, max_tokens=32) -> dict:
+        """Greedy answers at two depths from one shared prefill of the shallower depth."""
+        ids = self._prompt(prompt)
+        La, Lb = self._loops(loops_a, "loops_a"), self._loops(loops_b, "loops_b")
+        self._fit(len(ids), max_tokens)
+        lo = min(La, Lb)
+        handle = self.build_resume_handle(ids, L_used=lo, max_loops=max(La, Lb))
+        try:
+            a = self.resume_generate(handle, La, max_tokens=max_tokens)[len(ids):]
+            b = self.resume_generate(handle, Lb, max_tokens=max_tokens)[len(ids):]
+        finally:
+            self.free_resume_handle(handle)
+        d = scoring.first_divergence(a, b)
+        return {"agree": d == -1, "answer_a": a, "answer_b": b, "first_divergence": d}
+
+    def score_with_uncertainty(self, prompt, L_lo, L_hi):
+        """-> (next-token logits at L_hi as float32 (V,), KL(p_hi || p_lo)), sharing the first
+        L_lo iterations between the two depths."""
+        self._check_open()
+        ids = self._prompt(prompt)
+        lo, hi = self._loops(L_lo, "L_lo"), self._loops(L_hi, "L_hi")
+        if lo > hi:
+            raise ValueError(f"L_lo={lo} must be <= L_hi={hi}")
+        self._fit(len(ids), 1)
+        with self._lock:
+            self._check_open()
+            logits, kl = scoring.uncertainty(self.engine, 0, ids, lo, hi)
+        return logits.cpu().numpy().astype(np.float32), kl
+
+    def score_trajectory(self, tokens, n_loops) -> dict:
+        """-> {"labels": [...], "hidden": float32 (n_stages, d_model)} for the last position."""
+        self._check_open()
+        ids = self._prompt(tokens, "tokens")
+        L = self._loops(n_loops, "n_loops")
+        self._fit(len(ids), 1, "tokens")
+        with self._lock:
+            self._check_open()
+            labels, hidden = scoring.trajectory(self.engine, 0, ids, L)
+        return {"labels": labels, "hidden": hidden.cpu().numpy().astype(np.float32)}
 
 
 def drain(prompt: list[int], gen) -> Generation:

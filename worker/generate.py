@@ -71,8 +71,16 @@ def prefill(engine: Engine, lane: int, tokens: list[int], loops: int, window: in
 
 
 def stream(engine: Engine, lane: int, req: Request) -> TokenStream:
-    device = engine.cache.k.device
+    """Prefill the prompt at `req.loops`, then decode."""
     before = engine.counters.snapshot()
+    logits, norm = prefill(engine, lane, req.prompt, req.loops, req.window, req.safety_threshold is not None)
+    return (yield from decode(engine, lane, req, logits, norm, before))
+
+
+def decode(engine: Engine, lane: int, req: Request, logits: torch.Tensor, norm: torch.Tensor | None,
+           before) -> TokenStream:
+    """Decode after the prompt sits in `lane`'s cache; `logits` (1, V) predict the first token."""
+    device = engine.cache.k.device
     T = len(req.prompt)
     track = req.safety_threshold is not None
     seed = torch.tensor([req.seed], device=device)
@@ -81,8 +89,6 @@ def stream(engine: Engine, lane: int, req: Request) -> TokenStream:
     warm_x: list[torch.Tensor] = []   # residual entering iteration warm_L, per warm-up position
     generated = 0
     reason = FINISH_LENGTH
-
-    logits, norm = prefill(engine, lane, req.prompt, req.loops, req.window, track)
     pos = T  # absolute position of the token being decided
     while True:
         tok = sample(logits, seen, req.sampling, seed, torch.tensor([pos], device=device))

@@ -1,0 +1,108 @@
+"""Warm-start resume handles.
+
+A handle is the prompt's cache for the prelude and the first L_used iterations, allocated
+for max_loops iterations, plus the residual entering iteration L_used at every prompt
+position. Resuming at new_L copies the populated layers into a working lane, restores the
+residual, runs only iterations [L_used, new_L) over the prompt, runs the coda, and decodes.
+Because iteration i reads the same weights at every depth, that state is exactly what a
+fresh generate(loops=new_L) would have built.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from tinyloop.worker.config import LoopedConfig
+from tinyloop.worker.engine import Engine
+from tinyloop.worker.generate import Request, TokenStream, decode
+
+_ids = itertools.count(1)
+
+
+def handle_nbytes(cfg: LoopedConfig, seq_len: int, max_loops: int, cache_window: int,
+                  dtype: torch.dtype) -> int:
+    """Bytes a handle holds: K and V for n_prelude + max_loops·n_loop_layers layers over
+    seq_len positions (or the window), plus the (seq_len, d_model) residual."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    positions = min(seq_len, cache_window) if cache_window else seq_len
+    layers = cfg.n_prelude + max_loops * cfg.n_loop_layers
+    return 2 * layers * cfg.n_kv_heads * positions * cfg.head_dim * elem + seq_len * cfg.d_model * elem
+
+
+@dataclass(eq=False)
+class ResumeHandle:
+    owner: int                 # id of the engine that built it
+    prompt: list[int]
+    _loops_used: int
+    _max_loops: int
+    cache_window: int
+    k: torch.Tensor | None     # (layers, Hkv, positions, hd)
+    v: torch.Tensor | None
+    residual: torch.Tensor | None  # (1, T, D): enters iteration L_used
+    id: int = 0
+
+    def __post_init__(self):
+        self.id = next(_ids)
+
+    def seq_len(self) -> int:
+        return len(self.prompt)
+
+    def loops_used(self) -> int:
+        return self._loops_used
+
+    def max_loops(self) -> int:
+        return self._max_loops
+
+    def nbytes(self) -> int:
+        if self.k is None:
+            return 0
+        return self.k.nbytes + self.v.nbytes + self.residual.nbytes
+
+    @property
+    def freed(self) -> bool:
+        return self.k is None
+
+    def free(self) -> None:
+        self.k = self.v = self.residual = None
+
+
+def build(engine: Engine, lane: int, prompt: list[int], L_used: int, max_loops: int,
+          cache_window: int) -> ResumeHandle:
+    """Prefill once at L_used through `lane` and keep what a deeper resume needs."""
+    cfg, cache = engine.config, engine.cache
+    device = cache.k.device
+    T = len(prompt)
+    positions = min(T, cache_window) if cache_window else T
+    n_layers = cfg.n_prelude + max_loops * cfg.n_loop_layers
+    used = cfg.n_prelude + L_used * cfg.n_loop_layers
+    shape = (n_layers, cfg.n_kv_heads, positions, cfg.head_dim)
+    k = torch.empty(shape, dtype=cache.k.dtype, device=device)
+    v = torch.empty(shape, dtype=cache.v.dtype, device=device)
+    p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, cache_window)
+    x = engine.embed_prelude(torch.tensor([prompt], dtype=torch.long, device=device), p)
+    x = engine.run_loops(x, p, 0, L_used)
+    k[:used] = cache.k[:used, lane, :, :positions]
+    v[:used] = cache.v[:used, lane, :, :positions]
+    return ResumeHandle(id(engine), list(prompt), L_used, max_loops, cache_window, k, v, x.clone())
+
+
+def resume(engine: Engine, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> TokenStream:
+    """Clone the handle into `lane`, run iterations [L_used, new_L) over the prompt, decode."""
+    cfg, cache = engine.config, engine.cache
+    before = engine.counters.snapshot()
+    T = handle.seq_len()
+    used = cfg.n_prelude + handle.loops_used() * cfg.n_loop_layers
+    n_pos = handle.k.shape[2]
+    cache.k[:used, lane, :, :n_pos] = handle.k[:used]
+    cache.v[:used, lane, :, :n_pos] = handle.v[:used]
+    device = cache.k.device
+    p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, req.window,
+                         req.safety_threshold is not None)
+    x = engine.run_loops(handle.residual.clone(), p, handle.loops_used(), new_L)
+    logits = engine.logits(engine.coda(x, p)[:, -1:])[:, -1]
+    prompt_work = engine.counters.since(before)
+    finish = yield from decode(engine, lane, req, logits, p.norm_max, before)
+    finish.stats["prompt_loop_iterations"] = prompt_work.loop_iterations
+    return finish
