@@ -1,0 +1,89 @@
+"""`tinyloop serve`: start (or join) Ray, create the worker actors, run the gateway."""
+from __future__ import annotations
+
+import os
+
+
+def register(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over gRPC (gateway + Ray worker actors)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--model", default=None, help="path to a .tinyloop checkpoint (default: the embedded model)")
+    s.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    s.add_argument("--workers", type=int, default=None, help="worker actors (default: one per GPU, else 1)")
+    s.add_argument("--lanes", type=int, default=4, help="concurrent streams per worker")
+    s.add_argument("--max-seq-len", type=int, default=2048)
+    s.add_argument("--device", default=None, help="cpu | cuda (default: cuda when the cluster has GPUs)")
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--handle-budget-mb", type=float, default=1024.0, help="resume-handle bytes per worker")
+    s.add_argument("--handle-ttl-s", type=float, default=600.0, help="idle time before a handle expires")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a lane, per worker")
+    s.add_argument("--max-message-mb", type=float, default=4.0)
+    s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    s.add_argument("--auth-tokens", default=os.environ.get("TINYLOOP_AUTH_TOKENS"),
+                   help="TOKEN=CALLER[,TOKEN=CALLER...] or @FILE with one per line; enables bearer auth "
+                        "(default: $TINYLOOP_AUTH_TOKENS)")
+    s.add_argument("--drain-grace-s", type=float, default=10.0)
+    s.set_defaults(handler=_serve)
+
+
+def parse_tokens(spec: str | None) -> dict[str, str]:
+    if not spec:
+        return {}
+    if spec.startswith("@"):
+        with open(spec[1:]) as f:
+            items = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    else:
+        items = [x.strip() for x in spec.split(",") if x.strip()]
+    tokens = {}
+    for item in items:
+        token, sep, caller = item.partition("=")
+        if not sep or not token or not caller:
+            raise ValueError(f"auth token entry {item!r} is not TOKEN=CALLER")
+        tokens[token] = caller
+    return tokens
+
+
+def _serve(args) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    import ray
+
+    from tinyloop.gateway import workers
+    from tinyloop.gateway.server import Gateway, GatewayOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tokens = parse_tokens(args.auth_tokens)
+    ray.init(address=args.ray_address, include_dashboard=False, namespace=workers.NAMESPACE,
+             log_to_driver=True)
+    opts = workers.WorkerOptions(model_path=args.model, lanes=args.lanes, max_seq_len=args.max_seq_len,
+                                 device=args.device, dtype=args.dtype,
+                                 handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
+                                 handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue)
+    actors = workers.spawn(args.workers, opts)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port, addr=args.host)
+
+    async def main() -> None:
+        gw = await Gateway.start(actors, GatewayOptions(
+            host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * (1 << 20)),
+            auth_tokens=tokens, drain_grace_s=args.drain_grace_s))
+        print(f"tinyloop serve: listening on {args.host}:{gw.port} with {len(actors)} worker(s)", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("tinyloop serve: draining", flush=True)
+        await gw.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        ray.shutdown()
+    return 0

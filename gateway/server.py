@@ -1,0 +1,460 @@
+"""The grpc.aio gateway in front of the worker actors.
+
+Per RPC: auth and caller identity from metadata → cheap wire checks (the worker re-checks
+everything with the Model's own messages) → placement (new work: the least-loaded live
+worker; handle calls: the worker named inside the handle id) → a Ray call, streamed back.
+
+Cancellation: when the client cancels or its deadline passes, grpc.aio cancels the handler
+task; the handler's `finally` tells the worker to stop the stream (checked before every
+decode step) and cancels the Ray streaming task, so the lane is free within one step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import ray
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tinyloop.client import tinyloop_pb2 as pb
+from tinyloop.client import tinyloop_pb2_grpc as pb_grpc
+from tinyloop.gateway import handles, metrics
+from tinyloop.gateway.status import ServiceError, invalid
+
+log = logging.getLogger("tinyloop.gateway")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TinyLoop"].full_name
+CALLER_KEY = "x-tinyloop-caller"
+ANONYMOUS = "anonymous"
+FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "safety": pb.FINISH_REASON_SAFETY}
+_ACTOR_ERRORS = tuple(getattr(ray.exceptions, n) for n in
+                      ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError")
+                      if hasattr(ray.exceptions, n))
+
+
+@dataclass
+class GatewayOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_message_bytes: int = 4 << 20
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+    drain_grace_s: float = 10.0
+    auth_tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> caller identity
+    max_prompt_tokens: int = 1 << 20
+
+
+def server_options(o: GatewayOptions) -> list[tuple[str, int]]:
+    """Set explicitly: keepalive (detect dead peers behind load balancers, allow client pings)
+    and message size both ways."""
+    return [
+        ("grpc.max_receive_message_length", o.max_message_bytes),
+        ("grpc.max_send_message_length", o.max_message_bytes),
+        ("grpc.keepalive_time_ms", o.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", o.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class _Worker:
+    def __init__(self, index: int, actor, info: dict):
+        self.index, self.actor, self.info = index, actor, info
+        self.inflight = 0
+        self.label = info["worker_id"]
+
+
+class TinyLoopServicer(pb_grpc.TinyLoopServicer):
+    def __init__(self, workers: list[_Worker], options: GatewayOptions):
+        self.workers = workers
+        self.o = options
+        first = workers[0].info
+        self.vocab_size, self.max_loops = first["vocab_size"], first["max_loops"]
+        self.draining = False
+        self.inflight = 0
+        self._rr = itertools.count()
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _caller(self, context) -> str:
+        md = {k: v for k, v in context.invocation_metadata() or ()}
+        claimed = md.get(CALLER_KEY)
+        if self.o.auth_tokens:
+            auth = md.get("authorization", "")
+            if not auth.lower().startswith("bearer "):
+                raise ServiceError("UNAUTHENTICATED", "UNAUTHENTICATED", "a bearer token is required")
+            principal = self.o.auth_tokens.get(auth[7:].strip())
+            if principal is None:
+                raise ServiceError("UNAUTHENTICATED", "UNAUTHENTICATED", "unknown bearer token")
+            if claimed is not None and claimed != principal:
+                raise ServiceError("PERMISSION_DENIED", "PERMISSION_DENIED",
+                                   f"{CALLER_KEY} {claimed!r} does not match the token's principal")
+            return principal
+        return claimed or ANONYMOUS
+
+    def _enter(self, method: str, context) -> str:
+        metrics.REQUESTS.labels(method).inc()
+        if self.draining:
+            raise ServiceError("UNAVAILABLE", "DRAINING", "the gateway is shutting down")
+        return self._caller(context)
+
+    async def _fail(self, method: str, context, e: ServiceError):
+        metrics.ERRORS.labels(method, e.reason).inc()
+        await context.abort_with_status(e.to_status())
+
+    def _pick(self) -> _Worker:
+        """Least in-flight requests first; ties rotate so equal workers share new work."""
+        start = next(self._rr)
+        n = len(self.workers)
+        return min((self.workers[(start + i) % n] for i in range(n)), key=lambda w: w.inflight)
+
+    def _route(self, handle_id: str) -> tuple[_Worker, handles.HandleRef]:
+        try:
+            ref = handles.decode(handle_id)
+        except ValueError as e:
+            raise invalid(str(e), "MALFORMED_HANDLE") from None
+        if ref.worker >= len(self.workers):
+            raise ServiceError("NOT_FOUND", "HANDLE_NOT_FOUND", "no such resume handle")
+        return self.workers[ref.worker], ref
+
+    async def _call(self, w: _Worker, method: str, *args):
+        try:
+            out = await getattr(w.actor, method).remote(*args)
+        except _ACTOR_ERRORS as e:
+            raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} is unavailable: "
+                               f"{type(e).__name__}") from None
+        if isinstance(out, dict) and "error" in out:
+            raise ServiceError.from_worker(out["error"])
+        return out
+
+    # -- wire checks --------------------------------------------------------------------
+    def _prompt(self, prompt: pb.Prompt, name: str = "prompt") -> dict:
+        which = prompt.WhichOneof("input")
+        if which == "text":
+            if not prompt.text:
+                raise invalid(f"{name} is empty: at least one token is needed")
+            return {"text": prompt.text}
+        ids = list(prompt.ids.ids) if which == "ids" else []
+        if not ids:
+            raise invalid(f"{name} is empty: at least one token is needed")
+        if len(ids) > self.o.max_prompt_tokens:
+            raise invalid(f"{name} has {len(ids)} tokens, over the gateway limit {self.o.max_prompt_tokens}",
+                          "TOO_LONG")
+        bad = max(ids)
+        if bad >= self.vocab_size:
+            raise invalid(f"{name} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return {"ids": ids}
+
+    def _loops(self, value: int, name: str, low: int = 1) -> int:
+        if not low <= value <= self.max_loops:
+            raise invalid(f"{name}={value} out of range [{low}, max_loops={self.max_loops}]")
+        return value
+
+    def _sampling(self, s: pb.SamplingParams, p: dict) -> None:
+        if s.HasField("temperature"):
+            if not s.temperature >= 0:
+                raise invalid(f"temperature must be >= 0, got {s.temperature}")
+            p["temperature"] = s.temperature
+        if s.HasField("top_k"):
+            p["top_k"] = s.top_k
+        if s.HasField("top_p"):
+            if not 0 < s.top_p <= 1:
+                raise invalid(f"top_p must be in (0, 1], got {s.top_p}")
+            p["top_p"] = s.top_p
+        if s.HasField("repetition_penalty"):
+            if not s.repetition_penalty > 0:
+                raise invalid(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+            p["repetition_penalty"] = s.repetition_penalty
+        if s.HasField("seed"):
+            p["seed"] = s.seed
+
+    def _max_tokens(self, req, p: dict, default: int = 128) -> None:
+        p["max_tokens"] = req.max_tokens if req.HasField("max_tokens") else default
+        if p["max_tokens"] < 1:
+            raise invalid(f"max_tokens must be >= 1, got {p['max_tokens']}")
+
+    def _stops(self, ids) -> list[int]:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise invalid(f"stop_token_ids holds {bad[0]}, outside the vocabulary")
+        return list(ids)
+
+    # -- streams ------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            caller = self._enter("Generate", context)
+            p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window,
+                 "include_text": request.include_text, "stop_token_ids": self._stops(request.stop_token_ids)}
+            if request.HasField("loops"):
+                p["loops"] = self._loops(request.loops, "loops")
+            self._max_tokens(request, p)
+            self._sampling(request.sampling, p)
+            if request.HasField("speculative"):
+                s = request.speculative
+                p["speculative"] = {"draft_loops": self._loops(s.draft_loops, "speculative.draft_loops"),
+                                    "verify_loops": self._loops(s.verify_loops, "speculative.verify_loops"),
+                                    "draft_ahead": s.draft_ahead if s.HasField("draft_ahead") else 4,
+                                    "k_branches": s.k_branches if s.HasField("k_branches") else 1}
+            if request.return_handle:
+                p["return_handle"] = True
+                if request.HasField("handle_max_loops"):
+                    p["handle_max_loops"] = self._loops(request.handle_max_loops, "handle_max_loops")
+            w = self._pick()
+        except ServiceError as e:
+            await self._fail("Generate", context, e)
+            return
+        async for msg in self._stream("Generate", context, w, request.request_id, "generate", caller, p):
+            yield msg
+
+    async def Resume(self, request: pb.ResumeRequest, context):
+        try:
+            caller = self._enter("Resume", context)
+            w, ref = self._route(request.handle_id)
+            p = {"new_loops": self._loops(request.new_loops, "new_loops"), "cache_window": request.cache_window,
+                 "include_text": request.include_text, "stop_token_ids": self._stops(request.stop_token_ids)}
+            self._max_tokens(request, p)
+            self._sampling(request.sampling, p)
+        except ServiceError as e:
+            await self._fail("Resume", context, e)
+            return
+        async for msg in self._stream("Resume", context, w, request.request_id, "resume", caller,
+                                      ref.token, ref.epoch, p):
+            yield msg
+
+    async def _stream(self, method: str, context, w: _Worker, request_id: str, actor_method: str, *args):
+        key = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        first = True
+        done = False
+        gen = None
+        w.inflight += 1
+        self.inflight += 1
+        metrics.INFLIGHT.labels(w.label).inc()
+        try:
+            gen = getattr(w.actor, actor_method).options(num_returns="streaming").remote(key, *args)
+            async for ref in gen:
+                item = await ref
+                if "error" in item:
+                    done = True
+                    raise ServiceError.from_worker(item["error"])
+                if "ids" in item:
+                    if first:
+                        metrics.TTFT.observe(time.perf_counter() - t0)
+                        first = False
+                    metrics.TOKENS.labels(w.label).inc(len(item["ids"]))
+                    yield pb.GenerateResponse(request_id=request_id,
+                                              chunk=pb.Chunk(ids=item["ids"], text=item["text"]))
+                else:
+                    done = True
+                    yield pb.GenerateResponse(request_id=request_id, complete=self._complete(w, item["complete"]))
+            if not done:
+                raise ServiceError("INTERNAL", "INTERNAL", f"{w.label} ended the stream without a Complete")
+        except ServiceError as e:
+            await self._fail(method, context, e)
+        except _ACTOR_ERRORS as e:
+            done = True
+            await self._fail(method, context, ServiceError(
+                "UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} failed mid-stream ({type(e).__name__}); "
+                "the request was not retried"))
+        finally:
+            w.inflight -= 1
+            self.inflight -= 1
+            metrics.INFLIGHT.labels(w.label).dec()
+            metrics.LATENCY.labels(method).observe(time.perf_counter() - t0)
+            if not done and gen is not None:
+                # Client cancel, deadline, or a send failure: stop the worker's compute now.
+                w.actor.cancel.remote(key)
+                try:
+                    ray.cancel(gen)
+                except Exception:  # already finished, or a Ray without generator cancel
+                    pass
+
+    def _complete(self, w: _Worker, c: dict) -> pb.Complete:
+        st = c["stats"]
+        usage = pb.Usage(prompt_tokens=st.get("prompt_tokens", 0), completion_tokens=st.get("completion_tokens", 0),
+                         loop_iterations=st.get("loop_iterations", 0),
+                         loop_token_iterations=st.get("loop_token_iterations", 0),
+                         accepted_per_verify=st.get("accepted_per_verify", 0.0),
+                         acceptance_rate=st.get("acceptance_rate", 0.0))
+        handle_id = ""
+        if "handle" in c:
+            h = c["handle"]
+            handle_id = handles.encode(w.index, h["epoch"], h["token"])
+        return pb.Complete(finish_reason=FINISH.get(c["reason"], pb.FINISH_REASON_UNSPECIFIED), usage=usage,
+                           worker_id=c["worker_id"], handle_id=handle_id)
+
+    # -- unary --------------------------------------------------------------------------
+    async def BuildResumeHandle(self, request: pb.BuildResumeHandleRequest, context):
+        try:
+            caller = self._enter("BuildResumeHandle", context)
+            p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window,
+                 "l_used": request.l_used if request.HasField("l_used") else 8,
+                 "max_loops": request.max_loops if request.HasField("max_loops") else 32}
+            if p["max_loops"] < 1:
+                raise invalid(f"max_loops must be >= 1, got {p['max_loops']}")
+            if p["l_used"] > p["max_loops"]:
+                raise invalid(f"l_used={p['l_used']} exceeds max_loops={p['max_loops']}")
+            w = self._pick()
+            w.inflight += 1
+            try:
+                h = await self._call(w, "build_handle", caller, p)
+            finally:
+                w.inflight -= 1
+        except ServiceError as e:
+            await self._fail("BuildResumeHandle", context, e)
+            return
+        return pb.BuildResumeHandleResponse(
+            request_id=request.request_id, handle_id=handles.encode(w.index, h["epoch"], h["token"]),
+            seq_len=h["seq_len"], loops_used=h["loops_used"], max_loops=h["max_loops"], nbytes=h["nbytes"],
+            worker_id=h["worker_id"], expires_in_s=h["expires_in_s"])
+
+    async def FreeHandle(self, request: pb.FreeHandleRequest, context):
+        try:
+            caller = self._enter("FreeHandle", context)
+            w, ref = self._route(request.handle_id)
+            out = await self._call(w, "free_handle", caller, ref.token, ref.epoch)
+        except ServiceError as e:
+            await self._fail("FreeHandle", context, e)
+            return
+        return pb.FreeHandleResponse(request_id=request.request_id, freed=out["freed"])
+
+    async def Score(self, request: pb.ScoreRequest, context):
+        try:
+            self._enter("Score", context)
+            p = {"prompt": self._prompt(request.prompt)}
+            kind = request.WhichOneof("kind")
+            if kind == "consistency":
+                c = request.consistency
+                p["consistency"] = {"loops_a": self._loops(c.loops_a, "loops_a"),
+                                    "loops_b": self._loops(c.loops_b, "loops_b"),
+                                    "max_tokens": c.max_tokens if c.HasField("max_tokens") else 32}
+                if p["consistency"]["max_tokens"] < 1:
+                    raise invalid("max_tokens must be >= 1, got 0")
+            elif kind == "uncertainty":
+                u = request.uncertainty
+                p["uncertainty"] = {"l_lo": self._loops(u.l_lo, "l_lo"), "l_hi": self._loops(u.l_hi, "l_hi"),
+                                    "return_logits": u.return_logits}
+                if u.l_lo > u.l_hi:
+                    raise invalid(f"l_lo={u.l_lo} must be <= l_hi={u.l_hi}")
+            else:
+                raise invalid("set one of consistency or uncertainty")
+            out = await self._call(self._pick(), "score", p)
+        except ServiceError as e:
+            await self._fail("Score", context, e)
+            return
+        resp = pb.ScoreResponse(request_id=request.request_id, worker_id=out["worker_id"])
+        if "consistency" in out:
+            resp.consistency.CopyFrom(pb.ConsistencyResult(**out["consistency"]))
+        else:
+            u = out["uncertainty"]
+            resp.uncertainty.CopyFrom(pb.UncertaintyResult(
+                kl=u["kl"], logits=np.frombuffer(u["logits"], dtype=np.float32).tolist()))
+        return resp
+
+    async def ScoreTrajectory(self, request: pb.ScoreTrajectoryRequest, context):
+        try:
+            self._enter("ScoreTrajectory", context)
+            p = {"prompt": self._prompt(request.prompt), "n_loops": self._loops(request.n_loops, "n_loops")}
+            out = await self._call(self._pick(), "trajectory", p)
+        except ServiceError as e:
+            await self._fail("ScoreTrajectory", context, e)
+            return
+        return pb.ScoreTrajectoryResponse(request_id=request.request_id, labels=out["labels"],
+                                          d_model=out["d_model"], worker_id=out["worker_id"],
+                                          hidden=np.frombuffer(out["hidden"], dtype=np.float32).tolist())
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context):
+        try:
+            self._enter("ModelInfo", context)
+        except ServiceError as e:
+            await self._fail("ModelInfo", context, e)
+            return
+        import json
+        i = self.workers[0].info
+        resp = pb.ModelInfoResponse(model_name=i["model_path"].rsplit("/", 1)[-1], vocab_size=i["vocab_size"],
+                                    d_model=i["d_model"], default_loops=i["default_loops"],
+                                    max_loops=i["max_loops"], max_seq_len=i["max_seq_len"], eos_id=i["eos_id"],
+                                    config_json=json.dumps(i["config"], default=str, sort_keys=True))
+        stats = await asyncio.gather(*(asyncio.wait_for(_ref(w.actor.info.remote()), 5.0) for w in self.workers),
+                                     return_exceptions=True)
+        for w, s in zip(self.workers, stats):
+            alive = isinstance(s, dict)
+            s = s if alive else w.info
+            resp.workers.append(pb.WorkerInfo(worker_id=w.label, epoch=s["epoch"], device=s["device"],
+                                              lanes=s["lanes"], active_lanes=s["active_lanes"] if alive else 0,
+                                              handles=s["handles"] if alive else 0,
+                                              handle_bytes=s["handle_bytes"] if alive else 0, alive=alive))
+        return resp
+
+
+async def _ref(ref):
+    return await ref
+
+
+class Gateway:
+    """A running gateway: `await Gateway.start(actors, options)`, then `await gw.stop()`."""
+
+    def __init__(self, server, servicer: TinyLoopServicer, health_servicer, port: int, options: GatewayOptions):
+        self.server, self.servicer, self.health, self.port, self.options = server, servicer, health_servicer, port, options
+
+    @classmethod
+    async def start(cls, actors: list, options: GatewayOptions | None = None) -> "Gateway":
+        o = options or GatewayOptions()
+        infos = await asyncio.gather(*(_ref(a.info.remote()) for a in actors))
+        workers = [_Worker(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
+        servicer = TinyLoopServicer(workers, o)
+        server = grpc.aio.server(options=server_options(o))
+        pb_grpc.add_TinyLoopServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(f"{o.host}:{o.port}")
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {o.host}:{o.port}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("gateway listening on %s:%d with %d worker(s)", o.host, port, len(workers))
+        return cls(server, servicer, health_servicer, port, o)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful: health NOT_SERVING, refuse new RPCs, drain in-flight ones, then stop."""
+        grace = self.options.drain_grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        self.servicer.draining = True
+        deadline = time.monotonic() + grace
+        while self.servicer.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+class GatewayThread:
+    """A gateway on its own event loop in a background thread (tests, benchmarks)."""
+
+    def __init__(self, actors: list, options: GatewayOptions | None = None):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tinyloop-gateway", daemon=True)
+        self._thread.start()
+        self.gateway: Gateway = self.run(Gateway.start(actors, options))
+        self.port = self.gateway.port
+        self.address = f"{self.gateway.options.host}:{self.port}"
+
+    def run(self, coro, timeout: float | None = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.run(self.gateway.stop(grace_s))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

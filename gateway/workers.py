@@ -1,0 +1,52 @@
+"""Creating the worker actors: one per GPU (num_gpus=1), or CPU workers on CPU-only clusters.
+
+`max_restarts` brings a dead worker back (with a new epoch: its handles are lost, and say
+so); `max_task_retries` stays 0, because replaying a generation would duplicate tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+
+from tinyloop.worker.actor import WorkerActor  # imports no torch at module level
+
+NAMESPACE = "tinyloop"
+
+
+@dataclass
+class WorkerOptions:
+    model_path: str | None = None
+    lanes: int = 4
+    max_seq_len: int = 2048
+    device: str | None = None
+    dtype: str | None = None
+    handle_budget_bytes: int = 1 << 30
+    handle_ttl_s: float = 600.0
+    max_queue: int = 256
+    coalesce_s: float = 0.01
+    num_cpus: float = 1.0
+    torch_threads: int | None = None
+    max_restarts: int = -1
+
+
+def cluster_gpus() -> int:
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worker") -> list:
+    """Start n worker actors (default: one per GPU, else one CPU worker)."""
+    gpus = cluster_gpus()
+    if n is None:
+        n = gpus or 1
+    use_gpu = gpus >= n and opts.device in (None, "cuda")
+    actor_cls = ray.remote(WorkerActor)
+    actors = []
+    for i in range(n):
+        actors.append(actor_cls.options(
+            name=f"{name_prefix}-{i}", namespace=NAMESPACE, lifetime=None,
+            num_gpus=1 if use_gpu else 0, num_cpus=opts.num_cpus,
+            max_restarts=opts.max_restarts, max_task_retries=0, max_concurrency=1000,
+        ).remote(i, opts.model_path, opts.lanes, opts.max_seq_len,
+                 opts.device or ("cuda" if use_gpu else "cpu"), opts.dtype, opts.handle_budget_bytes,
+                 opts.handle_ttl_s, 4096, opts.max_queue, opts.coalesce_s, opts.torch_threads))
+    return actors

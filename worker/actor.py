@@ -1,0 +1,453 @@
+"""The Ray worker actor: one `Model`, its cache lanes and its table of resume handles.
+
+This module imports nothing heavy at import time (torch loads inside `WorkerActor.__init__`),
+so the gateway can name the class to create actors without importing torch.
+
+Execution model. The actor is a Ray *async* actor: every call is a coroutine on one event
+loop, and all torch work runs on a single-thread executor, one decode step at a time. Streams
+on different lanes therefore interleave step by step, the event loop stays free to answer
+`cancel`, `stats` and handle calls, and a cancelled stream stops before its next step.
+
+Lanes. The Model gets `lanes + 1` cache slots: slot 0 is reserved for the calls that use
+slot 0 internally (building handles, scoring); streams get slots 1..lanes.
+
+Errors never cross Ray as exceptions: a call returns (or a stream yields) a dict
+`{"error": {"code", "reason", "message"}}` whose `code` names a gRPC status code; the gateway
+turns it into a `google.rpc.Status`. Ray-level failures (actor death) stay Ray exceptions.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import secrets
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_LANES = 4
+DEFAULT_HANDLE_BUDGET_BYTES = 1 << 30
+DEFAULT_HANDLE_TTL_S = 600.0
+DEFAULT_MAX_HANDLES = 4096
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_COALESCE_S = 0.01
+TOMBSTONES = 65536  # remembered dead handles, so a late call learns *why* its handle is gone
+
+FINISH_REASONS = ("length", "stop", "safety")
+
+
+def error(code: str, reason: str, message: str) -> dict:
+    return {"error": {"code": code, "reason": reason, "message": message}}
+
+
+def _value_error(e: Exception) -> dict:
+    """The Model's argument errors: ValueError (bad argument) and the RuntimeErrors it raises
+    for arguments that cannot be honoured (too long for max_seq_len, new_L out of range)."""
+    msg = str(e)
+    if "out of memory" in msg:
+        return error("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY", msg)
+    if "max_seq_len" in msg:
+        return error("INVALID_ARGUMENT", "TOO_LONG", msg)
+    return error("INVALID_ARGUMENT", "INVALID_ARGUMENT", msg)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class _Entry:
+    handle: object
+    owner: str
+    nbytes: int
+    last_used: float
+    active: int = 0  # resumes streaming from it now
+
+
+@dataclass
+class _StreamState:
+    cancelled: bool = False
+    lane: int | None = None
+    waiter: asyncio.Future | None = field(default=None, repr=False)
+
+
+class WorkerActor:
+    """Create with `ray.remote(WorkerActor).options(...)` (see tinyloop.gateway.workers)."""
+
+    def __init__(self, index: int, model_path: str | None = None, lanes: int = DEFAULT_LANES,
+                 max_seq_len: int = 2048, device: str | None = None, dtype: str | None = None,
+                 handle_budget_bytes: int = DEFAULT_HANDLE_BUDGET_BYTES,
+                 handle_ttl_s: float = DEFAULT_HANDLE_TTL_S, max_handles: int = DEFAULT_MAX_HANDLES,
+                 max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
+                 torch_threads: int | None = None):
+        import torch
+
+        from tinyloop.worker.api import Model
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.index = index
+        self.worker_id = f"worker-{index}"
+        self.epoch = _next_epoch(index)
+        self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype,
+                           n_slots=lanes + 1)
+        self.lanes = lanes
+        self._free_lanes = collections.deque(range(1, lanes + 1))
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tinyloop-step")
+        self._streams: dict[str, _StreamState] = {}
+        self._handles: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # LRU order
+        self._tombstones: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._handle_bytes = 0
+        self.handle_budget_bytes = handle_budget_bytes
+        self.handle_ttl_s = handle_ttl_s
+        self.max_handles = max_handles
+        self.max_queue = max_queue
+        self.coalesce_s = coalesce_s
+        self._sweeper: asyncio.Task | None = None
+        self._speculative = "speculative" in inspect.signature(self.model.make_request).parameters
+        self._device = str(self.model.device)
+
+    # -- introspection ------------------------------------------------------------------
+    async def info(self) -> dict:
+        cfg = self.model.config
+        return {"worker_id": self.worker_id, "index": self.index, "epoch": self.epoch,
+                "device": self._device, "lanes": self.lanes, "model_path": self.model.path,
+                "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "default_loops": cfg.default_loops,
+                "max_loops": cfg.max_loops, "max_seq_len": self.model.max_seq_len, "eos_id": cfg.eos_id,
+                "config": _config_dict(cfg), **(await self.stats())}
+
+    async def stats(self) -> dict:
+        """Worker-side counts the tests use to prove nothing leaks."""
+        self._sweep()
+        return {"epoch": self.epoch, "active_lanes": self.lanes - len(self._free_lanes),
+                "queued": len(self._waiters), "streams": len(self._streams),
+                "handles": len(self._handles), "handle_bytes": self._handle_bytes}
+
+    async def configure(self, handle_ttl_s: float | None = None, handle_budget_bytes: int | None = None,
+                        coalesce_s: float | None = None) -> dict:
+        """Change the table limits at run time (operators; the tests shorten the TTL)."""
+        if handle_ttl_s is not None:
+            self.handle_ttl_s = handle_ttl_s
+        if handle_budget_bytes is not None:
+            self.handle_budget_bytes = handle_budget_bytes
+        if coalesce_s is not None:
+            self.coalesce_s = coalesce_s
+        self._sweep()
+        return await self.stats()
+
+    # -- streams ------------------------------------------------------------------------
+    async def generate(self, key: str, caller: str, p: dict):
+        """Async generator of {"ids", "text"} chunks, then one {"complete": {...}} (or one error)."""
+        try:
+            ids = self._prompt_ids(p["prompt"])
+            kwargs = dict(loops=p.get("loops"), max_tokens=p.get("max_tokens", 128),
+                          stop_token_ids=p.get("stop_token_ids") or None,
+                          cache_window=p.get("cache_window", 0), **_sampling(p))
+            if p.get("speculative"):
+                if not self._speculative:
+                    yield error("UNIMPLEMENTED", "SPECULATIVE_UNAVAILABLE",
+                                "speculative decoding is not available in this worker build")
+                    return
+                kwargs["speculative"] = p["speculative"]
+            req = self.model.make_request(ids, **kwargs)
+        except (ValueError, RuntimeError) as e:
+            yield _value_error(e)
+            return
+        after = None
+        if p.get("return_handle"):
+            max_loops = p.get("handle_max_loops") or self.model.config.max_loops
+            after = lambda: self._build(caller, ids, req.loops, max_loops, req.window)  # noqa: E731
+        async for item in self._stream(key, lambda lane: self.model.stream(req, lane),
+                                       p.get("include_text", False), after):
+            yield item
+
+    async def resume(self, key: str, caller: str, token: bytes, epoch: int, p: dict):
+        entry = self._lookup(caller, token, epoch)
+        if isinstance(entry, dict):
+            yield entry
+            return
+        try:
+            rr = self.model.make_resume_request(entry.handle, p["new_loops"], max_tokens=p.get("max_tokens", 128),
+                                                cache_window=p.get("cache_window", 0),
+                                                stop_token_ids=p.get("stop_token_ids") or None, **_sampling(p))
+        except (ValueError, RuntimeError) as e:
+            yield _value_error(e)
+            return
+        entry.active += 1
+        try:
+            async for item in self._stream(key, lambda lane: self.model.stream_resume(rr, lane),
+                                           p.get("include_text", False)):
+                yield item
+        finally:
+            entry.active -= 1
+            entry.last_used = time.monotonic()
+
+    async def cancel(self, key: str) -> bool:
+        """Stop a stream before its next decode step (or take it out of the lane queue)."""
+        state = self._streams.get(key)
+        if state is None:
+            return False
+        state.cancelled = True
+        if state.waiter is not None and not state.waiter.done():
+            state.waiter.set_exception(_Cancelled())
+        return True
+
+    async def _stream(self, key: str, start, include_text: bool, after=None):
+        state = self._streams[key] = _StreamState()
+        loop = asyncio.get_running_loop()
+        gen = None
+        try:
+            try:
+                state.lane = await self._acquire_lane(state)
+            except _Cancelled:
+                return
+            if state.lane is None:
+                yield error("RESOURCE_EXHAUSTED", "QUEUE_FULL",
+                            f"{self.worker_id}: {len(self._waiters)} requests already wait for a lane")
+                return
+            try:
+                gen = await loop.run_in_executor(self._pool, start, state.lane)
+            except (ValueError, RuntimeError) as e:
+                yield _value_error(e)
+                return
+            decode = self.model.tokenizer.decoder() if include_text else None
+            ids: list[int] = []
+            flushed_once, last_flush = False, time.monotonic()
+            while not state.cancelled:
+                new, finish = await loop.run_in_executor(self._pool, _step, gen)
+                if new:
+                    ids.extend(new)
+                now = time.monotonic()
+                if ids and (finish is not None or not flushed_once or now - last_flush >= self.coalesce_s):
+                    # The first token goes out at once (TTFT); later ones are coalesced per hop.
+                    yield {"ids": ids, "text": decode(ids) if decode else ""}
+                    ids, flushed_once, last_flush = [], True, now
+                if finish is not None:
+                    complete = {"reason": finish.reason, "stats": dict(finish.stats),
+                                "worker_id": self.worker_id}
+                    if after is not None:
+                        built = await after()
+                        if "error" in built:
+                            yield built
+                            return
+                        complete["handle"] = built
+                    yield {"complete": complete}
+                    return
+        finally:
+            self._streams.pop(key, None)
+            if gen is not None:
+                # Closing runs on the step thread after any step in flight; the lane is free
+                # only once the generator is closed.
+                lane = state.lane
+                fut = self._pool.submit(gen.close)
+                fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._release_lane, lane))
+            elif state.lane is not None:
+                self._release_lane(state.lane)
+
+    async def _acquire_lane(self, state: _StreamState) -> int | None:
+        if self._free_lanes and not self._waiters:
+            return self._free_lanes.popleft()
+        if len(self._waiters) >= self.max_queue:
+            return None
+        state.waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(state.waiter)
+        try:
+            return await state.waiter
+        finally:
+            if state.waiter in self._waiters:
+                self._waiters.remove(state.waiter)
+            state.waiter = None
+
+    def _release_lane(self, lane: int) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(lane)
+                return
+        self._free_lanes.append(lane)
+
+    # -- handles ------------------------------------------------------------------------
+    async def build_handle(self, caller: str, p: dict) -> dict:
+        try:
+            ids = self._prompt_ids(p["prompt"])
+        except ValueError as e:
+            return _value_error(e)
+        max_loops = min(p.get("max_loops", 32), self.model.config.max_loops)
+        return await self._build(caller, ids, p.get("l_used", 8), max_loops, p.get("cache_window", 0))
+
+    async def _build(self, caller: str, ids: list[int], l_used: int, max_loops: int, window: int) -> dict:
+        self._sweep()
+        if len(self._handles) >= self.max_handles and not self._evict(0, count=True):
+            return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
+                         f"{self.worker_id} holds {len(self._handles)} handles (max {self.max_handles})")
+        loop = asyncio.get_running_loop()
+        try:
+            handle = await loop.run_in_executor(
+                self._pool, lambda: self.model.build_resume_handle(ids, L_used=l_used, max_loops=max_loops,
+                                                                   cache_window=window))
+        except (ValueError, RuntimeError) as e:
+            return _value_error(e)
+        nbytes = int(handle.nbytes())
+        if not self._evict(nbytes):
+            await loop.run_in_executor(self._pool, self.model.free_resume_handle, handle)
+            return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
+                         f"a handle of {nbytes} bytes does not fit {self.worker_id}'s handle budget of "
+                         f"{self.handle_budget_bytes} bytes (all resident handles are in use)")
+        token = secrets.token_bytes(16)
+        self._handles[token] = _Entry(handle, caller, nbytes, time.monotonic())
+        self._handle_bytes += nbytes
+        return {"token": token, "epoch": self.epoch, "seq_len": handle.seq_len(),
+                "loops_used": handle.loops_used(), "max_loops": handle.max_loops(), "nbytes": nbytes,
+                "worker_id": self.worker_id, "expires_in_s": self.handle_ttl_s}
+
+    async def free_handle(self, caller: str, token: bytes, epoch: int) -> dict:
+        entry = self._lookup(caller, token, epoch, touch=False)
+        if isinstance(entry, dict):
+            if entry["error"]["reason"] in ("NOT_OWNER",):
+                return entry
+            return {"freed": False}  # idempotent: already gone, for whatever reason
+        if entry.active:
+            return error("FAILED_PRECONDITION", "HANDLE_BUSY",
+                         f"{entry.active} resume(s) are streaming from this handle; free it after they finish")
+        await self._drop(token, "HANDLE_NOT_FOUND")
+        return {"freed": True}
+
+    def _lookup(self, caller: str, token: bytes, epoch: int, touch: bool = True):
+        if epoch != self.epoch:
+            if epoch < self.epoch:
+                return error("NOT_FOUND", "HANDLE_LOST",
+                             f"the handle was built before {self.worker_id} restarted (epoch {epoch}, "
+                             f"now {self.epoch}); build it again")
+            return error("NOT_FOUND", "HANDLE_NOT_FOUND", "no such resume handle")
+        self._sweep()
+        entry = self._handles.get(token)
+        if entry is None:
+            reason = self._tombstones.get(token, "HANDLE_NOT_FOUND")
+            text = {"HANDLE_EXPIRED": f"the handle expired after {self.handle_ttl_s:g} s unused",
+                    "HANDLE_EVICTED": "the handle was evicted to make room under the handle byte budget",
+                    }.get(reason, "no such resume handle (never built, or freed)")
+            return error("NOT_FOUND", reason, text)
+        if entry.owner != caller:
+            return error("PERMISSION_DENIED", "NOT_OWNER", "the handle belongs to another caller")
+        if touch:
+            entry.last_used = time.monotonic()
+            self._handles.move_to_end(token)
+        return entry
+
+    async def _drop(self, token: bytes, reason: str) -> None:
+        entry = self._handles.pop(token)
+        self._handle_bytes -= entry.nbytes
+        self._remember(token, reason)
+        self.model.free_resume_handle(entry.handle)
+
+    def _remember(self, token: bytes, reason: str) -> None:
+        self._tombstones[token] = reason
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _evict(self, nbytes: int, count: bool = False) -> bool:
+        """Evict least-recently-used idle handles until `nbytes` more fit the budget (or, with
+        count, until one more handle fits max_handles). False when it cannot be made to fit."""
+        def fits():
+            return (len(self._handles) < self.max_handles if count
+                    else self._handle_bytes + nbytes <= self.handle_budget_bytes)
+        for token in [t for t, e in self._handles.items() if not e.active]:
+            if fits():
+                break
+            entry = self._handles.pop(token)
+            self._handle_bytes -= entry.nbytes
+            self._remember(token, "HANDLE_EVICTED")
+            self.model.free_resume_handle(entry.handle)
+        return fits()
+
+    def _sweep(self) -> None:
+        """Expire idle handles past their TTL (on every table access and every TTL/4)."""
+        if self._sweeper is None:
+            try:
+                self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+            except RuntimeError:
+                pass
+        deadline = time.monotonic() - self.handle_ttl_s
+        for token in [t for t, e in self._handles.items() if not e.active and e.last_used < deadline]:
+            entry = self._handles.pop(token)
+            self._handle_bytes -= entry.nbytes
+            self._remember(token, "HANDLE_EXPIRED")
+            self.model.free_resume_handle(entry.handle)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, min(self.handle_ttl_s / 4, 30.0)))
+            self._sweep()
+
+    # -- scoring ------------------------------------------------------------------------
+    async def score(self, p: dict) -> dict:
+        try:
+            ids = self._prompt_ids(p["prompt"])
+            loop = asyncio.get_running_loop()
+            if "consistency" in p:
+                c = p["consistency"]
+                r = await loop.run_in_executor(self._pool, lambda: self.model.score_with_consistency(
+                    ids, c["loops_a"], c["loops_b"], max_tokens=c.get("max_tokens", 32)))
+                return {"worker_id": self.worker_id, "consistency": {
+                    "agree": bool(r["agree"]), "answer_a": [int(t) for t in r["answer_a"]],
+                    "answer_b": [int(t) for t in r["answer_b"]], "first_divergence": int(r["first_divergence"])}}
+            u = p["uncertainty"]
+            logits, kl = await loop.run_in_executor(
+                self._pool, lambda: self.model.score_with_uncertainty(ids, u["l_lo"], u["l_hi"]))
+            return {"worker_id": self.worker_id, "uncertainty": {
+                "kl": float(kl), "logits": logits.tobytes() if u.get("return_logits") else b""}}
+        except (ValueError, RuntimeError) as e:
+            return _value_error(e)
+
+    async def trajectory(self, p: dict) -> dict:
+        try:
+            ids = self._prompt_ids(p["prompt"])
+            r = await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: self.model.score_trajectory(ids, p["n_loops"]))
+        except (ValueError, RuntimeError) as e:
+            return _value_error(e)
+        hidden = r["hidden"]
+        return {"worker_id": self.worker_id, "labels": list(r["labels"]), "d_model": int(hidden.shape[1]),
+                "hidden": hidden.tobytes()}
+
+    # -- helpers ------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: dict) -> list[int]:
+        if "text" in prompt:
+            ids = self.model.tokenizer.encode(prompt["text"])
+            if not ids:
+                raise ValueError("prompt text encodes to no tokens")
+            return ids
+        return list(prompt["ids"])
+
+
+def _step(gen):
+    """One decode step on the step thread: (new ids, None) or (None, Finish)."""
+    try:
+        return next(gen), None
+    except StopIteration as stop:
+        return None, stop.value
+
+
+def _sampling(p: dict) -> dict:
+    keys = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+    return {k: p[k] for k in keys if p.get(k) is not None}
+
+
+def _config_dict(cfg) -> dict:
+    import dataclasses
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
+
+
+def _next_epoch(index: int) -> int:
+    """A restart epoch that grows every time Ray (re)creates this actor: a counter in the
+    cluster's GCS key-value store, keyed by the actor id (stable across restarts)."""
+    try:
+        import ray
+        from ray.experimental import internal_kv
+        key = f"tinyloop/epoch/{ray.get_runtime_context().get_actor_id()}".encode()
+        old = internal_kv._internal_kv_get(key)
+        epoch = int(old) + 1 if old else 1
+        internal_kv._internal_kv_put(key, str(epoch).encode(), overwrite=True)
+        return epoch
+    except Exception:  # outside Ray (unit use): a random epoch still tells restarts apart
+        return secrets.randbelow(1 << 31) + 1
