@@ -6,8 +6,8 @@ tie rule). One program per row scans V in BLOCK_V chunks, keeping the earliest b
 ``sample_top_k``: logits (B, V), top_k in 1..1024, temperature > 0, u (B,) fp32 in [0, 1).
 Order the row by descending logit, ties by ascending index, keep the first k = min(top_k, V):
     w_i = exp((l_i - l_0) * (1 / temperature))        (fp32, l_0 the largest logit)
-and return the first kept token whose cumulative weight exceeds u * sum(w) (the last kept
-token if rounding leaves none). The caller draws u (a counter-based stream keyed by seed and
+and return the first kept token whose cumulative weight exceeds u * (total cumulative weight),
+the last kept token if rounding leaves none. The caller draws u (a counter-based stream keyed by seed and
 position), so every path that reaches a position draws the same token.
 
 Selection uses torch.topk on a unique int64 key (order-preserving bits of the fp32 logit in
@@ -69,7 +69,9 @@ def _sample_top_k_kernel(
     x0 = tl.max(tl.where(offs == 0, x, float("-inf")), axis=0)  # the largest kept logit
     w = tl.where(mask, tl.exp((x - x0) * inv_temperature), 0.0)
     cdf = tl.cumsum(w, axis=0)
-    threshold = tl.load(u_ptr + b) * tl.sum(w, axis=0)
+    # The total is the scan's own last value (cdf is non-decreasing, padding adds 0), so the
+    # threshold and the cdf it is compared to come from the same additions.
+    threshold = tl.load(u_ptr + b) * tl.max(cdf, axis=0)
     # First position whose cdf exceeds the threshold = number of positions at or below it.
     pick = tl.minimum(tl.sum(((cdf <= threshold) & mask).to(tl.int32), axis=0), K - 1)
     tl.store(out_ptr + b, tl.sum(tl.where(offs == pick, idx, 0), axis=0))
@@ -148,6 +150,6 @@ def sample_top_k_ref(logits, top_k, temperature, u):
     inv_t = torch.tensor(1.0 / temperature, dtype=torch.float32)
     w = torch.exp((x - x[:, :1]) * inv_t)
     cdf = w.cumsum(dim=1)
-    threshold = u[:, None] * w.sum(dim=1, keepdim=True)
+    threshold = u[:, None] * cdf[:, -1:]
     pick = (cdf <= threshold).sum(dim=1).clamp(max=k - 1)
     return idx.gather(1, pick[:, None])[:, 0]

@@ -1,12 +1,15 @@
-"""Kernel tests. Without CUDA the kernels run under the Triton interpreter on CPU tensors;
-TRITON_INTERPRET must be set before triton is first imported, hence here, before any test
-module imports tinyloop.kernels."""
+"""Kernel tests. Without CUDA the kernels run under the Triton interpreter on CPU tensors.
+
+@triton.jit reads TRITON_INTERPRET when a module is imported (triton.language's own helpers
+included), so it must be set before triton's first import. Importing tinyloop.kernels sets it
+on a machine without CUDA; it is set here as well so a kernel test run alone needs nothing else.
+"""
 import os
 
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 

@@ -1,0 +1,85 @@
+import pytest
+import torch
+from kernel_tolerances import DEVICE, assert_close
+
+from tinyloop.kernels import decode_attention, decode_attention_ref
+from tinyloop.kernels.decode_attention import _decode_attention
+
+
+def make_inputs(B, H, Hkv, hd, S, dtype, seed):
+    """q (B, H, hd) and caches as (B, Hkv, S, hd) views into a (layers, B, S + 2, Hkv, hd) buffer."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, H, hd, generator=g).to(DEVICE, dtype)
+    caches = [torch.randn(3, B, S + 2, Hkv, hd, generator=g).to(DEVICE, dtype)[1, :, :S].permute(0, 2, 1, 3)
+              for _ in range(2)]
+    return q, caches[0], caches[1]
+
+
+F32, F16 = torch.float32, torch.float16
+
+
+# Every S, hd and GQA ratio (1 / 2 / 4) appears with both dtypes without the full product,
+# which the interpreter could not run in the CI budget.
+@pytest.mark.parametrize("S, hd, H, Hkv, dtype", [
+    (1, 16, 2, 2, F32), (1, 24, 8, 2, F16),
+    (7, 24, 4, 2, F32), (7, 32, 2, 2, F16),
+    (33, 32, 8, 2, F32), (33, 16, 4, 2, F16), (33, 24, 4, 1, F32),
+    (130, 24, 2, 2, F32), (130, 32, 4, 2, F16), (130, 16, 8, 2, F16),
+])
+def test_decode_attention_matches_ref(S, hd, H, Hkv, dtype):
+    B = 3
+    q, k_cache, v_cache = make_inputs(B, H, Hkv, hd, S, dtype, seed=S * 1000 + hd * 10 + H)
+    seq_lens = torch.tensor([S, max(S // 2, 1), S + 5], device=DEVICE)  # S + 5: a full ring buffer
+    scale = hd ** -0.5
+    assert_close(decode_attention(q, k_cache, v_cache, seq_lens, scale),
+                 decode_attention_ref(q, k_cache, v_cache, seq_lens, scale), "attention")
+
+
+@pytest.mark.parametrize("split_len", [16, 32, 48])
+@pytest.mark.parametrize("S", [33, 130])
+def test_decode_attention_many_splits(S, split_len):
+    """Splits past seq_len (and whole empty sequences) must write neutral partials."""
+    q, k_cache, v_cache = make_inputs(4, 4, 2, 24, S, torch.float32, seed=S + split_len)
+    seq_lens = torch.tensor([S, 1, 0, 17], dtype=torch.int32, device=DEVICE)
+    out = _decode_attention(q, k_cache, v_cache, seq_lens, 0.2, split_len)
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, seq_lens, 0.2), "attention")
+    assert torch.all(out[2] == 0)  # empty sequence: zeros, not NaN
+
+
+@pytest.mark.parametrize("split_len", [16, 144])
+def test_decode_attention_ignores_slots_beyond_seq_len(split_len):
+    S, hd = 130, 24
+    q, k_cache, v_cache = make_inputs(3, 4, 2, hd, S, torch.float32, seed=7)
+    seq_lens = torch.tensor([5, 64, 129], device=DEVICE)
+    for b, n in enumerate(seq_lens.tolist()):  # garbage past seq_len must not reach the output
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("inf")
+    out = _decode_attention(q, k_cache, v_cache, seq_lens, hd ** -0.5, split_len)
+    for b, n in enumerate(seq_lens.tolist()):
+        expected = decode_attention_ref(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n],
+                                        seq_lens[b:b + 1], hd ** -0.5)
+        assert_close(out[b:b + 1], expected, "attention")
+
+
+def test_decode_attention_rejects_bad_inputs():
+    q, k_cache, v_cache = make_inputs(2, 4, 2, 16, 8, torch.float32, seed=0)
+    seq_lens = torch.tensor([8, 8], device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        decode_attention(q[:, :3], k_cache, v_cache, seq_lens, 1.0)
+    with pytest.raises(ValueError, match="v_cache must have shape"):
+        decode_attention(q, k_cache, v_cache[..., :8], seq_lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens dtype"):
+        decode_attention(q, k_cache, v_cache, seq_lens.float(), 1.0)
+    with pytest.raises(ValueError, match="k_cache dtype"):
+        decode_attention(q, k_cache.half(), v_cache, seq_lens, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B, H, Hkv, hd, S", [(1, 32, 8, 128, 8191), (16, 16, 16, 64, 1031), (4, 28, 4, 96, 4096)])
+def test_decode_attention_gpu_bf16(B, H, Hkv, hd, S):
+    q, k_cache, v_cache = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, seed=S)
+    seq_lens = torch.randint(0, S + 10, (B,), device="cuda")
+    seq_lens[0] = S
+    out = decode_attention(q, k_cache, v_cache, seq_lens, hd ** -0.5)
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, seq_lens, hd ** -0.5), "attention")

@@ -1,0 +1,88 @@
+import pytest
+import torch
+from kernel_tolerances import DEVICE
+
+from tinyloop.kernels import argmax, argmax_ref, sample_top_k, sample_top_k_ref
+
+
+def make_logits(B, V, dtype, seed, ties):
+    """Random logits; with ties, few distinct values so equal maxima span rows and chunks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 4, (B, V), generator=g).float() if ties else 3 * torch.randn(B, V, generator=g)
+    return x.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B, V", [(1, 1), (3, 17), (2, 131), (4, 5003)])
+def test_argmax_matches_ref(B, V, dtype, ties):
+    logits = make_logits(B, V, dtype, seed=V, ties=ties)
+    assert torch.equal(argmax(logits), argmax_ref(logits))
+
+
+def test_argmax_tie_across_chunks_takes_first():
+    logits = torch.zeros(2, 9000, device=DEVICE)
+    logits[0, [4500, 100, 8999]] = 1.0  # maxima in the 1st, 2nd and 3rd 4096-wide chunk
+    logits[1, [8999, 4096]] = 2.0
+    assert argmax(logits).tolist() == [100, 4096]
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("B, V, top_k", [(3, 1, 5), (4, 17, 1), (4, 17, 1024), (5, 131, 7), (3, 2003, 50), (2, 1500, 1024)])
+def test_sample_top_k_matches_ref(B, V, top_k, temperature, ties):
+    logits = make_logits(B, V, torch.float32, seed=V + top_k, ties=ties)
+    u = torch.rand(B, generator=torch.Generator().manual_seed(top_k)).to(DEVICE)
+    assert torch.equal(sample_top_k(logits, top_k, temperature, u), sample_top_k_ref(logits, top_k, temperature, u))
+
+
+def test_sample_top_k_fp16_and_extreme_uniforms():
+    logits = make_logits(4, 257, torch.float16, seed=1, ties=True)
+    for u in (torch.zeros(4), torch.full((4,), 1.0 - 2 ** -24), torch.rand(4)):
+        u = u.to(DEVICE)
+        assert torch.equal(sample_top_k(logits, 40, 0.9, u), sample_top_k_ref(logits, 40, 0.9, u))
+
+
+def test_sample_top_k_one_is_argmax():
+    logits = make_logits(6, 333, torch.float32, seed=2, ties=True)
+    assert torch.equal(sample_top_k(logits, 1, 1.0, torch.rand(6, device=DEVICE)), argmax_ref(logits))
+
+
+def test_sample_top_k_ref_draws_the_softmax():
+    """The spec itself: over a fine grid of u, each kept token is drawn with its softmax mass."""
+    logits = torch.tensor([[2.0, 0.5, 1.0, -1.0, 1.0, -3.0]])
+    n = 20000
+    u = (torch.arange(n) + 0.5) / n
+    tokens = sample_top_k_ref(logits.expand(n, -1), 4, 0.8, u)
+    freq = torch.bincount(tokens, minlength=6).float() / n
+    kept = torch.tensor([0, 2, 4, 1])  # descending logit, the tie 2 / 4 by index
+    expected = torch.zeros(6)
+    expected[kept] = torch.softmax(logits[0, kept] / 0.8, 0)
+    torch.testing.assert_close(freq, expected, atol=1e-3, rtol=0)
+    assert tokens[0] == 0 and tokens[-1] == 1  # inverse CDF walks the selection order
+
+
+def test_sampling_rejects_bad_inputs():
+    logits = torch.randn(2, 10, device=DEVICE)
+    u = torch.rand(2, device=DEVICE)
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        sample_top_k(logits, 0, 1.0, u)
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        sample_top_k(logits, 1025, 1.0, u)
+    with pytest.raises(ValueError, match="temperature must be"):
+        sample_top_k(logits, 5, 0.0, u)
+    with pytest.raises(ValueError, match="u must have shape"):
+        sample_top_k(logits, 5, 1.0, u[:1])
+    with pytest.raises(ValueError, match="logits must be 2-D"):
+        argmax(logits[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ties", [False, True])
+def test_sampling_gpu_bf16(ties):
+    logits = make_logits(64, 151_936, torch.bfloat16, seed=0, ties=ties)
+    assert torch.equal(argmax(logits), argmax_ref(logits))
+    u = torch.rand(64, device="cuda")
+    for top_k in (1, 50, 1024):
+        assert torch.equal(sample_top_k(logits, top_k, 0.7, u), sample_top_k_ref(logits, top_k, 0.7, u))
