@@ -9,6 +9,9 @@ import sys
 
 COMMAND_MODULES = (
     "tinyloop.worker.cli",    # generate (in-process), init-model
+    "tinyloop.train.cli",     # train, eval-bpb
+    "tinyloop.gateway.cli",   # serve
+    "tinyloop.client.cli",    # resume, info (and generate --server)
 )
 
 

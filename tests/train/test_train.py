@@ -1,0 +1,89 @@
+"""Training code on CPU: the corpus split, a few steps that lower the loss, the CLI wiring."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from tinyloop.train import corpus, evaluate, trainer
+from tinyloop.train.card import render
+from tinyloop.worker import checkpoint
+from tinyloop.worker.config import PRESETS
+
+
+def test_split_is_stable_and_disjoint():
+    # sha1("os.py")[:4] and sha1("tempfile.py")[:4] as integers: pinned so the split never drifts.
+    assert not corpus.is_heldout("os.py")
+    assert corpus.is_heldout("tempfile.py")
+    files = corpus.list_files(max_bytes=2_000_000)
+    assert files == sorted(files) and files
+    assert not any(part in corpus.SKIP_DIRS for f in files for part in f.split("/")[:-1])
+    held = corpus.heldout_docs(max_bytes=2_000_000)
+    assert {r for r, _ in held} <= {f for f in files if corpus.is_heldout(f)}
+    assert all(bytes([corpus.DOC_SEP]) not in d for _, d in held)
+
+
+def test_build_caches(tmp_path):
+    a = corpus.build(tmp_path, max_bytes=1_000_000)
+    b = corpus.build(tmp_path, max_bytes=1_000_000)
+    assert a.info == b.info and np.array_equal(a.train, b.train) and a.train.dtype == np.uint8
+    assert a.info["n_heldout_files"] + a.info["n_train_files"] == a.info["n_files"]
+    assert a.train[-1] == corpus.DOC_SEP
+
+
+def test_few_steps_lower_the_loss(tmp_path):
+    corp = corpus.build(tmp_path, max_bytes=3_000_000)
+    args = trainer.TrainArgs(steps=40, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=5,
+                             max_train_loops=3, eval_every=0, eval_windows=8, eval_loops=(1, 3),
+                             log_every=5, progress=False)
+    log = tmp_path / "log.jsonl"
+    model, summary = trainer.train(PRESETS["tiny"], corp.train, corp.heldout, args, "cpu", str(log))
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    train_losses = [r["loss"] for r in recs if "loss" in r]
+    assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
+    assert train_losses[-1] < train_losses[0] - 0.5, train_losses
+    assert summary["final_eval_loss"]["1"] < 5.0  # ln 256 = 5.55 at init
+
+    path = tmp_path / "m.tinyloop"
+    checkpoint.save(model, path, torch.float16)
+    loaded, _ = checkpoint.load(path)
+    win = evaluate.windows(corp.heldout, 4, 64)
+    table = evaluate.bpb_table(loaded, win, [1, 2])
+    assert all(0 < v < 8 for v in table.values())
+
+
+def test_lr_schedule():
+    a = trainer.TrainArgs(steps=100, lr=1.0, warmup_steps=10, min_lr_frac=0.1)
+    assert trainer.lr_at(a, 0, 0.0) == 0.1 and trainer.lr_at(a, 9, 0.09) == 1.0
+    assert abs(trainer.lr_at(a, 50, 0.5) - 0.55) < 1e-9 and abs(trainer.lr_at(a, 99, 1.0) - 0.1) < 1e-9
+
+
+def test_cli_registers_without_torch():
+    code = ("import sys; from tinyloop.cli import build_parser; p = build_parser(); "
+            "a = p.parse_args(['train', '--out', 'x.tinyloop', '--minutes', '1']); "
+            "b = p.parse_args(['eval-bpb', '--model', 'x', '--loops', '1', '4']); "
+            "assert a.preset == 'default' and b.loops == [1, 4]; "
+            "assert 'torch' not in sys.modules, 'tinyloop.train.cli imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_default_preset_fits_8mb():
+    from tinyloop.train.presets import get_preset
+    cfg = get_preset("default")
+    assert cfg.n_params() * 2 < 8_000_000 and cfg.max_loops >= 16 and cfg.default_loops == 8
+
+
+def test_card_renders():
+    card = {"config": json.loads(PRESETS["tiny"].to_json()), "n_params": 1000, "checkpoint_bytes": 2000,
+            "tokenizer": "byte", "command": "tinyloop train", "hardware": "cpu", "torch": "2",
+            "total_wall_s": 1.0, "bpb": {"1": 3.0, "8": 2.0},
+            "corpus": {"python": "3.12", "n_files": 2, "doc_sep": 0, "heldout_frac": 0.02,
+                       "n_heldout_files": 1, "heldout_bytes": 10, "n_train_files": 1, "train_bytes": 10},
+            "eval": {"windows": 4, "seq_len": 64},
+            "train": {"train_wall_s": 1.0, "steps": 1, "tokens": 64, "tok_per_s": 64,
+                      "args": vars(trainer.TrainArgs(steps=1))}}
+    text = render(card)
+    assert "| bits/byte | 3.000 | 2.000 |" in text

@@ -1,0 +1,66 @@
+"""BPE for the larger benchmark model: a byte-level BPE trained by `tokenizers` on the train
+split. Id 0 is the document separator `<|doc|>` (the byte path's DOC_SEP is 0 too)."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from tinyloop.train.corpus import DOC_SEP, Corpus
+
+DOC_TOKEN = "<|doc|>"
+
+
+def _docs(data: np.ndarray) -> list[str]:
+    return [d.decode("utf-8", errors="replace") for d in data.tobytes().split(bytes([DOC_SEP])) if d]
+
+
+def train_tokenizer(corpus: Corpus, vocab_size: int) -> str:
+    """-> tokenizer.json text (what the checkpoint embeds)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[DOC_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_docs(corpus.train), trainer=trainer)
+    return tok.to_str()
+
+
+def encode(tokenizer_json: str, data: np.ndarray) -> np.ndarray:
+    """Byte corpus (documents joined by DOC_SEP) -> token ids (documents joined by id 0)."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(tokenizer_json)
+    assert tok.token_to_id(DOC_TOKEN) == 0, "the document token must be id 0"
+    out: list[int] = []
+    for enc in tok.encode_batch(_docs(data), add_special_tokens=False):
+        out.extend(enc.ids)
+        out.append(0)
+    dtype = np.uint16 if tok.get_vocab_size() <= 2 ** 16 else np.int32
+    return np.asarray(out, dtype=dtype)
+
+
+def build(corpus: Corpus, vocab_size: int, cache_dir: str | None = None):
+    """-> (train ids, heldout ids, tokenizer_json), cached beside the byte corpus."""
+    key = hashlib.sha1(f"{corpus.info['signature']}-{vocab_size}".encode()).hexdigest()[:12]
+    paths = None
+    if cache_dir is not None:
+        paths = {k: Path(cache_dir) / f"bpe-{key}-{k}" for k in ("train.npy", "heldout.npy", "tokenizer.json")}
+        if all(p.exists() for p in paths.values()):
+            return (np.load(paths["train.npy"]), np.load(paths["heldout.npy"]),
+                    paths["tokenizer.json"].read_text())
+    tj = train_tokenizer(corpus, vocab_size)
+    train, heldout = encode(tj, corpus.train), encode(tj, corpus.heldout)
+    if paths is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        np.save(paths["train.npy"], train)
+        np.save(paths["heldout.npy"], heldout)
+        paths["tokenizer.json"].write_text(tj)
+    return train, heldout, tj
+
+
+def vocab_size_of(tokenizer_json: str) -> int:
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(tokenizer_json).get_vocab_size()

@@ -1,0 +1,139 @@
+"""`tinyloop train` and `tinyloop eval-bpb`. Nothing heavy at import time (torch loads inside
+the handlers), like every module in tinyloop.cli's COMMAND_MODULES."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+DIMS = ("d_model", "n_heads", "n_kv_heads", "d_ff", "n_prelude", "n_loop_layers", "n_coda",
+        "default_loops", "max_loops", "max_seq_len")
+DEFAULT_CORPUS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tinyloop", "corpus")
+
+
+def register(sub) -> None:
+    t = sub.add_parser("train", help="train a looped model on the Python stdlib (randomized depth)")
+    t.add_argument("--preset", default="default", help="default | bench-100m | tiny | small | ...")
+    for name in DIMS:
+        t.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"override the preset's {name}")
+    t.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
+    t.add_argument("--vocab-size", type=int, default=16384, help="BPE vocabulary size (--tokenizer bpe)")
+    t.add_argument("--minutes", type=float, default=None, help="wall-time budget of the training loop")
+    t.add_argument("--steps", type=int, default=None, help="step budget (the first budget reached ends)")
+    t.add_argument("--batch-size", type=int, default=64)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup-steps", type=int, default=200)
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--max-train-loops", type=int, default=12, help="L is drawn from [1, this] per step")
+    t.add_argument("--eval-every", type=int, default=250, help="steps between held-out evals (0: end only)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--compile", action="store_true", help="torch.compile each layer (optional)")
+    t.add_argument("--device", default=None, help="default: cuda when available")
+    t.add_argument("--corpus-dir", default=DEFAULT_CORPUS_DIR, help="where the built corpus is cached")
+    t.add_argument("--corpus-mb", type=float, default=40.0, help="cap on corpus source bytes (MB)")
+    t.add_argument("--out", required=True, help="output .tinyloop (fp16)")
+    t.add_argument("--log", default=None, help="JSON-lines loss log")
+    t.add_argument("--card", default=None, help="write a model-card JSON here (evaluates the saved file)")
+    t.add_argument("--card-loops", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    t.add_argument("--card-windows", type=int, default=256)
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(handler=_train)
+
+    e = sub.add_parser("eval-bpb", help="held-out bits per byte of a checkpoint at several depths")
+    e.add_argument("--model", required=True, help="path to a .tinyloop checkpoint")
+    e.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    e.add_argument("--windows", type=int, default=256)
+    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--corpus-mb", type=float, default=40.0)
+    e.add_argument("--device", default=None)
+    e.add_argument("--json", default=None, help="also write the table here")
+    e.set_defaults(handler=_eval_bpb)
+
+
+def _device(name: str | None) -> str:
+    import torch
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _config(args, vocab_size: int):
+    import dataclasses
+
+    from tinyloop.train.presets import get_preset
+    cfg = get_preset(args.preset)
+    overrides = {k: getattr(args, k) for k in DIMS if getattr(args, k) is not None}
+    return dataclasses.replace(cfg, vocab_size=vocab_size, **overrides)
+
+
+def _train(args) -> int:
+    import platform
+    import time
+
+    import torch
+
+    from tinyloop.train import corpus, evaluate, trainer
+    from tinyloop.worker import checkpoint
+    t_start = time.time()
+    device = _device(args.device)
+    corp = corpus.build(args.corpus_dir, max_bytes=int(args.corpus_mb * 1e6), verbose=True)
+    tokenizer_json, bytes_per_token = None, 1.0
+    if args.tokenizer == "bpe":
+        from tinyloop.train import bpe
+        train_tok, held_tok, tokenizer_json = bpe.build(corp, args.vocab_size, args.corpus_dir)
+        vocab = bpe.vocab_size_of(tokenizer_json)
+        bytes_per_token = corp.heldout.size / held_tok.size
+        print(f"bpe: vocab {vocab}, {train_tok.size / 1e6:.1f}M train tokens, "
+              f"{bytes_per_token:.2f} bytes/token", file=sys.stderr)
+    else:
+        train_tok, held_tok, vocab = corp.train, corp.heldout, 256
+    cfg = _config(args, vocab)
+    print(f"model: {cfg.n_params() / 1e6:.2f}M parameters, {cfg.to_json()}", file=sys.stderr)
+    targs = trainer.TrainArgs(
+        steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seq_len=args.seq_len,
+        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        max_train_loops=args.max_train_loops, eval_every=args.eval_every, seed=args.seed,
+        compile=args.compile, progress=not args.no_progress,
+        eval_loops=tuple(sorted({1, min(4, cfg.max_loops), min(8, cfg.max_loops)})))
+    model, summary = trainer.train(cfg, train_tok, held_tok, targs, device, args.log)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    checkpoint.save(model, args.out, dtype=torch.float16, tokenizer_json=tokenizer_json)
+    size = os.path.getsize(args.out)
+    print(f"wrote {args.out} ({size / 1e6:.2f} MB): {summary['steps']} steps, "
+          f"{summary['tokens'] / 1e6:.1f}M tokens in {summary['train_wall_s']:.0f} s", file=sys.stderr)
+    if args.card:
+        # Evaluate what ships: the saved fp16 file, loaded back, in fp32 math.
+        saved, _ = checkpoint.load(args.out, device, torch.float32)
+        win = evaluate.windows(held_tok, args.card_windows, args.seq_len)
+        loops = [L for L in args.card_loops if L <= cfg.max_loops]
+        bpb = evaluate.bpb_table(saved, win, loops, bytes_per_token)
+        info = {k: v for k, v in corp.info.items() if k != "heldout_files"}
+        card = {
+            "command": "tinyloop " + " ".join(sys.argv[1:]),
+            "preset": args.preset, "config": json.loads(cfg.to_json()), "n_params": cfg.n_params(),
+            "checkpoint_bytes": size, "tokenizer": args.tokenizer,
+            "hardware": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "corpus": {**info, "heldout_files": corp.info["heldout_files"]},
+            "train": summary,
+            "eval": {"windows": args.card_windows, "seq_len": args.seq_len,
+                     "bytes_per_token": bytes_per_token, "dtype": "fp32 math on the fp16 checkpoint"},
+            "bpb": {str(L): round(v, 4) for L, v in bpb.items()},
+            "total_wall_s": round(time.time() - t_start, 1),
+        }
+        with open(args.card, "w") as f:
+            json.dump(card, f, indent=1)
+        print("held-out bits/byte: " + "  ".join(f"L={L}: {v:.3f}" for L, v in bpb.items()), file=sys.stderr)
+    return 0
+
+
+def _eval_bpb(args) -> int:
+    from tinyloop.train import evaluate
+    res = evaluate.eval_checkpoint(args.model, args.loops, args.windows, args.seq_len, _device(args.device),
+                                   max_bytes=int(args.corpus_mb * 1e6))
+    for L, v in res["bpb"].items():
+        print(f"L={L:>3}  bpb={v:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

@@ -1,0 +1,135 @@
+"""The training corpus: the Python standard library's `.py` sources, present on every install.
+
+File list: every `*.py` under `sysconfig.get_paths()["stdlib"]`, sorted by relative path,
+skipping test directories (`test`, `tests`, `idle_test`), `site-packages` / `dist-packages`,
+`__pycache__`, and files holding a NUL byte; kept in order until `max_bytes` is reached (sizes
+from `stat`, so the list is known before a byte is read). Split: a file is held out when the
+first 4 bytes of sha1(relative path) read as a big-endian integer fall below
+`heldout_frac * 2**32` -- stable across machines and Python versions, independent of the cap.
+
+Tokens are bytes. Documents are joined by DOC_SEP = 0 (NUL), a byte no kept file contains,
+so the model learns a document boundary without a special token.
+
+The stdlib differs between Python versions, so the corpus of a GPU host and of a CI machine
+differ; the held-out *property* the tests check (loss falls with depth) holds on either.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DOC_SEP = 0
+SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+DEFAULT_MAX_BYTES = 40_000_000
+DEFAULT_HELDOUT_FRAC = 0.02
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(rel_path: str, heldout_frac: float = DEFAULT_HELDOUT_FRAC) -> bool:
+    h = int.from_bytes(hashlib.sha1(rel_path.encode("utf-8")).digest()[:4], "big")
+    return h < heldout_frac * 2 ** 32
+
+
+def list_files(root: Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
+    """Sorted relative paths (POSIX separators) of the kept sources, capped at `max_bytes`."""
+    root = Path(root) if root is not None else stdlib_dir()
+    rels = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                rels.append(Path(dirpath, name).relative_to(root).as_posix())
+    rels.sort()
+    kept, total = [], 0
+    for rel in rels:
+        size = (root / rel).stat().st_size
+        if total + size > max_bytes:
+            break
+        kept.append(rel)
+        total += size
+    return kept
+
+
+def _read_docs(root: Path, rels: list[str]) -> list[tuple[str, bytes]]:
+    docs = []
+    for rel in rels:
+        data = (root / rel).read_bytes()
+        if data and bytes([DOC_SEP]) not in data:
+            docs.append((rel, data))
+    return docs
+
+
+def _join(docs: list[bytes]) -> np.ndarray:
+    sep = bytes([DOC_SEP])
+    return np.frombuffer(sep.join(docs) + sep, dtype=np.uint8).copy()
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray        # uint8 bytes, documents joined by DOC_SEP
+    heldout: np.ndarray      # uint8
+    info: dict               # provenance: python version, file counts, bytes, signature
+
+    @property
+    def heldout_files(self) -> list[str]:
+        return self.info["heldout_files"]
+
+
+def heldout_docs(root: Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 heldout_frac: float = DEFAULT_HELDOUT_FRAC) -> list[tuple[str, bytes]]:
+    """The held-out documents only (reads no training file): what the CI test evaluates on."""
+    root = Path(root) if root is not None else stdlib_dir()
+    rels = [r for r in list_files(root, max_bytes) if is_heldout(r, heldout_frac)]
+    return _read_docs(root, rels)
+
+
+def heldout_bytes(root: Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                  heldout_frac: float = DEFAULT_HELDOUT_FRAC) -> np.ndarray:
+    return _join([d for _, d in heldout_docs(root, max_bytes, heldout_frac)])
+
+
+def build(cache_dir: str | os.PathLike | None = None, root: Path | None = None,
+          max_bytes: int = DEFAULT_MAX_BYTES, heldout_frac: float = DEFAULT_HELDOUT_FRAC,
+          verbose: bool = False) -> Corpus:
+    """Build (or load from `cache_dir`) the byte corpus of this interpreter's stdlib."""
+    root = Path(root) if root is not None else stdlib_dir()
+    rels = list_files(root, max_bytes)
+    sig_src = json.dumps([str(root), max_bytes, heldout_frac, DOC_SEP,
+                          [(r, (root / r).stat().st_size) for r in rels]])
+    sig = hashlib.sha1(sig_src.encode()).hexdigest()[:12]
+    paths = None
+    if cache_dir is not None:
+        cache = Path(cache_dir)
+        paths = {k: cache / f"stdlib-{sig}-{k}" for k in ("train.npy", "heldout.npy", "info.json")}
+        if all(p.exists() for p in paths.values()):
+            return Corpus(np.load(paths["train.npy"]), np.load(paths["heldout.npy"]),
+                          json.loads(paths["info.json"].read_text()))
+    docs = _read_docs(root, rels)
+    train_docs = [d for r, d in docs if not is_heldout(r, heldout_frac)]
+    held = [(r, d) for r, d in docs if is_heldout(r, heldout_frac)]
+    train, heldout = _join(train_docs), _join([d for _, d in held])
+    info = {"source": "python stdlib .py sources", "python": sys.version.split()[0],
+            "stdlib": str(root), "signature": sig, "max_bytes": max_bytes,
+            "heldout_frac": heldout_frac, "doc_sep": DOC_SEP, "n_files": len(docs),
+            "n_train_files": len(train_docs), "n_heldout_files": len(held),
+            "train_bytes": int(train.size), "heldout_bytes": int(heldout.size),
+            "heldout_files": [r for r, _ in held]}
+    if paths is not None:
+        paths["train.npy"].parent.mkdir(parents=True, exist_ok=True)
+        np.save(paths["train.npy"], train)
+        np.save(paths["heldout.npy"], heldout)
+        paths["info.json"].write_text(json.dumps(info))
+    if verbose:
+        print(f"corpus: {info['n_train_files']} train files ({train.size / 1e6:.1f} MB), "
+              f"{info['n_heldout_files']} held out ({heldout.size / 1e6:.2f} MB), python {info['python']}")
+    return Corpus(train, heldout, info)
