@@ -72,6 +72,7 @@ class _Worker:
         self.index, self.actor, self.info = index, actor, info
         self.inflight = 0
         self.label = info["worker_id"]
+        self.healthy = True
 
 
 class TinyLoopServicer(pb_grpc.TinyLoopServicer):
@@ -112,10 +113,30 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         await context.abort_with_status(e.to_status())
 
     def _pick(self) -> _Worker:
-        """Least in-flight requests first; ties rotate so equal workers share new work."""
+        """Least in-flight requests first among healthy workers; ties rotate so equal workers
+        share new work."""
         start = next(self._rr)
         n = len(self.workers)
-        return min((self.workers[(start + i) % n] for i in range(n)), key=lambda w: w.inflight)
+        live = [self.workers[(start + i) % n] for i in range(n) if self.workers[(start + i) % n].healthy]
+        if not live:
+            raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", "no worker is available")
+        return min(live, key=lambda w: w.inflight)
+
+    def _worker_failed(self, w: _Worker) -> None:
+        """Take a failed worker out of placement until Ray has restarted it (new epoch)."""
+        if w.healthy:
+            w.healthy = False
+            asyncio.get_running_loop().create_task(self._probe(w))
+
+    async def _probe(self, w: _Worker) -> None:
+        while True:
+            try:
+                w.info = await w.actor.info.remote()
+                w.healthy = True
+                log.info("%s is back (epoch %d)", w.label, w.info["epoch"])
+                return
+            except _ACTOR_ERRORS:
+                await asyncio.sleep(0.5)
 
     def _route(self, handle_id: str) -> tuple[_Worker, handles.HandleRef]:
         try:
@@ -130,6 +151,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         try:
             out = await getattr(w.actor, method).remote(*args)
         except _ACTOR_ERRORS as e:
+            self._worker_failed(w)
             raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} is unavailable: "
                                f"{type(e).__name__}") from None
         if isinstance(out, dict) and "error" in out:
@@ -262,6 +284,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             await self._fail(method, context, e)
         except _ACTOR_ERRORS as e:
             done = True
+            self._worker_failed(w)
             await self._fail(method, context, ServiceError(
                 "UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} failed mid-stream ({type(e).__name__}); "
                 "the request was not retried"))

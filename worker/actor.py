@@ -210,7 +210,7 @@ class WorkerActor:
             except (ValueError, RuntimeError) as e:
                 yield _value_error(e)
                 return
-            decode = self.model.tokenizer.decoder() if include_text else None
+            text = _TextStream(self.model.tokenizer) if include_text else None
             ids: list[int] = []
             flushed_once, last_flush = False, time.monotonic()
             while not state.cancelled:
@@ -220,9 +220,12 @@ class WorkerActor:
                 now = time.monotonic()
                 if ids and (finish is not None or not flushed_once or now - last_flush >= self.coalesce_s):
                     # The first token goes out at once (TTFT); later ones are coalesced per hop.
-                    yield {"ids": ids, "text": decode(ids) if decode else ""}
+                    yield {"ids": ids, "text": text.feed(ids, finish is not None) if text else ""}
                     ids, flushed_once, last_flush = [], True, now
                 if finish is not None:
+                    tail = text.feed([], True) if text else ""
+                    if tail:  # a character held back at the last token
+                        yield {"ids": [], "text": tail}
                     complete = {"reason": finish.reason, "stats": dict(finish.stats),
                                 "worker_id": self.worker_id}
                     if after is not None:
@@ -418,6 +421,25 @@ class WorkerActor:
                 raise ValueError("prompt text encodes to no tokens")
             return ids
         return list(prompt["ids"])
+
+
+class _TextStream:
+    """Incremental text as suffixes of the decoded stream so far, holding back a trailing
+    incomplete character (U+FFFD) until the next chunk or the end; so the chunks' texts join
+    to exactly `tokenizer.decode(all ids)`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def feed(self, ids: list[int], last: bool) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if not last and text.endswith("\ufffd"):
+            return ""
+        out, self.emitted = text[self.emitted:], len(text)
+        return out
 
 
 def _step(gen):

@@ -1,0 +1,35 @@
+"""Helpers shared by the service tests (imported by name: tests/ is not a package)."""
+from __future__ import annotations
+
+import time
+
+import ray
+
+LANES = 2
+MAX_SEQ_LEN = 2048
+MAX_MESSAGE = 1 << 20
+
+
+def start_service(model_path, prefix: str, n: int = 2, **gateway_kw):
+    from tinyloop.gateway import workers
+    from tinyloop.gateway.server import GatewayOptions, GatewayThread
+    actors = workers.spawn(n, workers.WorkerOptions(model_path=model_path, lanes=LANES, max_seq_len=MAX_SEQ_LEN,
+                                                    torch_threads=1, coalesce_s=0.005), name_prefix=prefix)
+    gw = GatewayThread(actors, GatewayOptions(port=0, max_message_bytes=MAX_MESSAGE, **gateway_kw))
+    return actors, gw
+
+
+def worker_stats(actors) -> list[dict]:
+    return ray.get([a.stats.remote() for a in actors])
+
+
+def wait_idle(actors, timeout: float = 5.0, handles: bool = False) -> list[dict]:
+    """Poll the worker-side counts until no lane (and, with handles, no handle) is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = worker_stats(actors)
+        idle = all(s["active_lanes"] == 0 and s["streams"] == 0 and s["queued"] == 0 and
+                   (not handles or s["handles"] == 0) for s in stats)
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)

@@ -1,0 +1,404 @@
+"""End to end through real gRPC and a real local Ray cluster with two worker actors."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from tinyloop.client import AsyncTinyLoopClient, TinyLoopClient, TinyLoopError
+from tinyloop.gateway import handles
+
+from service_helpers import MAX_MESSAGE, start_service, wait_idle, worker_stats
+
+pytestmark = pytest.mark.slow
+PROMPT = [5, 17, 99, 3, 42]
+
+
+def expect(code, reason, fn, *args, **kwargs):
+    with pytest.raises(TinyLoopError) as e:
+        out = fn(*args, **kwargs)
+        if hasattr(out, "collect"):
+            out.collect()
+    assert (e.value.code, e.value.reason) == (code, reason), e.value
+    return e.value
+
+
+def test_generate_token_ids_streams_chunks_then_one_complete(client, local_model):
+    stream = client.generate(PROMPT, loops=4, max_tokens=24, request_id="req-1")
+    chunks = list(stream)
+    assert chunks and all(c.ids for c in chunks)
+    assert len(chunks[0].ids) == 1, "the first token is sent on its own"
+    ids = [t for c in chunks for t in c.ids]
+    assert ids == local_model.generate(PROMPT, loops=4, max_tokens=24)[len(PROMPT):]
+    c = stream.complete
+    assert c.request_id == "req-1" and stream.request_id == "req-1"
+    assert c.finish_reason == "length" and c.worker_id.startswith("worker-")
+    assert c.usage["prompt_tokens"] == len(PROMPT) and c.usage["completion_tokens"] == 24
+    assert c.usage["loop_iterations"] > 0 and c.handle_id == ""
+
+
+def test_generate_text_in_incremental_text_out(client, local_model):
+    tok = local_model.tokenizer
+    prompt = "hello loops"
+    stream = client.generate(prompt, loops=3, max_tokens=16, include_text=True)
+    chunks = list(stream)
+    ids = [t for c in chunks for t in c.ids]
+    assert ids == local_model.generate(tok.encode(prompt), loops=3, max_tokens=16)[len(tok.encode(prompt)):]
+    assert "".join(c.text for c in chunks) == tok.decode(ids)
+
+
+def test_seeded_sampling_matches_in_process(client, local_model):
+    ids, _ = client.generate(PROMPT, loops=3, max_tokens=12, temperature=0.9, top_k=20, seed=7).collect()
+    assert ids == local_model.generate(PROMPT, loops=3, max_tokens=12, temperature=0.9, top_k=20, seed=7)[len(PROMPT):]
+
+
+@pytest.mark.parametrize("l_used,new_L", [(2, 5), (4, 4), (1, 8)])
+def test_resume_equals_in_process_generate(client, local_model, l_used, new_L):
+    h = client.build_resume_handle(PROMPT, l_used=l_used, max_loops=8)
+    assert (h.seq_len, h.loops_used, h.max_loops) == (len(PROMPT), l_used, 8) and h.nbytes > 0
+    ids, complete = client.resume(h.handle_id, new_L, max_tokens=20).collect()
+    assert ids == local_model.generate(PROMPT, loops=new_L, max_tokens=20)[len(PROMPT):]
+    assert complete.worker_id == h.worker_id
+    again, _ = client.resume(h.handle_id, new_L, max_tokens=20, temperature=0.8, seed=3).collect()
+    assert again == local_model.generate(PROMPT, loops=new_L, max_tokens=20, temperature=0.8, seed=3)[len(PROMPT):]
+    assert client.free_handle(h.handle_id) is True
+    assert client.free_handle(h.handle_id) is False  # idempotent
+
+
+def test_generate_can_return_a_handle(client, local_model):
+    ids, c = client.generate(PROMPT, loops=3, max_tokens=6, return_handle=True, handle_max_loops=6).collect()
+    assert c.handle_id and handles.decode(c.handle_id).worker == int(c.worker_id.split("-")[1])
+    deeper, c2 = client.resume(c.handle_id, 6, max_tokens=8).collect()
+    assert deeper == local_model.generate(PROMPT, loops=6, max_tokens=8)[len(PROMPT):]
+    assert c2.worker_id == c.worker_id
+    client.free_handle(c.handle_id)
+
+
+def test_two_workers_handles_stay_new_work_spreads(client, actors):
+    built = [client.build_resume_handle(PROMPT, l_used=2, max_loops=6) for _ in range(6)]
+    assert {h.worker_id for h in built} == {"worker-0", "worker-1"}
+    for h in built:
+        assert handles.decode(h.handle_id).worker == int(h.worker_id.split("-")[1])
+        _, c = client.resume(h.handle_id, 4, max_tokens=3).collect()
+        assert c.worker_id == h.worker_id
+    per_worker = [s["handles"] for s in worker_stats(actors)]
+    assert per_worker == [sum(h.worker_id == f"worker-{i}" for h in built) for i in range(2)]
+    for h in built:
+        client.free_handle(h.handle_id)
+    # Concurrent streams go to the least-loaded worker: both take part.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda _: client.generate(PROMPT, loops=4, max_tokens=40).collect()[1].worker_id,
+                             range(4)))
+    assert set(done) == {"worker-0", "worker-1"}
+    assert all(s["handles"] == 0 for s in wait_idle(actors))
+
+
+def _running_stream(client, actors, **kw):
+    stream = client.generate(PROMPT, loops=8, max_tokens=2000, **kw)
+    it = iter(stream)
+    first = next(it)
+    assert first.ids
+    assert sum(s["active_lanes"] for s in worker_stats(actors)) >= 1
+    return stream, it
+
+
+def test_cancel_mid_stream_frees_the_lane(client, actors):
+    stream, it = _running_stream(client, actors)
+    t0 = time.monotonic()
+    stream.cancel()
+    with pytest.raises(TinyLoopError) as e:
+        list(it)
+    assert e.value.code == grpc.StatusCode.CANCELLED
+    stats = wait_idle(actors)
+    freed_after = time.monotonic() - t0
+    assert all(s["active_lanes"] == 0 and s["streams"] == 0 for s in stats), stats
+    assert freed_after < 2.0
+    ids, _ = client.generate(PROMPT, loops=2, max_tokens=3).collect()
+    assert len(ids) == 3
+
+
+def test_deadline_is_honoured_and_frees_the_lane(client, actors):
+    t0 = time.monotonic()
+    expect(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+           lambda: client.generate(PROMPT, loops=8, max_tokens=2000, timeout=0.4).collect())
+    assert time.monotonic() - t0 < 2.0
+    stats = wait_idle(actors)
+    assert all(s["active_lanes"] == 0 for s in stats), stats
+
+
+def _foreign_handle(gateway, client):
+    h = client.build_resume_handle(PROMPT, l_used=2, max_loops=4)
+    with TinyLoopClient(gateway.address, caller="mallory") as other:
+        expect(grpc.StatusCode.PERMISSION_DENIED, "NOT_OWNER", other.resume, h.handle_id, 3)
+        expect(grpc.StatusCode.PERMISSION_DENIED, "NOT_OWNER", other.free_handle, h.handle_id)
+    ids, _ = client.resume(h.handle_id, 3, max_tokens=2).collect()  # the owner still can
+    client.free_handle(h.handle_id)
+
+
+def _freed_handle(client):
+    h = client.build_resume_handle(PROMPT, l_used=2, max_loops=4)
+    client.free_handle(h.handle_id)
+    expect(grpc.StatusCode.NOT_FOUND, "HANDLE_NOT_FOUND", client.resume, h.handle_id, 3)
+
+
+def _expired_handle(client, actors):
+    ray.get([a.configure.remote(handle_ttl_s=0.2) for a in actors])
+    try:
+        h = client.build_resume_handle(PROMPT, l_used=2, max_loops=4)
+        time.sleep(0.5)
+        expect(grpc.StatusCode.NOT_FOUND, "HANDLE_EXPIRED", client.resume, h.handle_id, 3)
+        assert client.free_handle(h.handle_id) is False
+    finally:
+        ray.get([a.configure.remote(handle_ttl_s=600.0) for a in actors])
+
+
+def _evicted_handle(client, actors):
+    first = client.build_resume_handle(PROMPT, l_used=2, max_loops=4)
+    ray.get([a.configure.remote(handle_budget_bytes=first.nbytes + 1) for a in actors])
+    try:
+        second = [client.build_resume_handle(PROMPT, l_used=2, max_loops=4) for _ in range(2)]
+        expect(grpc.StatusCode.NOT_FOUND, "HANDLE_EVICTED", client.resume, first.handle_id, 3)
+        big = [9] * 200
+        expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "HANDLE_BUDGET_EXHAUSTED",
+               client.build_resume_handle, big, l_used=2, max_loops=8)
+        for h in second:
+            client.free_handle(h.handle_id)
+    finally:
+        ray.get([a.configure.remote(handle_budget_bytes=1 << 30) for a in actors])
+
+
+def _busy_handle(client):
+    h = client.build_resume_handle(PROMPT, l_used=2, max_loops=8)
+    stream = client.resume(h.handle_id, 8, max_tokens=1500)
+    it = iter(stream)
+    next(it)
+    expect(grpc.StatusCode.FAILED_PRECONDITION, "HANDLE_BUSY", client.free_handle, h.handle_id)
+    stream.cancel()
+    with pytest.raises(TinyLoopError):
+        list(it)
+    deadline = time.monotonic() + 3
+    while True:
+        try:
+            assert client.free_handle(h.handle_id) is True
+            break
+        except TinyLoopError as e:
+            assert e.reason == "HANDLE_BUSY" and time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+def _unknown_handle(client, actors):
+    epoch = worker_stats(actors)[0]["epoch"]
+    expect(grpc.StatusCode.NOT_FOUND, "HANDLE_NOT_FOUND", client.resume, handles.encode(0, epoch, b"\1" * 16), 3)
+    expect(grpc.StatusCode.NOT_FOUND, "HANDLE_NOT_FOUND", client.resume, handles.encode(9, epoch, b"\1" * 16), 3)
+    assert client.free_handle(handles.encode(1, epoch, b"\2" * 16)) is False
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+BAD_INPUTS = {
+    "empty prompt ids": lambda c: c.generate([], max_tokens=3),
+    "empty prompt text": lambda c: c.generate("", max_tokens=3),
+    "id outside vocab": lambda c: c.generate([1, 256], max_tokens=3),
+    "loops 0": lambda c: c.generate(PROMPT, loops=0, max_tokens=3),
+    "loops above max": lambda c: c.generate(PROMPT, loops=10_000, max_tokens=3),
+    "max_tokens 0": lambda c: c.generate(PROMPT, max_tokens=0),
+    "negative temperature": lambda c: c.generate(PROMPT, temperature=-1.0, max_tokens=3),
+    "top_p 0": lambda c: c.generate(PROMPT, top_p=0.0, max_tokens=3),
+    "stop id outside vocab": lambda c: c.generate(PROMPT, stop_token_ids=[999], max_tokens=3),
+    "too long for max_seq_len": lambda c: c.generate([1] * 2000, max_tokens=100),
+    "build l_used > max_loops": lambda c: c.build_resume_handle(PROMPT, l_used=6, max_loops=4),
+    "build empty prompt": lambda c: c.build_resume_handle([], l_used=2, max_loops=4),
+    "uncertainty lo > hi": lambda c: c.score_uncertainty(PROMPT, 5, 2),
+    "trajectory loops 0": lambda c: c.score_trajectory(PROMPT, 0),
+}
+REASONS = {"too long for max_seq_len": "TOO_LONG"}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gets_invalid_argument(client, case):
+    e = expect(INVALID, REASONS.get(case, "INVALID_ARGUMENT"), BAD_INPUTS[case], client)
+    assert e.message
+
+
+def test_bad_handles_and_messages_get_their_status_and_the_server_keeps_serving(client, gateway, actors):
+    expect(INVALID, "MALFORMED_HANDLE", client.resume, "not-a-handle", 3)
+    expect(INVALID, "MALFORMED_HANDLE", client.free_handle, "A" * 31)
+    h = client.build_resume_handle(PROMPT, l_used=4, max_loops=6)
+    e = expect(INVALID, "INVALID_ARGUMENT", client.resume, h.handle_id, 2)   # new_L < loops_used
+    assert "new_L" in e.message
+    expect(INVALID, "INVALID_ARGUMENT", client.resume, h.handle_id, 7)       # new_L > handle's max_loops
+    client.free_handle(h.handle_id)
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED", client.generate,
+           [200] * (MAX_MESSAGE // 2 + 10), max_tokens=1)                     # oversized message
+    _unknown_handle(client, actors)
+    _foreign_handle(gateway, client)
+    _freed_handle(client)
+    _expired_handle(client, actors)
+    _evicted_handle(client, actors)
+    _busy_handle(client)
+    ids, c = client.generate(PROMPT, loops=2, max_tokens=4).collect()
+    assert len(ids) == 4 and c.finish_reason == "length"
+    assert all(s["active_lanes"] == 0 and s["handles"] == 0 for s in wait_idle(actors, handles=True))
+
+
+def test_scoring_and_info(client, local_model):
+    s = client.score_consistency(PROMPT, 2, 6, max_tokens=8)
+    ref = local_model.score_with_consistency(PROMPT, 2, 6, max_tokens=8)
+    assert (s["agree"], s["answer_a"], s["answer_b"], s["first_divergence"]) == (
+        ref["agree"], list(ref["answer_a"]), list(ref["answer_b"]), ref["first_divergence"])
+    u = client.score_uncertainty(PROMPT, 2, 6)
+    logits, kl = local_model.score_with_uncertainty(PROMPT, 2, 6)
+    assert u["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-6)
+    assert u["logits"].shape == logits.shape and abs(u["logits"] - logits).max() < 1e-4
+    t = client.score_trajectory(PROMPT, 3)
+    ref_t = local_model.score_trajectory(PROMPT, 3)
+    assert t["labels"] == ref_t["labels"] and abs(t["hidden"] - ref_t["hidden"]).max() < 1e-4
+    info = client.model_info()
+    assert info["vocab_size"] == local_model.config.vocab_size
+    assert info["max_loops"] == local_model.config.max_loops
+    assert [w["worker_id"] for w in info["workers"]] == ["worker-0", "worker-1"]
+    assert all(w["alive"] for w in info["workers"])
+
+
+def test_speculative_is_plumbed_through(client, local_model):
+    import inspect
+    stream = client.generate(PROMPT, max_tokens=8, speculative={"draft_loops": 2, "verify_loops": 6})
+    if "speculative" not in inspect.signature(local_model.make_request).parameters:
+        expect(grpc.StatusCode.UNIMPLEMENTED, "SPECULATIVE_UNAVAILABLE", stream.collect)
+    else:
+        ids, _ = stream.collect()
+        assert ids == local_model.generate(PROMPT, loops=6, max_tokens=8)[len(PROMPT):]
+
+
+def test_health_and_reflection(gateway):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    with grpc.insecure_channel(gateway.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="tinyloop.v1.TinyLoop"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        out = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in out.list_services_response.service}
+        assert {"tinyloop.v1.TinyLoop", "grpc.health.v1.Health"} <= names
+
+
+def test_bearer_auth(ray_cluster, actors):
+    from tinyloop.gateway.server import GatewayOptions, GatewayThread
+    gw = GatewayThread(actors, GatewayOptions(port=0, auth_tokens={"s3cret": "alice"}))
+    try:
+        with TinyLoopClient(gw.address) as anon:
+            expect(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", anon.model_info)
+        with TinyLoopClient(gw.address, token="wrong") as bad:
+            expect(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", bad.model_info)
+        with TinyLoopClient(gw.address, caller="bob", token="s3cret") as liar:
+            expect(grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED", liar.model_info)
+        with TinyLoopClient(gw.address, token="s3cret") as ok:
+            assert len(ok.generate(PROMPT, loops=2, max_tokens=2).collect()[0]) == 2
+    finally:
+        gw.stop(0.5)
+
+
+def test_graceful_shutdown_drains(ray_cluster, actors):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tinyloop.gateway.server import GatewayOptions, GatewayThread
+    gw = GatewayThread(actors, GatewayOptions(port=0))
+    c = TinyLoopClient(gw.address)
+    stream = c.generate(PROMPT, loops=4, max_tokens=300)
+    it = iter(stream)
+    got = list(next(it).ids)
+    stopper = threading.Thread(target=gw.stop, args=(10.0,))
+    stopper.start()
+    while not gw.gateway.servicer.draining:
+        time.sleep(0.005)
+    with grpc.insecure_channel(gw.address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="")).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    expect(grpc.StatusCode.UNAVAILABLE, "DRAINING", c.model_info)
+    got += [t for chunk in it for t in chunk.ids]   # the in-flight stream finishes
+    assert len(got) == 300 and stream.complete.finish_reason == "length"
+    stopper.join(15)
+    c.close()
+
+
+def test_async_client(gateway, local_model):
+    async def main():
+        async with AsyncTinyLoopClient(gateway.address, caller="carol") as c:
+            streams = [c.generate(PROMPT, loops=L, max_tokens=10) for L in (2, 3, 4)]
+            results = await asyncio.gather(*(s.collect() for s in streams))
+            h = await c.build_resume_handle(PROMPT, l_used=2, max_loops=6)
+            resumed, _ = await c.resume(h.handle_id, 5, max_tokens=10).collect()
+            assert await c.free_handle(h.handle_id)
+            info = await c.model_info()
+            return results, resumed, info
+    results, resumed, info = asyncio.run(main())
+    for (ids, c), L in zip(results, (2, 3, 4)):
+        assert ids == local_model.generate(PROMPT, loops=L, max_tokens=10)[len(PROMPT):]
+        assert c.finish_reason == "length"
+    assert resumed == local_model.generate(PROMPT, loops=5, max_tokens=10)[len(PROMPT):]
+    assert info["vocab_size"] == 256
+
+
+def test_200_mixed_requests_leave_nothing_behind(gateway, actors):
+    rng = random.Random(0)
+    errors: list[Exception] = []
+
+    def one(i: int) -> None:
+        r = random.Random(i)
+        with TinyLoopClient(gateway.address, caller=f"user-{i % 5}") as c:
+            kind = r.choice(["generate", "build-resume-free", "build-free", "cancel", "resume-cancel", "bad"])
+            prompt = [r.randrange(256) for _ in range(r.randint(1, 12))]
+            if kind == "generate":
+                ids, comp = c.generate(prompt, loops=r.randint(1, 6), max_tokens=r.randint(1, 12)).collect()
+                assert comp.usage["completion_tokens"] == len(ids)
+            elif kind == "build-free":
+                h = c.build_resume_handle(prompt, l_used=r.randint(0, 3), max_loops=6)
+                assert c.free_handle(h.handle_id)
+            elif kind == "build-resume-free":
+                h = c.build_resume_handle(prompt, l_used=2, max_loops=6)
+                c.resume(h.handle_id, r.randint(2, 6), max_tokens=r.randint(1, 8)).collect()
+                assert c.free_handle(h.handle_id)
+            elif kind == "cancel":
+                s = c.generate(prompt, loops=4, max_tokens=500)
+                it = iter(s)
+                next(it)
+                s.cancel()
+                with pytest.raises(TinyLoopError):
+                    list(it)
+            elif kind == "resume-cancel":
+                h = c.build_resume_handle(prompt, l_used=1, max_loops=6)
+                try:
+                    c.resume(h.handle_id, 6, max_tokens=500, timeout=r.uniform(0.01, 0.2)).collect()
+                except TinyLoopError as e:
+                    assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                deadline = time.monotonic() + 5
+                while True:   # the resume may still be stopping: HANDLE_BUSY until it has
+                    try:
+                        c.free_handle(h.handle_id)
+                        break
+                    except TinyLoopError as e:
+                        assert e.reason == "HANDLE_BUSY" and time.monotonic() < deadline
+                        time.sleep(0.01)
+            else:
+                with pytest.raises(TinyLoopError):
+                    c.generate(prompt, loops=0, max_tokens=3).collect()
+
+    def guarded(i):
+        try:
+            one(i)
+        except Exception as e:  # collected so one failure does not hide the rest
+            errors.append(e)
+
+    order = list(range(200))
+    rng.shuffle(order)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(guarded, order))
+    assert not errors, errors[:3]
+    stats = wait_idle(actors, handles=True)
+    assert all(s["active_lanes"] == 0 and s["streams"] == 0 and s["queued"] == 0 and s["handles"] == 0
+               and s["handle_bytes"] == 0 for s in stats), stats
+    assert gateway.gateway.servicer.inflight == 0
