@@ -1,0 +1,74 @@
+"""Worker loss: a killed actor's stream gets UNAVAILABLE, Ray restarts it with a new epoch,
+its old handles answer HANDLE_LOST, and the other worker serves throughout."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import ray
+
+from tinyloop.client import TinyLoopClient, TinyLoopError
+
+from service_helpers import start_service, wait_idle
+
+pytestmark = pytest.mark.slow
+PROMPT = [5, 17, 99, 3, 42]
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, model_path):
+    actors, gw = start_service(model_path, "w-fault")
+    yield actors, gw
+    gw.stop(0.5)
+    for a in actors:
+        ray.kill(a, no_restart=True)
+
+
+def test_killed_worker_mid_stream(service):
+    actors, gw = service
+    c = TinyLoopClient(gw.address, caller="alice")
+    h = {}
+    while len(h) < 2:
+        built = c.build_resume_handle(PROMPT, l_used=2, max_loops=8)
+        h.setdefault(built.worker_id, built)
+    victim, survivor = h["worker-0"], h["worker-1"]
+
+    stream = c.resume(victim.handle_id, 8, max_tokens=2000)
+    it = iter(stream)
+    assert next(it).ids
+    ray.kill(actors[0], no_restart=False)
+    with pytest.raises(TinyLoopError) as e:
+        list(it)
+    assert (e.value.code, e.value.reason) == (grpc.StatusCode.UNAVAILABLE, "WORKER_UNAVAILABLE")
+
+    # The other worker keeps serving while worker-0 restarts: its handle and new work.
+    ids, comp = c.resume(survivor.handle_id, 4, max_tokens=5).collect()
+    assert len(ids) == 5 and comp.worker_id == "worker-1"
+    for _ in range(3):
+        ids, comp = c.generate(PROMPT, loops=3, max_tokens=4, timeout=30).collect()
+        assert len(ids) == 4
+
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            c.resume(victim.handle_id, 4, max_tokens=2).collect()
+            pytest.fail("a handle from before the restart must not resume")
+        except TinyLoopError as err:
+            if err.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "HANDLE_LOST"), err
+            break
+    assert c.free_handle(victim.handle_id) is False
+
+    info = c.model_info()
+    assert [w["epoch"] for w in info["workers"]] == [2, 1]
+    while not all(w.healthy for w in gw.gateway.servicer.workers):
+        time.sleep(0.1)
+    workers_seen = {c.generate(PROMPT, loops=2, max_tokens=30).collect()[1].worker_id for _ in range(4)}
+    assert workers_seen == {"worker-0", "worker-1"}
+    assert c.free_handle(survivor.handle_id) is True
+    stats = wait_idle(actors, handles=True)
+    assert all(s["handles"] == 0 and s["active_lanes"] == 0 for s in stats), stats
+    c.close()
