@@ -1,0 +1,185 @@
+"""Invariant 3 (warm-start resume), scoring, trajectory, mixed-depth batches, handle memory."""
+import numpy as np
+import pytest
+import torch
+
+from tinyloop.worker import Model
+from tinyloop.worker.config import LoopedConfig
+from tinyloop.worker.resume import handle_nbytes
+
+PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]]
+
+
+@pytest.mark.parametrize("k, L", [(0, 3), (2, 5), (3, 8), (5, 5)])
+def test_greedy_resume_equals_fresh_generate(config_path, k, L):
+    with Model(config_path, max_seq_len=128) as m:
+        for p in PROMPTS:
+            h = m.build_resume_handle(p, L_used=k, max_loops=16)
+            assert m.resume_generate(h, L, max_tokens=10) == m.generate(p, loops=L, max_tokens=10)
+
+
+def test_seeded_sampled_resume_equals_seeded_generate(tiny_model):
+    p = PROMPTS[1]
+    h = tiny_model.build_resume_handle(p, L_used=2, max_loops=16)
+    for seed in (0, 1, 123):
+        kw = dict(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=seed)
+        assert tiny_model.resume_generate(h, 6, **kw) == tiny_model.generate(p, loops=6, **kw)
+
+
+def test_resume_runs_only_the_missing_iterations(tiny_model):
+    p = PROMPTS[1]
+    h = tiny_model.build_resume_handle(p, L_used=3, max_loops=16)
+    for new_L in (3, 4, 9):
+        before = tiny_model.counters.snapshot()
+        out = tiny_model.resume_generate(h, new_L, max_tokens=1)
+        assert out.stats["prompt_loop_iterations"] == new_L - 3
+        # one token needs no decode step: the prompt extension is all the loop work
+        assert tiny_model.counters.since(before).loop_token_iterations == (new_L - 3) * len(p)
+
+
+def test_many_resumes_on_one_handle_do_not_disturb_it(tiny_model):
+    p = PROMPTS[0]
+    h = tiny_model.build_resume_handle(p, L_used=2, max_loops=16)
+    k0, r0 = h.k.clone(), h.residual.clone()
+    first = tiny_model.resume_generate(h, 4, max_tokens=8)
+    tiny_model.resume_generate(h, 12, max_tokens=8)
+    tiny_model.generate(PROMPTS[1], loops=7, max_tokens=8)
+    assert tiny_model.resume_generate(h, 4, max_tokens=8) == first
+    assert torch.equal(h.k, k0) and torch.equal(h.residual, r0)
+
+
+def test_resume_with_window(tiny_model):
+    p = PROMPTS[1]
+    h = tiny_model.build_resume_handle(p, L_used=2, max_loops=8, cache_window=5)
+    assert h.nbytes() == handle_nbytes(tiny_model.config, len(p), 8, 5, torch.float32)
+    assert tiny_model.resume_generate(h, 6, max_tokens=8) == tiny_model.generate(p, loops=6, max_tokens=8, cache_window=5)
+
+
+def test_handle_accessors_and_free(tiny_model):
+    h = tiny_model.build_resume_handle(PROMPTS[0], L_used=4, max_loops=10)
+    assert (h.seq_len(), h.loops_used(), h.max_loops()) == (5, 4, 10)
+    assert h.nbytes() == handle_nbytes(tiny_model.config, 5, 10, 0, torch.float32) > 0
+    tiny_model.free_resume_handle(h)
+    tiny_model.free_resume_handle(h)
+    assert h.nbytes() == 0
+    with pytest.raises(RuntimeError, match="freed"):
+        tiny_model.resume_generate(h, 5)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(L_used=-1), ValueError, "L_used must be >= 0"),
+    (dict(max_loops=0), ValueError, "max_loops must be >= 1"),
+    (dict(L_used=9, max_loops=8), ValueError, "L_used=9 exceeds max_loops=8"),
+    (dict(max_loops=64), ValueError, "exceeds the model's max_loops=32"),
+    (dict(cache_window=-2), ValueError, "cache_window must be >= 0"),
+])
+def test_build_errors(tiny_model, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        tiny_model.build_resume_handle(PROMPTS[0], **kwargs)
+
+
+@pytest.mark.parametrize("new_L, kwargs, exc, match", [
+    (2, {}, RuntimeError, r"new_L=2 outside \[loops_used=3, max_loops=8\]"),
+    (9, {}, RuntimeError, r"new_L=9 outside"),
+    (4, dict(max_tokens=0), ValueError, "max_tokens must be >= 1"),
+    (4, dict(temperature=-1), ValueError, "temperature must be >= 0"),
+    (4, dict(top_k=-5), ValueError, "top_k must be >= 0"),
+    (4, dict(repetition_penalty=-1), ValueError, "repetition_penalty must be > 0"),
+    (4, dict(max_tokens=500), RuntimeError, "exceeds max_seq_len"),
+])
+def test_resume_errors(tiny_model, new_L, kwargs, exc, match):
+    h = tiny_model.build_resume_handle(PROMPTS[0], L_used=3, max_loops=8)
+    with pytest.raises(exc, match=match):
+        tiny_model.resume_generate(h, new_L, **kwargs)
+
+
+def test_handle_of_another_model_is_refused(tiny_path):
+    with Model(tiny_path, max_seq_len=64) as a, Model(tiny_path, max_seq_len=64) as b:
+        h = a.build_resume_handle(PROMPTS[0], L_used=1, max_loops=4)
+        with pytest.raises(RuntimeError, match="different"):
+            b.resume_generate(h, 2)
+
+
+# -- scoring -----------------------------------------------------------------------------
+
+def test_consistency_matches_two_generates(tiny_model):
+    p = PROMPTS[1]
+    r = tiny_model.score_with_consistency(p, 3, 8, max_tokens=10)
+    a = tiny_model.generate(p, loops=3, max_tokens=10)[len(p):]
+    b = tiny_model.generate(p, loops=8, max_tokens=10)[len(p):]
+    assert (r["answer_a"], r["answer_b"]) == (a, b)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), -1)
+    assert r["first_divergence"] == first and r["agree"] == (a == b)
+    same = tiny_model.score_with_consistency(p, 5, 5, max_tokens=6)
+    assert same["agree"] and same["first_divergence"] == -1
+
+
+def test_uncertainty_shares_the_shallow_iterations(tiny_model):
+    p = PROMPTS[1]
+    before = tiny_model.counters.snapshot()
+    logits, kl = tiny_model.score_with_uncertainty(p, 3, 7)
+    assert tiny_model.counters.since(before).loop_iterations == 7  # not 3 + 7
+    net = tiny_model._module
+    with torch.no_grad():
+        hi = net(torch.tensor([p]), 7)[0, -1].double()
+        lo = net(torch.tensor([p]), 3)[0, -1].double()
+    np.testing.assert_allclose(logits, hi.numpy(), rtol=1e-4, atol=1e-4)
+    want = torch.sum(hi.softmax(-1) * (hi.log_softmax(-1) - lo.log_softmax(-1))).item()
+    assert kl == pytest.approx(want, rel=1e-3, abs=1e-6) and kl > 0
+    assert tiny_model.score_with_uncertainty(p, 4, 4)[1] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_trajectory_labels_and_final_state(tiny_model):
+    p = PROMPTS[0]
+    r = tiny_model.score_trajectory(p, 3)
+    assert r["labels"] == ["embed", "pre.0", "loop.0", "loop.1", "loop.2", "coda.0", "final_ln"]
+    assert r["hidden"].shape == (7, 64) and r["hidden"].dtype == np.float32
+    net = tiny_model._module
+    with torch.no_grad():
+        logits = net.logits(torch.from_numpy(r["hidden"][-2])[None])  # head over coda output
+    np.testing.assert_allclose(logits[0].numpy(), net(torch.tensor([p]), 3)[0, -1].detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
+# -- mixed-depth batches -----------------------------------------------------------------
+
+def test_mixed_depth_batch_lanes_equal_standalone(tiny_model):
+    prompts = [PROMPTS[0], [9, 8, 7], PROMPTS[1], [5] * 10]
+    loops = [2, 8, 5, 8]
+    before = tiny_model.counters.snapshot()
+    out = tiny_model.generate_batch(prompts, per_lane_loops=loops, max_tokens=9)
+    batched = tiny_model.counters.since(before)
+    for p, L, o in zip(prompts, loops, out):
+        assert o == tiny_model.generate(p, loops=L, max_tokens=9)
+    # iteration i advanced only lanes deeper than i: 8 decode steps x sum of depths
+    prefill_work = sum(L * len(p) for p, L in zip(prompts, loops))
+    assert batched.loop_token_iterations == prefill_work + 8 * sum(loops)
+
+
+def test_sampled_batch_lanes_equal_standalone(tiny_model):
+    prompts, loops = [PROMPTS[0], PROMPTS[1]], [3, 6]
+    out = tiny_model.generate_batch(prompts, per_lane_loops=loops, max_tokens=8, temperature=0.8, seed=[4, 5])
+    for p, L, s, o in zip(prompts, loops, [4, 5], out):
+        assert o == tiny_model.generate(p, loops=L, max_tokens=8, temperature=0.8, seed=s)
+
+
+def test_batch_errors(tiny_model):
+    with pytest.raises(ValueError, match="per_lane_loops has 1 entries for 2 prompts"):
+        tiny_model.generate_batch([[1], [2]], per_lane_loops=[3])
+    with pytest.raises(ValueError, match=r"per_lane_loops\[1\]=0 out of range"):
+        tiny_model.generate_batch([[1], [2]], per_lane_loops=[3, 0])
+    with pytest.raises(ValueError, match="5 lanes exceed the model's n_slots=4"):
+        tiny_model.generate_batch([[1]] * 5)
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        tiny_model.generate_batch([[1], []])
+
+
+# -- memory accounting -------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq, max_loops, mb", [(128, 32, 34), (512, 32, 136), (1024, 32, 272), (1024, 64, 528)])
+def test_handle_bytes_follow_the_reference_table(seq, max_loops, mb):
+    """The reference runtime's table (FP16 K/V, D=2048, 2 prelude layers, MiB); ours adds the
+    (seq, D) residual the handle must keep, about 1.5 %."""
+    cfg = LoopedConfig(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=16, d_ff=5632, n_prelude=2,
+                       n_loop_layers=1, n_coda=0, max_loops=64, default_loops=8)
+    got = handle_nbytes(cfg, seq, max_loops, 0, torch.float16) / 2**20
+    assert mb <= got <= mb * 1.02
