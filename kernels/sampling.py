@@ -10,10 +10,11 @@ and return the first kept token whose cumulative weight exceeds u * (total cumul
 the last kept token if rounding leaves none. The caller draws u (a counter-based stream keyed by seed and
 position), so every path that reaches a position draws the same token.
 
-Selection uses torch.topk on a unique int64 key (order-preserving bits of the fp32 logit in
-the high word, V - 1 - index in the low word): with no equal keys the top k and their order
-are fully determined on every device, which plain topk does not promise for tied logits. The
-kernel then gathers the kept logits, scans their weights and picks. No host sync anywhere.
+Selection: a kernel writes a unique int64 key per logit (order-preserving bits of the fp32
+logit in the high word, V - 1 - index in the low word) and torch.topk takes the k largest keys:
+with no equal keys the kept set and its order are fully determined on every device, which plain
+topk does not promise for tied logits. A second kernel gathers the kept logits, scans their
+weights and picks. No host sync anywhere.
 Dtypes: logits fp16 / bf16 / fp32, math in fp32. NaN logits are not supported.
 """
 import torch
@@ -47,6 +48,26 @@ def _argmax_kernel(
         best_idx = tl.where(better, x_idx.to(tl.int64), best_idx)
         best = tl.where(better, x_max, best)
     tl.store(out_ptr + b, best_idx)
+
+
+@triton.jit
+def _selection_key_kernel(
+    logits_ptr,  # (B, V)
+    keys_ptr,  # (B, V) int64 contiguous
+    stride_logits_b, stride_logits_v,
+    V,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < V
+    x = tl.load(logits_ptr + b * stride_logits_b + offs * stride_logits_v, mask=mask, other=0.0)
+    # -0.0 and +0.0 compare equal, so they must get one key prefix (+0.0's) and tie by index.
+    x = tl.where(x == 0.0, 0.0, x.to(tl.float32))
+    bits = x.to(tl.int32, bitcast=True)
+    # Flipping the magnitude bits of negatives makes signed integer order equal float order.
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    tl.store(keys_ptr + b * V + offs, (ordered << 32) | (V - 1 - offs), mask=mask)
 
 
 @triton.jit
@@ -99,13 +120,11 @@ def argmax(logits):
 
 def _selection_order(logits, k):
     """(B, V) -> (B, k) int64 token ids: descending logit, ties by ascending index."""
-    V = logits.shape[1]
-    # + 0.0 turns -0.0 into +0.0, which torch compares as equal; then flip the magnitude bits
-    # of negatives so integer order is float order.
-    bits = (logits.float() + 0.0).view(torch.int32)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
-    low = V - 1 - torch.arange(V, device=logits.device, dtype=torch.int64)  # larger for lower index
-    keys = (ordered << 32) | low  # (B, V), all distinct
+    B, V = logits.shape
+    keys = torch.empty((B, V), dtype=torch.int64, device=logits.device)
+    BLOCK_V = min(4096, triton.next_power_of_2(V))
+    _selection_key_kernel[(B, triton.cdiv(V, BLOCK_V))](
+        logits, keys, *logits.stride(), V, BLOCK_V=BLOCK_V, num_warps=4)
     return keys.topk(k, dim=1).indices
 
 

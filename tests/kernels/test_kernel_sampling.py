@@ -3,6 +3,7 @@ import torch
 from kernel_tolerances import DEVICE
 
 from tinyloop.kernels import argmax, argmax_ref, sample_top_k, sample_top_k_ref
+from tinyloop.kernels.sampling import _selection_order
 
 
 def make_logits(B, V, dtype, seed, ties):
@@ -34,6 +35,19 @@ def test_sample_top_k_matches_ref(B, V, top_k, temperature, ties):
     logits = make_logits(B, V, torch.float32, seed=V + top_k, ties=ties)
     u = torch.rand(B, generator=torch.Generator().manual_seed(top_k)).to(DEVICE)
     assert torch.equal(sample_top_k(logits, top_k, temperature, u), sample_top_k_ref(logits, top_k, temperature, u))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_selection_order_is_stable_descending_sort(dtype):
+    """The kept tokens and their order, signed zeros and infinities included."""
+    logits = make_logits(3, 300, dtype, seed=5, ties=True) - 2  # values -2 .. 1
+    logits[0, [3, 7, 250]] = -0.0
+    logits[1, [0, 299]] = float("inf")
+    logits[2, :] = 0.0
+    logits[2, ::3] = -0.0
+    expected = logits.float().sort(dim=1, descending=True, stable=True).indices
+    for k in (1, 7, 300):
+        assert torch.equal(_selection_order(logits, k), expected[:, :k])
 
 
 def test_sample_top_k_fp16_and_extreme_uniforms():
