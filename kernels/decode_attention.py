@@ -163,7 +163,7 @@ def _check(op, q, k_cache, v_cache, seq_lens):
 
 
 def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len):
-    """decode_attention with an explicit split length (a multiple of the tile); tests use it to
+    """decode_attention with an explicit split length (slots per split); tests use it to
     force many splits on short caches."""
     B, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
