@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
+# The main job: the gRPC service on the embedded default model (local Ray, 127.0.0.1:50051).
+# Beside it:  .venv/bin/tinyloop generate --server 127.0.0.1:50051 --prompt "def fibonacci(n):" --loops 8
 run: $(STAMP)
-	$(BIN)/tinyloop generate --prompt "def fibonacci(n):" --loops 8 --max-tokens 96
+	$(BIN)/tinyloop serve
+
+# Regenerate the client stubs from proto/tinyloop/v1/tinyloop.proto (a test fails when stale).
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -11,6 +11,8 @@ def register(sub) -> None:
     s.add_argument("--model", default=None, help="path to a .tinyloop checkpoint (default: the embedded model)")
     s.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     s.add_argument("--workers", type=int, default=None, help="worker actors (default: one per GPU, else 1)")
+    s.add_argument("--attach", action="store_true",
+                   help="attach to the --workers N workers another gateway created (extra replicas)")
     s.add_argument("--lanes", type=int, default=4, help="concurrent streams per worker")
     s.add_argument("--max-seq-len", type=int, default=2048)
     s.add_argument("--device", default=None, help="cpu | cuda (default: cuda when the cluster has GPUs)")
@@ -62,7 +64,11 @@ def _serve(args) -> int:
                                  device=args.device, dtype=args.dtype,
                                  handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
                                  handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue)
-    actors = workers.spawn(args.workers, opts)
+    if args.attach:
+        actors = workers.attach(args.workers or 1)
+    else:
+        # Detached when joining a cluster, so extra gateway replicas outlive this one's restarts.
+        actors = workers.spawn(args.workers, opts, detached=args.ray_address is not None)
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr=args.host)
@@ -83,7 +89,8 @@ def _serve(args) -> int:
     try:
         asyncio.run(main())
     finally:
-        for a in actors:
-            ray.kill(a, no_restart=True)
+        if args.ray_address is None:  # a local Ray is ours: take the workers down with us
+            for a in actors:
+                ray.kill(a, no_restart=True)
         ray.shutdown()
     return 0

@@ -33,8 +33,10 @@ def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
-def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worker") -> list:
-    """Start n worker actors (default: one per GPU, else one CPU worker)."""
+def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worker",
+          detached: bool = False) -> list:
+    """Start n worker actors (default: one per GPU, else one CPU worker). Detached workers
+    outlive the gateway that made them (get_if_exists: a restarted gateway re-attaches)."""
     gpus = cluster_gpus()
     if n is None:
         n = gpus or 1
@@ -43,10 +45,28 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
     actors = []
     for i in range(n):
         actors.append(actor_cls.options(
-            name=f"{name_prefix}-{i}", namespace=NAMESPACE, lifetime=None,
+            name=f"{name_prefix}-{i}", namespace=NAMESPACE, lifetime="detached" if detached else None,
+            get_if_exists=detached,
             num_gpus=1 if use_gpu else 0, num_cpus=opts.num_cpus,
             max_restarts=opts.max_restarts, max_task_retries=0, max_concurrency=1000,
         ).remote(i, opts.model_path, opts.lanes, opts.max_seq_len,
                  opts.device or ("cuda" if use_gpu else "cpu"), opts.dtype, opts.handle_budget_bytes,
                  opts.handle_ttl_s, 4096, opts.max_queue, opts.coalesce_s, opts.torch_threads))
+    return actors
+
+
+def attach(n: int, name_prefix: str = "tinyloop-worker", timeout_s: float = 300.0) -> list:
+    """The n workers another gateway created (an extra gateway replica attaches by name)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    actors = []
+    for i in range(n):
+        while True:
+            try:
+                actors.append(ray.get_actor(f"{name_prefix}-{i}", namespace=NAMESPACE))
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {name_prefix}-{i} not found in namespace {NAMESPACE}") from None
+                time.sleep(1.0)
     return actors

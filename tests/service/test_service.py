@@ -402,3 +402,21 @@ def test_200_mixed_requests_leave_nothing_behind(gateway, actors):
     assert all(s["active_lanes"] == 0 and s["streams"] == 0 and s["queued"] == 0 and s["handles"] == 0
                and s["handle_bytes"] == 0 for s in stats), stats
     assert gateway.gateway.servicer.inflight == 0
+
+
+def test_cli_wire_commands(gateway):
+    import json
+    import subprocess
+    import sys
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tinyloop.cli", *a], capture_output=True, text=True,
+                                    timeout=120)
+    info = run("info", "--server", gateway.address)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["vocab_size"] == 256
+    gen = run("generate", "--server", gateway.address, "--prompt", "hi", "--loops", "2", "--max-tokens", "5")
+    assert gen.returncode == 0 and "finish: length, 5 tokens" in gen.stderr, gen.stderr
+    res = run("resume", "--server", gateway.address, "--prompt", "hi", "--l-used", "2", "--new-L", "3", "4",
+              "--max-tokens", "4")
+    assert res.returncode == 0 and res.stderr.count("finish: length, 4 tokens") == 2, res.stderr
+    bad = run("generate", "--server", gateway.address, "--prompt", "hi", "--loops", "0")
+    assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
