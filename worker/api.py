@@ -22,6 +22,7 @@ from tinyloop.worker import resume as resume_mod
 from tinyloop.worker import scoring
 from tinyloop.worker.resume import ResumeHandle
 from tinyloop.worker.sampling import SamplingParams
+from tinyloop.worker.speculative import SpecParams, stream_speculative
 from tinyloop.worker.tokenizer import from_metadata
 
 DEFAULT_SAFETY_NORM_THRESHOLD = 1.0e4
@@ -170,8 +171,12 @@ class Model:
     def make_request(self, prompt, loops=None, max_tokens=128, temperature=0.0, top_k=50, top_p=1.0,
                      repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,
                      l_warmup_L=None, safety_check=False,
-                     safety_norm_threshold=DEFAULT_SAFETY_NORM_THRESHOLD, stop_token_ids=None) -> Request:
-        """Validate `generate`'s arguments into a Request (the Ray actor uses this too)."""
+                     safety_norm_threshold=DEFAULT_SAFETY_NORM_THRESHOLD, stop_token_ids=None,
+                     speculative=None) -> Request:
+        """Validate `generate`'s arguments into a Request (the Ray actor uses this too).
+
+        speculative: None, or {draft_loops, verify_loops, draft_ahead, k_branches} for
+        self-speculative decoding (verify_loops then is the request's depth)."""
         self._check_open()
         ids = self._prompt(prompt)
         L = self._loops(loops)
@@ -187,15 +192,20 @@ class Model:
                 raise ValueError(f"l_warmup_L={warm_L} must be <= loops={L}")
         if safety_check and not safety_norm_threshold > 0:
             raise ValueError(f"safety_norm_threshold must be > 0, got {safety_norm_threshold}")
-        return Request(ids, L, int(max_tokens), self._sampling(temperature, top_k, top_p, repetition_penalty),
-                       self._seed(seed), self._window(cache_window), int(l_warmup_tokens), warm_L,
-                       float(safety_norm_threshold) if safety_check else None, self._stop_ids(stop_token_ids))
+        req = Request(ids, L, int(max_tokens), self._sampling(temperature, top_k, top_p, repetition_penalty),
+                      self._seed(seed), self._window(cache_window), int(l_warmup_tokens), warm_L,
+                      float(safety_norm_threshold) if safety_check else None, self._stop_ids(stop_token_ids))
+        if speculative is not None:
+            self._speculative_request(req, speculative)
+        return req
 
     # -- generation ---------------------------------------------------------------------
     def stream(self, request: Request, lane: int = 0):
         """A generator of token-id lists for a validated request on one cache lane; its
         return value (StopIteration.value) is the `Finish`."""
         self._check_open()
+        if request.speculative is not None:
+            return stream_speculative(self.engine, lane, request, self._spec_params(request.speculative))
         return stream(self.engine, lane, request)
 
     def generate(self, prompt, loops=None, max_tokens=128, temperature=0.0, top_k=50, top_p=1.0,
@@ -361,6 +371,60 @@ class Model:
             self._check_open()
             labels, hidden = scoring.trajectory(self.engine, 0, ids, L)
         return {"labels": labels, "hidden": hidden.cpu().numpy().astype(np.float32)}
+
+    # -- self-speculative decoding ------------------------------------------------------
+    def generate_speculative(self, prompt, max_tokens=128, draft_loops=2, verify_loops=8, draft_ahead=4,
+                             temperature=0.0, top_k=50, top_p=1.0, seed=None,
+                             stop_token_ids=None) -> Generation:
+        """Draft at draft_loops, verify at verify_loops (warm-started from the draft's residuals).
+        Greedy output equals `generate(prompt, loops=verify_loops)`; sampled output is
+        distributed as it. `.stats` adds accepted_per_verify, acceptance_rate, verify_steps."""
+        return self._generate_speculative(prompt, max_tokens, temperature, top_k, top_p, seed,
+                                          stop_token_ids, dict(draft_loops=draft_loops, verify_loops=verify_loops,
+                                                               draft_ahead=draft_ahead, k_branches=1, tree=False))
+
+    def generate_tree_speculative(self, prompt, max_tokens=128, draft_loops=2, verify_loops=8, draft_ahead=4,
+                                  K_branches=2, temperature=0.0, top_k=50, top_p=1.0, seed=None,
+                                  stop_token_ids=None) -> Generation:
+        """K_branches draft branches of draft_ahead tokens, verified in one tree pass
+        (K_branches=1: a chain through the tree path). Same guarantees as `generate_speculative`."""
+        return self._generate_speculative(prompt, max_tokens, temperature, top_k, top_p, seed,
+                                          stop_token_ids, dict(draft_loops=draft_loops, verify_loops=verify_loops,
+                                                               draft_ahead=draft_ahead, k_branches=K_branches,
+                                                               tree=True))
+
+    def _generate_speculative(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                              speculative: dict) -> Generation:
+        req = self.make_request(prompt, None, max_tokens, temperature, top_k, top_p, seed=seed,
+                                stop_token_ids=stop_token_ids, speculative=speculative)
+        with self._lock:
+            self._check_open()
+            return drain(req.prompt, self.stream(req))
+
+    def _spec_params(self, speculative: dict) -> SpecParams:
+        s = speculative
+        k = s.get("k_branches", 1)
+        tree = s.get("tree", k != 1)
+        return SpecParams(s.get("draft_loops", 2), s.get("verify_loops", 8), s.get("draft_ahead", 4), k, tree)
+
+    def _speculative_request(self, req: Request, speculative) -> None:
+        """Validate the speculative options into the request; verify_loops becomes its depth."""
+        if not isinstance(speculative, dict):
+            raise ValueError(f"speculative must be a dict, got {type(speculative).__name__}")
+        unknown = set(speculative) - {"draft_loops", "verify_loops", "draft_ahead", "k_branches", "tree"}
+        if unknown:
+            raise ValueError(f"speculative has unknown keys {sorted(unknown)}")
+        spec = {k: int(v) if isinstance(v, np.integer) else v for k, v in speculative.items()}
+        params = self._spec_params(spec).check(self.config.max_loops)
+        if req.window:
+            raise ValueError("speculative decoding needs the full cache (cache_window=0)")
+        if req.warmup_tokens or req.safety_threshold is not None:
+            raise ValueError("speculative decoding does not combine with l_warmup_tokens or safety_check")
+        if req.sampling.repetition_penalty != 1.0:
+            raise ValueError("speculative decoding does not support repetition_penalty")
+        req.loops = params.verify_loops
+        req.speculative = dict(draft_loops=params.draft_loops, verify_loops=params.verify_loops,
+                               draft_ahead=params.draft_ahead, k_branches=params.k_branches, tree=params.tree)
 
 
 def drain(prompt: list[int], gen) -> Generation:

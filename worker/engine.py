@@ -21,6 +21,19 @@ from tinyloop.worker.ops import Ops, masked_attention
 
 
 @dataclass
+class Tree:
+    """Tree mode for a pass: the chunk's tokens are nodes of a draft tree laid out in cache
+    slots after a shared prefix, and each attends to the prefix plus its own ancestors only.
+
+    The mask stays compact: one int64 bitmask row per node (bit u: node u is the node itself
+    or an ancestor), never a dense (B, H, q, k) tensor."""
+    slots: torch.Tensor          # (B, T) int64 cache slot of each query token (prefix_lens + node)
+    prefix_lens: torch.Tensor    # (B,) int64 slots [0, prefix_len) are the shared prefix
+    ancestors: torch.Tensor      # (B, N) int64 bitmask over the N nodes written so far
+    query_nodes: torch.Tensor | None = None  # (T,) node index of each query; None: all N nodes
+
+
+@dataclass
 class Pass:
     lanes: slice                 # cache slots of the B lanes, contiguous
     positions: torch.Tensor      # (B, T) int64 absolute positions
@@ -30,6 +43,7 @@ class Pass:
     sin: torch.Tensor | None = None
     norm_max: torch.Tensor | None = None   # (B,) max residual L2 norm seen per lane, if tracked
     trace: list | None = None              # (label, (B, D) last-position residual) per stage
+    tree: Tree | None = None               # tree mode (speculative verify); None: causal chunk
 
     def narrow(self, n: int) -> "Pass":
         """The first n lanes (mixed-depth batches keep the deepest lanes first)."""
@@ -134,6 +148,8 @@ class Engine:
 
         def attend(q, k, v):
             T = q.shape[1]
+            if p.tree is not None:
+                return self._attend_tree(q, k, v, p, kc, vc)
             if W == 0 or T == 1:
                 # write first, then read: a single new token cannot evict a key it needs
                 write_idx = p.positions if W == 0 else p.positions % W
@@ -171,6 +187,21 @@ class Engine:
         kc.scatter_(2, idx, kr[:, :, tail].to(kc.dtype))
         vc.scatter_(2, idx, vt[:, :, tail].to(vc.dtype))
         return out
+
+    def _attend_tree(self, q, k, v, p: Pass, kc, vc):
+        """Write the nodes' K / V at their slots, then attend with the ancestor bitmask. Keys
+        past kv_len (nodes not written yet, stale entries) are never part of the read."""
+        t = p.tree
+        qr = self.ops.rope_cache_write(q, k, v, p.cos, p.sin, t.slots, kc, vc)  # (B, H, T, hd)
+        if t.query_nodes is not None:
+            # a subset of the nodes asks (one depth of a tree being drafted): the op's query
+            # t is node t, so place the queries at their nodes and read those rows back
+            B, H, _, hd = qr.shape
+            full = qr.new_zeros(B, H, t.ancestors.shape[1], hd)  # (B, H, N, hd)
+            qr = full.index_copy(2, t.query_nodes, qr)
+        out = self.ops.tree_attention(qr, kc[:, :, :p.kv_len], vc[:, :, :p.kv_len], t.prefix_lens,
+                                      t.ancestors, self.scale)
+        return out if t.query_nodes is None else out.index_select(2, t.query_nodes)
 
     @staticmethod
     def _trace(p: Pass, label: str, x: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tinyloop.kernels.decode_attention import decode_attention_ref
 from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
+from tinyloop.kernels.tree_attention import tree_attention_ref
 
 
 class Ops:
@@ -18,6 +19,7 @@ class Ops:
     apply_rope = staticmethod(apply_rope_ref)
     rope_cache_write = staticmethod(rope_cache_write_ref)
     decode_attention = staticmethod(decode_attention_ref)
+    tree_attention = staticmethod(tree_attention_ref)
 
 
 class TritonOps(Ops):
@@ -29,6 +31,8 @@ class TritonOps(Ops):
         from tinyloop.kernels.rope import rope_cache_write
         self.rope_cache_write = rope_cache_write
         self.decode_attention = decode_attention
+        from tinyloop.kernels.tree_attention import tree_attention
+        self.tree_attention = tree_attention
 
 
 def select_ops(device: torch.device, backend: str | None = None) -> Ops:

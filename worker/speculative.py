@@ -1,0 +1,312 @@
+"""Self-speculative decoding: the draft model is the same model at a shallower depth.
+
+Chain. A round starts at position p with the token t_p already decided (emitted) but not yet
+fed. The draft feeds t_p, d_1, ..., d_{k-1} one decode step at a time at `draft_loops` (L_d),
+each step drafting the next token from its L_d logits, then feeds d_k through iterations
+[0, L_d) only. Every step keeps its residual after L_d iterations.
+
+Warm-start verification. Iteration i of a token reads only tokens <= it at iterations <= i, with
+the weights every iteration shares, so the draft's cache layers [0, L_d) for the chunk
+[t_p, d_1 .. d_k] are exactly the layers a verify at `verify_loops` (L_v) would write for the
+tokens that get accepted. Verify therefore runs only iterations [L_d, L_v) over the chunk, from
+the saved residuals, then the coda and the logits at every chunk position: each chunk token runs
+L_v iterations in total, never more (the engine's counters prove it). Verifier logits at p + i
+decide position p + i + 1: accept while the verifier's token equals the draft; the verifier's
+token at the first mismatch (or the bonus after a fully accepted chunk) is the round's last
+token and the next round's t_p.
+
+Tree. K branches: branch b starts from the b-th most likely draft token after t_p, then a greedy
+chain, k tokens deep. The 1 + K·k nodes sit in the cache breadth first after the prefix (node 0
+is t_p at slot p, depth-i node of branch b at slot p + 1 + (i - 1)·K + b), so the nodes drafted
+so far always fill a contiguous run of slots. One tree pass per depth drafts all branches; one
+tree pass over every node verifies them all (compact mask: an int64 ancestor bitmask per node).
+The accepted path's K / V then move from node slots to their linear slots p + depth in every
+cache layer the verifier uses. With K = 1 the layout is the chain's.
+
+Rollback. The cache is position addressed and every read is bounded by the reader's position
+(or the nodes written so far), so K / V left by rejected tokens are overwritten before anything
+reads them; nothing is copied back.
+
+Sampling (temperature > 0). Chain: speculative sampling (Leviathan et al. 2023; Chen et al.
+2023): d ~ q, accept with min(1, p(d) / q(d)), else draw from normalize(max(0, p - q)); the
+emitted token is distributed as p. Tree: the K first tokens are deterministic proposals (top-K
+of q), i.e. point masses; the multi-candidate form of the same rule (accept candidate x with
+p'(x), else remove it from p' and renormalise, then draw from what is left) emits a token
+distributed exactly as p, and in law it is a single draw y ~ p followed by "accept the child
+whose token is y". That draw is the plain sampler's own (STREAM_TOKEN at the position), so a
+seeded tree run emits the same tokens as a seeded `generate` at verify_loops. Every random
+number is sampling.uniform(seed, absolute position, stream): reproducible on any path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyloop.kernels.tree_attention import MAX_NODES, ancestors_from_parents
+from tinyloop.worker.engine import Engine, Pass, Tree
+from tinyloop.worker.generate import FINISH_LENGTH, FINISH_STOP, Finish, Request, TokenStream, prefill
+from tinyloop.worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
+                                      draw, probs, uniform)
+
+MAX_DRAFT_AHEAD = 16
+MAX_BRANCHES = 8
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    draft_loops: int
+    verify_loops: int
+    draft_ahead: int
+    k_branches: int = 1
+    tree: bool = False   # False: the chain path (k_branches must be 1); True: tree passes
+
+    def check(self, max_loops: int) -> "SpecParams":
+        """Raise ValueError with the argument's name and the reason."""
+        for name in ("draft_loops", "verify_loops", "draft_ahead", "k_branches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an int, got {type(v).__name__}")
+        if self.draft_loops < 1:
+            raise ValueError(f"draft_loops must be >= 1, got {self.draft_loops}")
+        if self.verify_loops > max_loops:
+            raise ValueError(f"verify_loops={self.verify_loops} exceeds max_loops={max_loops}")
+        if self.draft_loops >= self.verify_loops:
+            raise ValueError(f"draft_loops={self.draft_loops} must be < verify_loops={self.verify_loops}")
+        if not 1 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
+            raise ValueError(f"draft_ahead={self.draft_ahead} out of range [1, {MAX_DRAFT_AHEAD}]")
+        if not 1 <= self.k_branches <= MAX_BRANCHES:
+            raise ValueError(f"K_branches={self.k_branches} out of range [1, {MAX_BRANCHES}]")
+        if not self.tree and self.k_branches != 1:
+            raise ValueError("the chain path takes k_branches=1; use the tree path for more branches")
+        if 1 + self.k_branches * self.draft_ahead > MAX_NODES:
+            raise ValueError(f"a tree of 1 + K_branches·draft_ahead = {1 + self.k_branches * self.draft_ahead} "
+                             f"nodes exceeds the {MAX_NODES} the tree mask holds")
+        return self
+
+
+# -- accept / resample -------------------------------------------------------------------
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
+                       u_accept: torch.Tensor, u_residual: torch.Tensor):
+    """Speculative sampling's decision at one position, batched over rows.
+
+    p, q (B, V) target and draft distributions, draft (B,) tokens drawn from q, uniforms (B,).
+    -> (accepted (B,) bool, token (B,)): the draft where accepted (probability
+    min(1, p / q)), else a draw from normalize(max(0, p - q)). The token is distributed as p."""
+    p, q = p.double(), q.double()
+    pd, qd = p.gather(1, draft[:, None])[:, 0], q.gather(1, draft[:, None])[:, 0]
+    accepted = u_accept * qd < pd  # u < p / q without dividing; always true where p >= q
+    residual = (p - q).clamp_min(0)
+    # p == q leaves no residual mass (and then every draft is accepted): fall back to p
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    return accepted, torch.where(accepted, draft, draw(residual, u_residual))
+
+
+class _Chooser:
+    """The verifier's and the draft's token choices at absolute positions, for one request."""
+
+    def __init__(self, sampling: SamplingParams, seed: int, device):
+        self.sp = sampling
+        self.greedy = sampling.greedy
+        self.seed = torch.tensor([seed], device=device)
+        self.device = device
+
+    def _u(self, pos: int, stream: int) -> torch.Tensor:
+        return uniform(self.seed, torch.tensor([pos], device=self.device), stream)
+
+    def target(self, logits: torch.Tensor, pos: int) -> int:
+        """The plain sampler's token at `pos` (argmax, or the STREAM_TOKEN draw from p)."""
+        if self.greedy:
+            return int(logits.argmax(-1))
+        return int(draw(probs(logits.view(1, -1), self.sp), self._u(pos, STREAM_TOKEN)))
+
+    def draft(self, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
+        """A chain draft token at `pos` and its distribution q (None under greedy)."""
+        if self.greedy:
+            return int(logits.argmax(-1)), None
+        q = probs(logits.view(1, -1), self.sp)
+        return int(draw(q, self._u(pos, STREAM_TOKEN))), q
+
+    def verify(self, logits: torch.Tensor, q: torch.Tensor | None, d: int, pos: int) -> tuple[bool, int]:
+        """Chain verification of draft d at `pos` -> (accepted, emitted token)."""
+        if self.greedy:
+            t = int(logits.argmax(-1))
+            return t == d, t
+        p = probs(logits.view(1, -1), self.sp)
+        acc, tok = accept_or_resample(p, q, torch.tensor([d], device=self.device),
+                                      self._u(pos, STREAM_ACCEPT), self._u(pos, STREAM_RESIDUAL))
+        return bool(acc), int(tok)
+
+
+class _Emitter:
+    """Counts emitted tokens against max_tokens and stop ids; truncates a round's tokens."""
+
+    def __init__(self, req: Request):
+        self.req = req
+        self.generated = 0
+        self.reason: str | None = None
+
+    def take(self, tokens: list[int]) -> list[int]:
+        out = []
+        for t in tokens:
+            out.append(t)
+            self.generated += 1
+            if t in self.req.stop_ids:
+                self.reason = FINISH_STOP
+                break
+            if self.generated >= self.req.max_tokens:
+                self.reason = FINISH_LENGTH
+                break
+        return out
+
+
+# -- the generators ------------------------------------------------------------------------
+def stream_speculative(engine: Engine, lane: int, req: Request, spec: SpecParams) -> TokenStream:
+    """Prefill at verify_loops, then chain or tree rounds; yields each verify's tokens."""
+    before = engine.counters.snapshot()
+    chooser = _Chooser(req.sampling, req.seed, engine.cache.k.device)
+    emit = _Emitter(req)
+    T = len(req.prompt)
+    logits, _ = prefill(engine, lane, req.prompt, spec.verify_loops, 0)
+    t = chooser.target(logits[0], T)
+    yield emit.take([t])
+    rounds = drafted = accepted = 0
+    pos = T  # position of t: decided, not yet fed
+    while emit.reason is None:
+        # never draft past what max_tokens can still use: a round emits at most k + 1 tokens
+        k = min(spec.draft_ahead, req.max_tokens - emit.generated - 1)
+        if spec.tree:  # side branches sit past the linear positions: keep every node inside the cache
+            k = min(k, (engine.cache.max_seq_len - pos - 1) // spec.k_branches)
+        if spec.tree:
+            toks, n_acc = _tree_round(engine, lane, spec, chooser, t, pos, k)
+        else:
+            toks, n_acc = _chain_round(engine, lane, spec, chooser, t, pos, k)
+        rounds += 1
+        drafted += k
+        accepted += n_acc
+        pos += len(toks)
+        t = toks[-1]
+        yield emit.take(toks)
+    work = engine.counters.since(before)
+    return Finish(emit.reason, {
+        "prompt_tokens": T, "completion_tokens": emit.generated,
+        "loop_iterations": work.loop_iterations,
+        "loop_token_iterations": work.loop_token_iterations,
+        "verify_steps": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "accepted_per_verify": accepted / rounds if rounds else 0.0,
+        "tokens_per_verify": (emit.generated - 1) / rounds if rounds else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "draft_loops": spec.draft_loops, "verify_loops": spec.verify_loops,
+        "draft_ahead": spec.draft_ahead, "k_branches": spec.k_branches,
+    })
+
+
+def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
+                 k: int) -> tuple[list[int], int]:
+    """Draft k tokens after t (at pos), verify [t, d_1 .. d_k] from the draft's residuals.
+    -> (tokens decided this round, number of drafts accepted)."""
+    device = engine.cache.k.device
+    Ld, Lv = spec.draft_loops, spec.verify_loops
+    lanes = slice(lane, lane + 1)
+    chunk, xs, qs = [t], [], []
+    for i in range(k + 1):
+        p = engine.make_pass(lanes, torch.tensor([[pos + i]], device=device), pos + i + 1)
+        x = engine.run_loops(engine.embed_prelude(torch.tensor([[chunk[i]]], device=device), p), p, 0, Ld)
+        xs.append(x)
+        if i < k:  # the last drafted token needs only its residual, not a draft of its own
+            d, q = chooser.draft(engine.logits(engine.coda(x, p))[0, -1], pos + i + 1)
+            chunk.append(d)
+            qs.append(q)
+    n = k + 1
+    p = engine.make_pass(lanes, torch.arange(pos, pos + n, device=device)[None], pos + n)
+    logits = engine.logits(engine.coda(engine.run_loops(torch.cat(xs, 1), p, Ld, Lv), p))[0]  # (n, V)
+    out = []
+    for i in range(k):
+        ok, tok = chooser.verify(logits[i], qs[i], chunk[i + 1], pos + i + 1)
+        out.append(tok)
+        if not ok:
+            return out, i
+    out.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
+    return out, k
+
+
+def tree_layout(K: int, depth: int, device=None):
+    """The breadth-first draft tree: node 0 the root, node 1 + (i - 1)·K + b the depth-i node of
+    branch b. -> (parents (N,) int64, node depths (N,) int64)."""
+    N = 1 + K * depth
+    node = torch.arange(N, device=device)
+    depths = torch.where(node == 0, 0, (node - 1) // K + 1)
+    parents = torch.where(node == 0, -1, torch.where(depths == 1, 0, node - K))
+    return parents, depths
+
+
+def _tree_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
+                k: int) -> tuple[list[int], int]:
+    """Draft a K-branch tree of depth k below t (at pos), verify all nodes in one tree pass,
+    move the accepted path to its linear slots. -> (tokens decided, drafts accepted)."""
+    device = engine.cache.k.device
+    Ld, Lv = spec.draft_loops, spec.verify_loops
+    K = min(spec.k_branches, engine.config.vocab_size) if k else 1
+    lanes = slice(lane, lane + 1)
+    parents, depths = tree_layout(K, k, device)
+    N = parents.shape[0]
+    anc = ancestors_from_parents(parents[None])                       # (1, N)
+    prefix = torch.tensor([pos], device=device)
+    tokens = torch.empty(N, dtype=torch.long, device=device)
+    tokens[0] = t
+    xs = []
+    for i in range(k + 1):
+        n_written = 1 + i * K  # breadth first: the nodes up to depth i fill slots [pos, pos + n_written)
+        nodes = torch.arange(n_written - (K if i else 1), n_written, device=device)
+        p = _tree_pass(engine, lanes, pos, depths, nodes, prefix, anc[:, :n_written])
+        x = engine.run_loops(engine.embed_prelude(tokens[nodes][None], p), p, 0, Ld)
+        xs.append(x)
+        if i < k:
+            logits = engine.logits(engine.coda(x, p))[0]              # (len(nodes), V)
+            if i == 0:   # the K branches start from the K most likely draft tokens
+                nxt = logits[0].topk(K).indices
+            else:        # then each branch continues greedily
+                nxt = logits.argmax(-1)
+            tokens[1 + i * K:1 + (i + 1) * K] = nxt
+    p = _tree_pass(engine, lanes, pos, depths, None, prefix, anc)
+    logits = engine.logits(engine.coda(engine.run_loops(torch.cat(xs, 1), p, Ld, Lv), p))[0]  # (N, V)
+    toks = tokens.tolist()
+    out, path, cur = [], [], 0
+    for i in range(1, k + 1):
+        y = chooser.target(logits[cur], pos + i)
+        out.append(y)
+        children = range(1, 1 + K) if i == 1 else [cur + K]
+        nxt = next((c for c in children if toks[c] == y), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        cur = nxt
+    else:
+        out.append(chooser.target(logits[cur], pos + k + 1))  # bonus after a full branch
+    _move_path(engine, lane, pos, path, Lv)
+    return out, len(path)
+
+
+def _tree_pass(engine: Engine, lanes: slice, pos: int, depths: torch.Tensor, nodes: torch.Tensor | None,
+               prefix: torch.Tensor, anc: torch.Tensor) -> Pass:
+    """A tree-mode pass over `nodes` (None: all of anc's nodes) of the tree rooted at slot pos."""
+    N = anc.shape[1]
+    q_nodes = torch.arange(N, device=prefix.device) if nodes is None else nodes
+    p = engine.make_pass(lanes, (pos + depths[q_nodes])[None], pos + N)
+    p.tree = Tree((pos + q_nodes)[None], prefix, anc, nodes)
+    return p
+
+
+def _move_path(engine: Engine, lane: int, pos: int, path: list[int], loops: int) -> None:
+    """Accepted nodes at depth 1..j: K / V from slot pos + node to pos + depth, in every cache
+    layer a call at `loops` uses (prelude, iterations [0, loops), coda)."""
+    moves = [(pos + node, pos + d) for d, node in enumerate(path, 1) if node != d]
+    if not moves:
+        return
+    cache = engine.cache
+    device = cache.k.device
+    layers = torch.tensor(cache.layers_for(loops), device=device)[:, None]   # (layers, 1)
+    src = torch.tensor([s for s, _ in moves], device=device)[None]           # (1, moves)
+    dst = torch.tensor([d for _, d in moves], device=device)[None]
+    for buf in (cache.k, cache.v):
+        buf[layers, lane, :, dst] = buf[layers, lane, :, src]  # (layers, moves, Hkv, hd); gathered first
