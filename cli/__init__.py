@@ -1,4 +1,4 @@
-"""The `tinyloop` command. Each package registers its own subcommands; a module listed here
+"""The `tinyloop` command (`python -m tinyloop.cli` works too). Each package registers its own subcommands; a module listed here
 must import nothing heavy at import time (torch, ray, grpc load inside the handlers), so
 `tinyloop --help` and the wire-only commands stay fast."""
 from __future__ import annotations
@@ -31,6 +31,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tinyloop {args.command}: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

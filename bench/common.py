@@ -1,0 +1,59 @@
+"""Shared benchmark plumbing: timing with device events, hardware facts, JSON out."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def hardware(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        import triton
+        info["triton"] = triton.__version__
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cores"] = os.cpu_count()
+    return info
+
+
+def timed(fn, device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
+    """Median wall-clock milliseconds of fn(), synchronising the device around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def write(name: str, payload: dict, out_dir: str | None = None) -> Path:
+    out = Path(out_dir) if out_dir else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path

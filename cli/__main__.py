@@ -1,0 +1,5 @@
+import sys
+
+from tinyloop.cli import main
+
+sys.exit(main())
