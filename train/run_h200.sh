@@ -2,7 +2,7 @@
 # Train the embedded default model on one GPU (~8 min of training, ~8.5 min wall), from the
 # repository root, with the project installed first (package-dir mapping defeats PYTHONPATH):
 #
-#   pip install --no-deps --no-build-isolation -e . >/dev/null && bash train/run_h200.sh
+#   source bench/gpu_env.sh && bash train/run_h200.sh
 #
 # Writes to $OUT (default ./out): default.tinyloop (fp16), train_log.jsonl, model_card.json,
 # model-card.md. The corpus is built here from this machine's own stdlib (cached in /tmp).
