@@ -265,14 +265,20 @@ def test_scoring_and_info(client, local_model):
     assert all(w["alive"] for w in info["workers"])
 
 
-def test_speculative_is_plumbed_through(client, local_model):
+@pytest.mark.parametrize("k_branches", [1, 2])
+def test_speculative_through_the_service(client, local_model, k_branches):
     import inspect
-    stream = client.generate(PROMPT, max_tokens=8, speculative={"draft_loops": 2, "verify_loops": 6})
+    spec = {"draft_loops": 2, "verify_loops": 6, "draft_ahead": 3, "k_branches": k_branches}
+    stream = client.generate(PROMPT, max_tokens=12, speculative=spec)
     if "speculative" not in inspect.signature(local_model.make_request).parameters:
         expect(grpc.StatusCode.UNIMPLEMENTED, "SPECULATIVE_UNAVAILABLE", stream.collect)
-    else:
-        ids, _ = stream.collect()
-        assert ids == local_model.generate(PROMPT, loops=6, max_tokens=8)[len(PROMPT):]
+        return
+    ids, complete = stream.collect()
+    assert ids == local_model.generate(PROMPT, loops=6, max_tokens=12)[len(PROMPT):]   # greedy: exact
+    assert complete.usage["completion_tokens"] == 12
+    assert complete.usage["accepted_per_verify"] > 0 and 0 <= complete.usage["acceptance_rate"] <= 1
+    expect(INVALID, "INVALID_ARGUMENT", client.generate(PROMPT, max_tokens=4, speculative={
+        "draft_loops": 6, "verify_loops": 2}).collect)
 
 
 def test_health_and_reflection(gateway):
