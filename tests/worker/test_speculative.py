@@ -1,0 +1,306 @@
+"""Invariant 4: chain and tree self-speculative decoding under greedy equal
+generate(loops=verify_loops); warm-start verification runs each token's iterations once;
+rejected slots are never read; speculative sampling preserves the target distribution."""
+import pytest
+import torch
+
+from conftest import CONFIGS
+from tinyloop.kernels.tree_attention import ancestors_from_parents
+from tinyloop.worker import Model, checkpoint
+from tinyloop.worker import speculative as spec_mod
+from tinyloop.worker.engine import Tree
+from tinyloop.worker.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
+
+PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
+N_TOKENS = 14
+
+
+def damped_checkpoint(path, cfg, seed: int, damp: float) -> str:
+    """A random model whose shared block moves the residual little per iteration, so a shallow
+    draft agrees with the deep verifier often but not always: every accept / reject branch runs
+    (a plain std-0.3 random model accepts ~1/vocab of its drafts)."""
+    model = checkpoint.init_model(cfg, seed, 0.3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("loop.") and name.endswith(("wo.weight", "w2.weight")):
+                p.mul_(damp)
+    checkpoint.save(model, path, dtype=torch.float32)
+    return str(path)
+
+
+# per config: partial acceptance and varied greedy output (without a prelude or coda a block
+# damped to 0.03 leaves the embedding alone to decide, and the output repeats)
+DAMP = {"no-prelude-no-coda": 0.1}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def spec_model(request, ckpt_dir):
+    path = damped_checkpoint(ckpt_dir / f"damped-{request.param}.tinyloop", CONFIGS[request.param], 2,
+                             DAMP.get(request.param, 0.03))
+    with Model(path, max_seq_len=160, n_slots=2) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(ckpt_dir):
+    path = damped_checkpoint(ckpt_dir / "damped-tiny.tinyloop", CONFIGS["gqa-prelude-coda"], 3, 0.03)
+    with Model(path, max_seq_len=160) as m:
+        yield m
+
+
+def _want(m, prompt, Lv, n=N_TOKENS, **kw):
+    return m.generate(prompt, loops=Lv, max_tokens=n, **kw)
+
+
+# -- exactness ------------------------------------------------------------------------------
+def test_chain_and_tree_equal_generate(spec_model):
+    """Every config, several prompts, draft_ahead 1..8, K_branches 1..4."""
+    m = spec_model
+    runs = [(2, 6, 1, 1), (1, 5, 3, 2), (3, 8, 8, 4), (2, 7, 5, 3)]
+    total = accepted = 0
+    produced = set()
+    for i, prompt in enumerate(PROMPTS):
+        Ld, Lv, ahead, K = runs[i % len(runs)]
+        want = _want(m, prompt, Lv)
+        produced |= set(want[len(prompt):])
+        chain = m.generate_speculative(prompt, max_tokens=N_TOKENS, draft_loops=Ld, verify_loops=Lv,
+                                       draft_ahead=ahead)
+        tree = m.generate_tree_speculative(prompt, max_tokens=N_TOKENS, draft_loops=Ld, verify_loops=Lv,
+                                           draft_ahead=ahead + 1, K_branches=K)
+        assert chain == want and tree == want
+        assert chain.finish_reason == tree.finish_reason == want.finish_reason
+        total += chain.stats["drafted_tokens"]
+        accepted += chain.stats["accepted_tokens"]
+    assert len(produced) > 3, "degenerate model: the test could not fail"
+    assert 0 < accepted < total, "acceptance must be partial for the test to cover both branches"
+
+
+@pytest.mark.parametrize("draft_ahead", range(1, 9))
+def test_chain_every_draft_ahead(tiny_spec, draft_ahead):
+    for prompt in PROMPTS[:2]:
+        assert tiny_spec.generate_speculative(prompt, max_tokens=N_TOKENS, draft_loops=2, verify_loops=6,
+                                              draft_ahead=draft_ahead) == _want(tiny_spec, prompt, 6)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_tree_every_branch_count(tiny_spec, K):
+    for prompt, ahead in zip(PROMPTS[:2], (2, 5)):
+        out = tiny_spec.generate_tree_speculative(prompt, max_tokens=N_TOKENS, draft_loops=2, verify_loops=6,
+                                                  draft_ahead=ahead, K_branches=K)
+        assert out == _want(tiny_spec, prompt, 6)
+
+
+def test_side_branches_get_accepted(tiny_spec):
+    """The accepted path must sometimes run through a branch other than the first, so the
+    move from node slots to linear slots is exercised (and then proved by exactness)."""
+    seen = []
+    real = spec_mod._move_path
+
+    def spy(engine, lane, pos, path, loops):
+        seen.append([n > d for d, n in enumerate(path, 1)])
+        return real(engine, lane, pos, path, loops)
+
+    spec_mod._move_path = spy
+    try:
+        for prompt in PROMPTS:
+            out = tiny_spec.generate_tree_speculative(prompt, max_tokens=24, draft_loops=1, verify_loops=6,
+                                                      draft_ahead=3, K_branches=4)
+            assert out == _want(tiny_spec, prompt, 6, 24)
+    finally:
+        spec_mod._move_path = real
+    assert any(any(moved) for moved in seen), "no side branch was ever accepted"
+
+
+def test_max_tokens_and_stop_token_mid_draft(tiny_spec):
+    m, prompt = tiny_spec, PROMPTS[0]
+    full = _want(m, prompt, 6, 20)[len(prompt):]
+    for n in (1, 2, 3, 7, 11):
+        for out in (m.generate_speculative(prompt, max_tokens=n, draft_loops=2, verify_loops=6, draft_ahead=4),
+                    m.generate_tree_speculative(prompt, max_tokens=n, draft_loops=2, verify_loops=6,
+                                                draft_ahead=4, K_branches=2)):
+            assert out == prompt + full[:n] and out.finish_reason == "length"
+            assert out.stats["completion_tokens"] == n
+    for i in (2, 5, 9):
+        stop = full[i]
+        cut = full.index(stop) + 1
+        want = _want(m, prompt, 6, 20, stop_token_ids=[stop])
+        assert want == prompt + full[:cut] and want.finish_reason == "stop"
+        for out in (m.generate_speculative(prompt, max_tokens=20, draft_loops=2, verify_loops=6, draft_ahead=8,
+                                           stop_token_ids=[stop]),
+                    m.generate_tree_speculative(prompt, max_tokens=20, draft_loops=2, verify_loops=6,
+                                                draft_ahead=8, K_branches=3, stop_token_ids=[stop])):
+            assert out == want and out.finish_reason == "stop"
+
+
+# -- warm start and rollback ----------------------------------------------------------------
+@pytest.mark.parametrize("tree", [False, True])
+def test_warm_start_runs_each_iteration_once(tiny_spec, tree):
+    """Each chunk token runs exactly verify_loops iterations in total (draft + verify), so the
+    verifier never re-runs [0, draft_loops); and verify passes start at draft_loops."""
+    m, prompt, Ld, Lv, K = tiny_spec, PROMPTS[1], 2, 7, 3
+    calls = []
+    real = m.engine.run_loops
+
+    def spy(x, p, start, stop, lane_loops=None):
+        calls.append((start, stop, x.shape[1]))
+        return real(x, p, start, stop, lane_loops)
+
+    m.engine.run_loops = spy
+    try:
+        if tree:
+            out = m.generate_tree_speculative(prompt, max_tokens=N_TOKENS, draft_loops=Ld, verify_loops=Lv,
+                                              draft_ahead=4, K_branches=K)
+        else:
+            out = m.generate_speculative(prompt, max_tokens=N_TOKENS, draft_loops=Ld, verify_loops=Lv,
+                                         draft_ahead=4)
+    finally:
+        del m.engine.run_loops
+    s, T = out.stats, len(prompt)
+    width = K if tree else 1   # tokens per drafted depth
+    assert s["loop_token_iterations"] == Lv * (T + s["verify_steps"] + width * s["drafted_tokens"])
+    assert s["loop_iterations"] == Lv + Ld * s["drafted_tokens"] + Lv * s["verify_steps"]
+    assert calls[0] == (0, Lv, T)                         # prefill
+    assert {c[:2] for c in calls[1:]} == {(0, Ld), (Ld, Lv)}
+    assert sum(c[:2] == (Ld, Lv) for c in calls) == s["verify_steps"]
+    plain = _want(m, prompt, Lv)
+    assert out == plain and s["loop_token_iterations"] >= plain.stats["loop_token_iterations"]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_rejected_slots_are_never_read(tiny_spec, tree):
+    """After every verify, poison every cache slot at or past the first undecided position in
+    every layer (rejected drafts, side branches, stale nodes): the output must not change.
+    K = 0 keeps a poisoned key in the softmax if read, V = 1e3 then dominates the output."""
+    m, prompt = tiny_spec, PROMPTS[0]
+    cache = m.engine.cache
+    name = "_tree_round" if tree else "_chain_round"
+    real = getattr(spec_mod, name)
+
+    def run(margin):
+        def poisoned(engine, lane, spec, chooser, t, pos, k):
+            toks, n_accepted = real(engine, lane, spec, chooser, t, pos, k)
+            first = pos + len(toks) - margin  # pos + len(toks): the next round's unfed token
+            cache.k[:, lane, :, first:] = 0.0
+            cache.v[:, lane, :, first:] = 1e3
+            return toks, n_accepted
+
+        setattr(spec_mod, name, poisoned)
+        try:
+            kw = dict(max_tokens=16, draft_loops=2, verify_loops=6, draft_ahead=4)
+            return (m.generate_tree_speculative(prompt, K_branches=3, **kw) if tree
+                    else m.generate_speculative(prompt, **kw))
+        finally:
+            setattr(spec_mod, name, real)
+
+    want = _want(m, prompt, 6, 16)
+    assert run(0) == want
+    assert run(2) != want, "poisoning a decided slot must show: the test could not fail"
+
+
+# -- the tree mask ---------------------------------------------------------------------------
+def test_tree_mask_of_a_chain_equals_the_causal_chunk(tiny_spec):
+    """Engine level: a chunk verified through tree mode with chain parents gives the logits of
+    the ordinary causal chunk pass; and K_branches=1 through the tree path equals the chain."""
+    m, e = tiny_spec, tiny_spec.engine
+    prompt, chunk = PROMPTS[1], torch.tensor([[9, 250, 3, 77, 31]])
+    T, n = len(prompt), chunk.shape[1]
+    pos = torch.arange(T, T + n)[None]
+
+    def logits(tree: bool):
+        e.forward(torch.tensor([prompt]), e.make_pass(slice(0, 1), torch.arange(T)[None], T), 6)
+        p = e.make_pass(slice(0, 1), pos, T + n)
+        if tree:
+            parents = torch.arange(-1, n - 1)[None]
+            p.tree = Tree(pos, torch.tensor([T]), ancestors_from_parents(parents))
+        return e.forward(chunk, p, 6, last_only=False)[0]
+
+    a, b = logits(False), logits(True)
+    assert ((a - b).norm(dim=-1) / a.norm(dim=-1)).max() < 1e-4
+    for prompt in PROMPTS:
+        kw = dict(max_tokens=N_TOKENS, draft_loops=2, verify_loops=6, draft_ahead=3)
+        chain, tree = m.generate_speculative(prompt, **kw), m.generate_tree_speculative(prompt, K_branches=1, **kw)
+        assert chain == tree
+        assert {k: v for k, v in chain.stats.items()} == {k: v for k, v in tree.stats.items()}
+
+
+def test_tree_layout():
+    parents, depths = spec_mod.tree_layout(3, 2)
+    assert parents.tolist() == [-1, 0, 0, 0, 1, 2, 3]
+    assert depths.tolist() == [0, 1, 1, 1, 2, 2, 2]
+    parents, _ = spec_mod.tree_layout(1, 4)
+    assert parents.tolist() == [-1, 0, 1, 2, 3]   # K = 1 is the chain
+
+
+# -- sampling --------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["overlap", "disjoint-support", "equal"])
+def test_accept_or_resample_emits_p(case):
+    """Draft d ~ q, then the accept / resample rule, over many positions of one seed: the
+    emitted tokens follow p (chi-square, df = 5, far below the 0.1 % critical value 20.5)."""
+    p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03], dtype=torch.float64)
+    q = {"overlap": torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10]),
+         "disjoint-support": torch.tensor([0.0, 0.0, 0.5, 0.0, 0.0, 0.5]),
+         "equal": p.clone()}[case].double()
+    n = 120_000
+    seed, pos = torch.full((n,), 1234), torch.arange(n)
+    draft = draw(q.expand(n, -1), uniform(seed, pos, STREAM_TOKEN))
+    accepted, tok = spec_mod.accept_or_resample(p.expand(n, -1), q.expand(n, -1), draft,
+                                                uniform(seed, pos, STREAM_ACCEPT), uniform(seed, pos, STREAM_RESIDUAL))
+    counts = torch.bincount(tok, minlength=6).double()
+    chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
+    assert chi2 < 20.5, (counts / n, chi2)
+    expected_accept = torch.minimum(p, q).sum()   # Leviathan et al. 2023, eq. for alpha
+    assert abs(accepted.double().mean() - expected_accept) < 0.01
+
+
+def test_sampled_speculative_is_reproducible_and_tree_matches_plain(tiny_spec):
+    m, prompt = tiny_spec, PROMPTS[0]
+    kw = dict(max_tokens=N_TOKENS, draft_loops=2, verify_loops=6, draft_ahead=4, temperature=0.9, seed=7)
+    a, b = m.generate_speculative(prompt, **kw), m.generate_speculative(prompt, **kw)
+    assert a == b and a.stats == b.stats
+    assert len(set(a[len(prompt):])) > 3
+    # tree drafts are point masses, so its rule is a draw from p with the plain sampler's number
+    plain = m.generate(prompt, loops=6, max_tokens=N_TOKENS, temperature=0.9, seed=7)
+    assert m.generate_tree_speculative(prompt, K_branches=3, **kw) == plain
+
+
+# -- API -------------------------------------------------------------------------------------
+def test_stream_protocol_and_stats(tiny_spec):
+    m, prompt = tiny_spec, PROMPTS[1]
+    req = m.make_request(prompt, max_tokens=N_TOKENS,
+                         speculative={"draft_loops": 2, "verify_loops": 6, "draft_ahead": 4, "k_branches": 2})
+    assert req.loops == 6
+    gen, chunks = m.stream(req), []
+    while True:
+        try:
+            chunks.append(next(gen))
+        except StopIteration as stop:
+            finish = stop.value
+            break
+    assert prompt + [t for c in chunks for t in c] == _want(m, prompt, 6)
+    s = finish.stats
+    assert len(chunks) == 1 + s["verify_steps"] and all(1 <= len(c) <= 5 for c in chunks)
+    assert s["accepted_per_verify"] == pytest.approx(s["accepted_tokens"] / s["verify_steps"])
+    assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["drafted_tokens"])
+    assert s["completion_tokens"] == N_TOKENS and s["loop_iterations"] > 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(draft_loops=0), "draft_loops"),
+    (dict(draft_loops=6, verify_loops=6), "draft_loops=6 must be < verify_loops=6"),
+    (dict(verify_loops=33), "max_loops"),
+    (dict(draft_ahead=0), "draft_ahead"),
+    (dict(draft_ahead=17), "draft_ahead"),
+    (dict(K_branches=0), "K_branches"),
+    (dict(K_branches=9), "K_branches"),
+    (dict(K_branches=4, draft_ahead=16), "nodes exceeds"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+])
+def test_argument_errors(tiny_spec, kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_spec.generate_tree_speculative(PROMPTS[0], **kw)
+    if "K_branches" not in kw:
+        with pytest.raises(ValueError, match=match):
+            tiny_spec.generate_speculative(PROMPTS[0], **kw)
+    with pytest.raises(ValueError, match="k_branches=1"):
+        spec_mod.SpecParams(2, 6, 4, 2, tree=False).check(32)
