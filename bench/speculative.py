@@ -1,0 +1,153 @@
+"""Self-speculative decoding vs plain generate at the same verify_loops.
+
+    python bench/speculative.py [--model PATH] [--device cuda] [--max-tokens 128]
+
+For every prompt and every (draft_loops, draft_ahead, K_branches) setting: greedy
+generate(loops=verify_loops) (the baseline, measured in the same run), generate_speculative
+(K = 1) and generate_tree_speculative (K > 1); tokens/s, speedup, accepted tokens per verify,
+acceptance rate and loop-block work. Greedy parity with the baseline is asserted on every run.
+Acceptance depends on real weights: run it on the trained default model (the default) for
+figures that mean anything; a random model accepts ~1/vocab of its drafts.
+Reference anchors: 2.77x (reference runtime, H100, 407M INT4, draft 2 / verify 8);
+LayerSkip 2.16x, Draft & Verify 1.99x.
+
+Writes bench/results/speculative-<device>.json (override with --out)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tinyloop.worker import Model
+
+RESULTS = Path(__file__).parent / "results"
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    ",
+    "class Queue:\n    \"\"\"A FIFO queue.\"\"\"\n\n    def __init__(self, maxsize=0):\n        self.",
+    "    for i, line in enumerate(lines):\n        if line.startswith('#'):\n            ",
+    "def _check_arg(name, value):\n    if not isinstance(value, int):\n        raise TypeError(",
+]
+
+
+def hardware(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cores"] = os.cpu_count()
+        info["torch_threads"] = torch.get_num_threads()
+    return info
+
+
+def timed(fn, device: torch.device, repeat: int):
+    """(median seconds, last result) of fn(), synchronising the device around each call."""
+    times, out = [], None
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .tinyloop file (default: the embedded default model)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--verify-loops", type=int, default=8)
+    ap.add_argument("--draft-loops", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--draft-ahead", type=int, nargs="+", default=[4])
+    ap.add_argument("--k-branches", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    with Model(args.model, max_seq_len=512, device=args.device) as m:
+        dev = m.device
+        Lv = min(args.verify_loops, m.config.max_loops)
+        prompts = [m.tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
+        kw = dict(max_tokens=args.max_tokens, temperature=0.0)
+        m.generate(prompts[0], loops=Lv, max_tokens=4)  # warm-up (allocator, kernels)
+
+        def plain():
+            secs, tok, work, outs = 0.0, 0, 0, []
+            for p in prompts:
+                s, out = timed(lambda: m.generate(p, loops=Lv, **kw), dev, args.repeat)
+                secs, tok, work = secs + s, tok + out.stats["completion_tokens"], work + out.stats["loop_token_iterations"]
+                outs.append(out)
+            return {"verify_loops": Lv, "tokens_per_s": tok / secs, "seconds": secs,
+                    "completion_tokens": tok, "loop_token_iterations": work}, outs
+
+        baseline, want = plain()
+        print(f"generate(loops={Lv}): {baseline['tokens_per_s']:.1f} tok/s")
+
+        rows = []
+        for Ld in args.draft_loops:
+            if not 1 <= Ld < Lv:
+                continue
+            for ahead in args.draft_ahead:
+                for K in args.k_branches:
+                    secs = tok = work = drafted = accepted = verifies = 0
+                    for p, ref in zip(prompts, want):
+                        if K == 1:
+                            fn = lambda: m.generate_speculative(p, draft_loops=Ld, verify_loops=Lv,  # noqa: E731
+                                                                draft_ahead=ahead, **kw)
+                        else:
+                            fn = lambda: m.generate_tree_speculative(p, draft_loops=Ld, verify_loops=Lv,  # noqa: E731
+                                                                     draft_ahead=ahead, K_branches=K, **kw)
+                        s, out = timed(fn, dev, args.repeat)
+                        assert out == ref, "speculative greedy output differs from generate"
+                        st = out.stats
+                        secs, tok = secs + s, tok + st["completion_tokens"]
+                        work += st["loop_token_iterations"]
+                        drafted += st["drafted_tokens"]
+                        accepted += st["accepted_tokens"]
+                        verifies += st["verify_steps"]
+                    row = {"mode": "chain" if K == 1 else "tree", "draft_loops": Ld, "verify_loops": Lv,
+                           "draft_ahead": ahead, "k_branches": K, "tokens_per_s": tok / secs,
+                           "speedup_vs_generate": (tok / secs) / baseline["tokens_per_s"],
+                           "accepted_per_verify": accepted / verifies, "acceptance_rate": accepted / drafted,
+                           "tokens_per_verify": (tok - len(prompts)) / verifies,
+                           "loop_token_iterations": work, "greedy_parity": True}
+                    rows.append(row)
+                    print(f"{row['mode']:5s} Ld={Ld} ahead={ahead} K={K}: {row['tokens_per_s']:.1f} tok/s "
+                          f"({row['speedup_vs_generate']:.2f}x), accepted/verify {row['accepted_per_verify']:.2f}, "
+                          f"acceptance {row['acceptance_rate']:.2f}")
+
+        # measured again after the speculative runs: the spread shows how noisy the machine was
+        baseline_after, _ = plain()
+        print(f"generate(loops={Lv}) again: {baseline_after['tokens_per_s']:.1f} tok/s")
+
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except OSError:
+            commit = None
+        payload = {"command": " ".join(["python", *sys.argv]), "commit": commit,
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "hardware": hardware(dev), "model": m.path, "dtype": str(m.dtype).replace("torch.", ""),
+                   "backend": m.engine.ops.name, "prompts": len(prompts), "max_tokens": args.max_tokens,
+                   "repeat": args.repeat, "baseline": baseline, "baseline_after": baseline_after, "results": rows}
+        out = Path(args.out) if args.out else RESULTS / f"speculative-{dev.type}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
