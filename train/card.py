@@ -28,7 +28,8 @@ no model is given.
 ## Training data
 
 The `.py` sources of the Python {python} standard library on the training machine ({n_files}
-files; test directories and site-packages excluded), byte-level, documents separated by byte
+files; test suites included where the installation ships them -- the training machine's
+did not -- and site-packages excluded), byte-level, documents separated by byte
 {doc_sep}. Held out: files whose sha1(relative path) falls in the lowest {heldout_pct}% of the
 hash range ({n_heldout_files} files, {heldout_bytes} bytes); training: {n_train_files} files,
 {train_bytes} bytes. See `train/corpus.py`.
@@ -64,9 +65,9 @@ L beyond {max_train_loops} was never trained: the L = 16 column measures extrapo
 ## Tested properties
 
 `tests/train/test_default_model.py` checks, on a held-out sample built from the CI machine's
-own stdlib, that loss strictly decreases from L = 1 to 4 to 8, and that greedy output for a
-code prompt is not degenerate.
-
+own stdlib, that loss falls with depth (L = 1 > 4 > 8) and that greedy output for a code prompt
+is not degenerate.
+{notes}
 ## Limits
 
 A {n_params_m}M-parameter model trained for minutes: it writes plausible-looking Python, not
@@ -94,7 +95,8 @@ def render(card: dict) -> str:
         min_lr_pct=f"{100 * args['min_lr_frac']:g}", weight_decay=args["weight_decay"],
         grad_clip=args["grad_clip"], eval_windows=card["eval"]["windows"], eval_seq_len=card["eval"]["seq_len"],
         loops_header=" | ".join(bpb), loops_rule="|".join("---" for _ in bpb),
-        bpb_row=" | ".join(f"{v:.3f}" for v in bpb.values()))
+        bpb_row=" | ".join(f"{v:.3f}" for v in bpb.values()),
+        notes=f"\n{card['notes']}\n" if card.get("notes") else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,13 +43,14 @@ def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
 class Model:
     """A looped transformer loaded from a `.tinyloop` file, with its own static cache.
 
-    n_slots: cache lanes (concurrent requests, batch lanes). A call holds the model's lock,
+    n_slots: cache lanes (concurrent requests, batch lanes). cuda_graphs (default: on CUDA)
+    captures the decode step of every depth at load. A call holds the model's lock,
     so one Model is safe to share between threads; the Ray actor interleaves requests step
     by step on separate lanes instead."""
 
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 n_slots: int = 1, backend: str | None = None):
+                 n_slots: int = 1, backend: str | None = None, cuda_graphs: bool | None = None):
         if path is None:
             from tinyloop.worker.default_model import default_model_path
             path = default_model_path()
@@ -68,8 +69,23 @@ class Model:
         self._module = model
         self.engine = Engine(model, KVCache(self.config, n_slots, self.max_seq_len, self.config.max_loops,
                                             self.device, self.dtype), select_ops(self.device, backend))
+        if self.engine.ops.name == "triton":
+            model.use_fast_path(self.engine.ops.rms_norm)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs:
+            self.capture_graphs(range(1, self.config.max_loops + 1))
         self._lock = threading.RLock()
         self._closed = False
+
+    def capture_graphs(self, loops) -> None:
+        """Capture the batch-1 decode step of lane 0 for each depth in `loops` (CUDA only);
+        generate/resume then replay them. Done at start-up, before a worker reports healthy."""
+        from tinyloop.worker.graphs import DecodeGraphs
+        if self.engine.graphs is None:
+            self.engine.graphs = DecodeGraphs(self.engine)
+        for L in loops:
+            self.engine.graphs.capture(self._loops(L))
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

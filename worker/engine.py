@@ -73,6 +73,7 @@ class Engine:
     cache: KVCache
     ops: Ops
     counters: Counters = field(default_factory=Counters)
+    graphs: "DecodeGraphs | None" = None  # captured decode steps (CUDA), see worker/graphs.py
 
     def __post_init__(self):
         self.config = self.model.config

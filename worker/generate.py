@@ -114,14 +114,20 @@ def decode(engine: Engine, lane: int, req: Request, logits: torch.Tensor, norm: 
             _catch_up(engine, lane, warm_x, pos - len(warm_x), warm_L, req.loops, req.window)
             warm_x.clear()
         L = warm_L if warm_L is not None and step < req.warmup_tokens else req.loops
-        p = engine.make_pass(slice(lane, lane + 1), torch.tensor([[pos]], device=device), pos + 1,
-                             req.window, track)
-        x = engine.embed_prelude(tok.view(1, 1), p)
-        x = engine.run_loops(x, p, 0, L)
-        if L != req.loops:
-            warm_x.append(x)
-        logits = engine.logits(engine.coda(x, p))[:, -1]
-        norm = p.norm_max
+        graph = engine.graphs.get(L) if engine.graphs is not None and lane == 0 else None
+        if graph is not None and L == req.loops and not track and req.window == 0:
+            logits = graph.step(tok.view(1, 1), torch.full((1, 1), pos, device=device))
+            engine.counters.loop_iterations += L
+            engine.counters.loop_token_iterations += L
+        else:
+            p = engine.make_pass(slice(lane, lane + 1), torch.tensor([[pos]], device=device), pos + 1,
+                                 req.window, track)
+            x = engine.embed_prelude(tok.view(1, 1), p)
+            x = engine.run_loops(x, p, 0, L)
+            if L != req.loops:
+                warm_x.append(x)
+            logits = engine.logits(engine.coda(x, p))[:, -1]
+            norm = p.norm_max
         pos += 1
     work = engine.counters.since(before)
     return Finish(reason, {"prompt_tokens": T, "completion_tokens": generated,

@@ -23,12 +23,16 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
+    kernel = None  # a fused `rms_norm(x, weight, eps)` (Triton on CUDA); None: the torch ops below
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -43,11 +47,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
 
+    def fuse(self) -> None:
+        """One (q|k|v) projection for inference: a single larger GEMV per layer instead of
+        three. wq/wk/wv become views into the fused weight, so nothing is stored twice."""
+        w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]).detach()
+        self.wqkv = w
+        self.wq.weight.data, self.wk.weight.data, self.wv.weight.data = w.split(self._sizes())
+
+    def _sizes(self) -> list[int]:
+        return [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "wqkv"):
+            q, k, v = F.linear(x, self.wqkv).split(self._sizes(), -1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         out = attend(q, k, v)  # (B, H, T, hd)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -59,7 +77,16 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # up
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)  # down
 
+    def fuse(self) -> None:
+        """One (gate|up) projection for inference; w1/w3 become views into it."""
+        w = torch.cat([self.w1.weight, self.w3.weight]).detach()
+        self.w13 = w
+        self.w1.weight.data, self.w3.weight.data = w.chunk(2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "w13"):
+            gate, up = F.linear(x, self.w13).chunk(2, -1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -113,6 +140,15 @@ class LoopedTransformer(nn.Module):
             s = std / (2 * depth) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else std
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
+
+    def use_fast_path(self, rms_norm) -> None:
+        """Inference on CUDA: fused projections and a fused RMSNorm kernel (fewer, larger
+        launches: batch-1 decode of a small model is launch-bound otherwise)."""
+        for m in self.modules():
+            if isinstance(m, (Attention, FeedForward)):
+                m.fuse()
+            elif isinstance(m, RMSNorm):
+                m.kernel = rms_norm
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) int -> cos, sin (B, T, hd/2) fp32."""

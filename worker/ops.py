@@ -28,7 +28,9 @@ class TritonOps(Ops):
 
     def __init__(self):
         from tinyloop.kernels.decode_attention import decode_attention
+        from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
+        self.rms_norm = rms_norm
         self.rope_cache_write = rope_cache_write
         self.decode_attention = decode_attention
         from tinyloop.kernels.tree_attention import tree_attention
