@@ -4,7 +4,7 @@ rejected slots are never read; speculative sampling preserves the target distrib
 import pytest
 import torch
 
-from conftest import CONFIGS
+from model_zoo import CONFIGS
 from tinyloop.kernels.tree_attention import ancestors_from_parents
 from tinyloop.worker import Model, checkpoint
 from tinyloop.worker import speculative as spec_mod

@@ -1,0 +1,46 @@
+"""Plot ms/token vs L from a `bench/decode.py` result: the floor, this engine, eager torch.
+
+    python bench/plot_decode.py [bench/results/decode-cuda.json] [-o docs/decode-vs-L.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result", nargs="?", default=str(ROOT / "bench/results/decode-cuda.json"))
+    ap.add_argument("-o", "--output", default=str(ROOT / "docs/decode-vs-L.png"))
+    args = ap.parse_args()
+    r = json.loads(Path(args.result).read_text())
+    rows = r["decode"]
+    L = [row["loops"] for row in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    ax.plot(L, [row["eager_torch_ms"] for row in rows], "s-", label="eager torch (same model, same run)")
+    ax.plot(L, [row["graph_ms"] for row in rows], "o-", label="TinyLoop Serve (Triton + CUDA graphs)")
+    ax.plot(L, [row["floor_ms"] for row in rows], "k--", label="floor: bytes read / copy bandwidth")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(L, [str(x) for x in L])
+    ax.set_xlabel("loop depth L")
+    ax.set_ylabel("ms / token (batch 1, 128 tokens of context)")
+    hw = r["hardware"].get("gpu", r["hardware"]["device"])
+    ax.set_title(f"bench-285m decode, bf16, {hw}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
