@@ -24,23 +24,29 @@ def hardware(device: torch.device) -> dict:
     else:
         info["cpu"] = platform.processor() or platform.machine()
         info["cores"] = os.cpu_count()
+        info["torch_threads"] = torch.get_num_threads()
     return info
 
 
-def timed(fn, device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
-    """Median wall-clock milliseconds of fn(), synchronising the device around each call."""
+def run_timed(fn, device: torch.device, repeat: int, warmup: int = 0):
+    """(median seconds, last result) of fn(), synchronising the device around each call."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, out = [], None
     for _ in range(repeat):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()
-        fn()
+        out = fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def timed(fn, device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
+    """Median wall-clock milliseconds of fn()."""
+    return run_timed(fn, device, repeat, warmup)[0] * 1e3
 
 
 def write(name: str, payload: dict, out_dir: str | None = None) -> Path:

@@ -1,6 +1,6 @@
 """Batch-1 decode and prefill on the GPU against the hardware floor, with same-run baselines.
 
-    source bench/gpu_env.sh && python bench/decode.py --out-dir $OUT
+    source bench/gpu_env.sh && python -m bench.decode --out-dir $OUT
 
 Sections (each written to the JSON as it completes, so a partial run still reports):
   ceilings    copy bandwidth (device-to-device, bytes read + written) and the bf16 matmul rate

@@ -1,6 +1,6 @@
 """Plot ms/token vs L from a `bench/decode.py` result: the floor, this engine, eager torch.
 
-    python bench/plot_decode.py [bench/results/decode-cuda.json] [-o docs/decode-vs-L.png]
+    python -m bench.plot_decode [bench/results/decode-cuda.json] [-o docs/decode-vs-L.png]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Service overhead: gateway + Ray vs in-process, measured in the same run.
 
-    python bench/service.py                       # CPU: writes bench/results/service-cpu.json
-    python bench/service.py --preset small --device cuda --out bench/results/service-gpu.json
+    python -m bench.service                       # CPU: writes bench/results/service-cpu.json
+    python -m bench.service --preset small --device cuda --out bench/results/service-gpu.json
 
 Measures, on one worker with the same model file and thread count as the in-process baseline:
 - per-token time (decode) and time to first token, in-process `Model.stream` vs a gRPC client

@@ -1,6 +1,6 @@
 """Self-speculative decoding vs plain generate at the same verify_loops.
 
-    python bench/speculative.py [--model PATH] [--device cuda] [--max-tokens 128]
+    python -m bench.speculative [--model PATH] [--device cuda] [--max-tokens 128]
 
 For every prompt and every (draft_loops, draft_ahead, K_branches) setting: greedy
 generate(loops=verify_loops) (the baseline, measured in the same run), generate_speculative
@@ -11,24 +11,13 @@ figures that mean anything; a random model accepts ~1/vocab of its drafts.
 Reference anchors: 2.77x (reference runtime, H100, 407M INT4, draft 2 / verify 8);
 LayerSkip 2.16x, Draft & Verify 1.99x.
 
-Writes bench/results/speculative-<device>.json (override with --out)."""
+Writes bench/results/speculative-<device>[-<tag>].json (another folder with --out-dir)."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import torch
-
+from bench.common import hardware, run_timed, write
 from tinyloop.worker import Model
-
-RESULTS = Path(__file__).parent / "results"
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv=None):\n    ",
@@ -36,31 +25,6 @@ PROMPTS = [
     "    for i, line in enumerate(lines):\n        if line.startswith('#'):\n            ",
     "def _check_arg(name, value):\n    if not isinstance(value, int):\n        raise TypeError(",
 ]
-
-
-def hardware(device: torch.device) -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        info["cpu"] = platform.processor() or platform.machine()
-        info["cores"] = os.cpu_count()
-        info["torch_threads"] = torch.get_num_threads()
-    return info
-
-
-def timed(fn, device: torch.device, repeat: int):
-    """(median seconds, last result) of fn(), synchronising the device around each call."""
-    times, out = [], None
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
 
 
 def main() -> None:
@@ -74,7 +38,8 @@ def main() -> None:
     ap.add_argument("--k-branches", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out-dir", default=None, help="default: bench/results")
+    ap.add_argument("--tag", default=None, help="file name suffix: speculative-<device>-<tag>.json")
     args = ap.parse_args()
 
     with Model(args.model, max_seq_len=512, device=args.device) as m:
@@ -87,7 +52,7 @@ def main() -> None:
         def plain():
             secs, tok, work, outs = 0.0, 0, 0, []
             for p in prompts:
-                s, out = timed(lambda: m.generate(p, loops=Lv, **kw), dev, args.repeat)
+                s, out = run_timed(lambda: m.generate(p, loops=Lv, **kw), dev, args.repeat)
                 secs, tok, work = secs + s, tok + out.stats["completion_tokens"], work + out.stats["loop_token_iterations"]
                 outs.append(out)
             return {"verify_loops": Lv, "tokens_per_s": tok / secs, "seconds": secs,
@@ -110,7 +75,7 @@ def main() -> None:
                         else:
                             fn = lambda: m.generate_tree_speculative(p, draft_loops=Ld, verify_loops=Lv,  # noqa: E731
                                                                      draft_ahead=ahead, K_branches=K, **kw)
-                        s, out = timed(fn, dev, args.repeat)
+                        s, out = run_timed(fn, dev, args.repeat)
                         assert out == ref, "speculative greedy output differs from generate"
                         st = out.stats
                         secs, tok = secs + s, tok + st["completion_tokens"]
@@ -133,21 +98,11 @@ def main() -> None:
         baseline_after, _ = plain()
         print(f"generate(loops={Lv}) again: {baseline_after['tokens_per_s']:.1f} tok/s")
 
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip() or None
-        except OSError:
-            commit = None
-        payload = {"command": " ".join(["python", *sys.argv]), "commit": commit,
-                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "hardware": hardware(dev), "model": m.path, "dtype": str(m.dtype).replace("torch.", ""),
-                   "backend": m.engine.ops.name, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                   "repeat": args.repeat, "baseline": baseline, "baseline_after": baseline_after, "results": rows}
-        out = Path(args.out) if args.out else RESULTS / f"speculative-{dev.type}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {out}")
-
+        write(f"speculative-{dev.type}" + (f"-{args.tag}" if args.tag else ""), {
+            "hardware": hardware(dev), "model": m.path, "dtype": str(m.dtype).replace("torch.", ""),
+            "backend": m.engine.ops.name, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "repeat": args.repeat, "baseline": baseline, "baseline_after": baseline_after, "results": rows},
+            args.out_dir)
 
 if __name__ == "__main__":
     main()

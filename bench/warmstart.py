@@ -1,6 +1,6 @@
 """Warm-start resume vs fresh generate: the reference runtime's headline comparison.
 
-    python bench/warmstart.py [--model PATH | --preset bench-285m] [--device cuda]
+    python -m bench.warmstart [--model PATH | --preset bench-285m] [--device cuda]
 
 For each prefix length: fresh generate(L_new), build_resume_handle(L_mid), and
 resume_generate(L_new) on that handle, greedy, `--decode` new tokens. Reference figure

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import inspect
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -104,7 +103,6 @@ class WorkerActor:
         self.max_queue = max_queue
         self.coalesce_s = coalesce_s
         self._sweeper: asyncio.Task | None = None
-        self._speculative = "speculative" in inspect.signature(self.model.make_request).parameters
         self._device = str(self.model.device)
 
     # -- introspection ------------------------------------------------------------------
@@ -144,10 +142,6 @@ class WorkerActor:
                           stop_token_ids=p.get("stop_token_ids") or None,
                           cache_window=p.get("cache_window", 0), **_sampling(p))
             if p.get("speculative"):
-                if not self._speculative:
-                    yield error("UNIMPLEMENTED", "SPECULATIVE_UNAVAILABLE",
-                                "speculative decoding is not available in this worker build")
-                    return
                 kwargs["speculative"] = p["speculative"]
             req = self.model.make_request(ids, **kwargs)
         except (ValueError, RuntimeError) as e:

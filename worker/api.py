@@ -78,14 +78,16 @@ class Model:
         self._lock = threading.RLock()
         self._closed = False
 
-    def capture_graphs(self, loops) -> None:
-        """Capture the batch-1 decode step of lane 0 for each depth in `loops` (CUDA only);
-        generate/resume then replay them. Done at start-up, before a worker reports healthy."""
+    def capture_graphs(self, loops, lanes=None) -> None:
+        """Capture the batch-1 decode step for each depth in `loops` on each cache lane in
+        `lanes` (default: all; CUDA only); generate/resume then replay them. Done at start-up,
+        before a worker reports healthy."""
         from tinyloop.worker.graphs import DecodeGraphs
         if self.engine.graphs is None:
             self.engine.graphs = DecodeGraphs(self.engine)
         for L in loops:
-            self.engine.graphs.capture(self._loops(L))
+            for lane in range(self.engine.cache.n_slots) if lanes is None else lanes:
+                self.engine.graphs.capture(self._loops(L), lane)
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

@@ -114,7 +114,7 @@ def decode(engine: Engine, lane: int, req: Request, logits: torch.Tensor, norm: 
             _catch_up(engine, lane, warm_x, pos - len(warm_x), warm_L, req.loops, req.window)
             warm_x.clear()
         L = warm_L if warm_L is not None and step < req.warmup_tokens else req.loops
-        graph = engine.graphs.get(L) if engine.graphs is not None and lane == 0 else None
+        graph = engine.graphs.get(L, lane) if engine.graphs is not None else None
         if graph is not None and L == req.loops and not track and req.window == 0:
             logits = graph.step(tok.view(1, 1), torch.full((1, 1), pos, device=device))
             engine.counters.loop_iterations += L

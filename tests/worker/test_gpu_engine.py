@@ -12,7 +12,7 @@ PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]]
 
 @pytest.fixture(scope="module")
 def pair(tiny_path):
-    fast = Model(tiny_path, max_seq_len=256, device="cuda", dtype="float32")
+    fast = Model(tiny_path, max_seq_len=256, device="cuda", dtype="float32", n_slots=2)
     ref = Model(tiny_path, max_seq_len=256, device="cuda", dtype="float32", backend="torch", cuda_graphs=False)
     yield fast, ref
     fast.close()
@@ -40,3 +40,11 @@ def test_resume_and_sampling_on_gpu(pair):
     assert fast.resume_generate(h, 6, max_tokens=16) == ref.generate(PROMPTS[1], loops=6, max_tokens=16)
     kw = dict(loops=5, max_tokens=16, temperature=0.9, seed=3)
     assert fast.generate(PROMPTS[0], **kw) == ref.generate(PROMPTS[0], **kw)
+
+
+def test_every_lane_replays_its_own_graph(pair):
+    from tinyloop.worker.api import drain
+    fast, ref = pair
+    assert fast.engine.graphs.get(4, 1) is not None
+    req = fast.make_request(PROMPTS[1], loops=4, max_tokens=16)
+    assert drain(req.prompt, fast.stream(req, lane=1)) == ref.generate(PROMPTS[1], loops=4, max_tokens=16)
