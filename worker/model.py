@@ -165,18 +165,22 @@ class LoopedTransformer(nn.Module):
         x = self.norm(x)
         return x @ self.tok_embeddings.weight.t() if self.output is None else self.output(x)
 
-    def forward(self, tokens: torch.Tensor, loops: int) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, loops: int, window: int = 0) -> torch.Tensor:
         """Full causal forward with no cache: training, and the recompute the tests compare to.
+        window > 0: each position sees only the last `window` positions.
 
         tokens (B, T) -> logits (B, T, vocab)."""
         B, T = tokens.shape
-        pos = torch.arange(T, device=tokens.device).expand(B, T)
-        cos, sin = self.rope_tables(pos)
+        pos = torch.arange(T, device=tokens.device)
+        cos, sin = self.rope_tables(pos.expand(B, T))
+        mask = None
+        if window:
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (T, T)
 
         def attend(q, k, v):
             q, k = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   enable_gqa=k.shape[1] != q.shape[1])
 
         x = self.tok_embeddings(tokens)

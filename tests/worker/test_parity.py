@@ -9,11 +9,12 @@ from tinyloop.worker import Model
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]]
 
 
-def recompute_greedy(model: Model, prompt, loops, n):
+def recompute_greedy(model: Model, prompt, loops, n, window=0):
+    """Greedy tokens from a full no-cache forward over the whole sequence at every step."""
     toks = list(prompt)
     for _ in range(n):
         with torch.no_grad():
-            logits = model._module(torch.tensor([toks]), loops)[0, -1]
+            logits = model._module(torch.tensor([toks]), loops, window)[0, -1]
         toks.append(int(logits.argmax()))
     return toks
 
@@ -63,41 +64,11 @@ def test_layers_past_L_are_never_read(config_path, loops):
         assert torch.isnan(cache.k[first_unused:coda0]).all(), "a layer past L was written"
 
 
-def windowed_greedy(model: Model, prompt, loops, n, W):
-    """Reference: a full forward where each query sees only the last W positions."""
-    import torch.nn.functional as F
-    from tinyloop.kernels.rope import apply_rope_ref
-    net = model._module
-    toks = list(prompt)
-    for _ in range(n):
-        T = len(toks)
-        pos = torch.arange(T)[None]
-        cos, sin = net.rope_tables(pos)
-        i = torch.arange(T)
-        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
-
-        def attend(q, k, v):
-            q, k = apply_rope_ref(q, cos, sin).transpose(1, 2), apply_rope_ref(k, cos, sin).transpose(1, 2)
-            return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
-
-        x = net.tok_embeddings(torch.tensor([toks]))
-        for layer in net.prelude:
-            x = layer(x, attend)
-        for _ in range(loops):
-            x = net.iteration(x, [attend] * len(net.loop))
-        for layer in net.coda:
-            x = layer(x, attend)
-        toks.append(int(net.logits(x)[0, -1].argmax()))
-    return toks
-
-
 @pytest.mark.parametrize("W", [1, 4, 7])
 def test_cache_window_equals_sliding_window_reference(tiny_path, W):
     with Model(tiny_path, max_seq_len=128) as m:
         prompt = PROMPTS[1]  # longer than every W: the ring wraps during prefill and decode
-        with torch.no_grad():
-            want = windowed_greedy(m, prompt, 3, 9, W)
+        want = recompute_greedy(m, prompt, 3, 9, window=W)
         assert m.generate(prompt, loops=3, max_tokens=9, cache_window=W) == want
 
 
