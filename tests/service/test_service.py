@@ -422,3 +422,38 @@ def test_cli_wire_commands(gateway):
     assert res.returncode == 0 and res.stderr.count("finish: length, 4 tokens") == 2, res.stderr
     bad = run("generate", "--server", gateway.address, "--prompt", "hi", "--loops", "0")
     assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_prometheus_metrics_are_served_and_count(client):
+    """The gateway's metrics over a real HTTP scrape, as `tinyloop serve --metrics-port` serves them."""
+    import re
+    import socket
+    import urllib.request
+
+    from prometheus_client import start_http_server
+
+    def scrape() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+    def value(text: str, name: str, labels: str) -> float:
+        m = re.search(rf"^{name}\{{{labels}\}} ([0-9.e+]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, thread = start_http_server(port, addr="127.0.0.1")
+    try:
+        before = scrape()
+        ids, _ = client.generate(PROMPT, loops=2, max_tokens=7).collect()
+        expect(INVALID, "INVALID_ARGUMENT", client.generate([], max_tokens=4).collect)
+        after = scrape()
+    finally:
+        server.shutdown()
+        thread.join()
+    assert value(after, "tinyloop_requests_total", 'method="Generate"') - value(before, "tinyloop_requests_total", 'method="Generate"') == 2
+    tokens = sum(value(after, "tinyloop_generated_tokens_total", f'worker="{w}"') - value(before, "tinyloop_generated_tokens_total", f'worker="{w}"')
+                 for w in re.findall(r'tinyloop_generated_tokens_total\{worker="([^"]+)"\}', after))
+    assert tokens == len(ids) == 7
+    assert value(after, "tinyloop_errors_total", 'method="Generate",reason="INVALID_ARGUMENT"') >= 1
+    assert "tinyloop_time_to_first_token_seconds_count" in after
