@@ -3,18 +3,9 @@
 The engine calls the ``*_ref`` functions on CPU and the launchers on CUDA; a launcher and its
 reference take the same arguments and return the same thing.
 
-Without a CUDA device the launchers can run only under the Triton interpreter (CPU tensors),
-and triton reads TRITON_INTERPRET when it is first imported, which may be right here: so on
-such a machine it is chosen now, unless the caller set it already or imported triton first.
+Without a CUDA device the launchers run only under the Triton interpreter (CPU tensors), which
+triton reads from TRITON_INTERPRET=1 at its first import: the test suite sets it.
 """
-import os
-import sys
-
-import torch
-
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from .decode_attention import decode_attention, decode_attention_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rope import apply_rope_ref, rope_cache_write, rope_cache_write_ref

@@ -1,9 +1,19 @@
-"""Shared fixtures: small random checkpoints written once per session."""
+"""Shared fixtures: small random checkpoints written once per session.
+
+Without CUDA the Triton kernels run under the interpreter, which triton reads from
+TRITON_INTERPRET at its first import: so it is set here, before anything imports triton."""
 from __future__ import annotations
 
-import pytest
+import os
 
-from model_zoo import CONFIGS, TINY, write_checkpoint
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from model_zoo import CONFIGS, TINY, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

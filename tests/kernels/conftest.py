@@ -1,8 +1,8 @@
 """Kernel tests. Without CUDA the kernels run under the Triton interpreter on CPU tensors.
 
 @triton.jit reads TRITON_INTERPRET when a module is imported (triton.language's own helpers
-included), so it must be set before triton's first import. Importing tinyloop.kernels sets it
-on a machine without CUDA; it is set here as well so a kernel test run alone needs nothing else.
+included), so it must be set before triton's first import: tests/conftest.py sets it, and so
+does this file, so that a kernel test run from this folder alone needs nothing else.
 """
 import os
 
