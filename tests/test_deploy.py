@@ -1,0 +1,57 @@
+"""The deployment files agree with the code: the image holds every package, and every
+`tinyloop` command line in the manifests parses with the real CLI. (No Docker engine or
+cluster runs in CI; this is what can be checked without one.)"""
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tinyloop.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+
+
+def test_image_copies_every_package_folder():
+    pkg_dirs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    copied = set(re.findall(r"^COPY (\S+) \./\1$", (DEPLOY / "Dockerfile").read_text(), re.M))
+    assert pkg_dirs <= copied, f"Dockerfile misses {sorted(pkg_dirs - copied)}"
+
+
+def _tinyloop_commands():
+    cmd = re.search(r"^CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    yield "Dockerfile CMD", json.loads(cmd.group(1))
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            for c in _containers(doc):
+                args = c.get("args") or c.get("command") or []
+                if args[:1] == ["tinyloop"]:
+                    yield f"{path.name}:{c['name']}", args
+
+
+def _containers(node):
+    if isinstance(node, dict):
+        if "containers" in node:
+            yield from node["containers"]
+        for v in node.values():
+            yield from _containers(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _containers(v)
+
+
+@pytest.mark.parametrize("where, argv", list(_tinyloop_commands()))
+def test_manifest_command_lines_parse(where, argv):
+    build_parser().parse_args(argv[1:])
+
+
+def test_manifests_and_chart_are_valid_yaml():
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")) + [DEPLOY / "helm/tinyloop/values.yaml",
+                                                            DEPLOY / "helm/tinyloop/Chart.yaml"]:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        assert docs, path
