@@ -4,9 +4,14 @@ This module imports nothing heavy at import time (torch loads inside `WorkerActo
 so the gateway can name the class to create actors without importing torch.
 
 Execution model. The actor is a Ray *async* actor: every call is a coroutine on one event
-loop, and all torch work runs on a single-thread executor, one decode step at a time. Streams
-on different lanes therefore interleave step by step, the event loop stays free to answer
-`cancel`, `stats` and handle calls, and a cancelled stream stops before its next step.
+loop, and all torch work runs on a single-thread executor, one step at a time, so the event
+loop stays free to answer `cancel`, `stats` and handle calls. Each stream prefills alone on
+its lane. Plain decode streams on an eager engine then join the `Batcher`: one loop on the
+event loop submits a batched decode step while any has joined, and hands each stream its
+new tokens through its queue. The other streams (speculative, L scheduling, safety check,
+windowed cache, CUDA graphs) step their own generator one decode step at a time; the
+executor interleaves those steps with the batched ones. A cancelled stream stops before its
+next step.
 
 Lanes. The Model gets `lanes + 1` cache slots: slot 0 is reserved for the calls that use
 slot 0 internally (building handles, scoring); streams get slots 1..lanes.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import heapq
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -68,6 +74,7 @@ class _StreamState:
     cancelled: bool = False
     lane: int | None = None
     waiter: asyncio.Future | None = field(default=None, repr=False)
+    queue: asyncio.Queue | None = field(default=None, repr=False)  # batched: (ids, finish) per step
 
 
 class WorkerActor:
@@ -82,6 +89,7 @@ class WorkerActor:
         import torch
 
         from tinyloop.worker.api import Model
+        from tinyloop.worker.batcher import Batcher
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = index
@@ -90,7 +98,10 @@ class WorkerActor:
         self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype,
                            n_slots=lanes + 1)
         self.lanes = lanes
-        self._free_lanes = collections.deque(range(1, lanes + 1))
+        self._free_lanes = list(range(1, lanes + 1))  # a heap: the lowest lane first keeps batches compact
+        self.batcher = Batcher(self.model.engine)
+        self._joined: dict[int, asyncio.Queue] = {}  # lane -> queue of a stream in the batcher
+        self._batch_task: asyncio.Task | None = None
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tinyloop-step")
         self._streams: dict[str, _StreamState] = {}
@@ -119,7 +130,8 @@ class WorkerActor:
         self._sweep()
         return {"epoch": self.epoch, "active_lanes": self.lanes - len(self._free_lanes),
                 "queued": len(self._waiters), "streams": len(self._streams),
-                "handles": len(self._handles), "handle_bytes": self._handle_bytes}
+                "handles": len(self._handles), "handle_bytes": self._handle_bytes,
+                "batched_steps": self.batcher.steps, "batched_lane_steps": self.batcher.lane_steps}
 
     async def configure(self, handle_ttl_s: float | None = None, handle_budget_bytes: int | None = None,
                         coalesce_s: float | None = None) -> dict:
@@ -151,7 +163,8 @@ class WorkerActor:
         if p.get("return_handle"):
             max_loops = p.get("handle_max_loops") or self.model.config.max_loops
             after = lambda: self._build(caller, ids, req.loops, max_loops, req.window)  # noqa: E731
-        async for item in self._stream(key, lambda lane: self.model.stream(req, lane),
+        start = self.model.stream if req.speculative else self.model.start
+        async for item in self._stream(key, lambda lane: start(req, lane),
                                        p.get("include_text", False), after):
             yield item
 
@@ -169,7 +182,7 @@ class WorkerActor:
             return
         entry.active += 1
         try:
-            async for item in self._stream(key, lambda lane: self.model.stream_resume(rr, lane),
+            async for item in self._stream(key, lambda lane: self.model.start_resume(rr, lane),
                                            p.get("include_text", False)):
                 yield item
         finally:
@@ -184,12 +197,15 @@ class WorkerActor:
         state.cancelled = True
         if state.waiter is not None and not state.waiter.done():
             state.waiter.set_exception(_Cancelled())
+        if state.queue is not None:
+            state.queue.put_nowait(None)
         return True
 
     async def _stream(self, key: str, start, include_text: bool, after=None):
+        """start(lane) -> a DecodeState (prefilled) or a token generator (speculative)."""
         state = self._streams[key] = _StreamState()
         loop = asyncio.get_running_loop()
-        gen = None
+        begun, gen = False, None
         try:
             try:
                 state.lane = await self._acquire_lane(state)
@@ -199,16 +215,31 @@ class WorkerActor:
                 yield error("RESOURCE_EXHAUSTED", "QUEUE_FULL",
                             f"{self.worker_id}: {len(self._waiters)} requests already wait for a lane")
                 return
+            begun = True
             try:
-                gen = await loop.run_in_executor(self._pool, start, state.lane)
+                first, gen = await loop.run_in_executor(self._pool, self._begin, start, state.lane)
             except (ValueError, RuntimeError) as e:
                 yield _value_error(e)
                 return
+            if gen is None and first[1] is None:
+                state.queue = self._joined[state.lane] = asyncio.Queue()
+                if self._batch_task is None:
+                    self._batch_task = loop.create_task(self._batch_loop())
             text = _TextStream(self.model.tokenizer) if include_text else None
             ids: list[int] = []
             flushed_once, last_flush = False, time.monotonic()
             while not state.cancelled:
-                new, finish = await loop.run_in_executor(self._pool, _step, gen)
+                if first is not None:
+                    (new, finish), first = first, None
+                elif gen is not None:
+                    new, finish = await loop.run_in_executor(self._pool, _step, gen)
+                else:
+                    update = await state.queue.get()
+                    if update is None:  # cancelled
+                        break
+                    if isinstance(update, BaseException):
+                        raise update
+                    new, finish = update
                 if new:
                     ids.extend(new)
                 now = time.monotonic()
@@ -232,18 +263,58 @@ class WorkerActor:
                     return
         finally:
             self._streams.pop(key, None)
-            if gen is not None:
-                # Closing runs on the step thread after any step in flight; the lane is free
-                # only once the generator is closed.
-                lane = state.lane
-                fut = self._pool.submit(gen.close)
+            lane = state.lane
+            if begun:
+                # The stream leaves the batcher (or its generator is closed) on the step thread,
+                # after any step in flight; the lane is free only then.
+                self._joined.pop(lane, None)
+                fut = self._pool.submit(self._end, lane, gen)
                 fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._release_lane, lane))
-            elif state.lane is not None:
-                self._release_lane(state.lane)
+            elif lane is not None:
+                self._release_lane(lane)
+
+    def _begin(self, start, lane: int):
+        """On the step thread: prefill. -> (first update, None) for a stream that joined the
+        batcher (or ended at its first token), or (None, generator) to step alone."""
+        from tinyloop.worker.generate import DecodeState, decode_steps  # torch: not at import time
+        st = start(lane)
+        if not isinstance(st, DecodeState):
+            return None, st
+        if self.batcher.eligible(st):
+            return self.batcher.join(st), None
+        return None, decode_steps(st)
+
+    def _end(self, lane: int, gen) -> None:
+        """On the step thread: the stream on `lane` is over (finished, cancelled or failed)."""
+        self.batcher.leave(lane)
+        if gen is not None:
+            gen.close()
+
+    async def _batch_loop(self) -> None:
+        """Batched decode steps while any stream is in the batcher; each stream's update goes
+        to its queue (a stream cancelled meanwhile has left `_joined` and gets nothing)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._joined:
+                try:
+                    updates = await loop.run_in_executor(self._pool, self.batcher.step)
+                except Exception as e:  # every batched stream fails with it; the step thread lives on
+                    for queue in self._joined.values():
+                        queue.put_nowait(e)
+                    self._joined.clear()
+                    return
+                for lane, update in updates.items():
+                    queue = self._joined.get(lane)
+                    if queue is not None:
+                        queue.put_nowait(update)
+                        if update[1] is not None:
+                            del self._joined[lane]
+        finally:
+            self._batch_task = None
 
     async def _acquire_lane(self, state: _StreamState) -> int | None:
         if self._free_lanes and not self._waiters:
-            return self._free_lanes.popleft()
+            return heapq.heappop(self._free_lanes)
         if len(self._waiters) >= self.max_queue:
             return None
         state.waiter = asyncio.get_running_loop().create_future()
@@ -261,7 +332,7 @@ class WorkerActor:
             if not w.done():
                 w.set_result(lane)
                 return
-        self._free_lanes.append(lane)
+        heapq.heappush(self._free_lanes, lane)
 
     # -- handles ------------------------------------------------------------------------
     async def build_handle(self, caller: str, p: dict) -> dict:

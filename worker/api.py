@@ -16,7 +16,7 @@ import torch
 from tinyloop.worker import checkpoint
 from tinyloop.worker.cache import KVCache
 from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import Generation, Request, batch, stream
+from tinyloop.worker.generate import DecodeState, Generation, Request, batch, start, stream
 from tinyloop.worker.ops import select_ops
 from tinyloop.worker import resume as resume_mod
 from tinyloop.worker import scoring
@@ -226,6 +226,15 @@ class Model:
             return stream_speculative(self.engine, lane, request, self._spec_params(request.speculative))
         return stream(self.engine, lane, request)
 
+    def start(self, request: Request, lane: int = 0) -> DecodeState:
+        """Prefill a validated, non-speculative request into a cache lane: its `DecodeState`,
+        to step alone (`generate.decode_steps`, what `stream` does) or with other streams in
+        one forward (worker/batcher.py, what the Ray actor does)."""
+        self._check_open()
+        if request.speculative is not None:
+            raise ValueError("a speculative request streams through Model.stream")
+        return start(self.engine, lane, request)
+
     def generate(self, prompt, loops=None, max_tokens=128, temperature=0.0, top_k=50, top_p=1.0,
                  repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,
                  l_warmup_L=None, safety_check=False,
@@ -331,6 +340,15 @@ class Model:
         if handle.freed:
             raise RuntimeError("handle has been freed")
         return resume_mod.resume(self.engine, lane, handle, new_L, req)
+
+    def start_resume(self, resume_request, lane: int = 0) -> DecodeState:
+        """`start` for a validated `make_resume_request` result: the handle cloned into the lane
+        and extended to new_L."""
+        self._check_open()
+        handle, new_L, req = resume_request
+        if handle.freed:
+            raise RuntimeError("handle has been freed")
+        return resume_mod.start(self.engine, lane, handle, new_L, req)
 
     def resume_generate(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
                         top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,

@@ -66,6 +66,10 @@ class Counters:
         return Counters(self.loop_iterations - before.loop_iterations,
                         self.loop_token_iterations - before.loop_token_iterations)
 
+    def plus(self, other: "Counters") -> "Counters":
+        return Counters(self.loop_iterations + other.loop_iterations,
+                        self.loop_token_iterations + other.loop_token_iterations)
+
 
 @dataclass
 class Engine:
@@ -100,17 +104,28 @@ class Engine:
 
     @torch.no_grad()
     def run_loops(self, x: torch.Tensor, p: Pass, start: int, stop: int,
-                  lane_loops: list[int] | None = None) -> torch.Tensor:
+                  lane_loops: list[int] | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
         """Apply iterations [start, stop) of the shared block in place of the residual.
 
-        lane_loops: per-lane depth for a mixed-depth batch, sorted in descending order;
-        iteration i then advances only the lanes with depth > i (a prefix of the batch)."""
+        Two forms of per-lane depth (mixed-depth batches):
+        - lane_loops, sorted in descending order: iteration i advances only the lanes with
+          depth > i, a prefix of the batch.
+        - depth (B,) int64 on the device, lanes in any order: iteration i runs on every lane
+          and keeps the result where depth > i (a lane past its depth carries its residual
+          through unchanged). A lane past its depth still writes its K/V into iteration i's
+          cache layers at its positions. That is harmless: a request at depth L never reads a
+          layer past n_prelude + L·n_loop_layers (invariant 2), and a request that does read
+          layer l at position q has written (l, q) itself first (its prefill or resume writes
+          its prompt positions in every layer it uses, and each decode step writes its
+          position before attending to it). tests/worker/test_batcher.py poisons those layers."""
         cfg = self.config
         for i in range(start, stop):
             n = x.shape[0] if lane_loops is None else sum(d > i for d in lane_loops)
             q = p if n == x.shape[0] else p.narrow(n)
             attends = [self._attend(cfg.loop_layer_index(i, j), q) for j in range(cfg.n_loop_layers)]
             y = self.model.iteration(x[:n], attends)
+            if depth is not None:
+                y = torch.where((depth > i)[:, None, None], y, x)
             x = y if n == x.shape[0] else torch.cat([y, x[n:]], 0)
             self.counters.loop_iterations += 1
             self.counters.loop_token_iterations += n * x.shape[1]

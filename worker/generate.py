@@ -2,7 +2,8 @@
 
 `stream()` is a generator over one cache lane: it yields lists of new token ids as they are
 decided and returns a `Finish`. The in-process API drains it; the Ray actor steps it, so a
-cancelled request stops within one decode step.
+cancelled request stops within one decode step. Its per-token state is a `DecodeState`,
+which worker/batcher.py can also step together with other streams in one forward.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Generator
 
 import torch
 
-from tinyloop.worker.engine import Engine
+from tinyloop.worker.engine import Counters, Engine
 from tinyloop.worker.sampling import SamplingParams, sample
 
 # Finish reasons (documented in docs/api.md).
@@ -73,66 +74,135 @@ def prefill(engine: Engine, lane: int, tokens: list[int], loops: int, window: in
 
 def stream(engine: Engine, lane: int, req: Request) -> TokenStream:
     """Prefill the prompt at `req.loops`, then decode."""
+    return (yield from decode_steps(start(engine, lane, req)))
+
+
+def start(engine: Engine, lane: int, req: Request) -> "DecodeState":
+    """Prefill the prompt into `lane` at `req.loops`: the state that decides the first token."""
     before = engine.counters.snapshot()
     logits, norm = prefill(engine, lane, req.prompt, req.loops, req.window, req.safety_threshold is not None)
-    return (yield from decode(engine, lane, req, logits, norm, before))
+    return DecodeState(engine, lane, req, logits, norm, engine.counters.since(before))
 
 
-def decode(engine: Engine, lane: int, req: Request, logits: torch.Tensor, norm: torch.Tensor | None,
-           before) -> TokenStream:
-    """Decode after the prompt sits in `lane`'s cache; `logits` (1, V) predict the first token."""
-    device = engine.cache.k.device
-    T = len(req.prompt)
-    track = req.safety_threshold is not None
-    seed = torch.tensor([req.seed], device=device)
-    seen = _seen_mask(engine, [req.prompt])
-    warm_L = req.warmup_loops if req.warmup_tokens else None
-    warm_x: list[torch.Tensor] = []   # residual entering iteration warm_L, per warm-up position
-    generated = 0
-    reason = FINISH_LENGTH
-    pos = T  # absolute position of the token being decided
+def decode_steps(st: "DecodeState") -> TokenStream:
+    """One stream decoding alone: decide a token, then run the model on it, until it finishes."""
     while True:
-        tok = sample(logits, seen, req.sampling, seed, torch.tensor([pos], device=device))
-        if track:
-            tok_h, norm_h = torch.stack([tok.double(), norm.double()], 0).tolist()
-            if norm_h[0] > req.safety_threshold:
-                reason = FINISH_SAFETY
-                break
-            t = int(tok_h[0])
-        else:
-            t = int(tok.item())
-        generated += 1
+        t = st.decide()
+        if t is None:
+            break
         yield [t]
-        if t in req.stop_ids:
-            reason = FINISH_STOP
+        if not st.accept(t):
             break
-        if generated >= req.max_tokens:
-            break
-        seen[0, t] = True
-        step = generated - 1  # decode steps taken so far
-        if warm_L is not None and step == req.warmup_tokens and warm_x:
-            _catch_up(engine, lane, warm_x, pos - len(warm_x), warm_L, req.loops, req.window)
-            warm_x.clear()
-        L = warm_L if warm_L is not None and step < req.warmup_tokens else req.loops
-        graph = engine.graphs.get(L, lane) if engine.graphs is not None else None
+        st.advance()
+    return st.finish()
+
+
+class DecodeState:
+    """The per-token state of one stream's decode: where it is, what it has seen, how it samples.
+
+    A step is decide (sample the token at `pos` from `logits`) -> accept (record it; stop?) ->
+    run the model on it at `pos` for the next logits. `advance` runs that alone on the lane
+    (L scheduling, the safety check, windows, CUDA graphs); worker/batcher.py runs it for many
+    states in one forward and hands each its logits row through `advanced`. Sampling is
+    per state, keyed by (seed, absolute position), so both paths draw the same tokens.
+
+    `work` counts the loop-block work this stream needed (prompt plus L per decode step),
+    whichever path ran it, so its stats do not depend on what else shared the engine."""
+
+    def __init__(self, engine: Engine, lane: int, req: Request, logits: torch.Tensor,
+                 norm: torch.Tensor | None, prompt_work: Counters):
+        device = engine.cache.k.device
+        self.engine, self.lane, self.req = engine, lane, req
+        self.logits, self.norm = logits, norm   # (1, V) predicts the token at pos; (1,) or None
+        self.pos = len(req.prompt)               # absolute position of the token being decided
+        self.seen = _seen_mask(engine, [req.prompt])
+        self.seed = torch.tensor([req.seed], device=device)
+        self.generated = 0
+        self.reason = FINISH_LENGTH
+        self.tok: torch.Tensor | None = None     # (1,) the token decided last, on the device
+        self.tok_id = -1                         # the same token on the host, once accepted
+        self.work = prompt_work.snapshot()
+        self.extra_stats: dict = {}
+        self.warm_L = req.warmup_loops if req.warmup_tokens else None
+        self.warm_x: list[torch.Tensor] = []     # residual entering iteration warm_L, per warm-up position
+
+    @property
+    def batchable(self) -> bool:
+        """Whether a step of this stream may run inside a batched forward: plain decode on the
+        full cache, at one depth throughout, with no per-step safety check."""
+        return self.warm_L is None and self.req.safety_threshold is None and self.req.window == 0
+
+    def sample(self) -> torch.Tensor:
+        """The token at `pos`, (1,) int64 on the device (no host sync)."""
+        self.tok = sample(self.logits, self.seen, self.req.sampling, self.seed,
+                          torch.tensor([self.pos], device=self.seed.device))
+        return self.tok
+
+    def decide(self) -> int | None:
+        """Sample the token at `pos` on the host; None when the safety check stops the stream
+        (the residual norm of the step that produced these logits exceeded the threshold)."""
+        tok = self.sample()
+        if self.req.safety_threshold is None:
+            return int(tok.item())
+        tok_h, norm_h = torch.stack([tok.double(), self.norm.double()], 0).tolist()
+        if norm_h[0] > self.req.safety_threshold:
+            self.reason = FINISH_SAFETY
+            return None
+        return int(tok_h[0])
+
+    def accept(self, t: int) -> bool:
+        """Record the decided token t; True when the stream goes on (t must be run)."""
+        self.tok_id = t
+        self.generated += 1
+        if t in self.req.stop_ids:
+            self.reason = FINISH_STOP
+            return False
+        if self.generated >= self.req.max_tokens:
+            return False
+        self.seen[0, t] = True
+        return True
+
+    def advance(self) -> None:
+        """Run the decided token alone on the lane: the next logits."""
+        engine, req, pos = self.engine, self.req, self.pos
+        device = self.seed.device
+        step = self.generated - 1  # decode steps taken so far
+        before = engine.counters.snapshot()
+        if self.warm_L is not None and step == req.warmup_tokens and self.warm_x:
+            _catch_up(engine, self.lane, self.warm_x, pos - len(self.warm_x), self.warm_L, req.loops, req.window)
+            self.warm_x.clear()
+        L = self.warm_L if self.warm_L is not None and step < req.warmup_tokens else req.loops
+        track = req.safety_threshold is not None
+        graph = engine.graphs.get(L, self.lane) if engine.graphs is not None else None
         if graph is not None and L == req.loops and not track and req.window == 0:
-            logits = graph.step(tok.view(1, 1), torch.full((1, 1), pos, device=device))
+            logits = graph.step(self.tok.view(1, 1), torch.full((1, 1), pos, device=device))
             engine.counters.loop_iterations += L
             engine.counters.loop_token_iterations += L
         else:
-            p = engine.make_pass(slice(lane, lane + 1), torch.tensor([[pos]], device=device), pos + 1,
-                                 req.window, track)
-            x = engine.embed_prelude(tok.view(1, 1), p)
+            p = engine.make_pass(slice(self.lane, self.lane + 1), torch.tensor([[pos]], device=device),
+                                 pos + 1, req.window, track)
+            x = engine.embed_prelude(self.tok.view(1, 1), p)
             x = engine.run_loops(x, p, 0, L)
             if L != req.loops:
-                warm_x.append(x)
+                self.warm_x.append(x)
             logits = engine.logits(engine.coda(x, p))[:, -1]
-            norm = p.norm_max
-        pos += 1
-    work = engine.counters.since(before)
-    return Finish(reason, {"prompt_tokens": T, "completion_tokens": generated,
-                           "loop_iterations": work.loop_iterations,
-                           "loop_token_iterations": work.loop_token_iterations})
+            self.norm = p.norm_max
+        self.work = self.work.plus(engine.counters.since(before))
+        self.logits = logits
+        self.pos += 1
+
+    def advanced(self, logits: torch.Tensor) -> None:
+        """A batched forward ran the decided token at `pos` at depth req.loops: its row (1, V)."""
+        L = self.req.loops
+        self.work = self.work.plus(Counters(L, L))
+        self.logits = logits
+        self.pos += 1
+
+    def finish(self) -> Finish:
+        return Finish(self.reason, {"prompt_tokens": len(self.req.prompt), "completion_tokens": self.generated,
+                                    "loop_iterations": self.work.loop_iterations,
+                                    "loop_token_iterations": self.work.loop_token_iterations,
+                                    **self.extra_stats})
 
 
 def _catch_up(engine: Engine, lane: int, warm_x: list[torch.Tensor], first_pos: int,

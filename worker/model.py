@@ -22,6 +22,18 @@ from tinyloop.worker.config import LoopedConfig
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (..., in) @ weight.T, with a batched decode step (x (B, 1, in), B > 1) run row by row.
+
+    BLAS picks its kernel by the number of rows M, so the rows of one (B, in) GEMM differ in
+    the last bits from the same rows run alone (M = 1). A bmm of B (1, in) x (in, out)
+    products runs the M = 1 kernel for every lane, so a lane of a batched decode step is
+    bitwise the step it would take alone (tests/worker/test_batcher.py checks the logits)."""
+    if x.dim() == 3 and x.shape[0] > 1 and x.shape[1] == 1:
+        return torch.bmm(x, weight.t().expand(x.shape[0], -1, -1))  # (B, 1, out)
+    return F.linear(x, weight)
+
+
 class RMSNorm(nn.Module):
     kernel = None  # a fused `rms_norm(x, weight, eps)` (Triton on CUDA); None: the torch ops below
 
@@ -60,14 +72,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         B, T, _ = x.shape
         if hasattr(self, "wqkv"):
-            q, k, v = F.linear(x, self.wqkv).split(self._sizes(), -1)
+            q, k, v = linear(x, self.wqkv).split(self._sizes(), -1)
         else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+            q, k, v = linear(x, self.wq.weight), linear(x, self.wk.weight), linear(x, self.wv.weight)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         out = attend(q, k, v)  # (B, H, T, hd)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return linear(out.transpose(1, 2).reshape(B, T, -1), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -85,9 +97,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "w13"):
-            gate, up = F.linear(x, self.w13).chunk(2, -1)
-            return self.w2(F.silu(gate) * up)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = linear(x, self.w13).chunk(2, -1)
+        else:
+            gate, up = linear(x, self.w1.weight), linear(x, self.w3.weight)
+        return linear(F.silu(gate) * up, self.w2.weight)
 
 
 class Block(nn.Module):
@@ -163,7 +176,7 @@ class LoopedTransformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
-        return x @ self.tok_embeddings.weight.t() if self.output is None else self.output(x)
+        return linear(x, self.tok_embeddings.weight if self.output is None else self.output.weight)
 
     def forward(self, tokens: torch.Tensor, loops: int, window: int = 0) -> torch.Tensor:
         """Full causal forward with no cache: training, and the recompute the tests compare to.

@@ -16,7 +16,7 @@ import torch
 
 from tinyloop.worker.config import LoopedConfig
 from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import Request, TokenStream, decode
+from tinyloop.worker.generate import DecodeState, Request, TokenStream, decode_steps
 
 _ids = itertools.count(1)
 
@@ -90,6 +90,12 @@ def build(engine: Engine, lane: int, prompt: list[int], L_used: int, max_loops: 
 
 def resume(engine: Engine, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> TokenStream:
     """Clone the handle into `lane`, run iterations [L_used, new_L) over the prompt, decode."""
+    return (yield from decode_steps(start(engine, lane, handle, new_L, req)))
+
+
+def start(engine: Engine, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> DecodeState:
+    """Clone the handle into `lane` and run iterations [L_used, new_L) over the prompt: the
+    state that decides the first token."""
     cfg, cache = engine.config, engine.cache
     before = engine.counters.snapshot()
     T = handle.seq_len()
@@ -103,6 +109,6 @@ def resume(engine: Engine, lane: int, handle: ResumeHandle, new_L: int, req: Req
     x = engine.run_loops(handle.residual.clone(), p, handle.loops_used(), new_L)
     logits = engine.logits(engine.coda(x, p)[:, -1:])[:, -1]
     prompt_work = engine.counters.since(before)
-    finish = yield from decode(engine, lane, req, logits, p.norm_max, before)
-    finish.stats["prompt_loop_iterations"] = prompt_work.loop_iterations
-    return finish
+    st = DecodeState(engine, lane, req, logits, p.norm_max, prompt_work)
+    st.extra_stats["prompt_loop_iterations"] = prompt_work.loop_iterations
+    return st

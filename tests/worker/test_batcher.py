@@ -1,0 +1,145 @@
+"""Continuous batching (worker/batcher.py): a stream stepped with others in one forward gets
+exactly the tokens, logits and stats it gets alone, whatever joins, leaves or idles beside it."""
+import pytest
+import torch
+
+from tinyloop.worker import Model
+from tinyloop.worker.batcher import Batcher
+from tinyloop.worker.generate import DecodeState, decode_steps
+
+GREEDY = dict(temperature=0.0)
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3)
+
+# (lane, join before step, leave (cancel) before step or None, request kwargs)
+SCHEDULE = [
+    (1, 0, None, dict(prompt=[3, 17, 42, 99, 7], loops=2, max_tokens=14, seed=1)),
+    (2, 0, None, dict(prompt=[200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12], loops=8, max_tokens=9, seed=2)),
+    (4, 0, 5, dict(prompt=[9, 8, 7], loops=5, max_tokens=30, seed=3)),          # cancelled mid-way
+    (6, 2, None, dict(prompt=[5] * 10, loops=3, max_tokens=12, seed=4)),         # joins late; a hole at 5
+    (3, 4, None, dict(prompt=[1, 2], loops=6, max_tokens=1, seed=5)),            # done at its first token
+    (5, 6, None, dict(prompt=[77, 78, 79, 80], loops=1, max_tokens=10, seed=6)),
+    (4, 9, None, dict(prompt=[42] * 7, loops=7, max_tokens=8, seed=7)),          # reuses a freed lane
+]
+
+
+@pytest.fixture
+def model(tiny_path):
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        yield m
+
+
+def _request(model, sampling, stop=(), **kw):
+    return model.make_request(kw.pop("prompt"), stop_token_ids=list(stop), **kw, **sampling)
+
+
+def _record_logits(st: DecodeState, into: list) -> DecodeState:
+    """Keep every logits row the state is handed (alone or batched)."""
+    for name in ("advance", "advanced"):
+        method = getattr(st, name)
+
+        def wrapped(*a, _m=method):
+            _m(*a)
+            into.append(st.logits.clone())
+        setattr(st, name, wrapped)
+    return st
+
+
+def _alone(model, req, lane):
+    logits: list = []
+    gen = decode_steps(_record_logits(model.start(req, lane), logits))
+    ids = []
+    try:
+        while True:
+            ids.extend(next(gen))
+    except StopIteration as stop:
+        return ids, stop.value, logits
+
+
+def _batched(model, reqs, schedule, poison: bool):
+    """Drive a Batcher the way the actor does: joins and cancels between steps."""
+    b = Batcher(model.engine)
+    if poison:
+        # Every layer and position of every stream lane: whatever a stream reads it must have
+        # written itself, or its logits would not be bitwise those it gets alone. (Finite, not
+        # NaN: attention multiplies the masked-out slots' V by a zero weight.)
+        model.engine.cache.k[:, 1:] = 1e6
+        model.engine.cache.v[:, 1:] = -1e6
+    out = {i: ([], None, []) for i in range(len(schedule))}
+    on_lane: dict[int, int] = {}
+    step = 0
+    while step < 40:
+        for i, (lane, join, leave) in enumerate(schedule):
+            if leave == step and on_lane.get(lane) == i:
+                b.leave(lane)
+                del on_lane[lane]
+            if join == step:
+                assert lane not in on_lane
+                st = _record_logits(model.start(reqs[i], lane), out[i][2])
+                ids, finish = b.join(st)
+                out[i][0].extend(ids)
+                if finish is None:
+                    on_lane[lane] = i
+                else:
+                    out[i] = (out[i][0], finish, out[i][2])
+        for lane, (ids, finish) in b.step().items():
+            i = on_lane[lane]
+            out[i][0].extend(ids)
+            if finish is not None:
+                out[i] = (out[i][0], finish, out[i][2])
+                del on_lane[lane]
+        step += 1
+    assert not b and not on_lane
+    return out
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("poison", [False, True], ids=["clean", "poisoned"])
+def test_batched_streams_equal_standalone(model, sampling, poison):
+    reqs = [_request(model, sampling, **kw) for *_, kw in SCHEDULE]
+    # a stop token taken from lane 1's own greedy/sampled stream, so it does stop mid-way
+    first_ids, _, _ = _alone(model, reqs[0], 0)
+    reqs[0] = _request(model, sampling, stop=[first_ids[5]], **SCHEDULE[0][3])
+    alone = [_alone(model, r, 0) for r in reqs]
+    batched = _batched(model, reqs, [s[:3] for s in SCHEDULE], poison)
+    for i, ((ids, finish, logits), (b_ids, b_finish, b_logits)) in enumerate(zip(alone, batched.values())):
+        if SCHEDULE[i][2] is not None:  # cancelled: a prefix of its stream, no finish
+            assert b_finish is None and 0 < len(b_ids) < len(ids) and b_ids == ids[:len(b_ids)]
+            continue
+        assert b_ids == ids, i
+        assert (b_finish.reason, b_finish.stats) == (finish.reason, finish.stats), i
+        # bitwise: a lane of a batched step is the step it takes alone
+        assert len(b_logits) == len(logits) and all(torch.equal(a, b) for a, b in zip(logits, b_logits)), i
+    assert alone[0][1].reason == "stop" and alone[4][1].stats["completion_tokens"] == 1
+
+
+def test_mask_form_mixed_depth_equals_prefix_form(model):
+    """run_loops(depth=...) over lanes in any order equals the sorted prefix form."""
+    e = model.engine
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    depths = [3, 8, 1]
+    x_alone = []
+    for lane, (p, L) in enumerate(zip(prompts, depths), start=1):
+        req = model.make_request(p, loops=L, max_tokens=2)
+        st = model.start(req, lane)
+        st.accept(st.decide())
+        x_alone.append((st.tok_id, st.pos))
+    pos = torch.tensor([[q] for _, q in x_alone])
+    p = e.make_pass(slice(1, 4), pos, int(pos.max()) + 1)
+    x = e.embed_prelude(torch.tensor([[t] for t, _ in x_alone]), p)
+    got = e.run_loops(x.clone(), p, 0, max(depths), depth=torch.tensor(depths))
+    for b, L in enumerate(depths):
+        q = e.make_pass(slice(1 + b, 2 + b), pos[b:b + 1], int(pos[b]) + 1)
+        assert torch.equal(got[b:b + 1], e.run_loops(x[b:b + 1].clone(), q, 0, L))
+
+
+def test_only_plain_eager_decode_is_batched(model):
+    b = Batcher(model.engine)
+    plain = model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4), 1)
+    assert b.eligible(plain)
+    for kw in (dict(l_warmup_tokens=2, l_warmup_L=1), dict(safety_check=True), dict(cache_window=8)):
+        assert not b.eligible(model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), 1)), kw
+    model.engine.graphs = object()  # a graph-backed engine replays batch-1 steps per lane
+    try:
+        assert not b.eligible(plain)
+    finally:
+        model.engine.graphs = None
