@@ -45,8 +45,8 @@ class Model:
 
     n_slots: cache lanes (concurrent requests, batch lanes). cuda_graphs (default: on CUDA)
     captures the decode step of every depth at load. A call holds the model's lock,
-    so one Model is safe to share between threads; the Ray actor interleaves requests step
-    by step on separate lanes instead."""
+    so one Model is safe to share between threads; the Ray actor instead runs requests on
+    separate lanes, batching their decode steps (worker/batcher.py)."""
 
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
