@@ -23,13 +23,15 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (..., in) @ weight.T, with a batched decode step (x (B, 1, in), B > 1) run row by row.
+    """x (..., in) @ weight.T; on CPU a batched decode step (x (B, 1, in), B > 1) runs row by row.
 
-    BLAS picks its kernel by the number of rows M, so the rows of one (B, in) GEMM differ in
-    the last bits from the same rows run alone (M = 1). A bmm of B (1, in) x (in, out)
+    CPU BLAS picks its kernel by the number of rows M, so the rows of one (B, in) GEMM differ
+    in the last bits from the same rows run alone (M = 1). A bmm of B (1, in) x (in, out)
     products runs the M = 1 kernel for every lane, so a lane of a batched decode step is
-    bitwise the step it would take alone (tests/worker/test_batcher.py checks the logits)."""
-    if x.dim() == 3 and x.shape[0] > 1 and x.shape[1] == 1:
+    bitwise the step it would take alone (tests/worker/test_batcher.py checks the logits).
+    Not on CUDA: there a row-wise bmm would read the weight once per lane, and a batched
+    decode is bandwidth-bound on exactly those reads."""
+    if x.is_cpu and x.dim() == 3 and x.shape[0] > 1 and x.shape[1] == 1:
         return torch.bmm(x, weight.t().expand(x.shape[0], -1, -1))  # (B, 1, out)
     return F.linear(x, weight)
 
