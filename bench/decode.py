@@ -108,8 +108,7 @@ def eager_rate(model: Model, loops: int, context: int, steps: int) -> float:
         for i in range(steps):
             pos = context + i
             p = e.make_pass(slice(0, 1), torch.tensor([[pos]], device="cuda"), pos + 1)
-            x = e.run_loops(e.embed_prelude(torch.tensor([[tok]], device="cuda"), p), p, 0, loops)
-            tok = int(e.logits(e.coda(x, p))[0, -1].argmax())
+            tok = int(e.forward(torch.tensor([[tok]], device="cuda"), p, loops)[0, -1].argmax())
         return (time.perf_counter() - t) * 1e3 / steps
 
     run()

@@ -167,28 +167,36 @@ def _info(r: pb.ModelInfoResponse) -> dict:
     return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-class GenerateStream:
-    """Iterates over `Chunk`s; afterwards `.complete` holds the `Complete`. `cancel()` stops it
-    (the worker frees its lane within one decode step)."""
+class _Stream:
+    """What the sync and asyncio streams share: one response becomes a `Chunk` or the `Complete`."""
 
     def __init__(self, call):
         self._call = call
         self.complete: Complete | None = None
         self.request_id: str | None = None
 
-    def __iter__(self):
-        try:
-            for resp in self._call:
-                self.request_id = resp.request_id
-                if resp.WhichOneof("event") == "chunk":
-                    yield Chunk(list(resp.chunk.ids), resp.chunk.text)
-                else:
-                    self.complete = _complete(resp)
-        except grpc.RpcError as e:
-            raise TinyLoopError.from_rpc_error(e) from None
+    def _event(self, resp) -> Chunk | None:
+        self.request_id = resp.request_id
+        if resp.WhichOneof("event") == "chunk":
+            return Chunk(list(resp.chunk.ids), resp.chunk.text)
+        self.complete = _complete(resp)
+        return None
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+class GenerateStream(_Stream):
+    """Iterates over `Chunk`s; afterwards `.complete` holds the `Complete`. `cancel()` stops it
+    (the worker frees its lane within one decode step)."""
+
+    def __iter__(self):
+        try:
+            for resp in self._call:
+                if (chunk := self._event(resp)) is not None:
+                    yield chunk
+        except grpc.RpcError as e:
+            raise TinyLoopError.from_rpc_error(e) from None
 
     def collect(self) -> tuple[list[int], Complete]:
         ids = [t for chunk in self for t in chunk.ids]
@@ -256,23 +264,16 @@ class TinyLoopClient:
         return _info(self._unary(self.stub.ModelInfo, pb.ModelInfoRequest(), timeout))
 
 
-class AsyncGenerateStream:
-    def __init__(self, call):
-        self._call = call
-        self.complete: Complete | None = None
+class AsyncGenerateStream(_Stream):
+    """The asyncio `GenerateStream`: `async for chunk in stream`."""
 
     async def __aiter__(self):
         try:
             async for resp in self._call:
-                if resp.WhichOneof("event") == "chunk":
-                    yield Chunk(list(resp.chunk.ids), resp.chunk.text)
-                else:
-                    self.complete = _complete(resp)
+                if (chunk := self._event(resp)) is not None:
+                    yield chunk
         except grpc.RpcError as e:
             raise TinyLoopError.from_rpc_error(e) from None
-
-    def cancel(self) -> None:
-        self._call.cancel()
 
     async def collect(self) -> tuple[list[int], Complete]:
         ids = [t async for chunk in self for t in chunk.ids]

@@ -89,6 +89,5 @@ class Batcher:
         device = e.cache.k.device
         pos = torch.tensor(positions, device=device)[:, None]  # (B, 1)
         p = e.make_pass(slice(lo, lo + B), pos, S + 1)
-        x = e.embed_prelude(torch.tensor(tokens, device=device)[:, None], p)
-        x = e.run_loops(x, p, 0, max(depth), depth=torch.tensor(depth, device=device))
-        return e.logits(e.coda(x, p))[:, -1]
+        return e.forward(torch.tensor(tokens, device=device)[:, None], p, max(depth),
+                         depth=torch.tensor(depth, device=device))[:, -1]

@@ -22,13 +22,6 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def loop_layer(self, iteration: int, j: int) -> int:
-        return self.config.loop_layer_index(iteration, j)
-
     def coda_layer(self, j: int) -> int:
         return self.config.coda_layer_index(j, self.max_loops)
 

@@ -148,11 +148,12 @@ class Engine:
             p.trace.append(("final_ln", self.model.norm(x[:, -1]).float()))
         return self.model.logits(x).float()
 
-    def forward(self, tokens: torch.Tensor, p: Pass, loops: int,
-                lane_loops: list[int] | None = None, last_only: bool = True) -> torch.Tensor:
-        """The whole model over a chunk: logits (B, T or 1, V)."""
+    def forward(self, tokens: torch.Tensor, p: Pass, loops: int, lane_loops: list[int] | None = None,
+                last_only: bool = True, depth: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole model over a chunk: logits (B, T or 1, V). lane_loops / depth: per-lane
+        depths (see run_loops), with `loops` their maximum."""
         x = self.embed_prelude(tokens, p)
-        x = self.run_loops(x, p, 0, loops, lane_loops)
+        x = self.run_loops(x, p, 0, loops, lane_loops, depth)
         x = self.coda(x, p)
         return self.logits(x[:, -1:] if last_only else x, p)
 

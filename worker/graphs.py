@@ -45,8 +45,7 @@ class DecodeGraphs:
     def _eager(self, tokens: torch.Tensor, positions: torch.Tensor, loops: int, lane: int):
         e = self.engine
         p = e.make_pass(slice(lane, lane + 1), positions, e.cache.max_seq_len)
-        x = e.run_loops(e.embed_prelude(tokens, p), p, 0, loops)
-        logits = e.logits(e.coda(x, p))[:, -1]
+        logits = e.forward(tokens, p, loops)[:, -1]
         return logits, logits.argmax(-1)
 
     def capture(self, loops: int, lane: int = 0) -> DecodeGraph:

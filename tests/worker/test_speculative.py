@@ -141,9 +141,9 @@ def test_warm_start_runs_each_iteration_once(tiny_spec, tree):
     calls = []
     real = m.engine.run_loops
 
-    def spy(x, p, start, stop, lane_loops=None):
+    def spy(x, p, start, stop, lane_loops=None, depth=None):
         calls.append((start, stop, x.shape[1]))
-        return real(x, p, start, stop, lane_loops)
+        return real(x, p, start, stop, lane_loops, depth)
 
     m.engine.run_loops = spy
     try:
