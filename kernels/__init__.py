@@ -7,6 +7,7 @@ Without a CUDA device the launchers run only under the Triton interpreter (CPU t
 triton reads from TRITON_INTERPRET=1 at its first import: the test suite sets it.
 """
 from .decode_attention import decode_attention, decode_attention_ref
+from .gemv import gemv, gemv_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rope import apply_rope_ref, rope_cache_write, rope_cache_write_ref
 from .sampling import argmax, argmax_ref, sample_top_k, sample_top_k_ref
@@ -20,6 +21,8 @@ __all__ = [
     "argmax_ref",
     "decode_attention",
     "decode_attention_ref",
+    "gemv",
+    "gemv_ref",
     "rms_norm",
     "rms_norm_ref",
     "rope_cache_write",

@@ -72,16 +72,20 @@ class Attention(nn.Module):
         return [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
-        B, T, _ = x.shape
         if hasattr(self, "wqkv"):
             q, k, v = linear(x, self.wqkv).split(self._sizes(), -1)
         else:
             q, k, v = linear(x, self.wq.weight), linear(x, self.wk.weight), linear(x, self.wv.weight)
+        return linear(self.attend(q, k, v, attend), self.wo.weight)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Projected q (B, T, H·hd), k / v (B, T, Hkv·hd) -> attention output (B, T, H·hd)."""
+        B, T, _ = q.shape
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         out = attend(q, k, v)  # (B, H, T, hd)
-        return linear(out.transpose(1, 2).reshape(B, T, -1), self.wo.weight)
+        return out.transpose(1, 2).reshape(B, T, -1)
 
 
 class FeedForward(nn.Module):
@@ -119,7 +123,11 @@ class Block(nn.Module):
             self.post_attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
+    gemv = None  # the fused batch-1 projection (kernels/gemv.py) on CUDA; None: the ops below
+
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] * x.shape[1] == 1:
+            return self.token_step(x, attend)
         a = self.attention(self.attention_norm(x), attend)
         if self.sandwich:
             a = self.post_attention_norm(a)
@@ -128,6 +136,23 @@ class Block(nn.Module):
         if self.sandwich:
             f = self.post_ffn_norm(f)
         return x + f
+
+    def token_step(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """forward() for a single token in four fused projections: the input norms ride in the
+        (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
+        adds in the epilogues of wo and w2 (sandwich norm keeps its post-norms apart: they
+        need the whole projected row before the add)."""
+        att, ffn, gemv = self.attention, self.feed_forward, self.gemv
+        qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
+        out = att.attend(*qkv.split(att._sizes(), -1), attend)
+        if self.sandwich:
+            x = x + self.post_attention_norm(gemv(out, att.wo.weight))
+        else:
+            x = gemv(out, att.wo.weight, residual=x)
+        h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True)
+        if self.sandwich:
+            return x + self.post_ffn_norm(gemv(h, ffn.w2.weight))
+        return gemv(h, ffn.w2.weight, residual=x)
 
 
 class LoopedTransformer(nn.Module):
@@ -156,14 +181,18 @@ class LoopedTransformer(nn.Module):
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
-    def use_fast_path(self, rms_norm) -> None:
-        """Inference on CUDA: fused projections and a fused RMSNorm kernel (fewer, larger
-        launches: batch-1 decode of a small model is launch-bound otherwise)."""
+    def use_fast_path(self, rms_norm, gemv=None) -> None:
+        """Inference on CUDA: fused projections, a fused RMSNorm kernel and, given `gemv`,
+        single-token steps in fused batch-1 projections (fewer, larger launches: batch-1
+        decode of a small model is bound by launches as much as by weight reads)."""
+        self.gemv = gemv
         for m in self.modules():
             if isinstance(m, (Attention, FeedForward)):
                 m.fuse()
             elif isinstance(m, RMSNorm):
                 m.kernel = rms_norm
+            elif isinstance(m, Block):
+                m.gemv = gemv
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) int -> cos, sin (B, T, hd/2) fp32."""
@@ -176,9 +205,13 @@ class LoopedTransformer(nn.Module):
             x = layer(x, attend)
         return self.loop_norm(x) if self.loop_norm is not None else x
 
+    gemv = None  # see Block.gemv
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
-        return linear(x, self.tok_embeddings.weight if self.output is None else self.output.weight)
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight
+        if self.gemv is not None and x.shape[0] * x.shape[1] == 1:
+            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps)
+        return linear(self.norm(x), head)
 
     def forward(self, tokens: torch.Tensor, loops: int, window: int = 0) -> torch.Tensor:
         """Full causal forward with no cache: training, and the recompute the tests compare to.

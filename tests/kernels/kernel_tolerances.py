@@ -15,6 +15,13 @@ TOLERANCES = {
         torch.float16: (1e-3, 1e-3),
         torch.bfloat16: (8e-3, 8e-3),
     },
+    # a projection rounds its sum to the dtype before an epilogue (silu, the residual add)
+    # rounds again: a different reduction order can move the result by two ulps
+    "projection": {
+        torch.float32: (1e-4, 1e-4),
+        torch.float16: (2e-3, 2e-3),
+        torch.bfloat16: (3.2e-2, 1.6e-2),
+    },
     "attention": {
         torch.float32: (2e-5, 2e-5),
         torch.float16: (2e-3, 2e-3),

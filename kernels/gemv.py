@@ -1,0 +1,155 @@
+"""Batch-1 projection (GEMV) with the decode step's neighbours fused in.
+
+    y = x @ W.T                        x (K,), W (N, K) row-major (an nn.Linear weight)
+
+A batch-1 decode step reads every weight once and does two FLOPs per weight: it is bound by
+memory bandwidth, and at these sizes also by the small kernels between the projections. Each
+option folds one of them into the projection that reads its input or writes its output:
+
+- ``norm_weight``: RMSNorm of x first, as ``rms_norm`` computes it (fp32 math, one rounding
+  to x.dtype): y = rmsnorm(x) @ W.T. Every program re-reads x (a few KiB, from L2) to get
+  the inverse RMS, so no separate normalized vector is written and read back.
+- ``swiglu``: W is the fused (gate | up) projection of shape (2F, K) and y (F,) is
+  silu(x @ W_gate.T) * (x @ W_up.T), each product rounded to x.dtype first (as the unfused
+  projection's output is), then silu and the product rounded as ``swiglu`` does.
+- ``residual`` (N,): y = residual + (x @ W.T rounded to x.dtype), rounded once more, exactly
+  like the unfused ``residual + linear(x, W)``.
+
+Layout: one program per BLOCK_N output rows, looping over K in BLOCK_K chunks and
+accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the end. No split-K: a
+program owns its rows, which keeps the epilogues (silu, the residual) free of atomics; the
+row block is small enough that even the 2048-row projections launch a few hundred programs.
+The block sizes are autotuned per (N, K) on CUDA; under the interpreter one config runs.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # (K,)
+    w_ptr,  # (N, K) or (2N, K) with SWIGLU, unit stride along K
+    nw_ptr,  # (K,) norm weight, read only when NORM
+    res_ptr,  # (N,) residual, read only when RESIDUAL
+    y_ptr,  # (N,)
+    N,
+    K,
+    stride_w,
+    eps,
+    NORM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+
+    if NORM:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xv = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            ss += xv * xv
+        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if SWIGLU:
+        up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        k_mask = k < K
+        xv = tl.load(x_ptr + k, mask=k_mask, other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            xv = (xv.to(tl.float32) * inv_rms * nw).to(dtype)
+        xv = xv.to(tl.float32)[None, :]
+        m = row_mask[:, None] & k_mask[None, :]
+        acc += tl.load(w_rows + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
+        if SWIGLU:
+            acc_up += tl.load(up_rows + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
+
+    y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
+    if SWIGLU:
+        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
+    if RESIDUAL:
+        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+    for bn in (4, 8, 16) for bk in (256, 512) for w in (4, 8)
+]
+_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL"])(_gemv_kernel)
+
+
+def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
+    """x (..., K) holding one row, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
+
+    The leading dims of x (e.g. (1, 1) of a decode step) are kept. Options as in the module
+    docstring; all tensors share x's dtype except norm_weight, which may be any float dtype."""
+    op = "gemv"
+    tensors = {"x": x, "weight": weight}
+    if norm_weight is not None:
+        tensors["norm_weight"] = norm_weight
+    if residual is not None:
+        tensors["residual"] = residual
+    check_device(op, **tensors)
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"{op}: weight dtype {weight.dtype} must equal x dtype {x.dtype}")
+    if x.dim() < 1 or x.numel() != x.shape[-1]:
+        raise ValueError(f"{op}: x must hold a single row (..., K), got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"{op}: weight must be 2-D (N, K) with unit stride along K, "
+                         f"got shape {tuple(weight.shape)} strides {weight.stride()}")
+    K = x.shape[-1]
+    if weight.shape[1] != K:
+        raise ValueError(f"{op}: weight must have K = {K} columns, got shape {tuple(weight.shape)}")
+    N = weight.shape[0]
+    if swiglu:
+        if N % 2:
+            raise ValueError(f"{op}: swiglu needs a (gate | up) weight with an even row count, got {N}")
+        N //= 2
+    if norm_weight is not None:
+        check_dtype(op, "norm_weight", norm_weight, FLOAT_DTYPES)
+        check_shape(op, "norm_weight", norm_weight, (K,))
+    out_shape = (*x.shape[:-1], N)
+    if residual is not None:
+        check_shape(op, "residual", residual, out_shape)
+        if residual.dtype != x.dtype:
+            raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
+        residual = residual.contiguous()
+    x1 = x.reshape(K).contiguous()
+    y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    args = (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
+            y if residual is None else residual, y, N, K, weight.stride(0), float(eps))
+    flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
+    if interpreting():
+        _gemv_kernel[(triton.cdiv(N, 8),)](*args, **flags, BLOCK_N=8, BLOCK_K=64)
+    else:
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+    return y
+
+
+def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
+    """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does."""
+    if norm_weight is not None:
+        xf = x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(x.dtype)
+    y = (x.float() @ weight.float().t()).to(x.dtype)
+    if swiglu:
+        gate, up = y.float().chunk(2, -1)
+        y = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+    if residual is not None:
+        y = (residual.float() + y.float()).to(x.dtype)
+    return y
