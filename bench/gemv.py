@@ -1,0 +1,70 @@
+"""Batch-1 projections of the decode step: the fused Triton GEMV against torch (cuBLAS) and the
+copy bandwidth, per weight shape of bench-285m (and the Ouro-1.4B head).
+
+    source bench/gpu_env.sh && python -m bench.gemv --out-dir $OUT
+
+A decode step is these projections plus a few small kernels, so this is where its distance to
+the bandwidth floor is decided. Each row: weight MB, ms and GB/s of the weight read for
+torch.nn.functional.linear and for kernels/gemv.py with each fusion the layer uses there, plus
+the autotuned config."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import hardware, write
+from bench.decode import ceilings, cuda_ms
+from tinyloop.kernels import gemv as gemv_mod
+from tinyloop.kernels.gemv import gemv
+
+# (name, N, K, fusion): the projections of one bench-285m layer, its head, the Ouro-1.4B head
+SHAPES = [
+    ("wqkv", 6144, 2048, "norm"),
+    ("wo", 2048, 2048, "residual"),
+    ("w13", 11264, 2048, "norm+swiglu"),
+    ("w2", 2048, 5632, "residual"),
+    ("head", 32000, 2048, "norm"),
+    ("ouro_head", 49152, 2048, "norm"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    c = ceilings()
+    rows = []
+    for name, N, K, fusion in SHAPES:
+        torch.manual_seed(0)
+        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+        x = torch.randn(1, 1, K, device=dev, dtype=torch.bfloat16)
+        out_n = N // 2 if "swiglu" in fusion else N
+        kw = {}
+        if "norm" in fusion:
+            kw["norm_weight"] = torch.ones(K, device=dev, dtype=torch.bfloat16)
+        if "swiglu" in fusion:
+            kw["swiglu"] = True
+        if "residual" in fusion:
+            kw["residual"] = torch.randn(1, 1, out_n, device=dev, dtype=torch.bfloat16)
+        mb = N * K * 2 / 1e6
+        torch_ms = cuda_ms(lambda: F.linear(x, w), repeat=50)
+        plain_ms = cuda_ms(lambda: gemv(x, w), repeat=50)
+        fused_ms = cuda_ms(lambda: gemv(x, w, **kw), repeat=50)
+        floor_ms = mb / (c["copy_GBps"] * 1e-3) / 1e3
+        rows.append({"name": name, "N": N, "K": K, "fusion": fusion, "weight_MB": mb, "floor_ms": floor_ms,
+                     "torch_linear_ms": torch_ms, "gemv_ms": plain_ms, "gemv_fused_ms": fused_ms,
+                     "torch_GBps": mb / torch_ms, "gemv_GBps": mb / plain_ms, "gemv_fused_GBps": mb / fused_ms})
+        print(f"{name:10s} {N:6d}x{K:<5d} {mb:6.1f} MB  floor {floor_ms * 1e3:6.1f} us | torch {torch_ms * 1e3:6.1f} us "
+              f"({mb / torch_ms:5.0f} GB/s) | gemv {plain_ms * 1e3:6.1f} us ({mb / plain_ms:5.0f} GB/s) | "
+              f"fused[{fusion}] {fused_ms * 1e3:6.1f} us")
+        del w
+    write("gemv-cuda", {"hardware": hardware(dev), "ceilings": c, "rows": rows,
+                        "autotuned": {str(k): str(v) for k, v in gemv_mod._gemv_tuned.cache.items()}},
+          args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
