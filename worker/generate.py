@@ -84,16 +84,36 @@ def start(engine: Engine, lane: int, req: Request) -> "DecodeState":
     return DecodeState(engine, lane, req, logits, norm, engine.counters.since(before))
 
 
-def decode_steps(st: "DecodeState") -> TokenStream:
-    """One stream decoding alone: decide a token, then run the model on it, until it finishes."""
+def decode_steps(st: "DecodeState", pipelined: bool = True) -> TokenStream:
+    """One stream decoding alone: decide a token, then run the model on it, until it finishes.
+
+    Pipelined (when the stream needs nothing from the host to run its next step): the model
+    step for the decided token is launched before the token is read on the host, so on CUDA
+    the device runs step t while the host yields token t-1. Sample on the device -> start the
+    token's copy to the host -> launch the step (unless max_tokens is reached) -> wait for the
+    copy only -> yield -> accept. A stop token discards the launched step (`DecodeState.discard`).
+    The tokens, logits, finish and stats are those of the plain loop, bitwise; on CPU the copy
+    is synchronous and the same code runs in the same order."""
     while True:
-        t = st.decide()
-        if t is None:
-            break
+        if not (pipelined and st.pipelinable):
+            t = st.decide()
+            if t is None:
+                break
+            yield [t]
+            if not st.accept(t):
+                break
+            st.advance()
+            continue
+        st.copy_to_host(st.sample())
+        ahead = st.generated + 1 < st.req.max_tokens
+        if ahead:
+            st.speculate()
+        t = st.host_token()
         yield [t]
         if not st.accept(t):
+            if ahead:
+                st.discard()
             break
-        st.advance()
     return st.finish()
 
 
@@ -104,7 +124,9 @@ class DecodeState:
     run the model on it at `pos` for the next logits. `advance` runs that alone on the lane
     (L scheduling, the safety check, windows, CUDA graphs); worker/batcher.py runs it for many
     states in one forward and hands each its logits row through `advanced`. Sampling is
-    per state, keyed by (seed, absolute position), so both paths draw the same tokens.
+    per state, keyed by (seed, absolute position), so both paths draw the same tokens. Alone,
+    a step may be launched ahead of the host (`speculate`, see `decode_steps`) and dropped
+    (`discard`) when its token turns out to end the stream.
 
     `work` counts the loop-block work this stream needed (prompt plus L per decode step),
     whichever path ran it, so its stats do not depend on what else shared the engine."""
@@ -125,6 +147,9 @@ class DecodeState:
         self.extra_stats: dict = {}
         self.warm_L = req.warmup_loops if req.warmup_tokens else None
         self.warm_x: list[torch.Tensor] = []     # residual entering iteration warm_L, per warm-up position
+        self._host: torch.Tensor | None = None   # pipelined decode: the token's copy on the host
+        self._copied: torch.cuda.Event | None = None
+        self._undo: tuple | None = None          # (logits, norm, pos, work) before a speculative step
 
     @property
     def batchable(self) -> bool:
@@ -132,11 +157,51 @@ class DecodeState:
         full cache, at one depth throughout, with no per-step safety check."""
         return self.warm_L is None and self.req.safety_threshold is None and self.req.window == 0
 
+    @property
+    def pipelinable(self) -> bool:
+        """Whether the next step may be launched before the host knows the token: no safety
+        check (it decides on the host) and no L scheduling (its steps depend on the count)."""
+        return self.warm_L is None and self.req.safety_threshold is None
+
     def sample(self) -> torch.Tensor:
         """The token at `pos`, (1,) int64 on the device (no host sync)."""
-        self.tok = sample(self.logits, self.seen, self.req.sampling, self.seed,
-                          torch.tensor([self.pos], device=self.seed.device))
+        pos = torch.full((1,), self.pos, dtype=torch.long, device=self.seed.device)
+        self.tok = sample(self.logits, self.seen, self.req.sampling, self.seed, pos)
         return self.tok
+
+    def copy_to_host(self, tok: torch.Tensor) -> None:
+        """Start copying the sampled token to the host: into a pinned buffer, with an event to
+        wait on (CUDA); on CPU the token is already there."""
+        if tok.device.type != "cuda":
+            self._host = tok
+            return
+        if self._copied is None:
+            self._host = torch.empty(1, dtype=torch.long, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        self._host.copy_(tok, non_blocking=True)
+        self._copied.record()
+
+    def host_token(self) -> int:
+        """The token `copy_to_host` started copying, once it is there (the step launched
+        after it keeps running)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return int(self._host[0])
+
+    def speculate(self) -> None:
+        """`advance` before the host has read the decided token (pipelined decode), keeping
+        what `discard` restores."""
+        self._undo = (self.logits.clone(), self.norm, self.pos, self.work)  # a graph reuses its logits buffer
+        self.advance()
+
+    def discard(self) -> None:
+        """The token of the speculative step ended the stream: the state (logits, position,
+        stats) is as if the step never ran; the engine's counters keep it, since it ran.
+        The step wrote K/V at `pos` of the lane's layers. That is harmless: whatever reads
+        the lane later (a new prefill, a resume, a decode step) writes a position before it
+        attends to it."""
+        self.logits, self.norm, self.pos, self.work = self._undo
+        self._undo = None
 
     def decide(self) -> int | None:
         """Sample the token at `pos` on the host; None when the safety check stops the stream
@@ -163,7 +228,9 @@ class DecodeState:
         return True
 
     def advance(self) -> None:
-        """Run the decided token alone on the lane: the next logits."""
+        """Run the decided token alone on the lane: the next logits. A pipelined decode calls
+        it before `accept` of that token; nothing here reads what accept writes except the
+        step count of L scheduling, which is never pipelined."""
         engine, req, pos = self.engine, self.req, self.pos
         device = self.seed.device
         step = self.generated - 1  # decode steps taken so far
@@ -179,7 +246,7 @@ class DecodeState:
             engine.counters.loop_iterations += L
             engine.counters.loop_token_iterations += L
         else:
-            p = engine.make_pass(slice(self.lane, self.lane + 1), torch.tensor([[pos]], device=device),
+            p = engine.make_pass(slice(self.lane, self.lane + 1), torch.full((1, 1), pos, device=device),
                                  pos + 1, req.window, track)
             x = engine.embed_prelude(self.tok.view(1, 1), p)
             x = engine.run_loops(x, p, 0, L)

@@ -41,6 +41,12 @@ def _record_logits(st: DecodeState, into: list) -> DecodeState:
             _m(*a)
             into.append(st.logits.clone())
         setattr(st, name, wrapped)
+    discard = st.discard
+
+    def discarded():  # a pipelined step launched ahead and dropped: never handed to the stream
+        discard()
+        into.pop()
+    st.discard = discarded
     return st
 
 

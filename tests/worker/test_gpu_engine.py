@@ -48,3 +48,27 @@ def test_every_lane_replays_its_own_graph(pair):
     assert fast.engine.graphs.get(4, 1) is not None
     req = fast.make_request(PROMPTS[1], loops=4, max_tokens=16)
     assert drain(req.prompt, fast.stream(req, lane=1)) == ref.generate(PROMPTS[1], loops=4, max_tokens=16)
+
+
+def _decode(model, req, pipelined):
+    from tinyloop.worker.api import drain
+    from tinyloop.worker.generate import decode_steps
+    st = model.start(req)
+    return drain(req.prompt, decode_steps(st, pipelined)), st
+
+
+def test_pipelined_decode_equals_plain_on_gpu(pair):
+    """Graph steps launched ahead of the host (pinned copy + event), dropped on a stop token:
+    the same tokens, finish, stats and final logits as the plain loop, bitwise."""
+    fast, _ = pair
+    n = len(PROMPTS[1])
+    for kw in (dict(loops=4), dict(loops=5, temperature=0.9, seed=3, repetition_penalty=1.2),
+               dict(loops=3, cache_window=8)):
+        req = fast.make_request(PROMPTS[1], max_tokens=16, **kw)
+        plain, _ = _decode(fast, req, False)
+        stop = fast.make_request(PROMPTS[1], max_tokens=16, stop_token_ids=[plain[n + 5]], **kw)
+        for r in (req, stop):
+            (a, sa), (b, sb) = _decode(fast, r, True), _decode(fast, r, False)
+            assert a == b and (a.finish_reason, a.stats) == (b.finish_reason, b.stats), kw
+            assert torch.equal(sa.logits, sb.logits) and sa.pos == sb.pos, kw
+        assert _decode(fast, stop, True)[0].finish_reason == "stop"
