@@ -1,15 +1,30 @@
-"""Batch-1 decode and prefill on the GPU against the hardware floor, with same-run baselines.
+"""Batch-1 decode on the GPU against the hardware floor, with same-run baselines.
 
-    source bench/gpu_env.sh && python -m bench.decode --out-dir $OUT
+    source bench/gpu_env.sh && python -m bench.decode --out-dir $OUT     # -> decode-cuda.json
 
-Sections (each written to the JSON as it completes, so a partial run still reports):
-  ceilings    copy bandwidth (device-to-device, bytes read + written) and the bf16 matmul rate
-  decode      ms/token at L = 4, 8, 16, 32 for the CUDA-graph engine and for eager torch (the
-              same model through the torch reference ops, no graphs); achieved GB/s and the
-              ratio to the floor = (weight bytes + K/V bytes read per token) / copy bandwidth
-  generate    fresh generate (prefix 128, decode 16, L = 8): graphs vs eager torch
-  prefill     128 / 512 / 2048 tokens at L = 8: TFLOP/s against the measured matmul rate
-  ouro        the Ouro-1.4B shapes (24-layer block looped 4x) decode at L = 4
+Sections. Each is written to the JSON as it completes, so a partial run still reports.
+  ceilings   copy bandwidth (device-to-device, bytes read + written) and the bf16 matmul rate.
+  decode     ms/token at L = 4, 8, 16, 32 for three implementations:
+               graph_ms              the engine: a CUDA-graph step fed its own greedy token, no
+                                     host sync
+               eager_torch_ms        the plain eager decoder of bench/baselines.py on the same
+                                     weights, greedy, with each token read on the host (as a
+                                     simple generator runs it)
+               engine_torch_ops_ms   the engine through its torch reference ops, with no graphs
+             Also the achieved GB/s, and the ratio to the floor. The floor is the weight bytes
+             plus the K/V bytes read per token, divided by the copy bandwidth.
+  generate   fresh generate (prefix 128, decode 16, L = 8) for the same three.
+  compiled   the plain decoder's step under torch.compile (fullgraph, dynamic=False) in the
+             modes max-autotune-no-cudagraphs and reduce-overhead (with CUDA graphs). Each step
+             is fed its own token on the device, as gpt-fast's loop does. Every L is its own
+             compile, so this runs only at --compile-loops (default: L = 8, the issue's
+             baseline). It records the compile seconds, ms/token, and at L = 8 the generate
+             figure. A mode that fails records its error in place of figures.
+             Skip it with --skip-compile.
+  ouro       decode at L = 4 with the Ouro-1.4B shapes (a 24-layer block looped 4x).
+
+Prefill is bench/prefill.py. --device cpu --preset tiny runs every section except ouro on a
+CPU. There the engine's figure is its eager step, since CUDA graphs are CUDA only.
 """
 from __future__ import annotations
 
@@ -19,38 +34,56 @@ import tempfile
 import time
 
 import torch
+from torch._dynamo.utils import counters
 from tqdm import tqdm
 
+from bench.baselines import PlainDecoder, greedy
 from bench.common import hardware, write
 from tinyloop.worker import Model, checkpoint
 from tinyloop.worker.config import PRESETS, LoopedConfig
 from tinyloop.worker.generate import prefill
 
+COMPILE_MODES = ("max-autotune-no-cudagraphs", "reduce-overhead")
+GEN_PREFIX, GEN_DECODE, GEN_LOOPS = 128, 16, 8
 
-def cuda_ms(fn, repeat: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() between CUDA events."""
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_ms(fn, device: torch.device, repeat: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn(): between CUDA events on a GPU, by the wall clock elsewhere."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
 
-def ceilings() -> dict:
-    n = 1 << 30  # 2 GiB of bf16: far past the 50 MB L2
-    src, dst = torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, device="cuda", dtype=torch.bfloat16)
-    copy_ms = cuda_ms(lambda: dst.copy_(src), repeat=10)
+def ceilings(device: torch.device) -> dict:
+    """Copy bandwidth and bf16 matmul rate (GPU: 2 GiB copies, far past the 50 MB L2, and an
+    8192^3 matmul; CPU: small sizes, for a smoke run)."""
+    n, size = (1 << 30, 8192) if device.type == "cuda" else (1 << 22, 512)
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = device_ms(lambda: dst.copy_(src), device, repeat=10)
     del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = cuda_ms(lambda: a @ b, repeat=10)
-    return {"copy_GBps": 2 * n * 2 / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    mm_ms = device_ms(lambda: a @ b, device, repeat=10)
+    return {"copy_GBps": 2 * n * 2 / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * size**3 / mm_ms / 1e9}
 
 
 def layer_bytes(cfg: LoopedConfig, elem: int) -> int:
@@ -76,130 +109,230 @@ def random_checkpoint(name: str, cfg: LoopedConfig) -> str:
     return path
 
 
-def decode_rate(model: Model, loops: int, context: int, steps: int) -> float:
-    """ms/token of the captured step, fed its own greedy token, no host sync inside."""
-    g = model.engine.graphs.capture(loops)
+def decode_rate(model: Model, loops: int, context: int, steps: int, repeat: int = 5) -> float:
+    """ms/token of the engine's step fed its own greedy token, no host sync inside: the
+    captured graph when the engine has graphs, its eager step otherwise."""
+    e, dev = model.engine, model.device
     prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
-    logits, _ = prefill(model.engine, 0, prompt, loops, 0)
-    g.tokens.copy_(logits.argmax(-1).view(1, 1))
-    g.positions.fill_(context)
-
-    def run():
-        for _ in range(steps):
-            g.graph.replay()
-            g.tokens.copy_(g.greedy.view(1, 1))
-            g.positions.add_(1)
+    logits, _ = prefill(e, 0, prompt, loops, 0)
+    first = logits.argmax(-1).view(1, 1)
+    if e.graphs is not None:
+        g = e.graphs.capture(loops)
+        g.tokens.copy_(first)
         g.positions.fill_(context)
 
-    return cuda_ms(run, repeat=5, warmup=1) / steps
+        def run():
+            for _ in range(steps):
+                g.graph.replay()
+                g.tokens.copy_(g.greedy.view(1, 1))
+                g.positions.add_(1)
+            g.positions.fill_(context)
+    else:
+        def run():
+            tok = first
+            for i in range(steps):
+                p = e.make_pass(slice(0, 1), torch.tensor([[context + i]], device=dev), context + i + 1)
+                tok = e.forward(tok, p, loops)[:, -1].argmax(-1).view(1, 1)
+
+    return device_ms(run, dev, repeat=repeat, warmup=1) / steps
 
 
-def eager_rate(model: Model, loops: int, context: int, steps: int) -> float:
-    """ms/token of the same step run op by op, reading each token on the host (as a loop that
-    streams tokens must)."""
-    e = model.engine
+def engine_torch_ops_rate(model: Model, loops: int, context: int, steps: int, repeat: int = 3) -> float:
+    """ms/token of the engine's step run op by op, reading each token on the host."""
+    e, dev = model.engine, model.device
     prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
 
     def run():
         logits, _ = prefill(e, 0, prompt, loops, 0)
         tok = int(logits.argmax())
-        torch.cuda.synchronize()
+        sync(dev)
         t = time.perf_counter()
         for i in range(steps):
             pos = context + i
-            p = e.make_pass(slice(0, 1), torch.tensor([[pos]], device="cuda"), pos + 1)
-            tok = int(e.forward(torch.tensor([[tok]], device="cuda"), p, loops)[0, -1].argmax())
+            p = e.make_pass(slice(0, 1), torch.tensor([[pos]], device=dev), pos + 1)
+            tok = int(e.forward(torch.tensor([[tok]], device=dev), p, loops)[0, -1].argmax())
         return (time.perf_counter() - t) * 1e3 / steps
 
     run()
-    return statistics.median(run() for _ in range(3))
+    return statistics.median(run() for _ in range(repeat))
 
 
-def prefill_flops(cfg: LoopedConfig, loops: int, T: int) -> float:
-    """Matmul FLOPs of a prefill: 2·params·T for every layer run, the head on the last token,
-    and causal attention (QK^T and PV over T²/2 pairs)."""
-    layers = cfg.n_prelude + loops * cfg.n_loop_layers + cfg.n_coda
-    dense = 2 * T * layers * layer_bytes(cfg, 1)
-    attn = layers * 2 * 2 * cfg.n_heads * cfg.head_dim * T * T / 2
-    return dense + attn + 2 * cfg.vocab_size * cfg.d_model
+def plain_rate(dec: PlainDecoder, context: int, steps: int, host_sync: bool, repeat: int = 5) -> float:
+    """ms/token of dec.step, greedy, after a prefill of `context` random tokens. host_sync:
+    read each token on the host; otherwise feed it on the device."""
+    dev = dec.device
+    prompt = torch.randint(0, dec.config.vocab_size, (1, context), device=dev)
+    first = dec.prefill(prompt).argmax(-1, keepdim=True)
+
+    def run():
+        tok, pos = first, torch.tensor([context], device=dev)
+        for _ in range(steps):
+            tok = dec.step(tok, pos).argmax(-1, keepdim=True)
+            pos += 1
+            if host_sync:
+                int(tok)
+
+    return device_ms(run, dev, repeat=repeat, warmup=1) / steps
 
 
-def main() -> None:
+def timed_generate(fn, device: torch.device, repeat: int = 5) -> dict:
+    """Median ms of fn() -> tokens; every repeat must give the first run's tokens."""
+    out = fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        assert fn() == out
+        sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return {"ms": statistics.median(times), "tokens": out}
+
+
+def compiled_baseline(dec: PlainDecoder, mode: str, context: int, steps: int, repeat: int = 5,
+                      gen_prompt=None) -> dict:
+    """The decoder's step compiled in `mode`: compile seconds (with the warm-up calls in which
+    reduce-overhead records its graphs), ms/token, and the generate figure if gen_prompt.
+    cudagraph_skips > 0: inductor ran the step without the CUDA graphs the mode asked for."""
+    torch._dynamo.reset()
+    dev = dec.device
+    skips = counters["inductor"]["cudagraph_skips"]
+    t = time.perf_counter()
+    c = dec.compiled(mode)
+    greedy(c, [0] * 4, 4, host_sync=False)
+    sync(dev)
+    out = {"mode": mode, "compile_s": time.perf_counter() - t, "host_sync": False,
+           "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
+           "ms": plain_rate(c, context, steps, host_sync=False, repeat=repeat)}
+    if gen_prompt is not None:
+        out["generate"] = timed_generate(lambda: greedy(c, gen_prompt, GEN_DECODE, host_sync=False), dev, repeat)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench-285m", help="random-init model preset")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--loops", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache while decoding")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--prefill", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per run (graphs, compiled)")
+    ap.add_argument("--eager-steps", type=int, default=16, help="decode steps timed per run (eager)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per figure (median)")
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--compile-loops", type=int, nargs="+", default=[GEN_LOOPS])
+    ap.add_argument("--compile-modes", nargs="+", default=list(COMPILE_MODES))
     ap.add_argument("--skip-ouro", action="store_true")
     ap.add_argument("--out-dir", default=None)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    result: dict = {"hardware": hardware(dev), "model": "bench-285m (random init, bf16)",
-                    "config": PRESETS["bench-285m"].to_json()}
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = PRESETS[args.preset]
+    result: dict = {"hardware": hardware(dev), "model": f"{args.preset} (random init, {str(dtype)[6:]})",
+                    "config": cfg.to_json(),
+                    "baseline": "bench/baselines.py PlainDecoder: plain PyTorch on the engine's weights "
+                                "(fused q|k|v and gate|up where the engine fused them), static K/V cache, "
+                                "F.scaled_dot_product_attention"}
 
     def save():
-        write("decode-cuda", result, args.out_dir)
+        write(f"decode-{dev.type}", result, args.out_dir)
 
-    result["ceilings"] = c = ceilings()
+    result["ceilings"] = c = ceilings(dev)
     print(f"copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     save()
 
-    cfg = PRESETS["bench-285m"]
-    path = random_checkpoint("bench-285m", cfg)
-    fast = Model(path, max_seq_len=4096, device="cuda", dtype="bfloat16", cuda_graphs=False)
-    eager = Model(path, max_seq_len=4096, device="cuda", dtype="bfloat16", backend="torch", cuda_graphs=False)
-    t = time.perf_counter()
-    fast.capture_graphs(args.loops)
-    result["graph_capture_s"] = time.perf_counter() - t
+    # The plain decoder attends over its whole cache, so it gets just what the runs need. The
+    # engine keeps its served size on the GPU (its kernels skip the empty part); the CPU
+    # reference ops read the whole cache, so there it gets the same short one. A multiple of
+    # 64 keeps the attention mask aligned for the fused SDPA kernels.
+    need = max(args.context + max(args.steps, args.eager_steps), GEN_PREFIX + GEN_DECODE)
+    cache_len = -(-need // 64) * 64
+    engine_len = 4096 if cuda else cache_len
+    result["plain_cache_len"], result["engine_cache_len"] = cache_len, engine_len
+    path = random_checkpoint(args.preset, cfg)
+    fast = Model(path, max_seq_len=engine_len, device=dev, dtype=dtype, cuda_graphs=False)
+    torch_ops = Model(path, max_seq_len=engine_len, device=dev, dtype=dtype, backend="torch", cuda_graphs=False)
+    weights = fast._module
+    if cuda:
+        t = time.perf_counter()
+        fast.capture_graphs(args.loops)
+        result["graph_capture_s"] = time.perf_counter() - t
 
-    rows = []
+    rows = {}
     for L in tqdm(args.loops, desc="decode"):
-        b = bytes_per_token(cfg, L, args.context)
+        b = bytes_per_token(cfg, L, args.context, dtype.itemsize)
         floor_ms = b["total"] / (c["copy_GBps"] * 1e6)
-        graph_ms = decode_rate(fast, L, args.context, args.steps)
-        eager_ms = eager_rate(eager, L, args.context, 16)
-        rows.append({"loops": L, "context": args.context, "bytes_per_token": b, "floor_ms": floor_ms,
-                     "graph_ms": graph_ms, "eager_torch_ms": eager_ms,
-                     "graph_GBps": b["total"] / graph_ms / 1e6, "graph_vs_floor": graph_ms / floor_ms,
-                     "speedup_vs_eager": eager_ms / graph_ms})
-        print(f"L={L}: floor {floor_ms:.3f} ms, graphs {graph_ms:.3f} ms ({graph_ms / floor_ms:.2f}x floor), "
-              f"eager torch {eager_ms:.2f} ms ({eager_ms / graph_ms:.1f}x slower)")
-        result["decode"] = rows
+        graph_ms = decode_rate(fast, L, args.context, args.steps, args.repeat)
+        eager_ms = plain_rate(PlainDecoder(weights, cache_len, L), args.context, args.eager_steps, True, args.repeat)
+        ops_ms = engine_torch_ops_rate(torch_ops, L, args.context, args.eager_steps, min(args.repeat, 3))
+        rows[L] = {"loops": L, "context": args.context, "bytes_per_token": b, "floor_ms": floor_ms,
+                   "graph_ms": graph_ms, "eager_torch_ms": eager_ms, "engine_torch_ops_ms": ops_ms,
+                   "graph_GBps": b["total"] / graph_ms / 1e6, "graph_vs_floor": graph_ms / floor_ms,
+                   "speedup_vs_eager": eager_ms / graph_ms, "speedup_vs_engine_torch_ops": ops_ms / graph_ms}
+        print(f"L={L}: floor {floor_ms:.3f} ms, engine {graph_ms:.3f} ms ({graph_ms / floor_ms:.2f}x floor), "
+              f"eager torch {eager_ms:.2f} ms ({eager_ms / graph_ms:.1f}x), "
+              f"engine torch ops {ops_ms:.2f} ms ({ops_ms / graph_ms:.1f}x)")
+        result["decode"] = list(rows.values())
         save()
 
-    prompt = torch.randint(0, cfg.vocab_size, (128,)).tolist()
-    gen = {}
-    for name, m in (("graphs", fast), ("eager_torch", eager)):
-        out = m.generate(prompt, loops=8, max_tokens=16)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            assert m.generate(prompt, loops=8, max_tokens=16) == out
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        gen[name] = {"ms": statistics.median(times), "tokens": out[128:]}
-    gen["same_tokens"] = gen["graphs"]["tokens"] == gen["eager_torch"]["tokens"]
+    prompt = torch.randint(0, cfg.vocab_size, (GEN_PREFIX,)).tolist()
+    eager8 = PlainDecoder(weights, cache_len, GEN_LOOPS)
+    gen = {"prefix": GEN_PREFIX, "decode": GEN_DECODE, "loops": GEN_LOOPS}
+    gen["graphs"] = timed_generate(
+        lambda: fast.generate(prompt, loops=GEN_LOOPS, max_tokens=GEN_DECODE)[GEN_PREFIX:], dev, args.repeat)
+    gen["eager_torch"] = timed_generate(lambda: greedy(eager8, prompt, GEN_DECODE, host_sync=True), dev,
+                                        args.repeat)
+    gen["engine_torch_ops"] = timed_generate(
+        lambda: torch_ops.generate(prompt, loops=GEN_LOOPS, max_tokens=GEN_DECODE)[GEN_PREFIX:], dev, args.repeat)
+    for name in ("eager_torch", "engine_torch_ops"):
+        gen[name]["same_tokens_as_graphs"] = gen[name]["tokens"] == gen["graphs"]["tokens"]
+        gen[name]["speedup"] = gen[name]["ms"] / gen["graphs"]["ms"]
     gen["reference_runtime_ms"] = {"ms": 329.0, "source": "reference runtime docs: H100, 407M GPTQ-INT4"}
     result["generate_prefix128_decode16_L8"] = gen
-    print(f"generate(prefix 128, decode 16, L=8): graphs {gen['graphs']['ms']:.2f} ms, "
-          f"eager {gen['eager_torch']['ms']:.2f} ms, same tokens: {gen['same_tokens']}")
+    print(f"generate(prefix {GEN_PREFIX}, decode {GEN_DECODE}, L={GEN_LOOPS}): engine {gen['graphs']['ms']:.2f} ms, "
+          f"eager torch {gen['eager_torch']['ms']:.2f} ms, engine torch ops {gen['engine_torch_ops']['ms']:.2f} ms")
     save()
+    torch_ops.close()
 
-    pre = []
-    for T in args.prefill:
-        toks = torch.randint(0, cfg.vocab_size, (T,)).tolist()
-        ms = cuda_ms(lambda: prefill(fast.engine, 0, toks, 8, 0), repeat=5)
-        tf = prefill_flops(cfg, 8, T) / ms / 1e9
-        pre.append({"tokens": T, "loops": 8, "ms": ms, "TFLOPs": tf, "of_matmul_rate": tf / c["bf16_matmul_TFLOPs"]})
-        print(f"prefill {T}: {ms:.2f} ms, {tf:.0f} TFLOP/s ({100 * tf / c['bf16_matmul_TFLOPs']:.0f} % of matmul)")
-    result["prefill"] = pre
-    save()
+    if not args.skip_compile:
+        for L in args.compile_loops:
+            dec = PlainDecoder(weights, cache_len, L)
+            row = rows.get(L)
+            res = {}
+            for mode in args.compile_modes:
+                try:
+                    r = compiled_baseline(dec, mode, args.context, args.steps, args.repeat,
+                                          prompt if L == GEN_LOOPS else None)
+                except Exception as e:  # a failed baseline is a result, not the end of the run
+                    r = {"mode": mode, "error": repr(e)}
+                    print(f"compiled L={L} {mode}: {e!r}")
+                finally:
+                    torch._dynamo.reset()
+                res[mode] = r
+                if "error" in r:
+                    continue
+                print(f"compiled L={L} {mode}: {r['ms']:.3f} ms/token, compile {r['compile_s']:.0f} s")
+                if row is not None:
+                    r["speedup"] = r["ms"] / row["graph_ms"]
+                if "generate" in r:
+                    g = r.pop("generate")
+                    g["same_tokens_as_graphs"] = g["tokens"] == gen["graphs"]["tokens"]
+                    g["speedup"] = g["ms"] / gen["graphs"]["ms"]
+                    gen[f"compiled_{mode}"] = g
+            result.setdefault("compiled", []).append({"loops": L, "modes": res})
+            ok = [r["ms"] for r in res.values() if "error" not in r]
+            if row is not None:
+                row["compiled"] = res
+                if ok:
+                    row["compiled_ms"] = min(ok)
+                    row["speedup_vs_compiled"] = min(ok) / row["graph_ms"]
+            result["decode"] = list(rows.values())
+            save()
+            del dec
     fast.close()
-    eager.close()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
 
-    if not args.skip_ouro:
+    if not args.skip_ouro and cuda:
         ocfg = PRESETS["ouro-1.4b"]
         opath = random_checkpoint("ouro-1.4b", ocfg)
         with Model(opath, max_seq_len=1024, device="cuda", dtype="bfloat16", cuda_graphs=False) as om:

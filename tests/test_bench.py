@@ -1,0 +1,166 @@
+"""The benchmarks' baseline decoder equals the engine, and the bench commands run end to end
+(on a CPU here, on the tiny preset; the GPU runs the same code at full size)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from bench import decode, prefill
+from bench.baselines import PlainDecoder, greedy
+from tinyloop.worker import Model, checkpoint
+from tinyloop.worker.generate import prefill as engine_prefill
+
+PROMPT = [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]
+FED = [5, 77, 140, 2, 19, 33]
+
+
+def engine_logits(m: Model, loops: int) -> torch.Tensor:
+    e = m.engine
+    logits, _ = engine_prefill(e, 0, PROMPT, loops, 0)
+    out = [logits[0]]
+    for i, t in enumerate(FED):
+        pos = len(PROMPT) + i
+        p = e.make_pass(slice(0, 1), torch.tensor([[pos]]), pos + 1)
+        out.append(e.forward(torch.tensor([[t]]), p, loops)[0, -1])
+    return torch.stack(out)
+
+
+def plain_logits(dec: PlainDecoder) -> torch.Tensor:
+    out = [dec.prefill(torch.tensor([PROMPT]))[0]]
+    for i, t in enumerate(FED):
+        out.append(dec.step(torch.tensor([[t]]), torch.tensor([len(PROMPT) + i]))[0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("loops", [1, 3])
+def test_plain_decoder_logits_equal_the_engine(config_path, loops):
+    with Model(config_path, max_seq_len=64) as m:
+        want = engine_logits(m, loops)
+        got = plain_logits(PlainDecoder(m._module, 64, loops))
+    assert got.shape == (len(FED) + 1, m.config.vocab_size) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_plain_decoder_reads_fused_weights(config_path):
+    """On CUDA the engine fuses q|k|v and gate|up (the other weights become views into them):
+    the decoder then runs the fused projections, with the same result."""
+    model, _ = checkpoint.load(config_path)
+    want = plain_logits(PlainDecoder(model, 64, 3))
+    model.use_fast_path(None)  # fuse; None keeps the torch RMSNorm
+    assert hasattr(model.loop[0].attention, "wqkv")
+    torch.testing.assert_close(plain_logits(PlainDecoder(model, 64, 3)), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("loops", [1, 3])
+def test_plain_greedy_equals_generate(config_path, loops):
+    with Model(config_path, max_seq_len=64) as m:
+        want = m.generate(PROMPT, loops=loops, max_tokens=8)[len(PROMPT):]
+        dec = PlainDecoder(m._module, 64, loops)
+        assert greedy(dec, PROMPT, 8, host_sync=True) == want
+        assert greedy(dec, PROMPT, 8, host_sync=False) == want  # also a run over a used cache
+
+
+def fake_compile(calls):
+    def compile(fn, **kw):
+        calls.append(kw)
+        return fn
+    return compile
+
+
+def test_compiled_runs_the_same_step(tiny_path, monkeypatch):
+    """compiled() asks for a static, whole-graph compile; the compiled step shares the cache."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", fake_compile(calls))
+    with Model(tiny_path, max_seq_len=64) as m:
+        dec = PlainDecoder(m._module, 64, 2)
+        want = greedy(dec, PROMPT, 6)
+        c = dec.compiled("reduce-overhead")
+        assert calls == [{"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}]
+        assert greedy(c, PROMPT, 6, host_sync=False) == want
+        assert c.k is dec.k and c.k[0] is dec.k[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", decode.COMPILE_MODES)
+def test_compiled_plain_decoder_on_cuda(tiny_path, mode):
+    with Model(tiny_path, max_seq_len=64, device="cuda", dtype="float32", cuda_graphs=False) as m:
+        want = m.generate(PROMPT, loops=3, max_tokens=12)[len(PROMPT):]
+        dec = PlainDecoder(m._module, 64, 3)
+        assert greedy(dec, PROMPT, 12) == want
+        torch._dynamo.reset()
+        skips = counters["inductor"]["cudagraph_skips"]
+        c = dec.compiled(mode)
+        for _ in range(3):  # reduce-overhead: warm-up, record, replay
+            assert greedy(c, PROMPT, 12, host_sync=False) == want
+        assert counters["inductor"]["cudagraph_skips"] == skips  # reduce-overhead did use graphs
+        torch._dynamo.reset()
+
+
+# -- the bench commands, end to end on a CPU ----------------------------------------------
+
+def test_prefill_bench_cpu(tmp_path):
+    prefill.main(["--device", "cpu", "--preset", "tiny", "--tokens", "8", "32", "--repeat", "1",
+                  "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "prefill-cpu.json").read_text())
+    assert r["ceilings"]["bf16_matmul_TFLOPs"] > 0
+    assert [row["tokens"] for row in r["prefill"]] == [8, 32]
+    for row in r["prefill"]:
+        assert row["same_argmax"]
+        for name in ("engine", "eager_torch"):
+            assert row[name]["ms"] > 0 and row[name]["TFLOPs"] > 0
+
+
+DECODE_ARGS = ["--device", "cpu", "--preset", "tiny", "--loops", "1", "8", "--context", "8", "--steps", "3",
+               "--eager-steps", "2", "--repeat", "1", "--skip-ouro"]
+
+
+def run_decode(tmp_path, *extra) -> dict:
+    decode.main([*DECODE_ARGS, "--out-dir", str(tmp_path), *extra])
+    return json.loads((tmp_path / "decode-cpu.json").read_text())
+
+
+def test_decode_bench_cpu(tmp_path, monkeypatch):
+    """Every section, with torch.compile stubbed out (a real compile is the GPU run's)."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", fake_compile(calls))
+    r = run_decode(tmp_path)
+    rows = {row["loops"]: row for row in r["decode"]}
+    assert sorted(rows) == [1, 8]
+    for row in rows.values():
+        for k in ("floor_ms", "graph_ms", "eager_torch_ms", "engine_torch_ops_ms"):
+            assert row[k] > 0
+        assert row["speedup_vs_eager"] == pytest.approx(row["eager_torch_ms"] / row["graph_ms"])
+    assert [c["mode"] for c in calls] == list(decode.COMPILE_MODES)
+    assert "compiled" not in rows[1]
+    row = rows[8]
+    assert set(row["compiled"]) == set(decode.COMPILE_MODES)
+    for res in row["compiled"].values():
+        assert res["ms"] > 0 and res["compile_s"] >= 0 and res["speedup"] > 0 and res["cudagraph_skips"] == 0
+    assert row["speedup_vs_compiled"] == pytest.approx(row["compiled_ms"] / row["graph_ms"])
+    gen = r["generate_prefix128_decode16_L8"]
+    for name in ("graphs", "eager_torch", "engine_torch_ops", *(f"compiled_{m}" for m in decode.COMPILE_MODES)):
+        assert gen[name]["ms"] > 0 and len(gen[name]["tokens"]) == 16
+    # fp32 on a CPU: every implementation gives the engine's tokens
+    runs = [v for k, v in gen.items() if isinstance(v, dict) and "tokens" in v and k != "graphs"]
+    assert len(runs) == 4 and all(v["same_tokens_as_graphs"] for v in runs)
+    assert r["compiled"][0]["loops"] == 8
+
+
+def test_decode_bench_records_a_failed_compile(tmp_path, monkeypatch):
+    def broken(fn, **kw):
+        raise RuntimeError("no compiler here")
+    monkeypatch.setattr(torch, "compile", broken)
+    r = run_decode(tmp_path, "--loops", "8", "--compile-modes", "reduce-overhead")
+    row = r["decode"][0]
+    assert row["compiled"]["reduce-overhead"]["error"] == repr(RuntimeError("no compiler here"))
+    assert "speedup_vs_compiled" not in row
+    assert "compiled_reduce-overhead" not in r["generate_prefix128_decode16_L8"]
+
+
+def test_decode_bench_skip_compile(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "compile", None)  # never called
+    r = run_decode(tmp_path, "--skip-compile", "--loops", "2")
+    assert "compiled" not in r and "compiled" not in r["decode"][0]
