@@ -27,9 +27,8 @@ no model is given.
 
 ## Training data
 
-The `.py` sources of the Python {python} standard library on the training machine ({n_files}
-files; test suites included where the installation ships them -- the training machine's
-did not -- and site-packages excluded), byte-level, documents separated by byte
+The `.py` sources of the Python {python} standard library {corpus_where} ({n_files}
+files{test_files}; site-packages excluded), byte-level, documents separated by byte
 {doc_sep}. Held out: files whose sha1(relative path) falls in the lowest {heldout_pct}% of the
 hash range ({n_heldout_files} files, {heldout_bytes} bytes); training: {n_train_files} files,
 {train_bytes} bytes. See `train/corpus.py`.
@@ -48,12 +47,12 @@ hash range ({n_heldout_files} files, {heldout_bytes} bytes); training: {n_train_
 | tokens seen | {tokens} ({tok_per_s} tokens/s) |
 | batch | {batch_size} x {seq_len} bytes |
 | optimizer | AdamW (0.9, 0.95), lr {lr}, {warmup_steps} warm-up steps, cosine to {min_lr_pct}%, weight decay {weight_decay}, clip {grad_clip}; bf16 autocast |
-
+{kept_row}
 ## Held-out bits per byte
 
 {eval_windows} windows of {eval_seq_len} bytes, evenly spaced over the held-out split; fp32
-math on the shipped fp16 weights (`tinyloop eval-bpb --model worker/assets/default.tinyloop`
-reproduces the table on the training machine's stdlib; another Python version gives a
+math on the shipped fp16 weights (`tinyloop eval-bpb --model worker/assets/default.tinyloop{root_flag}`
+reproduces the table on {repro_where}; another Python version gives a
 slightly different held-out split).
 
 | L | {loops_header} |
@@ -75,6 +74,32 @@ correct programs. Trained on {seq_len}-byte windows; quality over longer context
 """
 
 
+def _corpus_where(corpus: dict) -> str:
+    if corpus.get("corpus_root"):
+        return f"in the tree given by `--corpus-root {corpus['corpus_root']}`"
+    return "on the training machine"
+
+
+def _test_files(corpus: dict) -> str:
+    n = corpus.get("n_test_files")
+    if n is None:
+        return "; test suites included where the installation ships them"
+    return f", {n:,} of them in test suites" if n else ", no test suites: the installation ships none"
+
+
+def _kept_row(tr: dict) -> str:
+    if tr.get("best_step") is None:
+        return ""
+    L = tr.get("selected_by_loops", 8)
+    loss = tr["best_eval_loss"][str(L)]
+    last = tr["final_eval_loss"][str(L)]
+    every = tr["args"]["eval_every"]
+    evals = f"evals every {every:,} steps and at the end" if every else "one eval, at the end"
+    return (f"| kept checkpoint | step {tr['best_step']:,} of {tr['steps']:,}: the lowest held-out loss at L = {L} "
+            f"({loss:.4f} nats/token on {tr['args']['eval_windows']} windows of the held-out split; "
+            f"last eval {last:.4f}), {evals} |\n")
+
+
 def render(card: dict) -> str:
     cfg, tr, args, corpus = card["config"], card["train"], card["train"]["args"], card["corpus"]
     bpb = card["bpb"]
@@ -84,10 +109,13 @@ def render(card: dict) -> str:
         head_dim=cfg["d_model"] // cfg["n_heads"], n_params=f"{card['n_params']:,}",
         n_params_m=f"{card['n_params'] / 1e6:.1f}", checkpoint_mb=f"{card['checkpoint_bytes'] / 1e6:.2f}",
         tokenizer="bytes (vocab 256)" if card["tokenizer"] == "byte" else f"BPE (vocab {cfg['vocab_size']})",
-        max_train_loops=args["max_train_loops"], python=corpus["python"], n_files=corpus["n_files"],
+        max_train_loops=args["max_train_loops"], python=corpus["python"], n_files=f"{corpus['n_files']:,}",
+        corpus_where=_corpus_where(corpus),
+        root_flag=" --corpus-root DIR" if corpus.get("corpus_root") else "",
+        repro_where="the same stdlib tree at DIR" if corpus.get("corpus_root") else "the training machine's stdlib", test_files=_test_files(corpus), kept_row=_kept_row(tr),
         doc_sep=corpus["doc_sep"], heldout_pct=f"{100 * corpus['heldout_frac']:g}",
         n_heldout_files=corpus["n_heldout_files"], heldout_bytes=f"{corpus['heldout_bytes']:,}",
-        n_train_files=corpus["n_train_files"], train_bytes=f"{corpus['train_bytes']:,}",
+        n_train_files=f"{corpus['n_train_files']:,}", train_bytes=f"{corpus['train_bytes']:,}",
         command=card["command"], hardware=card["hardware"], torch=card["torch"],
         train_wall_s=tr["train_wall_s"], total_wall_s=card["total_wall_s"], steps=f"{tr['steps']:,}",
         tokens=f"{tr['tokens']:,}", tok_per_s=f"{tr['tok_per_s']:,}", batch_size=args["batch_size"],

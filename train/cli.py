@@ -9,6 +9,8 @@ import sys
 DIMS = ("d_model", "n_heads", "n_kv_heads", "d_ff", "n_prelude", "n_loop_layers", "n_coda",
         "default_loops", "max_loops", "max_seq_len")
 DEFAULT_CORPUS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tinyloop", "corpus")
+CORPUS_ROOT_HELP = ("build the corpus from the stdlib tree at DIR (its .py files) instead of this "
+                    "interpreter's stdlib")
 
 
 def register(sub) -> None:
@@ -33,6 +35,7 @@ def register(sub) -> None:
     t.add_argument("--device", default=None, help="default: cuda when available")
     t.add_argument("--corpus-dir", default=DEFAULT_CORPUS_DIR, help="where the built corpus is cached")
     t.add_argument("--corpus-mb", type=float, default=40.0, help="cap on corpus source bytes (MB)")
+    t.add_argument("--corpus-root", default=None, metavar="DIR", help=CORPUS_ROOT_HELP)
     t.add_argument("--out", required=True, help="output .tinyloop (fp16)")
     t.add_argument("--log", default=None, help="JSON-lines loss log")
     t.add_argument("--card", default=None, help="write a model-card JSON here (evaluates the saved file)")
@@ -47,6 +50,7 @@ def register(sub) -> None:
     e.add_argument("--windows", type=int, default=256)
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--corpus-mb", type=float, default=40.0)
+    e.add_argument("--corpus-root", default=None, metavar="DIR", help=CORPUS_ROOT_HELP)
     e.add_argument("--device", default=None)
     e.add_argument("--json", default=None, help="also write the table here")
     e.set_defaults(handler=_eval_bpb)
@@ -76,7 +80,8 @@ def _train(args) -> int:
     from tinyloop.worker import checkpoint
     t_start = time.time()
     device = _device(args.device)
-    corp = corpus.build(args.corpus_dir, max_bytes=int(args.corpus_mb * 1e6), verbose=True)
+    corp = corpus.build(args.corpus_dir, root=args.corpus_root, max_bytes=int(args.corpus_mb * 1e6),
+                        verbose=True)
     tokenizer_json, bytes_per_token = None, 1.0
     if args.tokenizer == "bpe":
         from tinyloop.train import bpe
@@ -130,7 +135,7 @@ def _train(args) -> int:
 def _eval_bpb(args) -> int:
     from tinyloop.train import evaluate
     res = evaluate.eval_checkpoint(args.model, args.loops, args.windows, args.seq_len, _device(args.device),
-                                   max_bytes=int(args.corpus_mb * 1e6))
+                                   max_bytes=int(args.corpus_mb * 1e6), root=args.corpus_root)
     for L, v in res["bpb"].items():
         print(f"L={L:>3}  bpb={v:.4f}")
     if args.json:

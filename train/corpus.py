@@ -11,8 +11,11 @@ first 4 bytes of sha1(relative path) read as a big-endian integer fall below
 Tokens are bytes. Documents are joined by DOC_SEP = 0 (NUL), a byte no kept file contains,
 so the model learns a document boundary without a special token.
 
-The stdlib differs between Python versions, so the corpus of a GPU host and of a CI machine
-differ; the held-out *property* the tests check (loss falls with depth) holds on either.
+The stdlib differs between Python versions and installations, so the corpus of a GPU host and
+of a CI machine differ; the held-out *property* the tests check (loss falls with depth) holds on
+either. `root` builds from another stdlib tree instead (`tinyloop train --corpus-root DIR`), e.g.
+a CI machine's sources, test suites included, unpacked on a GPU host whose Python ships none;
+a `PYTHON_VERSION` file at the top of such a tree names its version in the corpus info.
 """
 from __future__ import annotations
 
@@ -30,10 +33,26 @@ DOC_SEP = 0
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 DEFAULT_MAX_BYTES = 40_000_000
 DEFAULT_HELDOUT_FRAC = 0.02
+INFO_VERSION = 2   # part of the cache signature: a cache written with fewer info fields is rebuilt
 
 
 def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_python(root: Path | None = None) -> str:
+    """The Python version of the stdlib at `root`: this interpreter's for the default tree; for
+    another, the first line of `root/PYTHON_VERSION` when present, else "unknown"."""
+    if root is None or Path(root).resolve() == stdlib_dir().resolve():
+        return sys.version.split()[0]
+    marker = Path(root) / "PYTHON_VERSION"
+    text = marker.read_text().strip() if marker.is_file() else ""
+    return text.splitlines()[0].strip() if text else "unknown"
+
+
+def is_test_file(rel_path: str) -> bool:
+    """True for a file inside a test suite (a `test` or `tests` folder)."""
+    return any(part in ("test", "tests") for part in rel_path.split("/")[:-1])
 
 
 def is_heldout(rel_path: str, heldout_frac: float = DEFAULT_HELDOUT_FRAC) -> bool:
@@ -102,10 +121,12 @@ def heldout_bytes(root: Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
 def build(cache_dir: str | os.PathLike | None = None, root: Path | None = None,
           max_bytes: int = DEFAULT_MAX_BYTES, heldout_frac: float = DEFAULT_HELDOUT_FRAC,
           verbose: bool = False) -> Corpus:
-    """Build (or load from `cache_dir`) the byte corpus of this interpreter's stdlib."""
-    root = Path(root) if root is not None else stdlib_dir()
+    """Build (or load from `cache_dir`) the byte corpus of the stdlib at `root` (default: this
+    interpreter's)."""
+    given = root is not None
+    root = Path(root) if given else stdlib_dir()
     rels = list_files(root, max_bytes)
-    sig_src = json.dumps([str(root), max_bytes, heldout_frac, DOC_SEP,
+    sig_src = json.dumps([INFO_VERSION, str(root), max_bytes, heldout_frac, DOC_SEP,
                           [(r, (root / r).stat().st_size) for r in rels]])
     sig = hashlib.sha1(sig_src.encode()).hexdigest()[:12]
     paths = None
@@ -119,9 +140,10 @@ def build(cache_dir: str | os.PathLike | None = None, root: Path | None = None,
     train_docs = [d for r, d in docs if not is_heldout(r, heldout_frac)]
     held = [(r, d) for r, d in docs if is_heldout(r, heldout_frac)]
     train, heldout = _join(train_docs), _join([d for _, d in held])
-    info = {"source": "python stdlib .py sources", "python": sys.version.split()[0],
-            "stdlib": str(root), "signature": sig, "max_bytes": max_bytes,
-            "heldout_frac": heldout_frac, "doc_sep": DOC_SEP, "n_files": len(docs),
+    info = {"source": "python stdlib .py sources", "python": source_python(root if given else None),
+            "stdlib": str(root), "corpus_root": str(root) if given else None, "signature": sig,
+            "max_bytes": max_bytes, "heldout_frac": heldout_frac, "doc_sep": DOC_SEP, "n_files": len(docs),
+            "n_test_files": sum(is_test_file(r) for r, _ in docs),
             "n_train_files": len(train_docs), "n_heldout_files": len(held),
             "train_bytes": int(train.size), "heldout_bytes": int(heldout.size),
             "heldout_files": [r for r, _ in held]}
@@ -131,6 +153,6 @@ def build(cache_dir: str | os.PathLike | None = None, root: Path | None = None,
         np.save(paths["heldout.npy"], heldout)
         paths["info.json"].write_text(json.dumps(info))
     if verbose:
-        print(f"corpus: {info['n_train_files']} train files ({train.size / 1e6:.1f} MB), "
-              f"{info['n_heldout_files']} held out ({heldout.size / 1e6:.2f} MB), python {info['python']}")
+        print(f"corpus: {root} (python {info['python']}): {info['n_train_files']} train files ({train.size / 1e6:.1f} MB), "
+              f"{info['n_heldout_files']} held out ({heldout.size / 1e6:.2f} MB), {info['n_test_files']} in test suites")
     return Corpus(train, heldout, info)

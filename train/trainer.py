@@ -10,6 +10,11 @@ AdamW (fused on CUDA; no decay on norms), linear warm-up then cosine decay to `m
 bf16 autocast on CUDA, gradient clipping. The schedule runs on the fraction of the budget
 spent -- steps or wall time, whichever ends first -- so a time-limited run still anneals.
 Batches are random contiguous windows of the train split, held on the device.
+
+Best checkpoint: every held-out eval that lowers the loss at the deepest eval depth (8 by
+default) snapshots the weights (a copy on the device), and the run returns that snapshot, not
+the last step's weights -- a small model on a small corpus can overfit before its budget ends.
+The summary names `best_step` and its eval losses beside the last eval's.
 """
 from __future__ import annotations
 
@@ -69,7 +74,8 @@ def make_optimizer(model: torch.nn.Module, args: TrainArgs, device: torch.device
 
 def train(cfg: LoopedConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray, args: TrainArgs,
           device: str | torch.device = "cpu", log_path: str | None = None) -> tuple[LoopedTransformer, dict]:
-    """-> (trained fp32 model in eval mode, summary: steps, tokens, wall time, last losses)."""
+    """-> (fp32 model in eval mode holding the weights of the best held-out eval, summary: steps,
+    tokens, wall time, last losses, best_step and its eval losses)."""
     if args.steps is None and args.minutes is None:
         raise ValueError("set steps or minutes (or both)")
     if args.max_train_loops > cfg.max_loops:
@@ -111,12 +117,19 @@ def train(cfg: LoopedConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarra
             log.write(json.dumps(rec) + "\n")
             log.flush()
 
+    select_L = str(max(args.eval_loops))
+    best = {"step": None, "eval_loss": None, "state": None}
+
     def run_eval(step: int, elapsed: float) -> dict:
         model.eval()
         with autocast:
             losses = {str(L): round(evaluate.mean_loss(model, eval_win, L), 4) for L in args.eval_loops}
         model.train()
-        emit({"step": step, "elapsed_s": round(elapsed, 1), "eval_loss": losses})
+        improved = best["eval_loss"] is None or losses[select_L] < best["eval_loss"][select_L]
+        if improved:
+            best.update(step=step, eval_loss=losses,
+                        state={k: v.detach().clone() for k, v in model.state_dict().items()})
+        emit({"step": step, "elapsed_s": round(elapsed, 1), "eval_loss": losses, "best": improved})
         return losses
 
     t0 = time.time()
@@ -163,9 +176,13 @@ def train(cfg: LoopedConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarra
     wall = time.time() - t0
     if eval_step != step:
         eval_losses = run_eval(step, wall)
+    model.load_state_dict(best["state"])
+    emit({"step": step, "restored_step": best["step"], "selected_by": f"eval_loss[{select_L}]",
+          "eval_loss": best["eval_loss"]})
     if log:
         log.close()
     summary = {"steps": step, "tokens": tokens, "train_wall_s": round(wall, 1),
                "tok_per_s": round(tokens / max(wall, 1e-9)), "final_train_loss": last.get("loss"),
-               "final_eval_loss": eval_losses, "args": {k: v for k, v in vars(args).items()}}
+               "final_eval_loss": eval_losses, "best_step": best["step"], "best_eval_loss": best["eval_loss"],
+               "selected_by_loops": int(select_L), "args": {k: v for k, v in vars(args).items()}}
     return model.eval(), summary

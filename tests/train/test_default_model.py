@@ -39,13 +39,17 @@ def test_heldout_loss_falls_from_one_iteration(heldout_loss):
     assert heldout_loss[1] > heldout_loss[4] and heldout_loss[1] > heldout_loss[8], heldout_loss
 
 
-@pytest.mark.xfail(strict=True, reason="measured on the shipped model: L = 8 is no better than L = 4 "
-                                       "(docs/model-card.md); strict, so a model that fixes it must drop this mark")
 def test_heldout_loss_keeps_falling_to_L8(heldout_loss):
     assert heldout_loss[4] > heldout_loss[8], heldout_loss
 
 
-@pytest.mark.parametrize("prompt", ["def fibonacci(n):\n", "import os\n"])
+@pytest.mark.parametrize("prompt", [
+    "def fibonacci(n):\n",
+    pytest.param("import os\n", marks=pytest.mark.xfail(
+        strict=True, reason="measured on the shipped model: greedy output repeats 'from test.support import "
+                            "os_helper' from the first line (docs/model-card.md); strict, so a model that "
+                            "fixes it must drop this mark")),
+])
 def test_greedy_output_not_degenerate(prompt):
     from tinyloop.worker.api import Model
     with Model(str(ASSET), max_seq_len=256, device="cpu", dtype="float32") as m:

@@ -34,6 +34,22 @@ def test_build_caches(tmp_path):
     assert a.train[-1] == corpus.DOC_SEP
 
 
+def test_build_from_another_root(tmp_path):
+    root = tmp_path / "stdlib"
+    for rel in ("os.py", "tempfile.py", "test/test_os.py", "site-packages/x.py", "json/__init__.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(f"# {rel}\nimport sys\n" * 20)
+    (root / "PYTHON_VERSION").write_text("3.11.7\n")
+    corp = corpus.build(tmp_path / "cache", root=root, max_bytes=1_000_000)
+    info = corp.info
+    assert info["python"] == "3.11.7" and info["corpus_root"] == str(root) and info["stdlib"] == str(root)
+    assert info["n_files"] == 4 and info["n_test_files"] == 1 and "tempfile.py" in info["heldout_files"]
+    assert corpus.heldout_bytes(root).tobytes() == corp.heldout.tobytes()
+    (root / "PYTHON_VERSION").unlink()
+    assert corpus.source_python(root) == "unknown" and corpus.source_python() == sys.version.split()[0]
+    assert corpus.build(tmp_path / "cache", max_bytes=100_000).info["corpus_root"] is None
+
+
 def test_few_steps_lower_the_loss(tmp_path):
     corp = corpus.build(tmp_path, max_bytes=3_000_000)
     args = trainer.TrainArgs(steps=40, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=5,
@@ -46,6 +62,7 @@ def test_few_steps_lower_the_loss(tmp_path):
     assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
     assert train_losses[-1] < train_losses[0] - 0.5, train_losses
     assert summary["final_eval_loss"]["1"] < 5.0  # ln 256 = 5.55 at init
+    assert summary["best_step"] == 40 and summary["best_eval_loss"] == summary["final_eval_loss"]
 
     path = tmp_path / "m.tinyloop"
     checkpoint.save(model, path, torch.float16)
@@ -53,6 +70,29 @@ def test_few_steps_lower_the_loss(tmp_path):
     win = evaluate.windows(corp.heldout, 4, 64)
     table = evaluate.bpb_table(loaded, win, [1, 2])
     assert all(0 < v < 8 for v in table.values())
+
+
+def test_returns_best_eval_snapshot(tmp_path):
+    # 300 training bytes at a high lr: the model memorizes them and held-out loss rises after the
+    # first evals, so the best eval is not the last and the returned weights must be restored.
+    corp = corpus.build(tmp_path, max_bytes=3_000_000)
+    args = trainer.TrainArgs(steps=60, batch_size=8, seq_len=64, lr=2e-2, warmup_steps=5,
+                             max_train_loops=3, eval_every=10, eval_windows=8, eval_loops=(1, 3),
+                             log_every=5, progress=False)
+    log = tmp_path / "log.jsonl"
+    model, summary = trainer.train(PRESETS["tiny"], corp.train[:300], corp.heldout, args, "cpu", str(log))
+    evals = [r for r in map(json.loads, log.read_text().splitlines()) if "best" in r]
+    assert [r["step"] for r in evals] == list(range(10, 61, 10))
+    best = min(evals, key=lambda r: r["eval_loss"]["3"])
+    assert summary["selected_by_loops"] == 3
+    assert summary["best_step"] == best["step"] < summary["steps"] == 60, (summary, evals)
+    assert summary["best_eval_loss"] == best["eval_loss"]
+    assert summary["final_eval_loss"] == evals[-1]["eval_loss"]
+    assert summary["final_eval_loss"]["3"] > summary["best_eval_loss"]["3"]
+    win = evaluate.windows(corp.heldout, args.eval_windows, args.seq_len)
+    for L in args.eval_loops:
+        assert abs(evaluate.mean_loss(model, win, L) - summary["best_eval_loss"][str(L)]) < 1e-3
+    assert not model.training
 
 
 def test_lr_schedule():
@@ -63,9 +103,10 @@ def test_lr_schedule():
 
 def test_cli_registers_without_torch():
     code = ("import sys; from tinyloop.cli import build_parser; p = build_parser(); "
-            "a = p.parse_args(['train', '--out', 'x.tinyloop', '--minutes', '1']); "
+            "a = p.parse_args(['train', '--out', 'x.tinyloop', '--minutes', '1', '--corpus-root', 'd']); "
             "b = p.parse_args(['eval-bpb', '--model', 'x', '--loops', '1', '4']); "
             "assert a.preset == 'default' and b.loops == [1, 4]; "
+            "assert a.corpus_root == 'd' and b.corpus_root is None; "
             "assert 'torch' not in sys.modules, 'tinyloop.train.cli imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -87,3 +128,9 @@ def test_card_renders():
                       "args": vars(trainer.TrainArgs(steps=1))}}
     text = render(card)
     assert "| bits/byte | 3.000 | 2.000 |" in text
+    assert "kept checkpoint" not in text
+    card["train"].update(steps=3000, best_step=2000, best_eval_loss={"1": 0.9, "8": 0.8},
+                         final_eval_loss={"1": 0.95, "8": 0.85}, selected_by_loops=8)
+    card["corpus"].update(corpus_root="/tmp/stdlib-src", n_test_files=1)
+    text = render(card)
+    assert "| kept checkpoint | step 2,000 of 3,000" in text and "`--corpus-root /tmp/stdlib-src`" in text
