@@ -44,13 +44,15 @@ class Model:
     """A looped transformer loaded from a `.tinyloop` file, with its own static cache.
 
     n_slots: cache lanes (concurrent requests, batch lanes). cuda_graphs (default: on CUDA)
-    captures the decode step of every depth at load. A call holds the model's lock,
-    so one Model is safe to share between threads; the Ray actor instead runs requests on
-    separate lanes, batching their decode steps (worker/batcher.py)."""
+    captures the decode step of every depth at load, and the prefill stages of prompts padded
+    to length buckets of up to prefill_graph_len tokens (0: prefill stays eager). A call
+    holds the model's lock, so one Model is safe to share between threads; the Ray actor
+    instead runs requests on separate lanes, batching their decode steps (worker/batcher.py)."""
 
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 n_slots: int = 1, backend: str | None = None, cuda_graphs: bool | None = None):
+                 n_slots: int = 1, backend: str | None = None, cuda_graphs: bool | None = None,
+                 prefill_graph_len: int = 2048):
         if path is None:
             from tinyloop.worker.default_model import default_model_path
             path = default_model_path()
@@ -58,6 +60,9 @@ class Model:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        if prefill_graph_len < 0:
+            raise ValueError(f"prefill_graph_len must be >= 0, got {prefill_graph_len}")
+        self.prefill_graph_len = prefill_graph_len
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = _dtype(dtype, self.device)
@@ -80,14 +85,18 @@ class Model:
 
     def capture_graphs(self, loops, lanes=None) -> None:
         """Capture the batch-1 decode step for each depth in `loops` on each cache lane in
-        `lanes` (default: all; CUDA only); generate/resume then replay them. Done at start-up,
-        before a worker reports healthy."""
+        `lanes` (default: all; CUDA only), and the prefill stages of every length bucket for
+        depths up to the deepest; generate/resume then replay them. Done at start-up, before
+        a worker reports healthy: capturing writes into the lanes' caches."""
         from tinyloop.worker.graphs import DecodeGraphs
         if self.engine.graphs is None:
-            self.engine.graphs = DecodeGraphs(self.engine)
-        for L in loops:
-            for lane in range(self.engine.cache.n_slots) if lanes is None else lanes:
-                self.engine.graphs.capture(self._loops(L), lane)
+            self.engine.graphs = DecodeGraphs(self.engine, self.prefill_graph_len)
+        loops = [self._loops(L) for L in loops]
+        for lane in range(self.engine.cache.n_slots) if lanes is None else lanes:
+            for L in loops:
+                self.engine.graphs.capture(L, lane)
+            if loops:
+                self.engine.graphs.prefill.capture(lane, max(loops))
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

@@ -64,12 +64,101 @@ def _seen_mask(engine: Engine, tokens: list[list[int]]) -> torch.Tensor:
 
 def prefill(engine: Engine, lane: int, tokens: list[int], loops: int, window: int,
             track_norm: bool = False):
-    """Run the prompt through the model at `loops` into `lane`: (last logits (1, V), norm_max)."""
+    """Run the prompt through the model at `loops` into `lane`: (last logits (1, V), norm_max).
+    A fresh prompt on the full cache replays captured prefill stages when the engine has them
+    for its length (worker/graphs.py); otherwise it runs eagerly."""
+    if engine.graphs is not None and window == 0 and not track_norm:
+        logits = engine.graphs.prefill.run(lane, tokens, loops)
+        if logits is not None:
+            return logits, None
     device = engine.cache.k.device
     T = len(tokens)
     t = torch.tensor([tokens], dtype=torch.long, device=device)
     p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, window, track_norm)
     return engine.forward(t, p, loops)[:, -1], p.norm_max
+
+
+PAD_ID = 0  # pads a prompt to its bucket: any id does, no real token sees a pad
+
+
+def prefill_buckets(max_seq_len: int, max_len: int) -> list[int]:
+    """The prompt lengths a padded prefill is built for: powers of two from 16, and the top
+    (the smaller of max_seq_len and max_len) when that is not one."""
+    top = min(max_seq_len, max_len)
+    buckets = [1 << k for k in range(4, top.bit_length()) if 1 << k <= top]
+    return buckets + [top] if top >= 16 and top not in buckets else buckets
+
+
+class PaddedPrefill:
+    """The prefill of a fresh prompt (positions 0..T-1, full cache, no norm tracking) padded to
+    `bucket` tokens on `lane`, as stages over static buffers, so that each stage is captured
+    once as a CUDA graph (worker/graphs.py) and replayed for any prompt of up to `bucket`
+    tokens. The same stages run eagerly anywhere (`prefill_padded`).
+
+    Stages: "prelude" (embed and prelude into the residual buffer), iteration i (in place on
+    the residual, with iteration i's cache layers), "coda" (the coda, then the logits at the
+    last real token, read through a device index). So any depth composes from few graphs.
+
+    Pads sit at positions T..bucket-1 and write K/V there. That is harmless: attention is
+    causal, so no real token sees them, and every later step writes a position before it
+    attends to it. The buffers may be views of larger ones shared by every lane and bucket
+    (`prefill_buffers`): their stages never run at once."""
+
+    def __init__(self, engine: Engine, lane: int, bucket: int, buffers: tuple | None = None):
+        tokens, last, x, logits = buffers if buffers is not None else prefill_buffers(engine, bucket)
+        device = engine.cache.k.device
+        self.engine, self.lane, self.bucket = engine, lane, bucket
+        self.tokens, self.x = tokens[:, :bucket], x[:, :bucket]   # (1, bucket), (1, bucket, D)
+        self.last, self.logits = last, logits                     # (1,) index T-1, (1, V) output
+        self.p = engine.make_pass(slice(lane, lane + 1), torch.arange(bucket, device=device)[None], bucket)
+
+    @staticmethod
+    def stages(loops: int) -> list:
+        return ["prelude", *range(loops), "coda"]
+
+    @torch.no_grad()
+    def run(self, stage) -> None:
+        """One stage, eagerly (what a graph captures)."""
+        e, p = self.engine, self.p
+        if stage == "prelude":
+            self.x.copy_(e.embed_prelude(self.tokens, p))
+        elif stage == "coda":
+            self.logits.copy_(e.logits(e.coda(self.x, p).index_select(1, self.last))[:, -1])
+        else:
+            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1))
+
+    def __call__(self, tokens: list[int], loops: int, run=None) -> torch.Tensor:
+        """Prefill `tokens` (1 <= T <= bucket) at `loops`: the last logits (1, V). run(stage)
+        runs a stage: `self.run` (eager) or a captured graph's replay."""
+        e, T = self.engine, len(tokens)
+        before = e.counters.snapshot()
+        src = torch.tensor([tokens + [PAD_ID] * (self.bucket - T)])
+        if self.tokens.is_cuda:
+            src = src.pin_memory()
+        self.tokens.copy_(src, non_blocking=True)
+        self.last.fill_(T - 1)
+        for stage in self.stages(loops):
+            (run or self.run)(stage)
+        # count what the prompt needs, as the unpadded prefill does (a replay counts nothing)
+        e.counters.loop_iterations = before.loop_iterations + loops
+        e.counters.loop_token_iterations = before.loop_token_iterations + loops * T
+        return self.logits.clone()  # the buffer is the next prefill's
+
+
+def prefill_buffers(engine: Engine, bucket: int) -> tuple:
+    """Static buffers of a padded prefill of up to `bucket` tokens: tokens, last index,
+    residual, logits."""
+    cfg, device = engine.config, engine.cache.k.device
+    dtype = engine.model.tok_embeddings.weight.dtype
+    return (torch.zeros(1, bucket, dtype=torch.long, device=device),
+            torch.zeros(1, dtype=torch.long, device=device),
+            torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device),
+            torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=device))
+
+
+def prefill_padded(engine: Engine, lane: int, tokens: list[int], loops: int, bucket: int) -> torch.Tensor:
+    """The padded prefill, eagerly: last logits (1, V)."""
+    return PaddedPrefill(engine, lane, bucket)(tokens, loops)
 
 
 def stream(engine: Engine, lane: int, req: Request) -> TokenStream:

@@ -72,3 +72,89 @@ def test_pipelined_decode_equals_plain_on_gpu(pair):
             assert a == b and (a.finish_reason, a.stats) == (b.finish_reason, b.stats), kw
             assert torch.equal(sa.logits, sb.logits) and sa.pos == sb.pos, kw
         assert _decode(fast, stop, True)[0].finish_reason == "stop"
+
+
+# -- prefill graphs (one per lane, length bucket and stage) ----------------------------------
+
+def _prompt(T, seed=0):
+    return torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def prefill_pair(tiny_path):
+    """Decode graphs on both; prefill graphs (buckets 16..128) on the first only."""
+    kw = dict(max_seq_len=256, device="cuda", n_slots=2)
+    g = Model(tiny_path, dtype="float32", prefill_graph_len=128, **kw)
+    e = Model(tiny_path, dtype="float32", prefill_graph_len=0, **kw)
+    yield g, e
+    g.close()
+    e.close()
+
+
+def test_prefill_graphs_are_captured_outside_the_counters(prefill_pair):
+    g, e = prefill_pair
+    pg = g.engine.graphs.prefill
+    assert pg.buckets == [16, 32, 64, 128] and not e.engine.graphs.prefill.graphs
+    assert all((lane, b, s) in pg.graphs and pg.graphs[(lane, b, s)] is not None
+               for lane in (0, 1) for b in pg.buckets for s in ("prelude", 0, g.config.max_loops - 1, "coda"))
+    fresh = Model(g.path, max_seq_len=64, device="cuda", dtype="float32")
+    try:
+        assert (fresh.counters.loop_iterations, fresh.counters.loop_token_iterations) == (0, 0)
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize("loops", [1, 4, 8])
+def test_graph_prefill_equals_eager_prefill(prefill_pair, loops):
+    from tinyloop.worker.generate import prefill
+    g, e = prefill_pair
+    for T in (1, 15, 16, 17, 64, 100, 128, 129, 200):
+        toks = _prompt(T, T)
+        for lane in (0, 1):
+            before = g.counters.snapshot()
+            got, _ = prefill(g.engine, lane, toks, loops, 0)
+            assert g.counters.since(before).loop_token_iterations == loops * T  # the prompt's work
+            want, _ = prefill(e.engine, lane, toks, loops, 0)
+            assert ((got - want).norm() / want.norm()) < 1e-3, (T, lane)
+    assert g.engine.graphs.prefill.run(0, _prompt(129), 4) is None  # past the largest bucket: eager
+
+
+def test_graph_prefill_in_bf16(tiny_path):
+    """bf16 graph prefill against the bf16 eager prefill, both measured from the fp32 one."""
+    from tinyloop.worker.generate import prefill
+    kw = dict(max_seq_len=128, device="cuda", n_slots=1)
+    with Model(tiny_path, dtype="bfloat16", prefill_graph_len=128, **kw) as g, \
+            Model(tiny_path, dtype="bfloat16", prefill_graph_len=0, **kw) as e, \
+            Model(tiny_path, dtype="float32", cuda_graphs=False, **kw) as ref:
+        for T in (5, 16, 40, 128):
+            toks = _prompt(T, T)
+            want = prefill(ref.engine, 0, toks, 3, 0)[0]
+            err = [((prefill(m.engine, 0, toks, 3, 0)[0] - want).norm() / want.norm()).item() for m in (g, e)]
+            assert err[0] < max(2e-2, 2 * err[1]), (T, err)
+
+
+def test_generate_with_and_without_prefill_graphs(prefill_pair):
+    """Greedy and seeded-sampled streams, stop tokens, lane 1, batches, speculative and resume
+    after a graph prefill: the same tokens as with the eager prefill."""
+    from tinyloop.worker.api import drain
+    g, e = prefill_pair
+    for T in (5, 16, 17, 90):
+        p = _prompt(T, 7 + T)
+        for kw in (dict(loops=4), dict(loops=8, temperature=0.9, top_k=40, seed=3, repetition_penalty=1.2)):
+            a, b = g.generate(p, max_tokens=12, **kw), e.generate(p, max_tokens=12, **kw)
+            assert a == b and (a.finish_reason, a.stats) == (b.finish_reason, b.stats), (T, kw)
+            stop = [b[T + 4]]
+            assert g.generate(p, max_tokens=12, stop_token_ids=stop, **kw) == e.generate(
+                p, max_tokens=12, stop_token_ids=stop, **kw)
+        req = g.make_request(p, loops=3, max_tokens=10)
+        assert drain(p, g.stream(req, lane=1)) == e.generate(p, loops=3, max_tokens=10)
+        h = g.build_resume_handle(p, L_used=2, max_loops=16)
+        try:
+            assert g.resume_generate(h, 6, max_tokens=10) == e.generate(p, loops=6, max_tokens=10)
+        finally:
+            g.free_resume_handle(h)
+        spec = dict(max_tokens=10, draft_loops=2, verify_loops=5)
+        assert g.generate_speculative(p, **spec) == e.generate_speculative(p, **spec)
+        q = _prompt(3, T)
+        assert g.generate_batch([p, q], per_lane_loops=[6, 2], max_tokens=8) == \
+            e.generate_batch([p, q], per_lane_loops=[6, 2], max_tokens=8)
