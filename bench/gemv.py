@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import hardware, write
-from bench.decode import ceilings, cuda_ms
+from bench.decode import ceilings, device_ms
 from tinyloop.kernels import gemv as gemv_mod
 from tinyloop.kernels.gemv import gemv
 
@@ -35,7 +35,11 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    c = ceilings()
+    c = ceilings(dev)
+
+    def cuda_ms(fn, repeat):
+        return device_ms(fn, dev, repeat=repeat)
+
     rows = []
     for name, N, K, fusion in SHAPES:
         torch.manual_seed(0)

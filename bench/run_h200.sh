@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the fast path in one command, from the repository root on
 # the H200 (offline image: the project is mapped by bench/gpu_env.sh, not pip-installed):
 #
-#   bash bench/run_h200.sh [steps...]      # steps: tests gemv decode prefill warmstart (default: all)
+#   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode prefill warmstart (default: all)
 #
 # Each step has its own time limit and log under $OUT (default ./out), and its JSON lands there
 # too, so one step failing or running long does not lose the others.
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 source bench/gpu_env.sh
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests gemv decode prefill warmstart)
+[ ${#steps[@]} -eq 0 ] && steps=(tests gemv profile decode prefill warmstart)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 run() {  # run NAME SECONDS CMD...: time-limited, logged, never aborts the script
@@ -29,6 +29,7 @@ for s in "${steps[@]}"; do
     case $s in
         tests) run tests "${TESTS_S:-200}" python -m pytest -m gpu tests/kernels tests/worker/test_gpu_engine.py tests/test_bench.py -q -p no:cacheprovider ;;
         gemv) run gemv 90 python -m bench.gemv --out-dir "$OUT" ;;
+        profile) run profile 90 python -m bench.profile_decode --out-dir "$OUT" ;;
         decode) run decode "${DECODE_S:-240}" python -m bench.decode --out-dir "$OUT" ${DECODE_ARGS:-} ;;
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --out-dir "$OUT" ;;

@@ -85,11 +85,15 @@ def _gemv_kernel(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
+# Tiles of 1K to 8K weights per loop step: enough bytes in flight per program without
+# spilling the fp32 accumulator. Short benchmark runs keep start-up autotuning to seconds.
 _CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn in (4, 8, 16) for bk in (256, 512) for w in (4, 8)
+    for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)
+    if 1024 <= bn * bk <= 8192
 ]
-_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL"])(_gemv_kernel)
+_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL"],
+                              warmup=5, rep=20)(_gemv_kernel)
 
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):

@@ -1,0 +1,74 @@
+"""Where a batch-1 decode step's time goes: GPU time per kernel of one step (torch.profiler,
+the step run op by op so each kernel is its own record), against the captured step's time.
+
+    source bench/gpu_env.sh && python -m bench.profile_decode --out-dir $OUT
+
+The sum of kernel times is what the step costs with no launch gaps at all; the captured
+(graph) step minus that sum is the gap between kernels inside the graph."""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import hardware, write
+from bench.decode import bytes_per_token, ceilings, decode_rate, random_checkpoint
+from tinyloop.worker import Model
+from tinyloop.worker.config import PRESETS
+from tinyloop.worker.generate import prefill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loops", type=int, default=8)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    c = ceilings(dev)
+    cfg = PRESETS["bench-285m"]
+    m = Model(random_checkpoint("bench-285m", cfg), max_seq_len=4096, device="cuda", dtype="bfloat16",
+              cuda_graphs=False)
+    L, T = args.loops, args.context
+    m.capture_graphs([L], lanes=[0])
+    graph_ms = decode_rate(m, L, T, 64)
+    e = m.engine
+    prompt = torch.randint(0, cfg.vocab_size, (T,)).tolist()
+    prefill(e, 0, prompt, L, 0)
+    tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+
+    def step():
+        p = e.make_pass(slice(0, 1), torch.full((1, 1), T, device=dev), T + 1)
+        return e.forward(tok, p, L)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    steps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time / steps / 1e3  # ms per step
+            per[ev.name][1] += 1
+    rows = sorted(({"kernel": k, "ms_per_step": v[0], "launches_per_step": v[1] / steps} for k, v in per.items()),
+                  key=lambda r: -r["ms_per_step"])
+    kernel_ms = sum(r["ms_per_step"] for r in rows)
+    floor_ms = bytes_per_token(cfg, L, T)["total"] / (c["copy_GBps"] * 1e6)
+    print(f"L={L}: floor {floor_ms:.3f} ms, graph step {graph_ms:.3f} ms, kernels alone {kernel_ms:.3f} ms "
+          f"({sum(r['launches_per_step'] for r in rows):.0f} launches)")
+    for r in rows[:25]:
+        print(f"  {r['ms_per_step'] * 1e3:8.1f} us  x{r['launches_per_step']:5.1f}  {r['kernel'][:110]}")
+    write("profile-decode-cuda", {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
+                                  "floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms,
+                                  "kernels": rows}, args.out_dir)
+    m.close()
+
+
+if __name__ == "__main__":
+    main()
