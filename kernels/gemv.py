@@ -92,8 +92,10 @@ _CONFIGS = [
     for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)
     if 1024 <= bn * bk <= 8192
 ]
-_gemv_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL"],
-                              warmup=5, rep=20)(_gemv_kernel)
+_gemv_tuned = triton.autotune(
+    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
+)(_gemv_kernel)
 
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):

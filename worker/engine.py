@@ -44,13 +44,15 @@ class Pass:
     norm_max: torch.Tensor | None = None   # (B,) max residual L2 norm seen per lane, if tracked
     trace: list | None = None              # (label, (B, D) last-position residual) per stage
     tree: Tree | None = None               # tree mode (speculative verify); None: causal chunk
+    seq_lens: torch.Tensor | None = None   # (B,) positions[:, -1] + 1: what a decode step attends to
 
     def narrow(self, n: int) -> "Pass":
         """The first n lanes (mixed-depth batches keep the deepest lanes first)."""
         start = self.lanes.start
         return Pass(slice(start, start + n), self.positions[:n], self.kv_len, self.window,
                     self.cos[:n], self.sin[:n],
-                    None if self.norm_max is None else self.norm_max[:n], None)
+                    None if self.norm_max is None else self.norm_max[:n], None,
+                    seq_lens=None if self.seq_lens is None else self.seq_lens[:n])
 
 
 @dataclass
@@ -89,7 +91,8 @@ class Engine:
         cos, sin = self.model.rope_tables(positions)
         B = positions.shape[0]
         norm_max = torch.zeros(B, device=positions.device) if track_norm else None
-        return Pass(lanes, positions, kv_len, window, cos, sin, norm_max, trace)
+        seq_lens = positions[:, -1] + 1 if positions.shape[1] == 1 else None  # once per pass, not per layer
+        return Pass(lanes, positions, kv_len, window, cos, sin, norm_max, trace, seq_lens=seq_lens)
 
     # -- stages --------------------------------------------------------------------------
     @torch.no_grad()
@@ -173,7 +176,7 @@ class Engine:
                 qr = ops.rope_cache_write(q, k, v, p.cos, p.sin, write_idx, kc, vc)  # (B, H, T, hd)
                 if T == 1:
                     kv = slice(None) if W == 0 else slice(0, W)
-                    seq_lens = p.positions[:, 0] + 1
+                    seq_lens = p.seq_lens if p.seq_lens is not None else p.positions[:, 0] + 1
                     return ops.decode_attention(qr[:, :, 0], kc[:, :, kv], vc[:, :, kv],
                                                 seq_lens, scale)[:, :, None]
                 k_pos = torch.arange(p.kv_len, device=q.device)

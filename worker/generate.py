@@ -130,19 +130,43 @@ class PaddedPrefill:
     def __call__(self, tokens: list[int], loops: int, run=None) -> torch.Tensor:
         """Prefill `tokens` (1 <= T <= bucket) at `loops`: the last logits (1, V). run(stage)
         runs a stage: `self.run` (eager) or a captured graph's replay."""
-        e, T = self.engine, len(tokens)
-        before = e.counters.snapshot()
-        src = torch.tensor([tokens + [PAD_ID] * (self.bucket - T)])
+        self._load_tokens(tokens)
+        self._run(self.stages(loops), len(tokens), run)
+        return self.logits.clone()  # the buffer is the next prefill's
+
+    def build(self, tokens: list[int], loops: int, run=None) -> torch.Tensor:
+        """A resume handle's prefill: the prelude and iterations [0, loops) over `tokens`; the
+        residual entering iteration `loops` (1, T, D)."""
+        self._load_tokens(tokens)
+        self._run(self.stages(loops)[:-1], len(tokens), run)
+        return self.x[:, :len(tokens)].clone()
+
+    def resume(self, residual: torch.Tensor, start: int, stop: int, run=None) -> torch.Tensor:
+        """Iterations [start, stop) and the coda over a prompt's residual (1, T, D) entering
+        iteration `start` (its cache layers below hold the prompt's K/V): the last logits."""
+        T = residual.shape[1]
+        self.x[:, :T].copy_(residual)
+        self.x[:, T:].zero_()  # pads: any finite value does
+        self.last.fill_(T - 1)
+        self._run([*range(start, stop), "coda"], T, run)
+        return self.logits.clone()
+
+    def _load_tokens(self, tokens: list[int]) -> None:
+        src = torch.tensor([tokens + [PAD_ID] * (self.bucket - len(tokens))])
         if self.tokens.is_cuda:
             src = src.pin_memory()
         self.tokens.copy_(src, non_blocking=True)
-        self.last.fill_(T - 1)
-        for stage in self.stages(loops):
+        self.last.fill_(len(tokens) - 1)
+
+    def _run(self, stages: list, T: int, run) -> None:
+        e = self.engine
+        before = e.counters.snapshot()
+        for stage in stages:
             (run or self.run)(stage)
-        # count what the prompt needs, as the unpadded prefill does (a replay counts nothing)
-        e.counters.loop_iterations = before.loop_iterations + loops
-        e.counters.loop_token_iterations = before.loop_token_iterations + loops * T
-        return self.logits.clone()  # the buffer is the next prefill's
+        # count what the prompt needs, as the unpadded passes do (a replay counts nothing)
+        n = sum(1 for s in stages if isinstance(s, int))
+        e.counters.loop_iterations = before.loop_iterations + n
+        e.counters.loop_token_iterations = before.loop_token_iterations + n * T
 
 
 def prefill_buffers(engine: Engine, bucket: int) -> tuple:

@@ -138,12 +138,28 @@ class PrefillGraphs:
     def run(self, lane: int, tokens: list[int], loops: int) -> torch.Tensor | None:
         """The last logits (1, V) of the prompt prefilled at `loops` into `lane` by replaying its
         bucket's stages; None when no captured bucket and depth cover it (prefill eagerly)."""
-        b = self.bucket(len(tokens))
-        if b is None or any((lane, b, s) not in self.graphs for s in PaddedPrefill.stages(loops)):
+        found = self._find(lane, len(tokens), PaddedPrefill.stages(loops))
+        return None if found is None else found[0](tokens, loops, found[1])
+
+    def build(self, lane: int, tokens: list[int], loops: int) -> torch.Tensor | None:
+        """A resume handle's prefill by replay (PaddedPrefill.build); None: not covered."""
+        found = self._find(lane, len(tokens), PaddedPrefill.stages(loops)[:-1])
+        return None if found is None else found[0].build(tokens, loops, found[1])
+
+    def resume(self, lane: int, residual: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+        """A resume's iterations [start, stop) and coda by replay (PaddedPrefill.resume); None:
+        not covered."""
+        found = self._find(lane, residual.shape[1], [*range(start, stop), "coda"])
+        return None if found is None else found[0].resume(residual, start, stop, found[1])
+
+    def _find(self, lane: int, T: int, stages: list):
+        """(the lane's PaddedPrefill for T tokens, a runner of its captured stages), or None."""
+        b = self.bucket(T)
+        if b is None or any((lane, b, s) not in self.graphs for s in stages):
             return None
         pre = self.prefills[(lane, b)]
 
         def run(stage):
             g = self.graphs[(lane, b, stage)]
             pre.run(stage) if g is None else g.replay()
-        return pre(tokens, loops, run)
+        return pre, run

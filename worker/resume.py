@@ -80,9 +80,13 @@ def build(engine: Engine, lane: int, prompt: list[int], L_used: int, max_loops: 
     shape = (n_layers, cfg.n_kv_heads, positions, cfg.head_dim)
     k = torch.empty(shape, dtype=cache.k.dtype, device=device)
     v = torch.empty(shape, dtype=cache.v.dtype, device=device)
-    p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, cache_window)
-    x = engine.embed_prelude(torch.tensor([prompt], dtype=torch.long, device=device), p)
-    x = engine.run_loops(x, p, 0, L_used)
+    x = None
+    if engine.graphs is not None and not cache_window:
+        x = engine.graphs.prefill.build(lane, list(prompt), L_used)  # captured stages, if they cover it
+    if x is None:
+        p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, cache_window)
+        x = engine.embed_prelude(torch.tensor([prompt], dtype=torch.long, device=device), p)
+        x = engine.run_loops(x, p, 0, L_used)
     k[:used] = cache.k[:used, lane, :, :positions]
     v[:used] = cache.v[:used, lane, :, :positions]
     return ResumeHandle(id(engine), list(prompt), L_used, max_loops, cache_window, k, v, x.clone())
@@ -104,11 +108,16 @@ def start(engine: Engine, lane: int, handle: ResumeHandle, new_L: int, req: Requ
     cache.k[:used, lane, :, :n_pos] = handle.k[:used]
     cache.v[:used, lane, :, :n_pos] = handle.v[:used]
     device = cache.k.device
-    p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, req.window,
-                         req.safety_threshold is not None)
-    x = engine.run_loops(handle.residual.clone(), p, handle.loops_used(), new_L)
-    logits = engine.logits(engine.coda(x, p)[:, -1:])[:, -1]
+    logits = norm = None
+    if engine.graphs is not None and not req.window and req.safety_threshold is None:
+        logits = engine.graphs.prefill.resume(lane, handle.residual, handle.loops_used(), new_L)
+    if logits is None:
+        p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, req.window,
+                             req.safety_threshold is not None)
+        x = engine.run_loops(handle.residual.clone(), p, handle.loops_used(), new_L)
+        logits = engine.logits(engine.coda(x, p)[:, -1:])[:, -1]
+        norm = p.norm_max
     prompt_work = engine.counters.since(before)
-    st = DecodeState(engine, lane, req, logits, p.norm_max, prompt_work)
+    st = DecodeState(engine, lane, req, logits, norm, prompt_work)
     st.extra_stats["prompt_loop_iterations"] = prompt_work.loop_iterations
     return st

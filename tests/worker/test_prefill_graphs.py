@@ -182,3 +182,34 @@ def test_generation_through_bucket_prefill(pair, T):
     assert g.generate_speculative(p, **spec) == ref.generate(p, loops=5, max_tokens=8)
     batch = g.generate_batch([p, prompt(3, 9)], per_lane_loops=[6, 2], max_tokens=6)
     assert batch == [ref.generate(p, loops=6, max_tokens=6), ref.generate(prompt(3, 9), loops=2, max_tokens=6)]
+
+
+@pytest.mark.parametrize("T", [5, 16, 33])
+def test_resume_handles_through_bucket_stages(pair, T):
+    """build_resume_handle and resume_generate replay the bucket's stages (prelude and the
+    first L_used iterations; then iterations [L_used, new_L) and the coda from the handle's
+    residual): the handle, the tokens, the stats and the counters equal the eager path's."""
+    g, ref = pair
+    p = prompt(T, 11)
+    calls = []
+    run = PaddedPrefill.run
+    PaddedPrefill.run = lambda self, stage: (calls.append(stage), run(self, stage))[1]
+    try:
+        hg, hr = g.build_resume_handle(p, L_used=2, max_loops=8), ref.build_resume_handle(p, L_used=2, max_loops=8)
+        assert calls == ["prelude", 0, 1]
+        try:
+            torch.testing.assert_close(hg.residual, hr.residual, atol=1e-4, rtol=1e-3)  # padded GEMM shapes
+            used = g.config.n_prelude + 2 * g.config.n_loop_layers
+            torch.testing.assert_close(hg.k[:used], hr.k[:used], atol=1e-4, rtol=1e-3)
+            for new_L in (2, 5, 8):
+                calls.clear()
+                bg, br = g.counters.snapshot(), ref.counters.snapshot()
+                a, b = g.resume_generate(hg, new_L, max_tokens=8), ref.resume_generate(hr, new_L, max_tokens=8)
+                assert calls[:new_L - 2 + 1] == [*range(2, new_L), "coda"]
+                assert a.stats == b.stats and g.counters.since(bg) == ref.counters.since(br)
+                assert a == b == ref.generate(p, loops=new_L, max_tokens=8)
+        finally:
+            g.free_resume_handle(hg)
+            ref.free_resume_handle(hr)
+    finally:
+        PaddedPrefill.run = run
