@@ -32,7 +32,7 @@ for s in "${steps[@]}"; do
         profile) run profile 90 python -m bench.profile_decode --out-dir "$OUT" ;;
         decode) run decode "${DECODE_S:-240}" python -m bench.decode --out-dir "$OUT" ${DECODE_ARGS:-} ;;
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
-        warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --out-dir "$OUT" ;;
+        warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done

@@ -88,8 +88,8 @@ def _gemv_kernel(
 # Tiles of 1K to 8K weights per loop step: enough bytes in flight per program without
 # spilling the fp32 accumulator. Short benchmark runs keep start-up autotuning to seconds.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-    for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for st in (1, 3)
     if 1024 <= bn * bk <= 8192
 ]
 _gemv_tuned = triton.autotune(
