@@ -6,9 +6,11 @@ A batch-1 decode step reads every weight once and does two FLOPs per weight: it 
 memory bandwidth, and at these sizes also by the small kernels between the projections. Each
 option folds one of them into the projection that reads its input or writes its output:
 
-- ``norm_weight``: RMSNorm of x first, as ``rms_norm`` computes it (fp32 math, one rounding
-  to x.dtype): y = rmsnorm(x) @ W.T. Every program re-reads x (a few KiB, from L2) to get
-  the inverse RMS, so no separate normalized vector is written and read back.
+- ``norm_weight``: RMSNorm of x first: y = rmsnorm(x) @ W.T, computed as
+  (W @ (x * norm_weight)) * rsqrt(mean(x^2) + eps) in fp32 -- the same algebra with the
+  scale applied after the dot, so each program sums x^2 from the chunks it loads anyway and
+  no normalized vector is written and read back. (The unfused path rounds the normalized x
+  to x.dtype before its dot; this one does not, so the two differ by that rounding.)
 - ``swiglu``: W is the fused (gate | up) projection of shape (2F, K) and y (F,) is
   silu(x @ W_gate.T) * (x @ W_up.T), each product rounded to x.dtype first (as the unfused
   projection's output is), then silu and the product rounded as ``swiglu`` does.
@@ -53,11 +55,6 @@ def _gemv_kernel(
 
     if NORM:
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xv = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            ss += xv * xv
-        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SWIGLU:
@@ -66,19 +63,26 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_mask = k < K
-        xv = tl.load(x_ptr + k, mask=k_mask, other=0.0)
+        xv = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         if NORM:
-            nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            xv = (xv.to(tl.float32) * inv_rms * nw).to(dtype)
-        xv = xv.to(tl.float32)[None, :]
+            ss += xv * xv
+            xv = xv * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        xv = xv[None, :]
         m = row_mask[:, None] & k_mask[None, :]
         acc += tl.load(w_rows + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
         if SWIGLU:
             acc_up += tl.load(up_rows + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
 
-    y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        y *= inv_rms
+    y = y.to(dtype).to(tl.float32)
     if SWIGLU:
-        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up *= inv_rms
+        up = up.to(dtype).to(tl.float32)
         y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
     if RESIDUAL:
         y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -149,10 +153,10 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does."""
+    y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
-        xf = x.float()
-        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(x.dtype)
-    y = (x.float() @ weight.float().t()).to(x.dtype)
+        y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    y = y.to(x.dtype)
     if swiglu:
         gate, up = y.float().chunk(2, -1)
         y = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
