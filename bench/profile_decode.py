@@ -64,7 +64,8 @@ def main() -> None:
           f"({sum(r['launches_per_step'] for r in rows):.0f} launches)")
     for r in rows[:25]:
         print(f"  {r['ms_per_step'] * 1e3:8.1f} us  x{r['launches_per_step']:5.1f}  {r['kernel'][:110]}")
-    write("profile-decode-cuda", {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
+    from tinyloop.kernels.gemv import use_pdl
+    write("profile-decode-cuda" + ("-pdl" if use_pdl(dev) else ""), {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
                                   "floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms,
                                   "kernels": rows}, args.out_dir)
     m.close()

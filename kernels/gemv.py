@@ -23,11 +23,24 @@ program owns its rows, which keeps the epilogues (silu, the residual) free of at
 row block is small enough that even the 2048-row projections launch a few hundred programs.
 The block sizes are autotuned per (N, K) on CUDA; under the interpreter one config runs.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
+
+
+@triton.jit
+def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) weight tile at columns k (and its up-projection tile)."""
+    m = row_mask[:, None] & (k < K)[None, :]
+    w = tl.load(w_rows + k[None, :], mask=m, other=0.0)
+    up = w
+    if SWIGLU:
+        up = tl.load(up_rows + k[None, :], mask=m, other=0.0)
+    return w, up
 
 
 @triton.jit
@@ -44,6 +57,8 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -57,9 +72,19 @@ def _gemv_kernel(
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up_rows = w_rows
     if SWIGLU:
         up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:
+        # Each iteration loads the next chunk's weights ahead of its own FMAs. With PDL
+        # (programmatic dependent launch) this kernel may start while the previous one drains:
+        # the weights never depend on it, so the first chunk's load goes out before the wait,
+        # and x, the residual and everything after wait for the previous kernel's writes.
+        w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_mask = k < K
@@ -68,10 +93,13 @@ def _gemv_kernel(
             ss += xv * xv
             xv = xv * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         xv = xv[None, :]
-        m = row_mask[:, None] & k_mask[None, :]
-        acc += tl.load(w_rows + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
+        if not PREFETCH:
+            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
+        acc += w.to(tl.float32) * xv
         if SWIGLU:
-            acc_up += tl.load(up_rows + k[None, :], mask=m, other=0.0).to(tl.float32) * xv
+            acc_up += up.to(tl.float32) * xv
+        if PREFETCH:
+            w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
 
     y = tl.sum(acc, axis=1)
     if NORM:
@@ -97,16 +125,18 @@ _CONFIGS = [
     if 1024 <= bn * bk <= 8192
 ]
 _gemv_tuned = triton.autotune(
-    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL"],
+    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "PDL"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_gemv_kernel)
 
 
-def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
+def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
     """x (..., K) holding one row, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a decode step) are kept. Options as in the module
-    docstring; all tensors share x's dtype except norm_weight, which may be any float dtype."""
+    docstring; all tensors share x's dtype except norm_weight, which may be any float dtype.
+    pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
+    under the interpreter it selects the prefetching loop alone."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if norm_weight is not None:
@@ -145,13 +175,21 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
             y if residual is None else residual, y, N, K, weight.stride(0), float(eps))
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
     if interpreting():
-        _gemv_kernel[(triton.cdiv(N, 8),)](*args, **flags, BLOCK_N=8, BLOCK_K=64)
+        _gemv_kernel[(triton.cdiv(N, 8),)](*args, **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
     else:
-        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+        pdl = use_pdl(x.device) if pdl is None else pdl
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags, PREFETCH=pdl, PDL=pdl,
+                                                                     launch_pdl=pdl)
     return y
 
 
-def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None):
+def use_pdl(device) -> bool:
+    """Programmatic dependent launch (Hopper and later), opt-in with TINYLOOP_PDL=1."""
+    return (os.environ.get("TINYLOOP_PDL", "0") == "1" and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does."""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:

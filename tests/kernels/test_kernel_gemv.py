@@ -9,12 +9,13 @@ CASES = [  # (N, K): a row block and a K chunk that divide, and ones that do not
 ]
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N,K", CASES)
 @pytest.mark.parametrize("norm,swiglu,residual", [
     (False, False, False), (True, False, False), (False, False, True), (True, True, False),
 ])
-def test_gemv_matches_ref(N, K, dtype, norm, swiglu, residual):
+def test_gemv_matches_ref(N, K, dtype, norm, swiglu, residual, pdl):
     g = torch.Generator().manual_seed(N * 1000 + K)
     x = (3 * torch.randn(1, 1, K, generator=g)).to(DEVICE, dtype)
     w = (torch.randn(2 * N if swiglu else N, K, generator=g) / K ** 0.5).to(DEVICE, dtype)
@@ -24,7 +25,7 @@ def test_gemv_matches_ref(N, K, dtype, norm, swiglu, residual):
         kw["eps"] = 1e-5
     if residual:
         kw["residual"] = torch.randn(1, 1, N, generator=g).to(DEVICE, dtype)
-    y = gemv(x, w, swiglu=swiglu, **kw)
+    y = gemv(x, w, swiglu=swiglu, pdl=pdl, **kw)
     assert y.shape == (1, 1, N)
     assert_close(y, gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
 
@@ -64,7 +65,8 @@ def test_gemv_rejects_bad_inputs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("N,K,swiglu", [(6144, 2048, False), (2048, 2048, False), (11264, 2048, True),
                                         (2048, 5632, False), (32000, 2048, False)])
-def test_gemv_gpu_bf16_shapes(N, K, swiglu):
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_gemv_gpu_bf16_shapes(N, K, swiglu, pdl):
     torch.manual_seed(0)
     x = torch.randn(1, 1, K, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
@@ -72,4 +74,4 @@ def test_gemv_gpu_bf16_shapes(N, K, swiglu):
     out_n = N // 2 if swiglu else N
     r = torch.randn(1, 1, out_n, device="cuda", dtype=torch.bfloat16)
     for kw in ({}, {"norm_weight": nw}, {"residual": r}, {"norm_weight": nw, "residual": r}):
-        assert_close(gemv(x, w, swiglu=swiglu, **kw), gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
+        assert_close(gemv(x, w, swiglu=swiglu, pdl=pdl, **kw), gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
