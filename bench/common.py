@@ -53,8 +53,8 @@ def timed(fn, device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
 def write(name: str, payload: dict, out_dir: str | None = None) -> Path:
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    try:  # TINYLOOP_COMMIT: the caller's commit, where the checkout's .git is a stale copy (a GPU host)
+        commit = os.environ.get("TINYLOOP_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         commit = None

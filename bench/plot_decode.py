@@ -1,4 +1,5 @@
-"""Plot ms/token vs L from a `bench/decode.py` result: the floor, this engine, eager torch.
+"""Plot ms/token vs L from a `bench/decode.py` result: the floor, this engine, eager torch and
+the torch.compile baselines.
 
     python -m bench.plot_decode [bench/results/decode-cuda.json] [-o docs/decode-vs-L.png]
 """
@@ -28,6 +29,11 @@ def main() -> None:
     ax.plot(L, [row["eager_torch_ms"] for row in rows], "s-", label="eager torch (same model, same run)")
     ax.plot(L, [row["graph_ms"] for row in rows], "o-", label="TinyLoop Serve (Triton + CUDA graphs)")
     ax.plot(L, [row["floor_ms"] for row in rows], "k--", label="floor: bytes read / copy bandwidth")
+    for c in r.get("compiled", []):  # torch.compile baselines, measured at some depths only
+        for mode, m in c["modes"].items():
+            if "ms" in m:
+                ax.plot([c["loops"]], [m["ms"]], "x" if "cudagraphs" in mode else "^", markersize=8,
+                        label=f"torch.compile {mode} (same run)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(L, [str(x) for x in L])

@@ -4,6 +4,9 @@
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode prefill warmstart (default: all)
 #
+# Pass TINYLOOP_COMMIT=<commit> from the calling side when the host's copy of .git may be stale:
+# the JSONs record it. PACK_LOGS=1 packs the logs into logs.tgz at the end (fewer files to fetch).
+#
 # Each step has its own time limit and log under $OUT (default ./out), and its JSON lands there
 # too, so one step failing or running long does not lose the others.
 set -uo pipefail
@@ -36,3 +39,6 @@ for s in "${steps[@]}"; do
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done
+if [ "${PACK_LOGS:-0}" = 1 ]; then
+    (cd "$OUT" && tar czf logs.tgz ./*.log gpu.txt && rm -f ./*.log gpu.txt)
+fi
