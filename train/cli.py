@@ -82,6 +82,10 @@ def _train(args) -> int:
     device = _device(args.device)
     corp = corpus.build(args.corpus_dir, root=args.corpus_root, max_bytes=int(args.corpus_mb * 1e6),
                         verbose=True)
+    if not corp.info["n_train_files"] or not corp.info["n_heldout_files"]:
+        raise ValueError(f"corpus too small: {corp.info['n_train_files']} train and "
+                         f"{corp.info['n_heldout_files']} held-out files under --corpus-mb {args.corpus_mb}; "
+                         f"raise --corpus-mb")
     tokenizer_json, bytes_per_token = None, 1.0
     if args.tokenizer == "bpe":
         from tinyloop.train import bpe

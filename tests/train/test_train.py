@@ -134,3 +134,30 @@ def test_card_renders():
     card["corpus"].update(corpus_root="/tmp/stdlib-src", n_test_files=1)
     text = render(card)
     assert "| kept checkpoint | step 2,000 of 3,000" in text and "`--corpus-root /tmp/stdlib-src`" in text
+
+
+def test_bpe_checkpoint_serves_text(tmp_path, capsys):
+    """`tinyloop train --tokenizer bpe` (the benchmark-model path, docs/training.md) on a tiny
+    preset: the checkpoint embeds its tokenizers-trained BPE, and the worker loads it and
+    round-trips text through it."""
+    from tinyloop.cli import main
+    from tinyloop.worker import Model
+    out = tmp_path / "bpe.tinyloop"
+    rc = main(["train", "--preset", "tiny", "--tokenizer", "bpe", "--vocab-size", "320", "--steps", "2",
+               "--corpus-mb", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+               "--corpus-dir", str(tmp_path / "corpus"), "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    with Model(out, device="cpu", max_seq_len=128) as m:
+        assert m.config.vocab_size == 320
+        text = "def f(x):\n    return x\n"
+        ids = m.tokenizer.encode(text)
+        assert len(ids) < len(text.encode()) and m.tokenizer.decode(ids) == text
+        assert len(m.generate(ids, max_tokens=4)) == len(ids) + 4
+
+
+def test_too_small_corpus_is_a_clear_error(tmp_path, capsys):
+    from tinyloop.cli import main
+    rc = main(["train", "--preset", "tiny", "--steps", "1", "--corpus-mb", "0.05", "--corpus-dir",
+               str(tmp_path / "c"), "--out", str(tmp_path / "m.tinyloop"), "--no-progress"])
+    assert rc == 2 and "corpus too small" in capsys.readouterr().err
+    assert not (tmp_path / "m.tinyloop").exists()
