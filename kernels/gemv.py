@@ -22,6 +22,10 @@ accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the end. No 
 program owns its rows, which keeps the epilogues (silu, the residual) free of atomics; the
 row block is small enough that even the 2048-row projections launch a few hundred programs.
 The block sizes are autotuned per (N, K) on CUDA; under the interpreter one config runs.
+
+``pdl`` (opt-in with TINYLOOP_PDL=1, Hopper and later): programmatic dependent launch, so a
+projection starts while the previous kernel drains, with its first weight chunk loaded before
+it waits and each next chunk loaded one step ahead (bench/gemv.py times both launches).
 """
 import os
 
