@@ -23,7 +23,7 @@ class WorkerOptions:
     handle_budget_bytes: int = 1 << 30
     handle_ttl_s: float = 600.0
     max_queue: int = 256
-    coalesce_s: float = 0.01
+    coalesce_s: float = 0.05  # = worker.actor.DEFAULT_COALESCE_S
     num_cpus: float = 1.0
     torch_threads: int | None = None
     max_restarts: int = -1
