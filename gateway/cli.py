@@ -20,6 +20,8 @@ def register(sub) -> None:
     s.add_argument("--handle-budget-mb", type=float, default=1024.0, help="resume-handle bytes per worker")
     s.add_argument("--handle-ttl-s", type=float, default=600.0, help="idle time before a handle expires")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a lane, per worker")
+    s.add_argument("--coalesce-ms", type=float, default=50.0,
+                   help="after a stream's first token, tokens are sent per Ray hop at most this often")
     s.add_argument("--max-message-mb", type=float, default=4.0)
     s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     s.add_argument("--auth-tokens", default=os.environ.get("TINYLOOP_AUTH_TOKENS"),
@@ -57,13 +59,16 @@ def _serve(args) -> int:
     from tinyloop.gateway.server import Gateway, GatewayOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.coalesce_ms < 0:
+        raise ValueError(f"--coalesce-ms must be >= 0, got {args.coalesce_ms}")
     tokens = parse_tokens(args.auth_tokens)
     ray.init(address=args.ray_address, include_dashboard=False, namespace=workers.NAMESPACE,
              log_to_driver=True)
     opts = workers.WorkerOptions(model_path=args.model, lanes=args.lanes, max_seq_len=args.max_seq_len,
                                  device=args.device, dtype=args.dtype,
                                  handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
-                                 handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue)
+                                 handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue,
+                                 coalesce_s=args.coalesce_ms / 1e3)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

@@ -55,3 +55,10 @@ def test_manifests_and_chart_are_valid_yaml():
                                                             DEPLOY / "helm/tinyloop/Chart.yaml"]:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
         assert docs, path
+
+
+def test_serve_rejects_a_negative_coalescing_window(capsys):
+    """Checked before Ray starts: the error names the flag."""
+    from tinyloop.cli import main
+    assert main(["serve", "--coalesce-ms", "-1"]) == 2
+    assert "--coalesce-ms must be >= 0" in capsys.readouterr().err
