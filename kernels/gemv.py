@@ -27,6 +27,7 @@ The block sizes are autotuned per (N, K) on CUDA; under the interpreter one conf
 projection starts while the previous kernel drains, with its first weight chunk loaded before
 it waits and each next chunk loaded one step ahead (bench/gemv.py times both launches).
 """
+import functools
 import os
 
 import torch
@@ -191,9 +192,16 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
 
 
 def use_pdl(device) -> bool:
-    """Programmatic dependent launch (Hopper and later), opt-in with TINYLOOP_PDL=1."""
-    return (os.environ.get("TINYLOOP_PDL", "0") == "1" and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    """Programmatic dependent launch (Hopper and later), opt-in with TINYLOOP_PDL=1 (read once
+    per process and device, not per launch)."""
+    if device.type != "cuda":
+        return False
+    return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_on(index: int) -> bool:
+    return os.environ.get("TINYLOOP_PDL", "0") == "1" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):

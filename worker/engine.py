@@ -176,9 +176,8 @@ class Engine:
                 qr = ops.rope_cache_write(q, k, v, p.cos, p.sin, write_idx, kc, vc)  # (B, H, T, hd)
                 if T == 1:
                     kv = slice(None) if W == 0 else slice(0, W)
-                    seq_lens = p.seq_lens if p.seq_lens is not None else p.positions[:, 0] + 1
                     return ops.decode_attention(qr[:, :, 0], kc[:, :, kv], vc[:, :, kv],
-                                                seq_lens, scale)[:, :, None]
+                                                p.seq_lens, scale)[:, :, None]
                 k_pos = torch.arange(p.kv_len, device=q.device)
                 return masked_attention(qr, kc[:, :, :p.kv_len], vc[:, :, :p.kv_len],
                                         p.positions, k_pos, 0, scale)
