@@ -21,7 +21,7 @@ def hardware(device: torch.device) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
         import triton
         info["triton"] = triton.__version__
-        info["TINYLOOP_PDL"] = os.environ.get("TINYLOOP_PDL", "0")  # programmatic dependent launch (kernels/gemv.py)
+        info["TINYLOOP_PDL"] = os.environ.get("TINYLOOP_PDL", "1")  # programmatic dependent launch (kernels/gemv.py)
     else:
         info["cpu"] = platform.processor() or platform.machine()
         info["cores"] = os.cpu_count()

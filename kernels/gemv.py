@@ -23,9 +23,10 @@ program owns its rows, which keeps the epilogues (silu, the residual) free of at
 row block is small enough that even the 2048-row projections launch a few hundred programs.
 The block sizes are autotuned per (N, K) on CUDA; under the interpreter one config runs.
 
-``pdl`` (opt-in with TINYLOOP_PDL=1, Hopper and later): programmatic dependent launch, so a
-projection starts while the previous kernel drains, with its first weight chunk loaded before
-it waits and each next chunk loaded one step ahead (bench/gemv.py times both launches).
+``pdl`` (on by default on Hopper and later; TINYLOOP_PDL=0 turns it off): programmatic
+dependent launch, so a projection starts while the previous kernel drains, with its first
+weight chunk loaded before it waits and each next chunk loaded one step ahead (bench/gemv.py
+times both launches; on the H200 it takes batch-1 decode at L = 8 from 0.539 to 0.510 ms).
 """
 import functools
 import os
@@ -192,7 +193,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
 
 
 def use_pdl(device) -> bool:
-    """Programmatic dependent launch (Hopper and later), opt-in with TINYLOOP_PDL=1 (read once
+    """Programmatic dependent launch: on for Hopper and later unless TINYLOOP_PDL=0 (read once
     per process and device, not per launch)."""
     if device.type != "cuda":
         return False
@@ -201,7 +202,7 @@ def use_pdl(device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _pdl_on(index: int) -> bool:
-    return os.environ.get("TINYLOOP_PDL", "0") == "1" and torch.cuda.get_device_capability(index)[0] >= 9
+    return os.environ.get("TINYLOOP_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
