@@ -6,7 +6,12 @@ reference take the same arguments and return the same thing.
 Without a CUDA device the launchers run only under the Triton interpreter (CPU tensors), which
 triton reads from TRITON_INTERPRET=1 at its first import: the test suite sets it.
 """
-from .decode_attention import decode_attention, decode_attention_ref
+from .decode_attention import (
+    decode_attention,
+    decode_attention_ref,
+    rope_decode_attention,
+    rope_decode_attention_ref,
+)
 from .gemv import gemv, gemv_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rope import apply_rope_ref, rope_cache_write, rope_cache_write_ref
@@ -27,6 +32,8 @@ __all__ = [
     "rms_norm_ref",
     "rope_cache_write",
     "rope_cache_write_ref",
+    "rope_decode_attention",
+    "rope_decode_attention_ref",
     "sample_top_k",
     "sample_top_k_ref",
     "swiglu",

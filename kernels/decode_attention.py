@@ -17,6 +17,28 @@ Layouts: q (B, H, hd); k_cache, v_cache (B, Hkv, S, hd), any strides; seq_lens (
 int64 on the device. Dtypes: q and caches share fp16 / bf16 / fp32; softmax and accumulation
 in fp32 (scores in the log2 domain, scale folded into log2(e)); output (B, H, hd) in q.dtype.
 hd need not be a power of two (masked to BLOCK_D).
+
+``rope_decode_attention`` fuses the RoPE / K-V cache write of the new token (``rope_cache_write``
+of kernels/rope.py, one launch per layer) into the split kernel. With p_b = positions[b]:
+
+    q_rot = rot(q[b, 0]),  k_new = rot(k[b, 0]),  v_new = v[b, 0]        (rotate-half, as rope.py)
+    live (0 <= p_b < S):  K[b, :, p_b] = k_new, V[b, :, p_b] = v_new;
+                          o[b, h] = softmax(scale * q_rot[h] . [K[b, h // G, :p_b]; k_new]^T) [...; v_new]
+    idle (otherwise):     no write; o[b, h] = v_new[h // G] (the new key alone)
+
+which is rope_cache_write then decode_attention(seq_lens = p_b + 1) for a live lane. Every
+program rotates its group's q heads (cos / sin are one row per lane); the program of split 0
+also rotates the new key, starts its online softmax from it (m = s_new, l = 1, acc = v_new, so
+p_b = 0 needs no cache slot) and stores k_new, v_new into slot p_b. Every program reads slots
+[start, min(end, p_b)) only, never slot p_b itself, so no program reads what another writes; an
+idle lane reads no slot at all (batched decode pads with idle lanes, which must cost nothing).
+As with decode_attention the grid depends on B, Hkv and S only. The slot is the position itself:
+a ring buffer (slot = position % W, every slot valid once wrapped) is not served by this op.
+
+Layouts: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), any strides (views of one fused projection);
+cos, sin (B, 1, hd // 2) fp32 gathered at each token's position; positions (B,) int64; caches as
+above. q, k, v fp16 / bf16 / fp32, caches in q.dtype; the rotation is fp32, q_rot is rounded to
+q.dtype and the new k / v to the cache dtype before use, as the unfused pair does. hd even.
 """
 import functools
 import math
@@ -26,11 +48,58 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape, interpreting
+from .rope import rope_cache_write_ref
 
 LOG2E = math.log2(math.e)
 # A split shorter than this costs more in partial traffic than it wins in parallelism.
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
+                  start, end, offs_d, mask_d, m, l, acc, qk_scale,
+                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Online softmax of the group's queries q (BLOCK_G, BLOCK_D) over cache slots [start, end),
+    continuing from the running (m, l, acc): returns the updated triple."""
+    # Every tile of this loop holds at least one valid slot, so m is finite after the first.
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k = tl.load(k_base + offs_n[None, :] * stride_kc_s + offs_d[:, None] * stride_kc_d,
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
+                    mask_g, offs_d, mask_d):
+    part = (b * H + heads) * NUM_SPLITS + split  # (BLOCK_G,) row of the partial tensors
+    tl.store(m_ptr + part, m, mask=mask_g)
+    tl.store(l_ptr + part, l, mask=mask_g)
+    tl.store(acc_ptr + part[:, None] * HD + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _load_rotated(row_ptr, stride_d, offs_d, partner_d, mask, cos, sin_signed):
+    """rot(x) in fp32 of the rows at row_ptr: x[d] * cos[d mod h] + x[partner(d)] * sin_signed[d].
+
+    Rotate-half as one (..., BLOCK_D) tile rather than two halves (rope.py), so q stays the
+    (BLOCK_G, BLOCK_D) operand of the dot: partner(d) = d + h and sin_signed = -sin in the first
+    half, partner(d) = d - h and sin_signed = +sin in the second (the caller builds both)."""
+    x = tl.load(row_ptr + offs_d * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(row_ptr + partner_d * stride_d, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + x_partner * sin_signed
 
 
 @triton.jit
@@ -72,27 +141,88 @@ def _decode_attention_split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Every tile of this loop holds at least one valid slot, so m is finite after the first.
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k = tl.load(k_base + offs_n[None, :] * stride_kc_s + offs_d[:, None] * stride_kc_d,
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m = m_new
+    m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
+                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
+                    mask_g, offs_d, mask_d)
 
-    part = (b * H + heads) * NUM_SPLITS + split  # (BLOCK_G,) row of the partial tensors
-    tl.store(m_ptr + part, m, mask=mask_g)
-    tl.store(l_ptr + part, l, mask=mask_g)
-    tl.store(acc_ptr + part[:, None] * HD + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+
+@triton.jit
+def _rope_decode_attention_split_kernel(
+    q_ptr,  # (B, H, hd): q[:, 0]
+    k_ptr,  # (B, Hkv, hd): k[:, 0]
+    v_ptr,  # (B, Hkv, hd): v[:, 0]
+    cos_ptr,  # (B, hd // 2) fp32
+    sin_ptr,  # (B, hd // 2) fp32
+    positions_ptr,  # (B,) int64
+    k_cache_ptr,  # (B, Hkv, S, hd)
+    v_cache_ptr,  # (B, Hkv, S, hd)
+    m_ptr,  # (B, H, NUM_SPLITS) fp32
+    l_ptr,  # (B, H, NUM_SPLITS) fp32
+    acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
+    stride_q_b, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_h, stride_v_d,
+    stride_cos_b, stride_cos_d,
+    stride_sin_b, stride_sin_d,
+    stride_pos,
+    stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
+    stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
+    H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
+    qk_scale,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    pos = tl.load(positions_ptr + b * stride_pos)
+    live = (pos >= 0) & (pos < S)
+    n_cached = tl.where(live, pos, 0).to(tl.int32)  # cache slots before the new token
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, n_cached)  # never slot pos itself: split 0 writes it
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # (BLOCK_G,) query heads sharing this kv head
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HD
+    HALF = HD // 2
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    pair = tl.where(first, offs_d, offs_d - HALF)  # column of cos / sin
+    cos = tl.load(cos_ptr + b * stride_cos_b + pair * stride_cos_d, mask=mask_d, other=0.0)
+    sin = tl.load(sin_ptr + b * stride_sin_b + pair * stride_sin_d, mask=mask_d, other=0.0)
+    sin = tl.where(first, -sin, sin)
+    # Round q_rot to q's dtype as rope_cache_write does: the dot then sees the same operands.
+    q = _load_rotated(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h, stride_q_d,
+                      offs_d[None, :], partner[None, :], mask_g[:, None] & mask_d[None, :],
+                      cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
+    k_base = k_cache_ptr + b * stride_kc_b + kvh * stride_kc_h
+    v_base = v_cache_ptr + b * stride_vc_b + kvh * stride_vc_h
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if split == 0:
+        # The new token: its key is the first of split 0's online softmax (one score per head,
+        # so l = 1 and acc = v_new), then it goes into the cache for the next steps.
+        k_new = _load_rotated(k_ptr + b * stride_k_b + kvh * stride_k_h, stride_k_d, offs_d, partner,
+                              mask_d, cos, sin).to(k_cache_ptr.dtype.element_ty)  # (BLOCK_D,)
+        v_new = tl.load(v_ptr + b * stride_v_b + kvh * stride_v_h + offs_d * stride_v_d,
+                        mask=mask_d, other=0.0).to(v_cache_ptr.dtype.element_ty)
+        if live:  # an `if`, not `mask_d & live`: the interpreter types that mask int32 and rejects it
+            tl.store(k_base + pos * stride_kc_s + offs_d * stride_kc_d, k_new, mask=mask_d)
+            tl.store(v_base + pos * stride_vc_s + offs_d * stride_vc_d, v_new, mask=mask_d)
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        l = tl.full([BLOCK_G], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
+    m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
+                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
+                    mask_g, offs_d, mask_d)
 
 
 @triton.jit
@@ -127,6 +257,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _block_d(hd: int) -> int:
+    return max(16, triton.next_power_of_2(max(hd, 1)))
+
+
 def _block_n(block_d: int) -> int:
     # The interpreter pays per tile, a GPU per register: small tiles on CPU keep tests exercising
     # the multi-tile loop on short caches.
@@ -144,6 +278,12 @@ def _split_len(B: int, Hkv: int, S: int, device: torch.device, block_n: int) -> 
     return triton.cdiv(split_len, block_n) * block_n
 
 
+def _check_cache_dtypes(op, q, k_cache, v_cache):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} must equal q dtype {q.dtype}")
+
+
 def _check(op, q, k_cache, v_cache, seq_lens):
     check_device(op, q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens)
     check_rank(op, "q", q, 3, "(B, H, hd)")
@@ -157,33 +297,60 @@ def _check(op, q, k_cache, v_cache, seq_lens):
     check_shape(op, "seq_lens", seq_lens, (B,))
     check_dtype(op, "seq_lens", seq_lens, (torch.int32, torch.int64))
     check_dtype(op, "q", q, FLOAT_DTYPES)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{op}: {name} dtype {t.dtype} must equal q dtype {q.dtype}")
+    _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len):
-    """decode_attention with an explicit split length (slots per split); tests use it to
-    force many splits on short caches."""
+def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
+    check_device(op, q=q, k=k, v=v, cos=cos, sin=sin, positions=positions,
+                 k_cache=k_cache, v_cache=v_cache)
+    check_rank(op, "q", q, 4, "(B, 1, H, hd)")
+    B, T, H, hd = q.shape
+    if T != 1:
+        raise ValueError(f"{op}: one new token per lane, q must have shape (B, 1, H, hd), "
+                         f"got {tuple(q.shape)}")
+    if hd % 2:
+        raise ValueError(f"{op}: head dim must be even for rotate-half RoPE, got {hd}")
+    check_rank(op, "k", k, 4, "(B, 1, Hkv, hd)")
+    Hkv = k.shape[2]
+    check_shape(op, "k", k, (B, 1, Hkv, hd))
+    check_shape(op, "v", v, (B, 1, Hkv, hd))
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"{op}: query heads {H} must be a multiple of kv heads {Hkv}")
+    check_shape(op, "cos", cos, (B, 1, hd // 2))
+    check_shape(op, "sin", sin, (B, 1, hd // 2))
+    check_shape(op, "positions", positions, (B,))
+    check_rank(op, "k_cache", k_cache, 4, "(B, Hkv, S, hd)")
+    S = k_cache.shape[2]
+    check_shape(op, "k_cache", k_cache, (B, Hkv, S, hd))
+    check_shape(op, "v_cache", v_cache, (B, Hkv, S, hd))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_dtype(op, name, t, FLOAT_DTYPES)
+    check_dtype(op, "cos", cos, (torch.float32,))
+    check_dtype(op, "sin", sin, (torch.float32,))
+    check_dtype(op, "positions", positions, (torch.int64,))
+    _check_cache_dtypes(op, q, k_cache, v_cache)
+
+
+def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len):
+    """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
+    SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, then the merge: o (B, H, hd).
+    q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
     if B * H * hd == 0:
         return o
-    BLOCK_D = max(16, triton.next_power_of_2(hd))
-    block_n = _block_n(BLOCK_D)
+    BLOCK_D = _block_d(hd)
     num_splits = triton.cdiv(max(S, 1), split_len)
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
-    _decode_attention_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, seq_lens, m, l, acc,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+    split_kernel[(B, Hkv, num_splits)](
+        *inputs, m, l, acc, *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
         float(scale) * LOG2E,
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
-        BLOCK_N=block_n,
+        BLOCK_N=_block_n(BLOCK_D),
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
@@ -197,14 +364,45 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len):
     return o
 
 
+def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len):
+    """decode_attention with an explicit split length (slots per split); tests use it to
+    force many splits on short caches."""
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    return _split_and_merge(_decode_attention_split_kernel, (q, k_cache, v_cache, seq_lens),
+                            (*q.stride(), *k_cache.stride(), *v_cache.stride()),
+                            q, Hkv, S, scale, split_len)
+
+
 def decode_attention(q, k_cache, v_cache, seq_lens, scale):
     """q (B, H, hd), caches (B, Hkv, S, hd), seq_lens (B,) -> o (B, H, hd) in q.dtype."""
     _check("decode_attention", q, k_cache, v_cache, seq_lens)
     B, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    block_n = _block_n(max(16, triton.next_power_of_2(max(hd, 1))))
     return _decode_attention(q, k_cache, v_cache, seq_lens, scale,
-                             _split_len(B, Hkv, S, q.device, block_n))
+                             _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
+
+
+def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len):
+    """rope_decode_attention with an explicit split length (slots per split); tests use it to
+    force many splits on short caches."""
+    q, k, v, cos, sin = q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]  # views: drop T = 1
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    return _split_and_merge(_rope_decode_attention_split_kernel,
+                            (q, k, v, cos, sin, positions, k_cache, v_cache),
+                            (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
+                             *positions.stride(), *k_cache.stride(), *v_cache.stride()),
+                            q, Hkv, S, scale, split_len)
+
+
+def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
+    """RoPE + cache write of one new token per lane + decode attention, in one split launch
+    and the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin (B, 1, hd // 2), positions
+    (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype."""
+    _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache)
+    B, _, H, hd = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
+                                  _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
@@ -226,3 +424,16 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale):
     S = k_cache.shape[2]
     valid = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
     return masked_attention_ref(q[:, :, None], k_cache, v_cache, valid[:, None], scale)[:, :, 0]
+
+
+def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
+    """The spec, in plain torch: rope_cache_write then decode_attention over p_b + 1 slots for
+    a live lane; an idle lane (p_b outside [0, S)) writes nothing and outputs its own v, rounded
+    to the cache dtype as if it had gone through the cache. Writes the caches in place."""
+    S = k_cache.shape[2]
+    live = (positions >= 0) & (positions < S)  # (B,)
+    q_rot = rope_cache_write_ref(q, k, v, cos, sin, positions[:, None], k_cache, v_cache)[:, :, 0]
+    o = decode_attention_ref(q_rot, k_cache, v_cache, torch.where(live, positions + 1, 0), scale)
+    G = q.shape[2] // k.shape[2]
+    v_alone = v[:, 0].to(v_cache.dtype).repeat_interleave(G, dim=1).to(q.dtype)  # (B, H, hd)
+    return torch.where(live[:, None, None], o, v_alone)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyloop.kernels.decode_attention import decode_attention_ref
+from tinyloop.kernels.decode_attention import decode_attention_ref, rope_decode_attention_ref
 from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
 from tinyloop.kernels.tree_attention import tree_attention_ref
 
@@ -19,6 +19,7 @@ class Ops:
     apply_rope = staticmethod(apply_rope_ref)
     rope_cache_write = staticmethod(rope_cache_write_ref)
     decode_attention = staticmethod(decode_attention_ref)
+    rope_decode_attention = staticmethod(rope_decode_attention_ref)
     tree_attention = staticmethod(tree_attention_ref)
 
 
@@ -27,7 +28,7 @@ class TritonOps(Ops):
     name = "triton"
 
     def __init__(self):
-        from tinyloop.kernels.decode_attention import decode_attention
+        from tinyloop.kernels.decode_attention import decode_attention, rope_decode_attention
         from tinyloop.kernels.gemv import gemv
         self.gemv = gemv
         from tinyloop.kernels.rmsnorm import rms_norm
@@ -35,6 +36,7 @@ class TritonOps(Ops):
         self.rms_norm = rms_norm
         self.rope_cache_write = rope_cache_write
         self.decode_attention = decode_attention
+        self.rope_decode_attention = rope_decode_attention
         from tinyloop.kernels.tree_attention import tree_attention
         self.tree_attention = tree_attention
 

@@ -1,0 +1,201 @@
+from collections import namedtuple
+
+import pytest
+import torch
+from kernel_tolerances import DEVICE, assert_close
+from test_kernel_rope import rope_tables
+
+from tinyloop.kernels import (
+    decode_attention,
+    rope_cache_write,
+    rope_decode_attention,
+    rope_decode_attention_ref,
+)
+from tinyloop.kernels.decode_attention import _rope_decode_attention
+
+F32, F16 = torch.float32, torch.float16
+
+Inputs = namedtuple("Inputs", "q k v cos sin positions k_cache v_cache k_buf v_buf")
+
+
+def make_inputs(B, H, Hkv, hd, S, dtype, positions, seed):
+    """q (B, 1, H, hd), k, v (B, 1, Hkv, hd) as views of one fused projection output; caches
+    (B, Hkv, S, hd) as views into a (layers, B, S + 2, Hkv, hd) buffer (k_buf / v_buf), so every
+    stride differs from the contiguous one. Deterministic in seed: a second call gives an
+    identical copy, for the reference and for the untouched-slots check."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * hd, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    q, k, v = q.view(B, 1, H, hd), k.view(B, 1, Hkv, hd), v.view(B, 1, Hkv, hd)
+    bufs = [torch.randn(3, B, S + 2, Hkv, hd, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    k_cache, v_cache = (buf[1, :, :S].permute(0, 2, 1, 3) for buf in bufs)
+    positions = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
+    cos, sin = rope_tables(positions.clamp(min=0)[:, None], hd)  # (B, 1, hd // 2)
+    return Inputs(q, k, v, cos, sin, positions, k_cache, v_cache, *bufs)
+
+
+def lane_positions(S):
+    """pos 0 (no cache key), a middle one, the last slot, and an idle lane (pos = S)."""
+    return [0, S // 2, S - 1, S]
+
+
+def assert_caches(got, ref, orig, S):
+    """Slot pos of every live lane holds the reference's rot(k) / v; every other element of the
+    whole buffer (other slots, idle lanes, other layers, the two slots past S) is untouched."""
+    live = (ref.positions >= 0) & (ref.positions < S)
+    written = torch.zeros(got.k_buf.shape[:3], dtype=torch.bool, device=DEVICE)  # (layers, B, S + 2)
+    lanes = torch.arange(len(live), device=DEVICE)[live]
+    written[1, lanes, ref.positions[live]] = True
+    for name in ("k_buf", "v_buf"):
+        buf, buf_ref, buf_orig = getattr(got, name), getattr(ref, name), getattr(orig, name)
+        assert torch.equal(buf[~written], buf_orig[~written]), f"{name}: a slot other than pos changed"
+        if name == "k_buf":
+            assert_close(buf[written], buf_ref[written])
+        else:
+            assert torch.equal(buf[written], buf_ref[written])  # v is copied, not computed
+
+
+def run_both(launch, B, H, Hkv, hd, S, dtype, positions, seed, scale):
+    """launch(*args, scale) on one copy of the inputs and the reference on another: both outputs
+    and the caches checked (against a third, untouched copy)."""
+    got, ref, orig = (make_inputs(B, H, Hkv, hd, S, dtype, positions, seed) for _ in range(3))
+    out = launch(*got[:8], scale)
+    assert out.shape == (B, H, hd)
+    assert_close(out, rope_decode_attention_ref(*ref[:8], scale), "attention")
+    assert_caches(got, ref, orig, S)
+    return out, got
+
+
+# Every S, hd and GQA ratio (1 / 2 / 4) appears with both dtypes without the full product,
+# which the interpreter could not run in the CI budget. Each case has 4 lanes: pos 0, S // 2,
+# S - 1 and an idle lane.
+@pytest.mark.parametrize("S, hd, H, Hkv, dtype", [
+    (1, 16, 2, 2, F32), (1, 24, 8, 2, F16),
+    (7, 24, 4, 2, F32), (7, 32, 2, 2, F16),
+    (33, 32, 8, 2, F32), (33, 16, 4, 2, F16), (33, 24, 4, 1, F32),
+    (130, 16, 8, 2, F32), (130, 32, 4, 1, F16), (130, 24, 2, 2, F16),
+])
+def test_rope_decode_attention_matches_ref(S, hd, H, Hkv, dtype):
+    out, got = run_both(rope_decode_attention, 4, H, Hkv, hd, S, dtype, lane_positions(S),
+                        seed=S * 1000 + hd * 10 + H, scale=hd ** -0.5)
+    G = H // Hkv
+    # the idle lane attends to its new key alone: its output is its own v, exactly
+    assert torch.equal(out[3], got.v[3, 0].repeat_interleave(G, dim=0))
+
+
+@pytest.mark.parametrize("split_len", [16, 48])
+@pytest.mark.parametrize("S", [33, 130])
+def test_rope_decode_attention_many_splits(S, split_len):
+    """Splits at or past pos (and every split of an idle lane) must write neutral partials;
+    pos 16 ends a split of 16 exactly, pos 17 leaves one slot in the next; -1 is idle too."""
+    run_both(lambda *a: _rope_decode_attention(*a, split_len), 5, 4, 2, 24, S, F32,
+             [S - 1, 16, 17, 0, -1], seed=S + split_len, scale=0.2)
+
+
+@pytest.mark.parametrize("split_len", [16, 144])
+def test_rope_decode_attention_reads_only_slots_before_pos(split_len):
+    """Slots >= pos of a live lane and every slot of an idle lane hold garbage (NaN keys, inf
+    values): none may reach the output. Slot pos is overwritten, the ones past it stay."""
+    S, hd = 130, 24
+    positions = [5, 64, 129, 0, S]
+    got, ref = (make_inputs(5, 4, 2, hd, S, F32, positions, seed=7) for _ in range(2))
+    for b, p in enumerate(positions):
+        first_unread = p if p < S else 0  # the idle lane: all of it
+        got.k_cache[b, :, first_unread:] = float("nan")
+        got.v_cache[b, :, first_unread:] = float("inf")
+    out = _rope_decode_attention(*got[:8], hd ** -0.5, split_len)
+    assert_close(out, rope_decode_attention_ref(*ref[:8], hd ** -0.5), "attention")
+    for b, p in enumerate(positions[:-1]):
+        assert_close(got.k_cache[b, :, p], ref.k_cache[b, :, p])
+        assert torch.isnan(got.k_cache[b, :, p + 1:]).all()
+
+
+def assert_equals_unfused(B, H, Hkv, hd, S, dtype, positions, seed):
+    """The fused op is rope_cache_write then decode_attention(seq_lens = pos + 1) on the live
+    lanes: same output, same caches (the whole buffers)."""
+    fused, u = (make_inputs(B, H, Hkv, hd, S, dtype, positions, seed) for _ in range(2))
+    scale = hd ** -0.5
+    out = rope_decode_attention(*fused[:8], scale)
+    q_rot = rope_cache_write(u.q, u.k, u.v, u.cos, u.sin, u.positions[:, None], u.k_cache, u.v_cache)
+    expected = decode_attention(q_rot[:, :, 0], u.k_cache, u.v_cache, u.positions + 1, scale)
+    live = (u.positions >= 0) & (u.positions < S)
+    assert_close(out[live], expected[live], "attention")
+    assert_close(fused.k_buf, u.k_buf)
+    assert torch.equal(fused.v_buf, u.v_buf)
+
+
+@pytest.mark.parametrize("S, hd, H, Hkv, dtype", [
+    (33, 32, 4, 1, F32), (130, 24, 8, 2, F16), (7, 16, 2, 2, F16),
+])
+def test_rope_decode_attention_equals_unfused_kernels(S, hd, H, Hkv, dtype):
+    assert_equals_unfused(4, H, Hkv, hd, S, dtype, lane_positions(S), seed=S + hd)
+
+
+def test_rope_decode_attention_rejects_bad_inputs():
+    a = make_inputs(2, 4, 2, 16, 8, F32, [3, 8], seed=0)
+    op = "rope_decode_attention"
+
+    def call(**kw):
+        args = {**a._asdict(), **kw}
+        args.pop("k_buf"), args.pop("v_buf")
+        rope_decode_attention(**args, scale=1.0)
+
+    with pytest.raises(ValueError, match=f"{op}: positions dtype"):
+        call(positions=a.positions.int())
+    with pytest.raises(ValueError, match=f"{op}: positions must have shape \\(2,\\)"):
+        call(positions=a.positions[:, None])
+    with pytest.raises(ValueError, match=f"{op}: k_cache dtype"):
+        call(k_cache=a.k_cache.half())
+    with pytest.raises(ValueError, match=f"{op}: v_cache dtype"):
+        call(v_cache=a.v_cache.double())
+    with pytest.raises(ValueError, match=f"{op}: one new token per lane"):
+        call(q=a.q.expand(2, 2, 4, 16))
+    with pytest.raises(ValueError, match=f"{op}: cos must have shape"):
+        call(cos=a.cos[..., :-1])
+    with pytest.raises(ValueError, match=f"{op}: query heads 3 must be a multiple of kv heads 2"):
+        call(q=a.q[:, :, :3])
+    with pytest.raises(ValueError, match=f"{op}: head dim must be even"):
+        call(q=a.q[..., :15], k=a.k[..., :15], v=a.v[..., :15], k_cache=a.k_cache[..., :15],
+             v_cache=a.v_cache[..., :15])
+    with pytest.raises(ValueError, match=f"{op}: v_cache must have shape"):
+        call(v_cache=a.v_cache[:, :, :3])
+
+
+GPU_POSITIONS = [[0], [127], [2047], [2048], [0, 127, 2047, 2048]]  # 2048 = S: an idle lane
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("Hkv", [16, 4])
+@pytest.mark.parametrize("positions", GPU_POSITIONS)
+def test_rope_decode_attention_gpu_bf16(positions, Hkv):
+    B, H, hd, S = len(positions), 16, 128, 2048
+    run_both(rope_decode_attention, B, H, Hkv, hd, S, torch.bfloat16, positions, seed=Hkv + sum(positions),
+             scale=hd ** -0.5)
+    assert_equals_unfused(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_decode_attention_gpu_cuda_graph():
+    """No host sync and a grid independent of the positions: one captured graph replays at any
+    positions, idle lanes included."""
+    B, H, Hkv, hd, S = 4, 16, 4, 128, 2048
+    got = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, [0, 1, 2, 3], seed=5)
+    static_pos, static_cos, static_sin = got.positions.clone(), got.cos.clone(), got.sin.clone()
+    args = (got.q, got.k, got.v, static_cos, static_sin, static_pos, got.k_cache, got.v_cache, hd ** -0.5)
+    rope_decode_attention(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rope_decode_attention(*args)
+    for positions in ([0, 127, 2047, 2048], [2048, 1000, 5, 2047]):
+        ref = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=5)
+        new = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=5)
+        got.k_buf.copy_(new.k_buf)
+        got.v_buf.copy_(new.v_buf)
+        static_pos.copy_(new.positions)
+        static_cos.copy_(new.cos)
+        static_sin.copy_(new.sin)
+        graph.replay()
+        assert_close(out.clone(), rope_decode_attention_ref(*ref[:8], hd ** -0.5), "attention")
+        assert_caches(got, ref, new, S)
