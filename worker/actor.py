@@ -6,10 +6,10 @@ so the gateway can name the class to create actors without importing torch.
 Execution model. The actor is a Ray *async* actor: every call is a coroutine on one event
 loop, and all torch work runs on a single-thread executor, one step at a time, so the event
 loop stays free to answer `cancel`, `stats` and handle calls. Each stream prefills alone on
-its lane. Plain decode streams on an eager engine then join the `Batcher`: one loop on the
-event loop submits a batched decode step while any has joined, and hands each stream its
+its lane. Plain decode streams then join the `Batcher`: one loop on the event loop submits
+a batched decode step (CUDA graphs on a GPU) while any has joined, and hands each stream its
 new tokens through its queue. The other streams (speculative, L scheduling, safety check,
-windowed cache, CUDA graphs) step their own generator one decode step at a time; the
+windowed cache) step their own generator one decode step at a time; the
 executor interleaves those steps with the batched ones. A cancelled stream stops before its
 next step.
 

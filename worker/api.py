@@ -44,8 +44,9 @@ class Model:
     """A looped transformer loaded from a `.tinyloop` file, with its own static cache.
 
     n_slots: cache lanes (concurrent requests, batch lanes). cuda_graphs (default: on CUDA)
-    captures the decode step of every depth at load, and the prefill stages of prompts padded
-    to length buckets of up to prefill_graph_len tokens (0: prefill stays eager). A call
+    captures at load the decode step of every depth, the batched decode stages of every
+    lane-count bucket, and the prefill stages of prompts padded to length buckets of up to
+    prefill_graph_len tokens (0: prefill stays eager). A call
     holds the model's lock, so one Model is safe to share between threads; the Ray actor
     instead runs requests on separate lanes, batching their decode steps (worker/batcher.py)."""
 
@@ -85,9 +86,10 @@ class Model:
 
     def capture_graphs(self, loops, lanes=None) -> None:
         """Capture the batch-1 decode step for each depth in `loops` on each cache lane in
-        `lanes` (default: all; CUDA only), and the prefill stages of every length bucket for
-        depths up to the deepest; generate/resume then replay them. Done at start-up, before
-        a worker reports healthy: capturing writes into the lanes' caches."""
+        `lanes` (default: all; CUDA only), the prefill stages of every length bucket and the
+        batched decode stages of every lane-count bucket for depths up to the deepest;
+        generate, resume, batches and the actor's batcher then replay them. Done at start-up,
+        before a worker reports healthy: capturing writes into the lanes' caches."""
         from tinyloop.worker.graphs import DecodeGraphs
         if self.engine.graphs is None:
             self.engine.graphs = DecodeGraphs(self.engine, self.prefill_graph_len)
@@ -97,6 +99,8 @@ class Model:
                 self.engine.graphs.capture(L, lane)
             if loops:
                 self.engine.graphs.prefill.capture(lane, max(loops))
+        if loops:
+            self.engine.graphs.batch.capture(max(loops))
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

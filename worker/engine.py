@@ -44,7 +44,7 @@ class Pass:
     norm_max: torch.Tensor | None = None   # (B,) max residual L2 norm seen per lane, if tracked
     trace: list | None = None              # (label, (B, D) last-position residual) per stage
     tree: Tree | None = None               # tree mode (speculative verify); None: causal chunk
-    seq_lens: torch.Tensor | None = None   # (B,) positions[:, -1] + 1: what a decode step attends to
+    seq_lens: torch.Tensor | None = None   # (B,) positions[:, -1] + 1: what a ring decode step attends to
 
     def narrow(self, n: int) -> "Pass":
         """The first n lanes (mixed-depth batches keep the deepest lanes first)."""
@@ -91,7 +91,8 @@ class Engine:
         cos, sin = self.model.rope_tables(positions)
         B = positions.shape[0]
         norm_max = torch.zeros(B, device=positions.device) if track_norm else None
-        seq_lens = positions[:, -1] + 1 if positions.shape[1] == 1 else None  # once per pass, not per layer
+        # a ring-window decode step reads p.seq_lens in every layer: computed once per pass
+        seq_lens = positions[:, -1] + 1 if positions.shape[1] == 1 and window else None
         return Pass(lanes, positions, kv_len, window, cos, sin, norm_max, trace, seq_lens=seq_lens)
 
     # -- stages --------------------------------------------------------------------------
@@ -170,6 +171,11 @@ class Engine:
             T = q.shape[1]
             if p.tree is not None:
                 return self._attend_tree(q, k, v, p, kc, vc)
+            if W == 0 and T == 1:
+                # a decode step: RoPE, the cache write and attention in one op; a position
+                # outside the cache (an idle lane of a batched step) writes and reads nothing
+                return ops.rope_decode_attention(q, k, v, p.cos, p.sin, p.positions[:, 0], kc, vc,
+                                                 scale)[:, :, None]
             if W == 0 or T == 1:
                 # write first, then read: a single new token cannot evict a key it needs
                 write_idx = p.positions if W == 0 else p.positions % W

@@ -12,7 +12,7 @@ from typing import Generator
 
 import torch
 
-from tinyloop.worker.engine import Counters, Engine
+from tinyloop.worker.engine import Counters, Engine, Pass
 from tinyloop.worker.sampling import SamplingParams, sample
 
 # Finish reasons (documented in docs/api.md).
@@ -178,6 +178,83 @@ def prefill_buffers(engine: Engine, bucket: int) -> tuple:
             torch.zeros(1, dtype=torch.long, device=device),
             torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device),
             torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=device))
+
+
+class BatchStep:
+    """One decode step of lanes [0, bucket), as stages over static buffers, so that each stage
+    is captured once as a CUDA graph (worker/graphs.py) and any mix of per-lane depths replays
+    from a few graphs. The same stages run eagerly anywhere.
+
+    Inputs per lane: the token, its position and its depth (`Engine.run_loops(depth=...)`);
+    a lane that takes no part in the step is idle: token 0, position `max_seq_len` (outside
+    the cache: `rope_decode_attention` neither writes nor reads its cache) and depth 0.
+    Stages: "prelude" (RoPE tables from the positions, then embed and prelude), iteration i (every lane,
+    a lane past its depth carries its residual through), "coda" (the coda and the logits of
+    every lane). The buffers may be views of larger ones shared by every bucket
+    (`batch_buffers`): their stages never run at once."""
+
+    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
+        ctl, x, cos, sin, logits = buffers if buffers is not None else batch_buffers(engine, bucket)
+        self.engine, self.bucket = engine, bucket
+        self.ctl = ctl[:, :bucket]                       # (3, bucket) int64: tokens, positions, depths
+        self.tokens, self.depth = self.ctl[0, :, None], self.ctl[2]
+        self.x, self.logits = x[:bucket], logits[:bucket]  # (bucket, 1, D), (bucket, V)
+        S = engine.cache.max_seq_len
+        self.p = Pass(slice(0, bucket), self.ctl[1, :, None], S + 1, 0, cos[:bucket], sin[:bucket])
+
+    @staticmethod
+    def stages(loops: int) -> list:
+        return ["prelude", *range(loops), "coda"]
+
+    @torch.no_grad()
+    def run(self, stage) -> None:
+        """One stage, eagerly (what a graph captures)."""
+        e, p = self.engine, self.p
+        if stage == "prelude":
+            cos, sin = e.model.rope_tables(p.positions)
+            p.cos.copy_(cos)
+            p.sin.copy_(sin)
+            self.x.copy_(e.embed_prelude(self.tokens, p))
+        elif stage == "coda":
+            self.logits.copy_(e.logits(e.coda(self.x, p))[:, -1])
+        else:
+            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1, depth=self.depth))
+
+    def __call__(self, tokens: list[int], positions: list[int], depths: list[int], run=None) -> torch.Tensor:
+        """Step the lanes: logits (bucket, V), a view of the static output that the next step
+        overwrites. Lists of `bucket` entries (idle lanes as above); run(stage) runs a stage:
+        `self.run` (eager) or a captured graph's replay."""
+        src = torch.tensor([tokens, positions, depths])
+        if self.ctl.is_cuda:
+            src = src.pin_memory()
+        self.ctl.copy_(src, non_blocking=True)
+        e, loops = self.engine, max(depths)
+        before = e.counters.snapshot()
+        for stage in self.stages(loops):
+            (run or self.run)(stage)
+        # count what ran, as the eager run_loops does: every lane of the bucket, each iteration
+        e.counters.loop_iterations = before.loop_iterations + loops
+        e.counters.loop_token_iterations = before.loop_token_iterations + loops * self.bucket
+        return self.logits
+
+
+def batch_buffers(engine: Engine, bucket: int) -> tuple:
+    """Static buffers of a batched decode step of up to `bucket` lanes: (tokens, positions,
+    depths), residual, RoPE cos and sin, logits."""
+    cfg, device = engine.config, engine.cache.k.device
+    dtype = engine.model.tok_embeddings.weight.dtype
+    half = cfg.head_dim // 2
+    return (torch.zeros(3, bucket, dtype=torch.long, device=device),
+            torch.zeros(bucket, 1, cfg.d_model, dtype=dtype, device=device),
+            torch.zeros(bucket, 1, half, dtype=torch.float32, device=device),
+            torch.zeros(bucket, 1, half, dtype=torch.float32, device=device),
+            torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device))
+
+
+def batch_buckets(n_slots: int) -> list[int]:
+    """The lane counts a batched step is built for: powers of two from 2, and n_slots."""
+    buckets = [1 << k for k in range(1, n_slots.bit_length()) if 1 << k < n_slots]
+    return buckets + [n_slots] if n_slots > 1 else []
 
 
 def prefill_padded(engine: Engine, lane: int, tokens: list[int], loops: int, bucket: int) -> torch.Tensor:
@@ -401,8 +478,11 @@ def _catch_up(engine: Engine, lane: int, warm_x: list[torch.Tensor], first_pos: 
 def batch(engine: Engine, prompts: list[list[int]], lane_loops: list[int], max_tokens: int,
           sampling: SamplingParams, seeds: list[int], window: int, stop_ids: frozenset[int]):
     """Mixed-depth batch over lanes 0..B-1. The caller orders lanes by descending depth, so
-    iteration i runs on a prefix of the batch. Returns (per-lane generated ids, reasons)."""
+    iteration i runs on a prefix of the batch. Returns (per-lane generated ids, reasons).
+    A graph-backed engine on the full cache runs the decode steps as captured batched steps
+    (`BatchStep`), in which finished lanes idle."""
     device = engine.cache.k.device
+    stepper = engine.graphs.batch if engine.graphs is not None and window == 0 else None
     B = len(prompts)
     first = torch.cat([prefill(engine, b, prompts[b], lane_loops[b], window)[0] for b in range(B)], 0)
     seen = _seen_mask(engine, prompts)
@@ -414,7 +494,8 @@ def batch(engine: Engine, prompts: list[list[int]], lane_loops: list[int], max_t
     logits = first
     while True:
         tok = sample(logits, seen, sampling, seed, pos)
-        for b, t in enumerate(tok.tolist()):
+        toks = tok.tolist()
+        for b, t in enumerate(toks):
             if done[b]:
                 continue
             out[b].append(t)
@@ -425,8 +506,14 @@ def batch(engine: Engine, prompts: list[list[int]], lane_loops: list[int], max_t
         if all(done):
             return out, reasons
         seen.scatter_(1, tok[:, None], True)
-        # finished lanes keep stepping (static shapes) at a frozen position in their own slot
         active = torch.tensor([not d for d in done], device=device)
-        p = engine.make_pass(slice(0, B), pos[:, None], int(pos.max()) + 1, window)
-        logits = engine.forward(tok[:, None], p, lane_loops[0], lane_loops)[:, -1]
+        if stepper is not None:
+            S = engine.cache.max_seq_len
+            logits = stepper.run([0 if d else t for d, t in zip(done, toks)],
+                                 [S if d else q for d, q in zip(done, pos.tolist())],
+                                 [0 if d else L for d, L in zip(done, lane_loops)]).clone()
+        else:
+            # finished lanes keep stepping (static shapes) at a frozen position in their own slot
+            p = engine.make_pass(slice(0, B), pos[:, None], int(pos.max()) + 1, window)
+            logits = engine.forward(tok[:, None], p, lane_loops[0], lane_loops)[:, -1]
         pos = pos + active.long()

@@ -1,5 +1,6 @@
-"""CUDA graphs: decode steps, one per (loops, cache lane), and prefill stages, one per
-(cache lane, length bucket, stage); captured once, replayed per token and per prompt.
+"""CUDA graphs: decode steps, one per (loops, cache lane); batched decode stages, one per
+(lane-count bucket, stage); prefill stages, one per (cache lane, length bucket, stage).
+Captured once at start-up, replayed per token, per batched step and per prompt.
 
 Batch-1 decode of a small looped model is bound by weight reads and kernel launches; a graph
 removes the launches' host cost. The step reads its token and position from static device
@@ -8,7 +9,10 @@ the host. Prefill is launch-bound too for prompts up to a few thousand tokens: a
 padded to a bucket and runs the captured stages of `generate.PaddedPrefill` (prelude, each
 iteration, coda), so any depth composes from a few graphs. The lane is baked into a graph
 (its cache views), so each lane a stream can run on gets its own graphs; they all share one
-memory pool, since replays never overlap.
+memory pool, since replays never overlap. A batched decode step (worker/batcher.py, Model.
+generate_batch) runs lanes [0, bucket) of `generate.BatchStep` in stages (prelude, each
+iteration, coda), with per-lane tokens, positions and depths in static buffers, so any mix of
+depths replays from few graphs.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import PaddedPrefill, prefill_buckets, prefill_buffers
+from tinyloop.worker.generate import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
+                                      prefill_buffers)
 
 
 @dataclass
@@ -48,6 +53,7 @@ class DecodeGraphs:
         self.warm: set[int] = set()  # depths whose kernels have been compiled
         self.pool = torch.cuda.graph_pool_handle()
         self.prefill = PrefillGraphs(engine, self.pool, prefill_len)
+        self.batch = BatchGraphs(engine, self.pool)
 
     def _eager(self, tokens: torch.Tensor, positions: torch.Tensor, loops: int, lane: int):
         e = self.engine
@@ -64,19 +70,11 @@ class DecodeGraphs:
         dev = self.engine.cache.k.device
         tokens = torch.zeros(1, 1, dtype=torch.long, device=dev)
         positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        counters = self.engine.counters.snapshot()
-        if loops not in self.warm:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile Triton kernels and settle allocations outside the graph
-                    self._eager(tokens, positions, loops, lane)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.warm.add(loops)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            logits, greedy = self._eager(tokens, positions, loops, lane)
-        self.engine.counters = counters  # capture work is not inference work
+        out = []
+        g = _capture(self.engine, self.pool, lambda: out.append(self._eager(tokens, positions, loops, lane)),
+                     loops not in self.warm)
+        self.warm.add(loops)
+        logits, greedy = out[-1]  # the captured run's outputs: the graph's static buffers
         dg = DecodeGraph(g, tokens, positions, logits, greedy, loops)
         self.graphs[key] = dg
         return dg
@@ -120,20 +118,9 @@ class PrefillGraphs:
         if dev.type != "cuda":
             self.graphs[(lane, bucket, stage)] = None
             return
-        counters = e.counters.snapshot()
-        if (bucket, stage) not in self.warm:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile Triton kernels and settle allocations outside the graph
-                    pre.run(stage)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.warm.add((bucket, stage))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            pre.run(stage)
-        e.counters = counters  # capture work is not inference work
-        self.graphs[(lane, bucket, stage)] = g
+        warm = (bucket, stage) not in self.warm
+        self.graphs[(lane, bucket, stage)] = _capture(e, self.pool, lambda: pre.run(stage), warm)
+        self.warm.add((bucket, stage))
 
     def run(self, lane: int, tokens: list[int], loops: int) -> torch.Tensor | None:
         """The last logits (1, V) of the prompt prefilled at `loops` into `lane` by replaying its
@@ -163,3 +150,74 @@ class PrefillGraphs:
             g = self.graphs[(lane, b, stage)]
             pre.run(stage) if g is None else g.replay()
         return pre, run
+
+
+class BatchGraphs:
+    """Captured stages of the batched decode step, keyed by (bucket, stage): lanes [0, bucket)
+    for each lane-count bucket of the cache. On a CPU engine (the tests) nothing is captured:
+    the same stages run eagerly in the same order."""
+
+    def __init__(self, engine: Engine, pool=None):
+        self.engine, self.pool = engine, pool
+        self.buckets = batch_buckets(engine.cache.n_slots)
+        buffers = batch_buffers(engine, self.buckets[-1]) if self.buckets else None
+        self.steps = {b: BatchStep(engine, b, buffers) for b in self.buckets}
+        self.graphs: dict[tuple[int, object], torch.cuda.CUDAGraph | None] = {}  # None: eager
+
+    def capture(self, loops: int) -> None:
+        """Capture every bucket's stages for depths up to `loops`. The warm-up runs and the
+        captures are idle steps (no lane writes its cache), so this may run at any time."""
+        for b, step in self.steps.items():
+            for stage in BatchStep.stages(loops):
+                if (b, stage) in self.graphs:
+                    continue
+                if self.engine.cache.k.device.type != "cuda":
+                    self.graphs[(b, stage)] = None
+                    continue
+                step.ctl.copy_(self._idle(b))
+                self.graphs[(b, stage)] = _capture(self.engine, self.pool, lambda: step.run(stage), True)
+
+    def bucket(self, lanes: int) -> int | None:
+        """The smallest bucket that holds lanes [0, lanes)."""
+        return next((b for b in self.buckets if b >= lanes), None)
+
+    def run(self, tokens: list[int], positions: list[int], depths: list[int]) -> torch.Tensor:
+        """One batched step over lanes [0, len(tokens)) (idle lanes as in `BatchStep`): logits
+        (len(tokens), V), a view the next step overwrites. A stage with no graph (not
+        captured, or a CPU engine) runs eagerly on the same buffers."""
+        n = len(tokens)
+        b = self.bucket(n)
+        if b is None:
+            raise ValueError(f"a batched step over {n} lanes exceeds the cache's {self.engine.cache.n_slots}")
+        pad = b - n
+        S = self.engine.cache.max_seq_len
+        step = self.steps[b]
+
+        def run(stage):
+            g = self.graphs.get((b, stage))
+            step.run(stage) if g is None else g.replay()
+        return step(tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad, run)[:n]
+
+    def _idle(self, b: int) -> torch.Tensor:
+        S = self.engine.cache.max_seq_len
+        return torch.tensor([[0] * b, [S] * b, [0] * b])
+
+
+def _capture(engine: Engine, pool, fn, warm: bool) -> torch.cuda.CUDAGraph:
+    """Capture fn() as a CUDA graph in `pool`; warm: run it twice first on a side stream
+    (compile its Triton kernels, settle its allocations outside the graph). What the runs
+    count is not inference work: the engine's counters are restored."""
+    dev = engine.cache.k.device
+    counters = engine.counters.snapshot()
+    if warm:
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    engine.counters = counters
+    return g

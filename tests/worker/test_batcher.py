@@ -138,14 +138,26 @@ def test_mask_form_mixed_depth_equals_prefix_form(model):
         assert torch.equal(got[b:b + 1], e.run_loops(x[b:b + 1].clone(), q, 0, L))
 
 
-def test_only_plain_eager_decode_is_batched(model):
+def test_only_plain_decode_is_batched(model):
     b = Batcher(model.engine)
     plain = model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4), 1)
     assert b.eligible(plain)
     for kw in (dict(l_warmup_tokens=2, l_warmup_L=1), dict(safety_check=True), dict(cache_window=8)):
         assert not b.eligible(model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), 1)), kw
-    model.engine.graphs = object()  # a graph-backed engine replays batch-1 steps per lane
-    try:
-        assert not b.eligible(plain)
-    finally:
-        model.engine.graphs = None
+
+
+def test_idle_lanes_keep_their_cache(model):
+    """The lanes of a step's bucket that no waiting stream holds (lane 0, a hole, the bucket's
+    tail) run as idle lanes: not a value of their cache changes, whatever they hold."""
+    e = model.engine
+    b = Batcher(e)
+    for lane, p in ((2, [5, 6, 7]), (4, [9, 9])):
+        ids, finish = b.join(model.start(model.make_request(p, loops=3, max_tokens=6), lane))
+        assert finish is None
+    held = [0, 1, 3, 5]  # lane 5: inside bucket 8 of lanes [0, 5); 6, 7: the bucket's tail
+    e.cache.k[:, held + [6, 7]] = torch.randn_like(e.cache.k[:, held + [6, 7]])
+    before = (e.cache.k[:, held + [6, 7]].clone(), e.cache.v[:, held + [6, 7]].clone())
+    while b:
+        b.step()
+    assert b.steps == 5 and b.stepper.bucket(5) == 8
+    assert torch.equal(e.cache.k[:, held + [6, 7]], before[0]) and torch.equal(e.cache.v[:, held + [6, 7]], before[1])

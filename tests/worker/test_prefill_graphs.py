@@ -9,7 +9,7 @@ import torch
 from tinyloop.worker import Model
 from tinyloop.worker.generate import (DecodeState, PaddedPrefill, decode_steps, prefill, prefill_buckets,
                                       prefill_buffers, prefill_padded)
-from tinyloop.worker.graphs import PrefillGraphs
+from tinyloop.worker.graphs import BatchGraphs, PrefillGraphs
 
 MAX_SEQ = 96  # buckets 16, 32, 64, 96
 
@@ -19,10 +19,11 @@ def prompt(T: int, seed: int = 0) -> list[int]:
 
 
 class CpuGraphs:
-    """engine.graphs on CPU: no decode graphs; the prefill stages run eagerly."""
+    """engine.graphs on CPU: no decode graphs; the prefill and batched decode stages run eagerly."""
 
     def __init__(self, engine, max_len: int, lanes, loops: int):
         self.prefill = PrefillGraphs(engine, None, max_len)
+        self.batch = BatchGraphs(engine)
         for lane in lanes:
             self.prefill.capture(lane, loops)
 
