@@ -13,7 +13,9 @@ Sections. Each is written to the JSON as it completes, so a partial run still re
                engine_torch_ops_ms   the engine through its torch reference ops, with no graphs
              Also the achieved GB/s, and the ratio to the floor. The floor is the weight bytes
              plus the K/V bytes read per token, divided by the copy bandwidth.
-  generate   fresh generate (prefix 128, decode 16, L = 8) for the same three.
+  generate   fresh generate (prefix 128, decode 16, L = 8) for the same three, and the
+             engine's prefill alone (the prompt's stages and the state that decides the
+             first token: graphs_prefill_ms).
   compiled   the plain decoder's step under torch.compile (fullgraph, dynamic=False) in the
              modes max-autotune-no-cudagraphs and reduce-overhead (with CUDA graphs). Each step
              is fed its own token on the device, as gpt-fast's loop does. Every L is its own
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     gen = {"prefix": GEN_PREFIX, "decode": GEN_DECODE, "loops": GEN_LOOPS}
     gen["graphs"] = timed_generate(
         lambda: fast.generate(prompt, loops=GEN_LOOPS, max_tokens=GEN_DECODE)[GEN_PREFIX:], dev, args.repeat)
+    req = fast.make_request(prompt, loops=GEN_LOOPS, max_tokens=GEN_DECODE)
+    gen["graphs_prefill_ms"] = device_ms(lambda: fast.start(req), dev, repeat=args.repeat, warmup=1)  # of "graphs"
     gen["eager_torch"] = timed_generate(lambda: greedy(eager8, prompt, GEN_DECODE, host_sync=True), dev,
                                         args.repeat)
     gen["engine_torch_ops"] = timed_generate(

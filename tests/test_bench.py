@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from bench import decode, prefill
+from bench import batch, decode, prefill
 from bench.baselines import PlainDecoder, greedy
 from tinyloop.worker import Model, checkpoint
 from tinyloop.worker.generate import prefill as engine_prefill
@@ -111,6 +111,17 @@ def test_prefill_bench_cpu(tmp_path):
         assert row["same_argmax"]
         for name in ("engine", "eager_torch"):
             assert row[name]["ms"] > 0 and row[name]["TFLOPs"] > 0
+
+
+def test_batch_bench_cpu(tmp_path):
+    """Batched streams through the Batcher: on CPU each one's tokens are its stream's alone."""
+    batch.main(["--device", "cpu", "--preset", "tiny", "--batch", "1", "3", "--context", "8", "--steps", "4",
+                "--repeat", "1", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "batch-cpu.json").read_text())
+    assert r["lanes"] == 4 and r["alone_ms_per_token"] > 0
+    assert [row["streams"] for row in r["rows"]] == [1, 3]
+    for row in r["rows"]:
+        assert row["eager"]["streams_equal_alone"] == row["streams"] and row["eager"]["tokens_per_s"] > 0
 
 
 DECODE_ARGS = ["--device", "cpu", "--preset", "tiny", "--loops", "1", "8", "--context", "8", "--steps", "3",

@@ -1,0 +1,121 @@
+"""Batched decode throughput on the GPU: B streams stepped together by the worker's Batcher.
+
+    source bench/gpu_env.sh && python -m bench.batch --out-dir $OUT        # -> batch-cuda.json
+
+For B = 1, 2, 4, 8 streams (lanes 1..B, as the actor places them; lane 0 idles in the
+bucket), each prefilled with its own random prompt of --context tokens, at L = --loops:
+
+  graphs        Batcher.step on the captured batched stages (worker/graphs.py BatchGraphs),
+                sampling and the one host sync per step included: ms per step, tokens/s
+  eager         the same Batcher on the same kernels without graphs (every op launched)
+  alone         one stream's pipelined batch-1 decode (the fused GEMV graph), for the
+                tokens/s a worker gets without batching
+
+and whether each batched stream's greedy tokens equal its stream decoded alone (the
+batched projections are one GEMM, so bf16 rounding may part them after many tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from bench.common import hardware, write
+from bench.decode import random_checkpoint, sync
+from tinyloop.worker import Model
+from tinyloop.worker.batcher import Batcher
+from tinyloop.worker.config import PRESETS
+from tinyloop.worker.generate import decode_steps
+
+
+def prompts(n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(n)]
+
+
+def batched(model: Model, ps: list[list[int]], loops: int, steps: int) -> tuple[float, list[list[int]]]:
+    """(ms per batched step, each stream's tokens): streams on lanes 1..len(ps)."""
+    b = Batcher(model.engine)
+    out = []
+    for lane, p in enumerate(ps, start=1):
+        ids, _ = b.join(model.start(model.make_request(p, loops=loops, max_tokens=steps + 1, stop_token_ids=[]),
+                                    lane))
+        out.append(list(ids))
+    sync(model.device)
+    t = time.perf_counter()
+    n = 0
+    while b:
+        for lane, (ids, _) in b.step().items():
+            out[lane - 1].extend(ids)
+        n += 1
+    sync(model.device)
+    return (time.perf_counter() - t) * 1e3 / n, out
+
+
+def alone(model: Model, p: list[int], loops: int, steps: int) -> tuple[float, list[int]]:
+    """(ms per token, tokens) of one stream's pipelined decode on lane 1, prefill excluded."""
+    st = model.start(model.make_request(p, loops=loops, max_tokens=steps + 1, stop_token_ids=[]), 1)
+    sync(model.device)
+    t = time.perf_counter()
+    ids = [t for chunk in decode_steps(st) for t in chunk]
+    sync(model.device)
+    return (time.perf_counter() - t) * 1e3 / steps, ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench-285m", help="random-init model preset")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--loops", type=int, default=8)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per stream")
+    ap.add_argument("--steps", type=int, default=32, help="batched steps timed")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per figure (median)")
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = PRESETS[args.preset]
+    path = random_checkpoint(args.preset, cfg)
+    lanes = max(args.batch) + 1
+    kw = dict(max_seq_len=args.context + args.steps + 64, device=dev, dtype=dtype, n_slots=lanes,
+              cuda_graphs=False, prefill_graph_len=args.context)
+    graphs, eager = Model(path, **kw), Model(path, **kw)
+    result: dict = {"hardware": hardware(dev), "model": f"{args.preset} (random init, {str(dtype)[6:]})",
+                    "loops": args.loops, "context": args.context, "steps": args.steps, "lanes": lanes}
+    if cuda:
+        t = time.perf_counter()
+        graphs.capture_graphs([args.loops])
+        result["graph_capture_s"] = time.perf_counter() - t
+        result["batch_buckets"] = graphs.engine.graphs.batch.buckets
+    ps = prompts(max(args.batch), args.context, cfg.vocab_size)
+    alone_ms, alone_ids = [], []
+    for p in ps:
+        runs = [alone(graphs if cuda else eager, p, args.loops, args.steps) for _ in range(args.repeat)]
+        alone_ms.append(sorted(r[0] for r in runs)[len(runs) // 2])
+        alone_ids.append(runs[0][1])
+    result["alone_ms_per_token"] = sorted(alone_ms)[len(alone_ms) // 2]
+    rows = []
+    for B in tqdm(args.batch, desc="batch"):
+        row = {"streams": B}
+        for name, m in (("graphs", graphs), ("eager", eager)) if cuda else (("eager", eager),):
+            runs = [batched(m, ps[:B], args.loops, args.steps) for _ in range(args.repeat)]
+            ms = sorted(r[0] for r in runs)[len(runs) // 2]
+            same = [a == b for a, b in zip(runs[0][1], alone_ids)]
+            row[name] = {"ms_per_step": ms, "tokens_per_s": B * 1e3 / ms,
+                         "streams_equal_alone": sum(same)}
+        row["speedup_vs_alone"] = row["graphs" if cuda else "eager"]["tokens_per_s"] / (1e3 / result["alone_ms_per_token"])
+        rows.append(row)
+        best = row["graphs" if cuda else "eager"]
+        print(f"B={B}: {best['ms_per_step']:.3f} ms/step, {best['tokens_per_s']:.0f} tok/s "
+              f"({row['speedup_vs_alone']:.2f}x one stream alone), streams equal alone: {best['streams_equal_alone']}/{B}")
+        result["rows"] = rows
+        write(f"batch-{dev.type}", result, args.out_dir)
+    print(f"alone: {result['alone_ms_per_token']:.3f} ms/token")
+
+
+if __name__ == "__main__":
+    main()
