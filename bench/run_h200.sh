@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the fast path in one command, from the repository root on
 # the H200 (offline image: the project is mapped by bench/gpu_env.sh, not pip-installed):
 #
-#   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode prefill warmstart (default: all)
+#   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart (default: all)
 #
 # Pass TINYLOOP_COMMIT=<commit> from the calling side when the host's copy of .git may be stale:
 # the JSONs record it. PACK_LOGS=1 packs the logs into logs.tgz at the end (fewer files to fetch).
@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 source bench/gpu_env.sh
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests gemv profile decode prefill warmstart)
+[ ${#steps[@]} -eq 0 ] && steps=(tests gemv profile decode batch prefill warmstart)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 run() {  # run NAME SECONDS CMD...: time-limited, logged, never aborts the script
@@ -34,6 +34,7 @@ for s in "${steps[@]}"; do
         gemv) run gemv 90 python -m bench.gemv --out-dir "$OUT" ;;
         profile) run profile 90 python -m bench.profile_decode --out-dir "$OUT" ;;
         decode) run decode "${DECODE_S:-240}" python -m bench.decode --out-dir "$OUT" ${DECODE_ARGS:-} ;;
+        batch) run batch "${BATCH_S:-120}" python -m bench.batch --out-dir "$OUT" ;;
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
