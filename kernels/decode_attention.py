@@ -32,7 +32,12 @@ also rotates the new key, starts its online softmax from it (m = s_new, l = 1, a
 p_b = 0 needs no cache slot) and stores k_new, v_new into slot p_b. Every program reads slots
 [start, min(end, p_b)) only, never slot p_b itself, so no program reads what another writes; an
 idle lane reads no slot at all (batched decode pads with idle lanes, which must cost nothing).
-As with decode_attention the grid depends on B, Hkv and S only. The slot is the position itself:
+As with decode_attention the grid depends on B, Hkv and S only.
+
+Both ops launch the split and merge kernels with programmatic dependent launch where the GEMV
+does (Hopper and later, `gemv.use_pdl`): each kernel lets the next one launch, then waits for
+the previous one's writes before it reads anything, so the projection after the merge starts
+loading its weights while attention drains. The slot is the position itself:
 a ring buffer (slot = position % W, every slot valid once wrapped) is not served by this op.
 
 Layouts: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), any strides (views of one fused projection);
@@ -48,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape, interpreting
+from .gemv import use_pdl
 from .rope import rope_cache_write_ref
 
 LOG2E = math.log2(math.e)
@@ -103,6 +109,16 @@ def _load_rotated(row_ptr, stride_d, offs_d, partner_d, mask, cos, sin_signed):
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Launched with programmatic dependent launch: let the next kernel launch now (a GEMV
+    after the merge loads its first weights while this drains), then wait for the previous
+    kernel's writes. Nothing in these kernels runs before the wait."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     q_ptr,  # (B, H, hd)
     k_cache_ptr,  # (B, Hkv, S, hd)
@@ -120,7 +136,9 @@ def _decode_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -174,7 +192,9 @@ def _rope_decode_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -234,7 +254,9 @@ def _decode_attention_merge_kernel(
     HD, NUM_SPLITS,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)  # b * H + h
     offs_s = tl.arange(0, BLOCK_SPLITS)
     mask_s = offs_s < NUM_SPLITS
@@ -344,6 +366,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len)
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q.device) and not interpreting()
     split_kernel[(B, Hkv, num_splits)](
         *inputs, m, l, acc, *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
@@ -353,13 +376,17 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len)
         BLOCK_N=_block_n(BLOCK_D),
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     _decode_attention_merge_kernel[(B * H,)](
         m, l, acc, o, hd, num_splits,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         BLOCK_D=BLOCK_D,
+        PDL=pdl,
         num_warps=1 if BLOCK_D <= 64 else 2,
+        launch_pdl=pdl,
     )
     return o
 

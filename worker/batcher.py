@@ -93,8 +93,7 @@ class Batcher:
             st = self.states[lanes[0]]
             g = e.graphs.get(st.req.loops, st.lane)
             if g is not None:
-                dev = e.cache.k.device
-                logits = g.step(torch.tensor([[st.tok_id]], device=dev), torch.tensor([[st.pos]], device=dev))
+                logits = g.step(st.tok_id, st.pos)
                 e.counters.loop_iterations += g.loops
                 e.counters.loop_token_iterations += g.loops
                 return logits

@@ -355,7 +355,8 @@ class DecodeState:
 
     def sample(self) -> torch.Tensor:
         """The token at `pos`, (1,) int64 on the device (no host sync)."""
-        pos = torch.full((1,), self.pos, dtype=torch.long, device=self.seed.device)
+        pos = None if self.req.sampling.greedy else torch.full((1,), self.pos, dtype=torch.long,
+                                                               device=self.seed.device)
         self.tok = sample(self.logits, self.seen, self.req.sampling, self.seed, pos)
         return self.tok
 
@@ -432,7 +433,7 @@ class DecodeState:
         track = req.safety_threshold is not None
         graph = engine.graphs.get(L, self.lane) if engine.graphs is not None else None
         if graph is not None and L == req.loops and not track and req.window == 0:
-            logits = graph.step(self.tok.view(1, 1), torch.full((1, 1), pos, device=device))
+            logits = graph.step(self.tok, pos)
             engine.counters.loop_iterations += L
             engine.counters.loop_token_iterations += L
         else:

@@ -34,9 +34,14 @@ class DecodeGraph:
     greedy: torch.Tensor     # (1,) int64 output: argmax of logits
     loops: int
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
+    def step(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
+        """Run the token (a device tensor of one element, or a host int) at `position`: the
+        logits (1, V), the graph's static output."""
+        if isinstance(token, int):
+            self.tokens.fill_(token)
+        else:
+            self.tokens.copy_(token.view(1, 1))
+        self.positions.fill_(position)
         self.graph.replay()
         return self.logits
 

@@ -98,8 +98,9 @@ def draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams,
-           seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """logits (B, V) -> next tokens (B,) int64, for the token at absolute `position` (B,)."""
+           seed: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
+    """logits (B, V) -> next tokens (B,) int64, for the token at absolute `position` (B,)
+    (greedy reads no random number: position may be None)."""
     logits = apply_repetition_penalty(logits.float(), seen, p.repetition_penalty)
     if p.greedy:
         return logits.argmax(-1)
