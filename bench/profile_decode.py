@@ -4,7 +4,11 @@ the step run op by op so each kernel is its own record), against the captured st
     source bench/gpu_env.sh && python -m bench.profile_decode --out-dir $OUT
 
 The sum of kernel times is what the step costs with no launch gaps at all; the captured
-(graph) step minus that sum is the gap between kernels inside the graph."""
+(graph) step minus that sum is the gap between kernels inside the graph.
+
+Then one fresh generate (prefix --context, 16 tokens, the served path: prefill graphs,
+pipelined decode on graph steps), wall clock against the GPU's busy time (kernels, those the
+graphs launch included, and copies): what is left is the device waiting on the host."""
 from __future__ import annotations
 
 import argparse
@@ -64,11 +68,34 @@ def main() -> None:
           f"({sum(r['launches_per_step'] for r in rows):.0f} launches)")
     for r in rows[:25]:
         print(f"  {r['ms_per_step'] * 1e3:8.1f} us  x{r['launches_per_step']:5.1f}  {r['kernel'][:110]}")
-    from tinyloop.kernels.gemv import use_pdl
-    write("profile-decode-cuda" + ("-pdl" if use_pdl(dev) else ""), {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
+    gen = generate_profile(m, prompt, L)
+    print(f"generate(prefix {T}, decode 16, L={L}): {gen['wall_ms']:.2f} ms wall, GPU busy {gen['gpu_busy_ms']:.2f} ms "
+          f"({gen['gpu_ops']} kernels and copies)")
+    write("profile-decode-cuda", {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
                                   "floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms,
-                                  "kernels": rows}, args.out_dir)
+                                  "kernels": rows, "generate": gen}, args.out_dir)
     m.close()
+
+
+def generate_profile(m: Model, prompt: list[int], L: int, tokens: int = 16) -> dict:
+    """Wall ms of one generate against the union of the GPU's busy intervals in it."""
+    import time
+    for _ in range(2):
+        m.generate(prompt, loops=L, max_tokens=tokens)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        m.generate(prompt, loops=L, max_tokens=tokens)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) * 1e3
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # union of intervals, in microseconds
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"tokens": tokens, "wall_ms": wall, "gpu_busy_ms": busy / 1e3, "gpu_ops": len(spans)}
 
 
 if __name__ == "__main__":
