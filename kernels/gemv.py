@@ -1,34 +1,48 @@
-"""Batch-1 projection (GEMV) with the decode step's neighbours fused in.
+"""Projection (GEMV) of one to 16 rows with the decode step's neighbours fused in.
 
-    y = x @ W.T                        x (K,), W (N, K) row-major (an nn.Linear weight)
+    y = x @ W.T                x (M, K), 1 <= M <= 16;  W (N, K) row-major (an nn.Linear weight)
 
-A batch-1 decode step reads every weight once and does two FLOPs per weight: it is bound by
-memory bandwidth, and at these sizes also by the small kernels between the projections. Each
-option folds one of them into the projection that reads its input or writes its output:
+x may carry any leading dims holding M = x.numel() / K rows (a batch-1 decode step's (1, 1, K),
+a batched step's (B, 1, K) over its B lanes); y keeps them: (..., N). A decode step reads every
+weight once and does 2M FLOPs per weight: up to M = 16 it is bound by memory bandwidth, and at
+these sizes also by the small kernels between the projections. Each option folds one of them
+into the projection that reads its input or writes its output, row by row:
 
-- ``norm_weight``: RMSNorm of x first: y = rmsnorm(x) @ W.T, computed as
+- ``norm_weight``: RMSNorm of each row of x first: y = rmsnorm(x) @ W.T, computed as
   (W @ (x * norm_weight)) * rsqrt(mean(x^2) + eps) in fp32 -- the same algebra with the
   scale applied after the dot, so each program sums x^2 from the chunks it loads anyway and
   no normalized vector is written and read back. (The unfused path rounds the normalized x
-  to x.dtype before its dot; this one does not, so the two differ by that rounding.)
-- ``swiglu``: W is the fused (gate | up) projection of shape (2F, K) and y (F,) is
+  to x.dtype before its dot; this one does not, so the two differ by that rounding. For
+  M > 1, x * norm_weight is rounded to x.dtype, the dtype tl.dot takes, before the dot.)
+- ``swiglu``: W is the fused (gate | up) projection of shape (2F, K) and y (..., F) is
   silu(x @ W_gate.T) * (x @ W_up.T), each product rounded to x.dtype first (as the unfused
   projection's output is), then silu and the product rounded as ``swiglu`` does.
-- ``residual`` (N,): y = residual + (x @ W.T rounded to x.dtype), rounded once more, exactly
-  like the unfused ``residual + linear(x, W)``.
+- ``residual`` (..., N), y's shape: y = residual + (x @ W.T rounded to x.dtype), rounded once
+  more, exactly like the unfused ``residual + linear(x, W)``.
 
-Layout: one program per BLOCK_N output rows, looping over K in BLOCK_K chunks and
-accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the end. No split-K: a
-program owns its rows, which keeps the epilogues (silu, the residual) free of atomics; the
-row block is small enough that even the 2048-row projections launch a few hundred programs.
-The block sizes are autotuned per (N, K) on CUDA; under the interpreter one config runs.
+Layout, M = 1 (``_gemv_kernel``): one program per BLOCK_N output rows, looping over K in
+BLOCK_K chunks and accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the
+end. No split-K: a program owns its rows, which keeps the epilogues (silu, the residual) free
+of atomics; the row block is small enough that even the 2048-row projections launch a few
+hundred programs. The block sizes are autotuned per (N, K) on CUDA; under the interpreter one
+config runs.
+
+Layout, 2 <= M <= 16 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
+weight tile is loaded once and applied to all M rows by a tl.dot with the (16, BLOCK_K) x tile
+(rows >= M masked to zero; fp32 accumulation on the tensor cores, operands in x's dtype, fp32
+x with exact "ieee" products), accumulating a (16, BLOCK_N) tile of y. The weights are read
+once per call whatever M, so a batched decode step's projections stay near the cost of a
+batch-1 step's. Autotuned per (N, K, M bucket 2-4 / 5-8 / 9-16, options) on CUDA.
 
 ``pdl`` (on by default on Hopper and later; TINYLOOP_PDL=0 turns it off): programmatic
 dependent launch, so a projection starts while the previous kernel drains, with its first
-weight chunk loaded before it waits and each next chunk loaded one step ahead (bench/gemv.py
-times both launches; on the H200 it takes batch-1 decode at L = 8 from 0.539 to 0.510 ms).
+weight chunk loaded before it waits (bench/gemv.py times both launches; on the H200 it takes
+batch-1 decode at L = 8 from 0.539 to 0.510 ms). M = 1 then loads each next chunk one step
+ahead in registers; M > 1 leaves the loop over the other chunks to Triton's software
+pipeliner and applies the first chunk after it.
 """
 import functools
+import math
 import os
 
 import torch
@@ -139,11 +153,159 @@ _gemv_tuned = triton.autotune(
 )(_gemv_kernel)
 
 
-def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
-    """x (..., K) holding one row, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
+MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
-    The leading dims of x (e.g. (1, 1) of a decode step) are kept. Options as in the module
-    docstring; all tensors share x's dtype except norm_weight, which may be any float dtype.
+
+@triton.jit
+def _dot_wt(x, w, acc, DOT_F32: tl.constexpr):
+    """acc + x @ w.T, in fp32 ("ieee": no tf32 rounding) when DOT_F32, else in x's dtype on the
+    tensor cores with fp32 accumulation."""
+    if DOT_F32:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _rows_x(x_rows, nw_ptr, k, m_mask, K, ss, NORM: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) x tile at columns k, the dot's left operand; with NORM, times the
+    norm weight (rounded back to x's dtype: tl.dot takes both operands in one dtype) and each
+    row's sum of squares added to ss (the rsqrt scale goes on after the dot)."""
+    k_mask = k < K
+    xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    if NORM:
+        xf = xv.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        xv = (xf * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(xv.dtype)
+    return xv, ss
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
+def _gemv_rows_kernel(
+    x_ptr,  # (M, K) contiguous
+    w_ptr,  # (N, K) or (2N, K) with SWIGLU, unit stride along K
+    nw_ptr,  # (K,) norm weight, read only when NORM
+    res_ptr,  # (M, N) contiguous residual, read only when RESIDUAL
+    y_ptr,  # (M, N) contiguous
+    M,
+    N,
+    K,
+    stride_w,
+    eps,
+    M_BUCKET,  # unused: the autotuning key's row-count bucket
+    NORM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """_gemv_kernel for 2 <= M <= BLOCK_M rows of x: each weight tile is loaded once and applied
+    to every row by one tl.dot of the (BLOCK_M, BLOCK_K) x tile (rows >= M zero) with its
+    transpose, accumulating y's (BLOCK_M, BLOCK_N) tile in fp32."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n = rows of W
+    row_mask = rows < N
+    ms = tl.arange(0, BLOCK_M)  # rows of x and y
+    m_mask = ms < M
+    cols = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+
+    x_rows = x_ptr + ms[:, None] * K
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    up_rows = w_rows
+    if SWIGLU:
+        up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # (ss and acc_up are dead code unless NORM / SWIGLU)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = 0
+    if PREFETCH:
+        # The weights never depend on the previous kernel: with PDL the first chunk's tile is
+        # loaded before the wait, as in _gemv_kernel, but applied after the loop over the other
+        # chunks (the fp32 sums do not care about the order). _gemv_kernel's one-ahead register
+        # prefetch would carry the tile across iterations, which keeps Triton's software
+        # pipeliner from staging the weight loads through shared memory (num_stages - 1 tiles in
+        # flight) and spilled registers at these tile sizes; this way the loop stays pipelined
+        # and its first loads go out right after the wait, while the first tile is landing.
+        w0, up0 = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        xv, ss = _rows_x(x_rows, nw_ptr, k0 + cols, m_mask, K, ss, NORM)
+        w, up = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU)
+        acc = _dot_wt(xv, w, acc, DOT_F32)
+        if SWIGLU:
+            acc_up = _dot_wt(xv, up, acc_up, DOT_F32)
+    if PREFETCH:
+        xv, ss = _rows_x(x_rows, nw_ptr, cols, m_mask, K, ss, NORM)
+        acc = _dot_wt(xv, w0, acc, DOT_F32)
+        if SWIGLU:
+            acc_up = _dot_wt(xv, up0, acc_up, DOT_F32)
+
+    # the epilogue of _gemv_kernel, row by row of the tile
+    y = acc
+    if NORM:
+        inv_rms = tl.rsqrt(ss / K + eps)[:, None]
+        y *= inv_rms
+    y = y.to(dtype).to(tl.float32)
+    if SWIGLU:
+        up = acc_up
+        if NORM:
+            up *= inv_rms
+        up = up.to(dtype).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
+    out_offs = ms[:, None] * N + rows[None, :]
+    out_mask = m_mask[:, None] & row_mask[None, :]
+    if RESIDUAL:
+        y += tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..16, chosen for Hopper but not yet timed
+# on the H200. Even at M = 16 a call does 16 FLOPs per weight byte (bf16), far below the ~200 of
+# the tensor cores' ridge: it stays bound by the weight read, like M = 1, and a config has two
+# jobs. (1) Fill the 132 SMs: the grid is N / BLOCK_N programs and there is no split-K, so the
+# 2048-row projections (wo, w2) need BLOCK_N = 8 (256 programs: tl.dot pads N since Triton 3.x,
+# and a (16, 8) accumulator is exactly one m16n8k16 MMA) or 16 (128), the 5632/6144-row ones
+# 16 or 32, and only the heads (N >= 32000) can afford 64. (2) Keep ~25 KB per SM in flight
+# (4.8 TB/s x ~0.7 us / 132 SMs): the software pipeliner stages num_stages - 1 weight tiles
+# (plus x's) in shared memory via cp.async, so BLOCK_N x BLOCK_K x 2 B x (num_stages - 1) runs
+# 12 to 64 KB per program, at most 144 KB of shared memory with SWIGLU's two tiles. Each config
+# was compiled for sm_90a (Triton 3.9) with every option set, PDL on and off: none spills more
+# than 16 B of registers per thread except (8, 512, *) and (16, 512, 8, 3) with NORM + SWIGLU +
+# PDL (0.1-0.7 KB), kept for the residual and NORM-only projections, where their deeper K
+# tiles are clean; BLOCK_K = 1024 and (32|64, 512) spill more and are left out. Twelve
+# configs keep a cold start's autotuning pass per (shape, M bucket, options) short.
+_ROWS_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    for bn, bk, w, st in [(8, 256, 4, 4), (8, 512, 4, 4), (8, 512, 8, 3),
+                          (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 8, 3),
+                          (32, 128, 8, 4), (32, 256, 4, 3), (32, 256, 8, 4),
+                          (64, 128, 8, 4), (64, 256, 8, 2), (64, 256, 8, 3)]
+]
+_gemv_rows_tuned = triton.autotune(
+    configs=_ROWS_CONFIGS, key=["N", "K", "M_BUCKET", "NORM", "SWIGLU", "RESIDUAL", "PDL"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
+)(_gemv_rows_kernel)
+
+
+def _m_bucket(m: int) -> int:
+    """The autotuning key's row count: 2-4, 5-8 and 9-16 rows share their configs."""
+    return 4 if m <= 4 else 8 if m <= 8 else MAX_ROWS
+
+
+def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
+    """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
+
+    The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
+    kept; residual has y's shape. M = 1 runs the GEMV kernel, M > 1 the batched one (one read
+    of each weight tile for all rows). Options as in the module docstring; all tensors share
+    x's dtype except norm_weight, which may be any float dtype.
     pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
     under the interpreter it selects the prefetching loop alone."""
     op = "gemv"
@@ -156,8 +318,12 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     check_dtype(op, "x", x, FLOAT_DTYPES)
     if weight.dtype != x.dtype:
         raise ValueError(f"{op}: weight dtype {weight.dtype} must equal x dtype {x.dtype}")
-    if x.dim() < 1 or x.numel() != x.shape[-1]:
-        raise ValueError(f"{op}: x must hold a single row (..., K), got shape {tuple(x.shape)}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must be (..., K), got a 0-d tensor")
+    M = math.prod(x.shape[:-1])
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_ROWS} rows, "
+                         f"got shape {tuple(x.shape)} (M = {M})")
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"{op}: weight must be 2-D (N, K) with unit stride along K, "
                          f"got shape {tuple(weight.shape)} strides {weight.stride()}")
@@ -178,17 +344,40 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         if residual.dtype != x.dtype:
             raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
         residual = residual.contiguous()
-    x1 = x.reshape(K).contiguous()
     y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
+    if M > 1:
+        return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
+                          flags)
+    x1 = x.reshape(K).contiguous()
     args = (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
             y if residual is None else residual, y, N, K, weight.stride(0), float(eps))
-    flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
     if interpreting():
         _gemv_kernel[(triton.cdiv(N, 8),)](*args, **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
     else:
         pdl = use_pdl(x.device) if pdl is None else pdl
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags, PREFETCH=pdl, PDL=pdl,
                                                                      launch_pdl=pdl)
+    return y
+
+
+def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
+    """gemv's launch for 2 <= M <= MAX_ROWS rows: x (M, K) contiguous, y and residual (..., N)
+    contiguous, so (M, N) in memory."""
+    args = (x, weight, x if norm_weight is None else norm_weight.contiguous(),
+            y if residual is None else residual, y, M, N, K, weight.stride(0), float(eps), _m_bucket(M))
+    # the dot in fp32: for fp32 x (exact products like gemv_ref's, not tf32), and for bf16 under
+    # the interpreter, whose tl.dot multiplies bf16 bit patterns as integers (bf16 products are
+    # exact in fp32, so this is the tensor cores' math)
+    dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
+    flags = dict(flags, DOT_F32=dot_f32, BLOCK_M=MAX_ROWS)
+    if interpreting():
+        _gemv_rows_kernel[(triton.cdiv(N, 16),)](*args, **flags, PREFETCH=bool(pdl), PDL=False,
+                                                 BLOCK_N=16, BLOCK_K=64)
+    else:
+        pdl = use_pdl(x.device) if pdl is None else pdl
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _gemv_rows_tuned[grid](*args, **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
     return y
 
 
@@ -206,7 +395,8 @@ def _pdl_on(index: int) -> bool:
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
-    """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does."""
+    """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
+    row by row over x's leading dims (the norm statistics are per row)."""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

@@ -7,6 +7,9 @@ from tinyloop.kernels.gemv import gemv, gemv_ref
 CASES = [  # (N, K): a row block and a K chunk that divide, and ones that do not
     (8, 64), (24, 192), (13, 100), (70, 33),
 ]
+# (N, K, swiglu) of bench-285m's projections (wqkv, wo, w13, w2, head), bf16 on the GPU
+GPU_SHAPES = [(6144, 2048, False), (2048, 2048, False), (11264, 2048, True), (2048, 5632, False),
+              (32000, 2048, False)]
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "prefetch"])
@@ -45,8 +48,10 @@ def test_gemv_equals_the_unfused_layer_ops():
 def test_gemv_rejects_bad_inputs():
     x = torch.randn(1, 16, device=DEVICE)
     w = torch.randn(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="single row"):
-        gemv(torch.randn(2, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"gemv: x \(\.\.\., K\) must hold 1 <= M <= 16 rows, got shape \(17, 1, 16\)"):
+        gemv(torch.randn(17, 1, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(0, 16\) \(M = 0\)"):
+        gemv(torch.randn(0, 16, device=DEVICE), w)
     with pytest.raises(ValueError, match="K = 16 columns"):
         gemv(x, torch.randn(8, 15, device=DEVICE))
     with pytest.raises(ValueError, match="weight dtype"):
@@ -63,8 +68,7 @@ def test_gemv_rejects_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("N,K,swiglu", [(6144, 2048, False), (2048, 2048, False), (11264, 2048, True),
-                                        (2048, 5632, False), (32000, 2048, False)])
+@pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES)
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_gemv_gpu_bf16_shapes(N, K, swiglu, pdl):
     torch.manual_seed(0)
@@ -73,5 +77,99 @@ def test_gemv_gpu_bf16_shapes(N, K, swiglu, pdl):
     nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
     out_n = N // 2 if swiglu else N
     r = torch.randn(1, 1, out_n, device="cuda", dtype=torch.bfloat16)
+    for kw in ({}, {"norm_weight": nw}, {"residual": r}, {"norm_weight": nw, "residual": r}):
+        assert_close(gemv(x, w, swiglu=swiglu, pdl=pdl, **kw), gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
+
+
+# M > 1 rows: the batched kernel (tl.dot over a 16-row x tile). Under the interpreter it runs
+# 16 x 64 tiles: N = 21 and K = 150 leave a partial last block of each (K: three chunks).
+ROWS_N, ROWS_K = 21, 150
+FUSIONS = {  # name -> (norm, swiglu, residual)
+    "plain": (False, False, False), "norm": (True, False, False), "norm+swiglu": (True, True, False),
+    "residual": (False, False, True),
+}
+
+
+def rows_case(lead, dtype, fusion, seed, N=ROWS_N, K=ROWS_K):
+    """x (*lead, K), the weight and gemv's keyword arguments for one fusion."""
+    norm, swiglu, residual = FUSIONS[fusion]
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(*lead, K, generator=g)).to(DEVICE, dtype)
+    w = (torch.randn(2 * N if swiglu else N, K, generator=g) / K ** 0.5).to(DEVICE, dtype)
+    kw = {"swiglu": swiglu}
+    if norm:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
+        kw["eps"] = 1e-5
+    if residual:
+        kw["residual"] = torch.randn(*lead, N, generator=g).to(DEVICE, dtype)
+    return x, w, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+@pytest.mark.parametrize("lead", [(2,), (2, 1), (3,), (3, 1), (16,), (16, 1)], ids=str)
+def test_gemv_rows_match_ref(lead, fusion, dtype):
+    x, w, kw = rows_case(lead, dtype, fusion, seed=len(lead) * 100 + lead[0])
+    y = gemv(x, w, pdl=False, **kw)
+    assert y.shape == (*lead, ROWS_N)
+    assert_close(y, gemv_ref(x, w, **kw), "projection")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+@pytest.mark.parametrize("M", [3, 16])
+def test_gemv_rows_prefetch_matches_ref(M, fusion, dtype):
+    """pdl=True: under the interpreter, the PREFETCH path alone (first weight tile loaded ahead
+    of the loop and applied after it)."""
+    x, w, kw = rows_case((M, 1), dtype, fusion, seed=M)
+    assert_close(gemv(x, w, pdl=True, **kw), gemv_ref(x, w, **kw), "projection")
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+def test_gemv_rows_bf16(fusion, pdl):
+    """bf16 on the interpreter, whose tl.dot gets bf16 operands upcast to fp32 by the kernel."""
+    x, w, kw = rows_case((5, 1), torch.bfloat16, fusion, seed=5)
+    assert_close(gemv(x, w, pdl=pdl, **kw), gemv_ref(x, w, **kw), "projection")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+def test_gemv_rows_equal_one_row_calls(fusion, dtype):
+    """Row m of an M-row call is the M = 1 kernel's answer for that row alone: each row keeps
+    its own norm statistics, SwiGLU and residual."""
+    M = 4
+    x, w, kw = rows_case((M, 1), dtype, fusion, seed=7)
+    y = gemv(x, w, **kw)
+    for m in range(M):
+        one = dict(kw, residual=kw["residual"][m:m + 1]) if "residual" in kw else kw
+        assert_close(y[m:m + 1], gemv(x[m:m + 1], w, **one), "projection")
+
+
+def test_gemv_rows_reject_bad_inputs():
+    w = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(17, 16\) \(M = 17\)"):
+        gemv(torch.randn(17, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(3, 0, 16\) \(M = 0\)"):
+        gemv(torch.randn(3, 0, 16, device=DEVICE), w)
+    x = torch.randn(4, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"residual must have shape \(4, 1, 8\), got \(4, 8\)"):
+        gemv(x, w, residual=torch.randn(4, 8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"residual must have shape \(4, 1, 8\), got \(1, 1, 8\)"):
+        gemv(x, w, residual=torch.randn(1, 1, 8, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES)
+@pytest.mark.parametrize("M", [2, 4, 8, 16])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_gemv_rows_gpu_bf16_shapes(N, K, swiglu, M, pdl):
+    torch.manual_seed(M)
+    x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    out_n = N // 2 if swiglu else N
+    r = torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)
     for kw in ({}, {"norm_weight": nw}, {"residual": r}, {"norm_weight": nw, "residual": r}):
         assert_close(gemv(x, w, swiglu=swiglu, pdl=pdl, **kw), gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
