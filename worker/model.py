@@ -123,10 +123,11 @@ class Block(nn.Module):
             self.post_attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    gemv = None  # the fused batch-1 projection (kernels/gemv.py) on CUDA; None: the ops below
+    gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
+    gemv_rows = 0
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] * x.shape[1] == 1:
+        if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
             return self.token_step(x, attend)
         a = self.attention(self.attention_norm(x), attend)
         if self.sandwich:
@@ -138,7 +139,9 @@ class Block(nn.Module):
         return x + f
 
     def token_step(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """forward() for a single token in four fused projections: the input norms ride in the
+        """forward() for one token per lane (x (B, 1, D), a decode step of one stream or a
+        batched one) in four fused projections, each reading its weight once for all lanes:
+        the input norms ride in the
         (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
         adds in the epilogues of wo and w2 (sandwich norm keeps its post-norms apart: they
         need the whole projected row before the add)."""
@@ -181,18 +184,18 @@ class LoopedTransformer(nn.Module):
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
-    def use_fast_path(self, rms_norm, gemv=None) -> None:
+    def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1) -> None:
         """Inference on CUDA: fused projections, a fused RMSNorm kernel and, given `gemv`,
-        single-token steps in fused batch-1 projections (fewer, larger launches: batch-1
+        decode steps of up to `gemv_rows` lanes in fused projections (fewer, larger launches:
         decode of a small model is bound by launches as much as by weight reads)."""
-        self.gemv = gemv
+        self.gemv, self.gemv_rows = gemv, gemv_rows if gemv is not None else 0
         for m in self.modules():
             if isinstance(m, (Attention, FeedForward)):
                 m.fuse()
             elif isinstance(m, RMSNorm):
                 m.kernel = rms_norm
             elif isinstance(m, Block):
-                m.gemv = gemv
+                m.gemv, m.gemv_rows = self.gemv, self.gemv_rows
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) int -> cos, sin (B, T, hd/2) fp32."""
@@ -206,10 +209,11 @@ class LoopedTransformer(nn.Module):
         return self.loop_norm(x) if self.loop_norm is not None else x
 
     gemv = None  # see Block.gemv
+    gemv_rows = 0
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        if self.gemv is not None and x.shape[0] * x.shape[1] == 1:
+        if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
             return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps)
         return linear(self.norm(x), head)
 

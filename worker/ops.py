@@ -29,8 +29,8 @@ class TritonOps(Ops):
 
     def __init__(self):
         from tinyloop.kernels.decode_attention import decode_attention, rope_decode_attention
-        from tinyloop.kernels.gemv import gemv
-        self.gemv = gemv
+        from tinyloop.kernels.gemv import MAX_ROWS, gemv
+        self.gemv, self.gemv_rows = gemv, MAX_ROWS
         from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
         self.rms_norm = rms_norm
