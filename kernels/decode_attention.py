@@ -35,7 +35,7 @@ idle lane reads no slot at all (batched decode pads with idle lanes, which must 
 As with decode_attention the grid depends on B, Hkv and S only.
 
 Both ops launch the split and merge kernels with programmatic dependent launch where the GEMV
-does (Hopper and later, `gemv.use_pdl`): each kernel lets the next one launch, then waits for
+does (Hopper and later, `_launch.use_pdl`): each kernel lets the next one launch, then waits for
 the previous one's writes before it reads anything, so the projection after the merge starts
 loading its weights while attention drains. The slot is the position itself:
 a ring buffer (slot = position % W, every slot valid once wrapped) is not served by this op.
@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape, interpreting
-from .gemv import use_pdl
+from ._launch import use_pdl
 from .rope import rope_cache_write_ref
 
 LOG2E = math.log2(math.e)

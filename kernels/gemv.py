@@ -41,15 +41,14 @@ batch-1 decode at L = 8 from 0.539 to 0.510 ms). M = 1 then loads each next chun
 ahead in registers; M > 1 leaves the loop over the other chunks to Triton's software
 pipeliner and applies the first chunk after it.
 """
-import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
+from ._launch import use_pdl
 
 
 @triton.jit
@@ -381,17 +380,6 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     return y
 
 
-def use_pdl(device) -> bool:
-    """Programmatic dependent launch: on for Hopper and later unless TINYLOOP_PDL=0 (read once
-    per process and device, not per launch)."""
-    if device.type != "cuda":
-        return False
-    return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_on(index: int) -> bool:
-    return os.environ.get("TINYLOOP_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):

@@ -202,9 +202,7 @@ class BatchStep:
         S = engine.cache.max_seq_len
         self.p = Pass(slice(0, bucket), self.ctl[1, :, None], S + 1, 0, cos[:bucket], sin[:bucket])
 
-    @staticmethod
-    def stages(loops: int) -> list:
-        return ["prelude", *range(loops), "coda"]
+    stages = staticmethod(PaddedPrefill.stages)  # the same stage names: prelude, each iteration, coda
 
     @torch.no_grad()
     def run(self, stage) -> None:
