@@ -5,7 +5,9 @@ here. A `step` runs every waiting stream's decided token through the model in on
 step over lanes [0, bucket) (`generate.BatchStep`: per-lane tokens, positions (B, 1) and
 depths), then samples every stream's next token -- one sampling call per distinct set of
 sampling parameters, each row with its own random key (seed, absolute position) -- and
-reads them all in one host sync. Streams join and leave between steps.
+reads them all in one host sync. The step is pipelined like a stream alone: the forward for
+the tokens just sampled is launched before the host reads them (`Batcher.step`). Streams join
+and leave between steps.
 
 On CUDA the step replays the stages captured at start-up (worker/graphs.py `BatchGraphs`,
 one graph per (lane-count bucket, stage)); elsewhere the same stages run eagerly. Lanes of
@@ -40,8 +42,11 @@ class Batcher:
         # the captured stages of a graph-backed engine, else the same stages run eagerly
         self.stepper = engine.graphs.batch if engine.graphs is not None else BatchGraphs(engine)
         self.states: dict[int, DecodeState] = {}  # lane -> a stream whose decided token waits to run
-        self.steps = 0       # batched forwards run
+        self.steps = 0       # batched forwards whose logits streams used
         self.lane_steps = 0  # stream steps they carried (lane_steps / steps: the mean batch)
+        self._ahead: tuple[list, torch.Tensor] | None = None  # ([(lane, state)], logits) of a step launched ahead
+        self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
+        self._copied: torch.cuda.Event | None = None
 
     def eligible(self, st: DecodeState) -> bool:
         """Plain decode (see `DecodeState.batchable`)."""
@@ -57,26 +62,54 @@ class Batcher:
         return [t], st.finish()
 
     def leave(self, lane: int) -> None:
-        """Take a stream out (cancelled): its lane is in no later step."""
+        """Take a stream out (cancelled): its lane is in no later step. A step launched ahead
+        may still write the lane's K/V at its next position: harmless, whatever takes the lane
+        next writes a position before it reads it (as with `DecodeState.discard`)."""
         self.states.pop(lane, None)
 
     def __bool__(self) -> bool:
         return bool(self.states)
 
     def step(self) -> dict[int, Update]:
-        """Run every waiting stream's decided token in one forward; sample each stream's next
-        token. -> {lane: (ids, Finish or None)}; a finished stream has left."""
+        """Hand every waiting stream the logits of its decided token, sample its next token,
+        and return the new tokens: {lane: (ids, Finish or None)}; a finished stream has left.
+
+        Pipelined: the forward for the tokens sampled here is launched before the host reads
+        them (they feed it on the device), so on CUDA the device runs step t while the host
+        handles the tokens of step t - 1. The next call uses that forward's logits; a stream
+        that joined meanwhile runs its first token in the forward after. A stream whose token
+        reaches max_tokens is left out of the launch; one that samples a stop token has its
+        row dropped. The tokens, logits and stats are those of the plain loop."""
         if not self.states:
+            self._ahead = None
             return {}
-        lanes = sorted(self.states)
-        logits = self._forward(lanes)
-        self.steps += 1
-        self.lane_steps += len(lanes)
-        for row, lane in enumerate(lanes):
-            self.states[lane].advanced(logits[row][None])
-        toks = self._sample(lanes, logits).tolist()  # one host sync
+        try:
+            if self._ahead is None:
+                self._launch({})
+            ran, logits = self._ahead
+            self._ahead = None
+            # a stream that left meanwhile is dropped (its lane may hold a new stream already)
+            rows = [(row, lane) for row, (lane, st) in enumerate(ran) if self.states.get(lane) is st]
+            if not rows:
+                return {}
+            logits = logits.clone()  # the static output the next launch overwrites
+            lanes = [lane for _, lane in rows]
+            self.steps += 1
+            self.lane_steps += len(lanes)
+            for row, lane in rows:
+                self.states[lane].advanced(logits[row][None])
+            toks = self._sample(lanes)
+            self._copy_to_host(toks)
+            go_on = {lane: toks[i] for i, lane in enumerate(lanes)
+                     if self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
+            if go_on or len(self.states) > len(lanes):  # or streams joined since: their first token
+                self._launch(go_on, skip=set(lanes) - set(go_on))
+            toks_h = self._host_tokens(len(lanes))
+        except Exception:
+            self._ahead = None
+            raise
         out: dict[int, Update] = {}
-        for lane, t in zip(lanes, toks):
+        for lane, t in zip(lanes, toks_h):
             st = self.states[lane]
             if st.accept(t):
                 out[lane] = [t], None
@@ -85,15 +118,23 @@ class Batcher:
                 del self.states[lane]
         return out
 
-    def _forward(self, lanes: list[int]) -> torch.Tensor:
-        """One batched step over lanes [0, lanes[-1]]: the logits rows of `lanes` (len, V)."""
+    def _launch(self, on_device: dict[int, torch.Tensor], skip: frozenset | set = frozenset()) -> None:
+        """Launch the forward of every waiting stream but `skip` (the step launched ahead)."""
+        lanes = sorted(lane for lane in self.states if lane not in skip)
+        self._ahead = [(lane, self.states[lane]) for lane in lanes], self._forward(lanes, on_device)
+
+    def _forward(self, lanes: list[int], on_device: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Launch one batched step over lanes [0, lanes[-1]]: the logits rows of `lanes`
+        (len, V). A lane's token is its decided token on the host, or on_device[lane], a (0-d)
+        device tensor sampled and not read yet; a lane in on_device runs at the position after
+        the one its host state last ran."""
         e = self.engine
         if len(lanes) == 1 and e.graphs is not None:
             # one stream: its lane's captured batch-1 step (fused projections, no idle lanes)
             st = self.states[lanes[0]]
             g = e.graphs.get(st.req.loops, st.lane)
             if g is not None:
-                logits = g.step(st.tok_id, st.pos)
+                logits = g.step(on_device.get(st.lane, st.tok_id), st.pos)
                 e.counters.loop_iterations += g.loops
                 e.counters.loop_token_iterations += g.loops
                 return logits
@@ -103,21 +144,45 @@ class Batcher:
         for lane in lanes:
             st = self.states[lane]
             tokens[lane], positions[lane], depths[lane] = st.tok_id, st.pos, st.req.loops
-        logits = self.stepper.run(tokens, positions, depths)  # the static output: the next step's
+        dev = None
+        if on_device:
+            device = e.cache.k.device
+            dev = (torch.tensor(list(on_device), device=device), torch.stack(list(on_device.values())))
+        logits = self.stepper.run(tokens, positions, depths, dev)  # the static output: the next step's
         return logits[torch.tensor(lanes, device=logits.device)]
 
-    def _sample(self, lanes: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Every stream's next token (len(lanes),) on the device: one `sample` per distinct set
-        of sampling parameters over the rows that share it, each row with its own key."""
+    def _sample(self, lanes: list[int]) -> torch.Tensor:
+        """Every stream's next token (len(lanes),) on the device from its logits: one `sample`
+        per distinct set of sampling parameters over the rows that share it, each row with its
+        own key."""
         groups: dict = {}
         for row, lane in enumerate(lanes):
             groups.setdefault(self.states[lane].req.sampling, []).append(row)
-        toks = torch.empty(len(lanes), dtype=torch.long, device=logits.device)
+        device = self.engine.cache.k.device
+        toks = torch.empty(len(lanes), dtype=torch.long, device=device)
         for params, rows in groups.items():
             sts = [self.states[lanes[r]] for r in rows]
-            idx = torch.tensor(rows, device=logits.device)
+            idx = torch.tensor(rows, device=device)
             seen = torch.cat([st.seen for st in sts])
             seed = torch.cat([st.seed for st in sts])
-            pos = torch.tensor([st.pos for st in sts], device=logits.device)
-            toks[idx] = sample(logits.index_select(0, idx), seen, params, seed, pos)
+            pos = torch.tensor([st.pos for st in sts], device=device)
+            toks[idx] = sample(torch.cat([st.logits for st in sts]), seen, params, seed, pos)
         return toks
+
+    def _copy_to_host(self, toks: torch.Tensor) -> None:
+        """Start copying the tokens to the host (pinned buffer + event on CUDA), before the
+        next step is launched behind them on the same stream."""
+        if toks.device.type != "cuda":
+            self._host = toks
+            return
+        n = toks.shape[0]
+        if self._host is None or self._host.shape[0] < n:
+            self._host = torch.empty(max(n, 16), dtype=torch.long, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        self._host[:n].copy_(toks, non_blocking=True)
+        self._copied.record()
+
+    def _host_tokens(self, n: int) -> list[int]:
+        if self._copied is not None and self._host.is_pinned():
+            self._copied.synchronize()
+        return self._host[:n].tolist()

@@ -218,14 +218,19 @@ class BatchStep:
         else:
             self.x.copy_(e.run_loops(self.x, p, stage, stage + 1, depth=self.depth))
 
-    def __call__(self, tokens: list[int], positions: list[int], depths: list[int], run=None) -> torch.Tensor:
+    def __call__(self, tokens: list[int], positions: list[int], depths: list[int], run=None,
+                 on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Step the lanes: logits (bucket, V), a view of the static output that the next step
         overwrites. Lists of `bucket` entries (idle lanes as above); run(stage) runs a stage:
-        `self.run` (eager) or a captured graph's replay."""
+        `self.run` (eager) or a captured graph's replay. on_device (lane indices, tokens), both
+        device tensors: those lanes' tokens, sampled on the device and not read on the host
+        yet (a pipelined step); they replace the host list's entries."""
         src = torch.tensor([tokens, positions, depths])
         if self.ctl.is_cuda:
             src = src.pin_memory()
         self.ctl.copy_(src, non_blocking=True)
+        if on_device is not None:
+            self.ctl[0].index_copy_(0, *on_device)
         e, loops = self.engine, max(depths)
         before = e.counters.snapshot()
         for stage in self.stages(loops):

@@ -186,10 +186,11 @@ class BatchGraphs:
         """The smallest bucket that holds lanes [0, lanes)."""
         return next((b for b in self.buckets if b >= lanes), None)
 
-    def run(self, tokens: list[int], positions: list[int], depths: list[int]) -> torch.Tensor:
-        """One batched step over lanes [0, len(tokens)) (idle lanes as in `BatchStep`): logits
-        (len(tokens), V), a view the next step overwrites. A stage with no graph (not
-        captured, or a CPU engine) runs eagerly on the same buffers."""
+    def run(self, tokens: list[int], positions: list[int], depths: list[int],
+            on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One batched step over lanes [0, len(tokens)) (idle lanes and on_device as in
+        `BatchStep`): logits (len(tokens), V), a view the next step overwrites. A stage with no
+        graph (not captured, or a CPU engine) runs eagerly on the same buffers."""
         n = len(tokens)
         b = self.bucket(n)
         if b is None:
@@ -201,7 +202,7 @@ class BatchGraphs:
         def run(stage):
             g = self.graphs.get((b, stage))
             step.run(stage) if g is None else g.replay()
-        return step(tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad, run)[:n]
+        return step(tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad, run, on_device)[:n]
 
     def _idle(self, b: int) -> torch.Tensor:
         S = self.engine.cache.max_seq_len

@@ -161,3 +161,23 @@ def test_idle_lanes_keep_their_cache(model):
         b.step()
     assert b.steps == 5 and b.stepper.bucket(5) == 8
     assert torch.equal(e.cache.k[:, held + [6, 7]], before[0]) and torch.equal(e.cache.v[:, held + [6, 7]], before[1])
+
+
+def test_lane_reused_between_two_steps(model):
+    """A stream cancelled and a new one joined on the same lane between two steps: the step
+    launched ahead for the old stream is dropped, the new stream gets exactly its own tokens."""
+    old = _request(model, GREEDY, prompt=[3, 17, 42], loops=4, max_tokens=20, seed=1)
+    new = _request(model, SAMPLED, prompt=[9, 9, 8, 1, 2], loops=2, max_tokens=7, seed=2)
+    other = _request(model, GREEDY, prompt=[5, 6], loops=3, max_tokens=9, seed=3)
+    want_new, want_other = _alone(model, new, 0)[0], _alone(model, other, 0)[0]
+    b = Batcher(model.engine)
+    got_other, _ = b.join(model.start(other, 1))
+    b.join(model.start(old, 2))
+    for _ in range(3):
+        got_other.extend(b.step()[1][0])
+    b.leave(2)
+    got_new, _ = b.join(model.start(new, 2))
+    while b:
+        for lane, (ids, _) in b.step().items():
+            (got_new if lane == 2 else got_other).extend(ids)
+    assert got_new == want_new and got_other == want_other
