@@ -147,9 +147,11 @@ class Batcher:
         dev = None
         if on_device:
             device = e.cache.k.device
-            dev = (torch.tensor(list(on_device), device=device), torch.stack(list(on_device.values())))
+            dev = (self._to_device(list(on_device)), torch.stack(list(on_device.values())))
         logits = self.stepper.run(tokens, positions, depths, dev)  # the static output: the next step's
-        return logits[torch.tensor(lanes, device=logits.device)]
+        if lanes[-1] - lanes[0] + 1 == len(lanes):
+            return logits[lanes[0]:]
+        return logits.index_select(0, self._to_device(lanes))
 
     def _sample(self, lanes: list[int]) -> torch.Tensor:
         """Every stream's next token (len(lanes),) on the device from its logits: one `sample`
@@ -158,16 +160,26 @@ class Batcher:
         groups: dict = {}
         for row, lane in enumerate(lanes):
             groups.setdefault(self.states[lane].req.sampling, []).append(row)
-        device = self.engine.cache.k.device
-        toks = torch.empty(len(lanes), dtype=torch.long, device=device)
+        toks = None
         for params, rows in groups.items():
             sts = [self.states[lanes[r]] for r in rows]
-            idx = torch.tensor(rows, device=device)
             seen = torch.cat([st.seen for st in sts])
             seed = torch.cat([st.seed for st in sts])
-            pos = torch.tensor([st.pos for st in sts], device=device)
-            toks[idx] = sample(torch.cat([st.logits for st in sts]), seen, params, seed, pos)
+            pos = None if params.greedy else self._to_device([st.pos for st in sts])
+            got = sample(torch.cat([st.logits for st in sts]), seen, params, seed, pos)
+            if len(rows) == len(lanes):
+                return got
+            if toks is None:
+                toks = torch.empty(len(lanes), dtype=torch.long, device=got.device)
+            toks.index_copy_(0, self._to_device(rows), got)
         return toks
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A small int64 host list on the device without a host sync: a pageable copy would
+        wait for the step launched ahead, and the pipelining would be lost."""
+        t = torch.tensor(values, dtype=torch.long)
+        device = self.engine.cache.k.device
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
     def _copy_to_host(self, toks: torch.Tensor) -> None:
         """Start copying the tokens to the host (pinned buffer + event on CUDA), before the
