@@ -32,7 +32,7 @@ class TritonOps(Ops):
         from tinyloop.kernels.gemv import gemv
         # Batched decode steps (B > 1 lanes) keep cuBLAS: on the H200 the fused projection of up
         # to 16 rows (kernels/gemv.py, M > 1) passes its tests but made a 9-lane step slower,
-        # 1.75 against 1.24 ms at a801900 (bench/results/batch-cuda-gemv-rows.json, docs/performance.md).
+        # 1.75 against 1.24 ms (bench/results/batch-cuda-gemv-rows.json vs batch-cuda-a801900.json).
         # Model(...)._module.use_fast_path(..., gemv_rows=16) engages it.
         self.gemv, self.gemv_rows = gemv, 1
         from tinyloop.kernels.rmsnorm import rms_norm
