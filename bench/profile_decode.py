@@ -8,7 +8,8 @@ The sum of kernel times is what the step costs with no launch gaps at all; the c
 
 Then one fresh generate (prefix --context, 16 tokens, the served path: prefill graphs,
 pipelined decode on graph steps), wall clock against the GPU's busy time (kernels, those the
-graphs launch included, and copies): what is left is the device waiting on the host."""
+graphs launch included, and copies): what is left is the device waiting on the host. And
+the kernels of that prompt's prefill on its own (the stage graphs), against its wall time."""
 from __future__ import annotations
 
 import argparse
@@ -55,26 +56,57 @@ def main() -> None:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    per = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name][0] += ev.device_time / steps / 1e3  # ms per step
-            per[ev.name][1] += 1
-    rows = sorted(({"kernel": k, "ms_per_step": v[0], "launches_per_step": v[1] / steps} for k, v in per.items()),
-                  key=lambda r: -r["ms_per_step"])
+    rows = [{"kernel": r["kernel"], "ms_per_step": r["ms"], "launches_per_step": r["launches"]}
+            for r in kernel_rows(prof, steps)]
     kernel_ms = sum(r["ms_per_step"] for r in rows)
     floor_ms = bytes_per_token(cfg, L, T)["total"] / (c["copy_GBps"] * 1e6)
     print(f"L={L}: floor {floor_ms:.3f} ms, graph step {graph_ms:.3f} ms, kernels alone {kernel_ms:.3f} ms "
           f"({sum(r['launches_per_step'] for r in rows):.0f} launches)")
     for r in rows[:25]:
         print(f"  {r['ms_per_step'] * 1e3:8.1f} us  x{r['launches_per_step']:5.1f}  {r['kernel'][:110]}")
+    pre = prefill_profile(m, prompt, L)
+    print(f"prefill({T} tokens, L={L}, the served path: stage graphs): {pre['wall_ms']:.3f} ms wall, "
+          f"kernels {pre['kernel_sum_ms']:.3f} ms")
+    for r in pre["kernels"][:15]:
+        print(f"  {r['ms'] * 1e3:8.1f} us  x{r['launches']:5.1f}  {r['kernel'][:110]}")
     gen = generate_profile(m, prompt, L)
     print(f"generate(prefix {T}, decode 16, L={L}): {gen['wall_ms']:.2f} ms wall, GPU busy {gen['gpu_busy_ms']:.2f} ms "
           f"({gen['gpu_ops']} kernels and copies)")
     write("profile-decode-cuda", {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
                                   "floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms,
-                                  "kernels": rows, "generate": gen}, args.out_dir)
+                                  "kernels": rows, "prefill": pre, "generate": gen}, args.out_dir)
     m.close()
+
+
+def kernel_rows(prof, runs: int) -> list[dict]:
+    """GPU ms and launches per run of each kernel name, slowest first."""
+    per = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time / runs / 1e3
+            per[ev.name][1] += 1
+    return sorted(({"kernel": k, "ms": v[0], "launches": v[1] / runs} for k, v in per.items()),
+                  key=lambda r: -r["ms"])
+
+
+def prefill_profile(m: Model, prompt: list[int], L: int, runs: int = 3) -> dict:
+    """One fresh prompt's prefill on the served path (the stage graphs): wall ms, and the GPU
+    time of each kernel the graphs launch."""
+    import time
+    e = m.engine
+    for _ in range(2):
+        prefill(e, 0, prompt, L, 0)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    prefill(e, 0, prompt, L, 0)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            prefill(e, 0, prompt, L, 0)
+        torch.cuda.synchronize()
+    rows = kernel_rows(prof, runs)
+    return {"tokens": len(prompt), "wall_ms": wall, "kernel_sum_ms": sum(r["ms"] for r in rows), "kernels": rows}
 
 
 def generate_profile(m: Model, prompt: list[int], L: int, tokens: int = 16) -> dict:
