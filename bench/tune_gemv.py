@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ import torch
 
 from bench.common import hardware, write
 from bench.decode import ceilings, device_ms
-from tinyloop.kernels import gemv as G
+import tinyloop.kernels.gemv  # noqa: F401  (the module: the package exports the function under its name)
+G = sys.modules["tinyloop.kernels.gemv"]
 
 D, F, HEADS_DIM, VOCAB = 2048, 5632, 6144, 32000  # bench-285m: d_model, d_ff, q|k|v rows, vocab
 PROJECTIONS = {  # name: (N, K, flags) as gemv() sees them
