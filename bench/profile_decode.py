@@ -122,12 +122,19 @@ def generate_profile(m: Model, prompt: list[int], L: int, tokens: int = 16) -> d
         wall = (time.perf_counter() - t) * 1e3
     spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
                    if ev.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
+    busy, end, gaps = 0.0, float("-inf"), []
     for a, b in spans:  # union of intervals, in microseconds
         if b > end:
+            if end > float("-inf") and a > end:
+                gaps.append((a - end, end - spans[0][0]))
             busy += b - max(a, end)
             end = b
-    return {"tokens": tokens, "wall_ms": wall, "gpu_busy_ms": busy / 1e3, "gpu_ops": len(spans)}
+    gaps.sort(reverse=True)
+    return {"tokens": tokens, "wall_ms": wall, "gpu_busy_ms": busy / 1e3, "gpu_ops": len(spans),
+            "gpu_span_ms": (end - spans[0][0]) / 1e3,
+            # the device idle between its first and last op: the longest gaps, and where they start
+            "idle_gaps_us": [{"us": g, "at_us": at} for g, at in gaps[:20]],
+            "idle_over_10us_ms": sum(g for g, _ in gaps if g > 10) / 1e3}
 
 
 if __name__ == "__main__":
