@@ -17,7 +17,8 @@ Sections. Each is written to the JSON as it completes, so a partial run still re
              engine's prefill alone (the prompt's stages and the state that decides the
              first token: graphs_prefill_ms).
   compiled   the plain decoder's step under torch.compile (fullgraph, dynamic=False) in the
-             modes max-autotune-no-cudagraphs and reduce-overhead (with CUDA graphs). Each step
+             modes default (what a plain torch.compile(fn) gives), max-autotune-no-cudagraphs
+             and reduce-overhead (with CUDA graphs). Each step
              is fed its own token on the device, as gpt-fast's loop does. Every L is its own
              compile, so this runs only at --compile-loops (default: L = 8, the issue's
              baseline). It records the compile seconds, ms/token, and at L = 8 the generate
@@ -45,7 +46,7 @@ from tinyloop.worker import Model, checkpoint
 from tinyloop.worker.config import PRESETS, LoopedConfig
 from tinyloop.worker.generate import prefill
 
-COMPILE_MODES = ("max-autotune-no-cudagraphs", "reduce-overhead")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 GEN_PREFIX, GEN_DECODE, GEN_LOOPS = 128, 16, 8
 
 
