@@ -37,29 +37,32 @@ of kernels/rope.py, one launch per layer) into the split kernel. With p_b = posi
                           o[b, h] = softmax(scale * q_rot[h] . [K[b, h // G, :p_b]; k_new]^T) [...; v_new]
     idle (otherwise):     no write; o[b, h] = v_new[h // G] (the new key alone)
 
-which is rope_cache_write then decode_attention(seq_lens = p_b + 1) for a live lane. Every
-program rotates its group's q heads (cos / sin are one row per lane); the program of split 0
-also rotates the new key, starts its online softmax from it (m = s_new, l = 1, acc = v_new, so
-p_b = 0 needs no cache slot) and stores k_new, v_new into slot p_b. Every program reads slots
-[start, min(end, p_b)) only, never slot p_b itself, so no program reads what another writes; an
-idle lane reads no slot at all (batched decode pads with idle lanes, which must cost nothing).
-As with decode_attention the grid depends on B, Hkv and S only.
+which is rope_cache_write then decode_attention(seq_lens = p_b + 1) for a live lane, with cos /
+sin gathered from the tables at row p_b. Every program rotates its group's q heads with its
+lane's row (row 0 for an idle lane: its rotation reaches nothing, and a position outside [0, S)
+is never a row read); the program of split 0 also rotates the new key, starts its online softmax
+from it (m = s_new, l = 1, acc = v_new, so p_b = 0 needs no cache slot) and stores k_new, v_new
+into slot p_b. Every program reads slots [start, min(end, p_b)) only, never slot p_b itself, so
+no program reads what another writes; an idle lane reads no slot at all (batched decode pads
+with idle lanes, which must cost nothing). As with decode_attention the grid depends on B, Hkv
+and S only. The slot is the position itself: a ring buffer (slot = position % W, every slot
+valid once wrapped) is not served by this op.
 
 Both ops launch with programmatic dependent launch where the GEMV does (Hopper and later,
 `_launch.use_pdl`): the kernel lets the next one launch at once, so the projection after it
 starts loading its weights while attention drains, then waits for the previous kernel's writes.
 decode_attention reads nothing before that wait. rope_decode_attention loads positions[b] and
-its cos / sin before it, since they never come from the projection launched just before (which
-writes q, k, v): the contract is that positions and cos / sin are not written by a kernel
-launched with PDL since the last ordinary launch in the stream (only such a kernel can still be
-running). The engine writes positions by a host copy or fill before the step. The slot is the
-position itself: a ring buffer (slot = position % W, every slot valid once wrapped) is not
-served by this op.
+its cos / sin rows before it, since they never come from the projection launched just before
+(which writes q, k, v): the contract is that positions and the tables are not written by a
+kernel launched with PDL since the last ordinary launch in the stream (only such a kernel can
+still be running). The engine's tables never change, and it writes positions by a host copy or
+fill before the step.
 
 Layouts: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), any strides (views of one fused projection);
-cos, sin (B, 1, hd // 2) fp32 gathered at each token's position; positions (B,) int64; caches as
-above. q, k, v fp16 / bf16 / fp32, caches in q.dtype; the rotation is fp32, q_rot is rounded to
-q.dtype and the new k / v to the cache dtype before use, as the unfused pair does. hd even.
+cos, sin (P, hd // 2) fp32 tables, row p the angles of position p, P >= S (a row for every cache
+slot), any strides; positions (B,) int64; caches as above. q, k, v fp16 / bf16 / fp32, caches in
+q.dtype; the rotation is fp32, q_rot is rounded to q.dtype and the new k / v to the cache dtype
+before use, as the unfused pair does. hd even.
 """
 import functools
 import math
@@ -220,8 +223,8 @@ def _rope_decode_attention_split_kernel(
     q_ptr,  # (B, H, hd): q[:, 0]
     k_ptr,  # (B, Hkv, hd): k[:, 0]
     v_ptr,  # (B, Hkv, hd): v[:, 0]
-    cos_ptr,  # (B, hd // 2) fp32
-    sin_ptr,  # (B, hd // 2) fp32
+    cos_ptr,  # (P, hd // 2) fp32, P >= S
+    sin_ptr,  # (P, hd // 2) fp32
     positions_ptr,  # (B,) int64
     k_cache_ptr,  # (B, Hkv, S, hd)
     v_cache_ptr,  # (B, Hkv, S, hd)
@@ -233,8 +236,8 @@ def _rope_decode_attention_split_kernel(
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_b, stride_k_h, stride_k_d,
     stride_v_b, stride_v_h, stride_v_d,
-    stride_cos_b, stride_cos_d,
-    stride_sin_b, stride_sin_d,
+    stride_cos_p, stride_cos_d,
+    stride_sin_p, stride_sin_d,
     stride_pos,
     stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
     stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
@@ -255,7 +258,8 @@ def _rope_decode_attention_split_kernel(
     # Before the wait: positions and cos / sin are not the previous kernel's (module docstring).
     pos = tl.load(positions_ptr + b * stride_pos)
     live = (pos >= 0) & (pos < S)
-    n_cached = tl.where(live, pos, 0).to(tl.int32)  # cache slots before the new token
+    row = tl.where(live, pos, 0)  # of the tables: in range, since P >= S
+    n_cached = row.to(tl.int32)  # cache slots before the new token
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, n_cached)  # never slot pos itself: split 0 writes it
 
@@ -265,8 +269,8 @@ def _rope_decode_attention_split_kernel(
     first = offs_d < HALF
     partner = tl.where(first, offs_d + HALF, offs_d - HALF)
     pair = tl.where(first, offs_d, offs_d - HALF)  # column of cos / sin
-    cos = tl.load(cos_ptr + b * stride_cos_b + pair * stride_cos_d, mask=mask_d, other=0.0)
-    sin = tl.load(sin_ptr + b * stride_sin_b + pair * stride_sin_d, mask=mask_d, other=0.0)
+    cos = tl.load(cos_ptr + row * stride_cos_p + pair * stride_cos_d, mask=mask_d, other=0.0)
+    sin = tl.load(sin_ptr + row * stride_sin_p + pair * stride_sin_d, mask=mask_d, other=0.0)
     sin = tl.where(first, -sin, sin)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v: the projection launched just before writes them
@@ -367,11 +371,14 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
     check_shape(op, "v", v, (B, 1, Hkv, hd))
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"{op}: query heads {H} must be a multiple of kv heads {Hkv}")
-    check_shape(op, "cos", cos, (B, 1, hd // 2))
-    check_shape(op, "sin", sin, (B, 1, hd // 2))
     check_shape(op, "positions", positions, (B,))
     check_rank(op, "k_cache", k_cache, 4, "(B, Hkv, S, hd)")
     S = k_cache.shape[2]
+    check_rank(op, "cos", cos, 2, "(P, hd // 2)")
+    if cos.shape[0] < S or cos.shape[1] != hd // 2:
+        raise ValueError(f"{op}: cos must have shape (P, {hd // 2}) with P >= S = {S} (a row per "
+                         f"cache slot), got {tuple(cos.shape)}")
+    check_shape(op, "sin", sin, tuple(cos.shape))
     check_shape(op, "k_cache", k_cache, (B, Hkv, S, hd))
     check_shape(op, "v_cache", v_cache, (B, Hkv, S, hd))
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -460,7 +467,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale):
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len):
     """rope_decode_attention with an explicit split length (slots per split); tests use it to
     force many splits on short caches."""
-    q, k, v, cos, sin = q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]  # views: drop T = 1
+    q, k, v = q[:, 0], k[:, 0], v[:, 0]  # views: drop T = 1
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _split_and_merge(_rope_decode_attention_split_kernel,
                             (q, k, v, cos, sin, positions, k_cache, v_cache),
@@ -470,8 +477,9 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
 
 
 def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
-    """RoPE + cache write of one new token per lane + decode attention, in one launch: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin (B, 1, hd // 2), positions
-    (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype."""
+    """RoPE + cache write of one new token per lane + decode attention, in one launch: q (B, 1,
+    H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered at positions (B,)
+    int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype."""
     _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -501,12 +509,14 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale):
 
 
 def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
-    """The spec, in plain torch: rope_cache_write then decode_attention over p_b + 1 slots for
-    a live lane; an idle lane (p_b outside [0, S)) writes nothing and outputs its own v, rounded
-    to the cache dtype as if it had gone through the cache. Writes the caches in place."""
+    """The spec, in plain torch: rope_cache_write at rows p_b of the tables then decode_attention
+    over p_b + 1 slots for a live lane; an idle lane (p_b outside [0, S)) writes nothing and
+    outputs its own v, rounded to the cache dtype as if it had gone through the cache. Writes the
+    caches in place."""
     S = k_cache.shape[2]
     live = (positions >= 0) & (positions < S)  # (B,)
-    q_rot = rope_cache_write_ref(q, k, v, cos, sin, positions[:, None], k_cache, v_cache)[:, :, 0]
+    rows = torch.where(live, positions, 0)[:, None]  # (B, 1): row 0 for an idle lane, as the kernel
+    q_rot = rope_cache_write_ref(q, k, v, cos[rows], sin[rows], positions[:, None], k_cache, v_cache)[:, :, 0]
     o = decode_attention_ref(q_rot, k_cache, v_cache, torch.where(live, positions + 1, 0), scale)
     G = q.shape[2] // k.shape[2]
     v_alone = v[:, 0].to(v_cache.dtype).repeat_interleave(G, dim=1).to(q.dtype)  # (B, H, hd)

@@ -12,6 +12,7 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -33,26 +34,41 @@ class Tree:
     query_nodes: torch.Tensor | None = None  # (T,) node index of each query; None: all N nodes
 
 
+RopeRows = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # LoopedTransformer.rope_rows
+
+
 @dataclass
 class Pass:
+    """Where a chunk sits. Its RoPE rows, cos and sin (B, T, hd/2) at the positions, are gathered
+    from the model's tables when an attention first asks (`rope_rows`) and kept for the other
+    layers: a decode step on the full cache never asks, its attention op gathers one row per
+    lane itself. A pass whose stages are captured as separate graphs must gather them before
+    the first capture (PaddedPrefill does), or a replay of a later stage would read rows that
+    only the first stage's replay writes."""
     lanes: slice                 # cache slots of the B lanes, contiguous
     positions: torch.Tensor      # (B, T) int64 absolute positions
     kv_len: int                  # host-side bound: every position in the pass is < kv_len
     window: int = 0              # 0: full cache; W > 0: ring of W positions per lane
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
+    rope: RopeRows | None = None           # None: no attention of the pass asks for rows
     norm_max: torch.Tensor | None = None   # (B,) max residual L2 norm seen per lane, if tracked
     trace: list | None = None              # (label, (B, D) last-position residual) per stage
     tree: Tree | None = None               # tree mode (speculative verify); None: causal chunk
     seq_lens: torch.Tensor | None = None   # (B,) positions[:, -1] + 1: what a ring decode step attends to
+    rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # rope_rows, once asked
+
+    def rope_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, T, hd/2) fp32 at the positions."""
+        if self.rows is None:
+            self.rows = self.rope(self.positions, self.kv_len)
+        return self.rows
 
     def narrow(self, n: int) -> "Pass":
         """The first n lanes (mixed-depth batches keep the deepest lanes first)."""
         start = self.lanes.start
-        return Pass(slice(start, start + n), self.positions[:n], self.kv_len, self.window,
-                    self.cos[:n], self.sin[:n],
+        return Pass(slice(start, start + n), self.positions[:n], self.kv_len, self.window, self.rope,
                     None if self.norm_max is None else self.norm_max[:n], None,
-                    seq_lens=None if self.seq_lens is None else self.seq_lens[:n])
+                    seq_lens=None if self.seq_lens is None else self.seq_lens[:n],
+                    rows=None if self.rows is None else (self.rows[0][:n], self.rows[1][:n]))
 
 
 @dataclass
@@ -84,16 +100,18 @@ class Engine:
     def __post_init__(self):
         self.config = self.model.config
         self.scale = self.config.head_dim ** -0.5
+        if self.cache.max_seq_len > self.model.rope_cos.shape[0]:
+            raise ValueError(f"a cache of {self.cache.max_seq_len} positions needs RoPE tables that long, "
+                             f"the model has {self.model.rope_cos.shape[0]} (its max_seq_len)")
 
     # -- passes --------------------------------------------------------------------------
     def make_pass(self, lanes: slice, positions: torch.Tensor, kv_len: int, window: int = 0,
                   track_norm: bool = False, trace: list | None = None) -> Pass:
-        cos, sin = self.model.rope_tables(positions)
         B = positions.shape[0]
         norm_max = torch.zeros(B, device=positions.device) if track_norm else None
         # a ring-window decode step reads p.seq_lens in every layer: computed once per pass
         seq_lens = positions[:, -1] + 1 if positions.shape[1] == 1 and window else None
-        return Pass(lanes, positions, kv_len, window, cos, sin, norm_max, trace, seq_lens=seq_lens)
+        return Pass(lanes, positions, kv_len, window, self.model.rope_rows, norm_max, trace, seq_lens=seq_lens)
 
     # -- stages --------------------------------------------------------------------------
     @torch.no_grad()
@@ -165,21 +183,22 @@ class Engine:
     def _attend(self, layer: int, p: Pass) -> Attend:
         kc = self.cache.k[layer, p.lanes]  # (B, Hkv, S, hd) view
         vc = self.cache.v[layer, p.lanes]
-        ops, scale, W = self.ops, self.scale, p.window
+        ops, scale, W, model = self.ops, self.scale, p.window, self.model
 
         def attend(q, k, v):
             T = q.shape[1]
             if p.tree is not None:
                 return self._attend_tree(q, k, v, p, kc, vc)
             if W == 0 and T == 1:
-                # a decode step: RoPE, the cache write and attention in one op; a position
-                # outside the cache (an idle lane of a batched step) writes and reads nothing
-                return ops.rope_decode_attention(q, k, v, p.cos, p.sin, p.positions[:, 0], kc, vc,
-                                                 scale)[:, :, None]
+                # a decode step: RoPE (rows of the model's tables, gathered by the op), the
+                # cache write and attention in one op; a position outside the cache (an idle
+                # lane of a batched step) writes and reads nothing
+                return ops.rope_decode_attention(q, k, v, model.rope_cos, model.rope_sin, p.positions[:, 0],
+                                                 kc, vc, scale)[:, :, None]
             if W == 0 or T == 1:
                 # write first, then read: a single new token cannot evict a key it needs
                 write_idx = p.positions if W == 0 else p.positions % W
-                qr = ops.rope_cache_write(q, k, v, p.cos, p.sin, write_idx, kc, vc)  # (B, H, T, hd)
+                qr = ops.rope_cache_write(q, k, v, *p.rope_rows(), write_idx, kc, vc)  # (B, H, T, hd)
                 if T == 1:
                     kv = slice(None) if W == 0 else slice(0, W)
                     return ops.decode_attention(qr[:, :, 0], kc[:, :, kv], vc[:, :, kv],
@@ -197,8 +216,9 @@ class Engine:
         then write the chunk's last W tokens."""
         W = p.window
         T = q.shape[1]
-        qr = self.ops.apply_rope(q, p.cos, p.sin).transpose(1, 2)  # (B, H, T, hd)
-        kr = self.ops.apply_rope(k, p.cos, p.sin).transpose(1, 2)  # (B, Hkv, T, hd)
+        cos, sin = p.rope_rows()
+        qr = self.ops.apply_rope(q, cos, sin).transpose(1, 2)  # (B, H, T, hd)
+        kr = self.ops.apply_rope(k, cos, sin).transpose(1, 2)  # (B, Hkv, T, hd)
         vt = v.transpose(1, 2)
         last = p.positions[:, :1] - 1                              # (B, 1) newest position in the ring
         slot = torch.arange(W, device=q.device)
@@ -217,7 +237,7 @@ class Engine:
         """Write the nodes' K / V at their slots, then attend with the ancestor bitmask. Keys
         past kv_len (nodes not written yet, stale entries) are never part of the read."""
         t = p.tree
-        qr = self.ops.rope_cache_write(q, k, v, p.cos, p.sin, t.slots, kc, vc)  # (B, H, T, hd)
+        qr = self.ops.rope_cache_write(q, k, v, *p.rope_rows(), t.slots, kc, vc)  # (B, H, T, hd)
         if t.query_nodes is not None:
             # a subset of the nodes asks (one depth of a tree being drafted): the op's query
             # t is node t, so place the queries at their nodes and read those rows back

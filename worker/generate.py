@@ -111,6 +111,7 @@ class PaddedPrefill:
         self.tokens, self.x = tokens[:, :bucket], x[:, :bucket]   # (1, bucket), (1, bucket, D)
         self.last, self.logits = last, logits                     # (1,) index T-1, (1, V) output
         self.p = engine.make_pass(slice(lane, lane + 1), torch.arange(bucket, device=device)[None], bucket)
+        self.p.rope_rows()  # now, outside any capture: every stage's graph reads them (see Pass)
 
     @staticmethod
     def stages(loops: int) -> list:
@@ -188,19 +189,21 @@ class BatchStep:
     Inputs per lane: the token, its position and its depth (`Engine.run_loops(depth=...)`);
     a lane that takes no part in the step is idle: token 0, position `max_seq_len` (outside
     the cache: `rope_decode_attention` neither writes nor reads its cache) and depth 0.
-    Stages: "prelude" (RoPE tables from the positions, then embed and prelude), iteration i (every lane,
-    a lane past its depth carries its residual through), "coda" (the coda and the logits of
-    every lane). The buffers may be views of larger ones shared by every bucket
+    Stages: "prelude" (embed and prelude), iteration i (every lane, a lane past its depth
+    carries its residual through), "coda" (the coda and the logits of every lane). No stage
+    computes RoPE rows: each attention gathers its lanes' rows of the model's tables at the
+    positions in the buffer. The buffers may be views of larger ones shared by every bucket
     (`batch_buffers`): their stages never run at once."""
 
     def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
-        ctl, x, cos, sin, logits = buffers if buffers is not None else batch_buffers(engine, bucket)
+        ctl, x, logits = buffers if buffers is not None else batch_buffers(engine, bucket)
         self.engine, self.bucket = engine, bucket
         self.ctl = ctl[:, :bucket]                       # (3, bucket) int64: tokens, positions, depths
         self.tokens, self.depth = self.ctl[0, :, None], self.ctl[2]
         self.x, self.logits = x[:bucket], logits[:bucket]  # (bucket, 1, D), (bucket, V)
         S = engine.cache.max_seq_len
-        self.p = Pass(slice(0, bucket), self.ctl[1, :, None], S + 1, 0, cos[:bucket], sin[:bucket])
+        # no rope: rows kept in this pass would go stale, its positions change every step
+        self.p = Pass(slice(0, bucket), self.ctl[1, :, None], S + 1)
 
     stages = staticmethod(PaddedPrefill.stages)  # the same stage names: prelude, each iteration, coda
 
@@ -209,9 +212,6 @@ class BatchStep:
         """One stage, eagerly (what a graph captures)."""
         e, p = self.engine, self.p
         if stage == "prelude":
-            cos, sin = e.model.rope_tables(p.positions)
-            p.cos.copy_(cos)
-            p.sin.copy_(sin)
             self.x.copy_(e.embed_prelude(self.tokens, p))
         elif stage == "coda":
             self.logits.copy_(e.logits(e.coda(self.x, p))[:, -1])
@@ -243,14 +243,11 @@ class BatchStep:
 
 def batch_buffers(engine: Engine, bucket: int) -> tuple:
     """Static buffers of a batched decode step of up to `bucket` lanes: (tokens, positions,
-    depths), residual, RoPE cos and sin, logits."""
+    depths), residual, logits."""
     cfg, device = engine.config, engine.cache.k.device
     dtype = engine.model.tok_embeddings.weight.dtype
-    half = cfg.head_dim // 2
     return (torch.zeros(3, bucket, dtype=torch.long, device=device),
             torch.zeros(bucket, 1, cfg.d_model, dtype=dtype, device=device),
-            torch.zeros(bucket, 1, half, dtype=torch.float32, device=device),
-            torch.zeros(bucket, 1, half, dtype=torch.float32, device=device),
             torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device))
 
 

@@ -170,7 +170,13 @@ class LoopedTransformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        inv_freq = inv_freq.float()
+        angles = torch.arange(cfg.max_seq_len).float()[:, None] * inv_freq  # (max_seq_len, hd/2)
+        # fp32 RoPE, kept as int32 bit patterns: Module.to(dtype) casts floating buffers only, and
+        # the checkpoint loader moves the model to the serving dtype (a bf16 inv_freq puts the
+        # angle of position 1000 up to 1.2 rad off at hd 128). Not persistent: not in checkpoints.
+        for name, t in (("inv_freq", inv_freq), ("rope_cos", angles.cos()), ("rope_sin", angles.sin())):
+            self.register_buffer(f"{name}_bits", t.view(torch.int32), persistent=False)
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """GPT-2 style init: N(0, std), output projections scaled down by depth."""
@@ -197,8 +203,30 @@ class LoopedTransformer(nn.Module):
             elif isinstance(m, Block):
                 m.gemv, m.gemv_rows = self.gemv, self.gemv_rows
 
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) int -> cos, sin (B, T, hd/2) fp32."""
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """(hd/2,) fp32 rotation frequencies."""
+        return self.inv_freq_bits.view(torch.float32)
+
+    @property
+    def rope_cos(self) -> torch.Tensor:
+        """(max_seq_len, hd/2) fp32: row p is cos(p * inv_freq), computed once at init."""
+        return self.rope_cos_bits.view(torch.float32)
+
+    @property
+    def rope_sin(self) -> torch.Tensor:
+        """(max_seq_len, hd/2) fp32: row p is sin(p * inv_freq)."""
+        return self.rope_sin_bits.view(torch.float32)
+
+    def rope_rows(self, positions: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) int, every one in [0, bound) -> cos, sin (B, T, hd/2) fp32.
+
+        Rows of the tables, so that every path (prefill, decode, the full forward) rotates by the
+        same values: torch's CPU cos / sin can differ in the last bit between the vectorized and
+        the scalar loop, so the same angle computed in two tensor shapes need not agree. Past the
+        tables (bound > max_seq_len; no cache holds such positions) they are computed."""
+        if bound <= self.rope_cos.shape[0]:
+            return self.rope_cos[positions], self.rope_sin[positions]
         ang = positions.to(torch.float32)[..., None] * self.inv_freq
         return ang.cos(), ang.sin()
 
@@ -224,7 +252,7 @@ class LoopedTransformer(nn.Module):
         tokens (B, T) -> logits (B, T, vocab)."""
         B, T = tokens.shape
         pos = torch.arange(T, device=tokens.device)
-        cos, sin = self.rope_tables(pos.expand(B, T))
+        cos, sin = self.rope_rows(pos.expand(B, T), T)
         mask = None
         if window:
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (T, T)

@@ -18,11 +18,13 @@ F32, F16 = torch.float32, torch.float16
 Inputs = namedtuple("Inputs", "q k v cos sin positions k_cache v_cache k_buf v_buf")
 
 
-def make_inputs(B, H, Hkv, hd, S, dtype, positions, seed):
+def make_inputs(B, H, Hkv, hd, S, dtype, positions, seed, rows=None):
     """q (B, 1, H, hd), k, v (B, 1, Hkv, hd) as views of one fused projection output; caches
     (B, Hkv, S, hd) as views into a (layers, B, S + 2, Hkv, hd) buffer (k_buf / v_buf), so every
-    stride differs from the contiguous one. Deterministic in seed: a second call gives an
-    identical copy, for the reference and for the untouched-slots check."""
+    stride differs from the contiguous one; cos, sin tables of `rows` positions (default S, the
+    fewest allowed) as views into NaN-filled buffers, so a row read outside the table (an idle
+    lane's position -1 or >= rows) poisons the output. Deterministic in seed: a second call gives
+    an identical copy, for the reference and for the untouched-slots check."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     qkv = torch.randn(B, 1, (H + 2 * Hkv) * hd, generator=g).to(DEVICE, dtype)
     q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
@@ -30,8 +32,21 @@ def make_inputs(B, H, Hkv, hd, S, dtype, positions, seed):
     bufs = [torch.randn(3, B, S + 2, Hkv, hd, generator=g).to(DEVICE, dtype) for _ in range(2)]
     k_cache, v_cache = (buf[1, :, :S].permute(0, 2, 1, 3) for buf in bufs)
     positions = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
-    cos, sin = rope_tables(positions.clamp(min=0)[:, None], hd)  # (B, 1, hd // 2)
-    return Inputs(q, k, v, cos, sin, positions, k_cache, v_cache, *bufs)
+    P, half = S if rows is None else rows, hd // 2
+    tables = []
+    for t in rope_tables(torch.arange(P, device=DEVICE)[None], hd):  # (1, P, hd // 2)
+        buf = torch.full((P + 4, half + 3), float("nan"), device=DEVICE)
+        buf[2:P + 2, 1:half + 1] = t[0]
+        tables.append(buf[2:P + 2, 1:half + 1])  # (P, hd // 2) view
+    return Inputs(q, k, v, *tables, positions, k_cache, v_cache, *bufs)
+
+
+def table_rows(inputs, S):
+    """cos, sin (B, 1, hd // 2) at each lane's position (row 0 for an idle lane), for the
+    unfused kernels."""
+    p = inputs.positions
+    rows = torch.where((p >= 0) & (p < S), p, 0)[:, None]
+    return inputs.cos[rows], inputs.sin[rows]
 
 
 def lane_positions(S):
@@ -55,10 +70,10 @@ def assert_caches(got, ref, orig, S):
             assert torch.equal(buf[written], buf_ref[written])  # v is copied, not computed
 
 
-def run_both(launch, B, H, Hkv, hd, S, dtype, positions, seed, scale):
+def run_both(launch, B, H, Hkv, hd, S, dtype, positions, seed, scale, rows=None):
     """launch(*args, scale) on one copy of the inputs and the reference on another: both outputs
     and the caches checked (against a third, untouched copy)."""
-    got, ref, orig = (make_inputs(B, H, Hkv, hd, S, dtype, positions, seed) for _ in range(3))
+    got, ref, orig = (make_inputs(B, H, Hkv, hd, S, dtype, positions, seed, rows) for _ in range(3))
     out = launch(*got[:8], scale)
     assert out.shape == (B, H, hd)
     assert_close(out, rope_decode_attention_ref(*ref[:8], scale), "attention")
@@ -95,11 +110,12 @@ def assert_counters_zero(device):
 def test_rope_decode_attention_many_splits(H, Hkv, S, split_len):
     """Splits at or past pos (and every split of an idle lane) must write neutral partials, and
     the last program of each group merges them: pos 16 ends a split of 16 exactly, pos 17 leaves
-    one slot in the next; -1 and S are idle. A second launch on the same inputs (slot pos now
-    holds the key it writes again) gives the same output bitwise, and after each the shared
-    split counters are back at zero."""
+    one slot in the next; -1 and S are idle (tables of S rows, or longer as the engine's). A
+    second launch on the same inputs (slot pos now holds the key it writes again) gives the same
+    output bitwise, and after each the shared split counters are back at zero."""
     out, got = run_both(lambda *a: _rope_decode_attention(*a, split_len), 6, H, Hkv, 24, S, F32,
-                        [S - 1, 16, 17, 0, -1, S], seed=S + split_len + H, scale=0.2)
+                        [S - 1, 16, 17, 0, -1, S], seed=S + split_len + H, scale=0.2,
+                        rows=S if split_len == 16 else S + 7)
     assert_counters_zero(out.device)
     assert torch.equal(_rope_decode_attention(*got[:8], 0.2, split_len), out)
     assert_counters_zero(out.device)
@@ -129,7 +145,7 @@ def assert_equals_unfused(B, H, Hkv, hd, S, dtype, positions, seed):
     fused, u = (make_inputs(B, H, Hkv, hd, S, dtype, positions, seed) for _ in range(2))
     scale = hd ** -0.5
     out = rope_decode_attention(*fused[:8], scale)
-    q_rot = rope_cache_write(u.q, u.k, u.v, u.cos, u.sin, u.positions[:, None], u.k_cache, u.v_cache)
+    q_rot = rope_cache_write(u.q, u.k, u.v, *table_rows(u, S), u.positions[:, None], u.k_cache, u.v_cache)
     expected = decode_attention(q_rot[:, :, 0], u.k_cache, u.v_cache, u.positions + 1, scale)
     live = (u.positions >= 0) & (u.positions < S)
     assert_close(out[live], expected[live], "attention")
@@ -165,6 +181,12 @@ def test_rope_decode_attention_rejects_bad_inputs():
         call(q=a.q.expand(2, 2, 4, 16))
     with pytest.raises(ValueError, match=f"{op}: cos must have shape"):
         call(cos=a.cos[..., :-1])
+    with pytest.raises(ValueError, match=f"{op}: cos must have shape \\(P, 8\\) with P >= S = 8"):
+        call(cos=a.cos[:-1])  # a cache slot with no row
+    with pytest.raises(ValueError, match=f"{op}: sin must have shape \\(8, 8\\)"):
+        call(sin=a.sin[:, :-1])
+    with pytest.raises(ValueError, match=f"{op}: cos must be 2-D"):
+        call(cos=a.cos[None])
     with pytest.raises(ValueError, match=f"{op}: query heads 3 must be a multiple of kv heads 2"):
         call(q=a.q[:, :, :3])
     with pytest.raises(ValueError, match=f"{op}: head dim must be even"):
@@ -196,12 +218,12 @@ def test_rope_decode_attention_gpu_bf16(positions, Hkv):
 @pytest.mark.parametrize("split_len", [None, 64])
 def test_rope_decode_attention_gpu_cuda_graph(split_len):
     """No host sync, a grid independent of the positions and no memset of the split counters:
-    one captured graph replays at any positions, idle lanes included, over the launcher's
-    splits and over 32 forced ones."""
+    one captured graph replays at any positions (the tables stay put), idle lanes included, over
+    the launcher's splits and over 32 forced ones."""
     B, H, Hkv, hd, S = 4, 16, 4, 128, 2048
-    got = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, [0, 1, 2, 3], seed=5)
-    static_pos, static_cos, static_sin = got.positions.clone(), got.cos.clone(), got.sin.clone()
-    args = (got.q, got.k, got.v, static_cos, static_sin, static_pos, got.k_cache, got.v_cache, hd ** -0.5)
+    got = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, [0, 1, 2, 3], seed=5, rows=4096)
+    static_pos = got.positions.clone()
+    args = (got.q, got.k, got.v, got.cos, got.sin, static_pos, got.k_cache, got.v_cache, hd ** -0.5)
 
     def launch():
         if split_len is None:
@@ -213,13 +235,11 @@ def test_rope_decode_attention_gpu_cuda_graph(split_len):
     with torch.cuda.graph(graph):
         out = launch()
     for positions in ([0, 127, 2047, 2048], [2048, 1000, 5, 2047], [64, 2048, 0, 1]):
-        ref = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=5)
-        new = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=5)
+        ref = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=5, rows=4096)
+        new = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=5, rows=4096)
         got.k_buf.copy_(new.k_buf)
         got.v_buf.copy_(new.v_buf)
         static_pos.copy_(new.positions)
-        static_cos.copy_(new.cos)
-        static_sin.copy_(new.sin)
         graph.replay()
         assert_close(out.clone(), rope_decode_attention_ref(*ref[:8], hd ** -0.5), "attention")
         assert_caches(got, ref, new, S)
