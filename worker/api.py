@@ -76,7 +76,8 @@ class Model:
         self.engine = Engine(model, KVCache(self.config, n_slots, self.max_seq_len, self.config.max_loops,
                                             self.device, self.dtype), select_ops(self.device, backend))
         if self.engine.ops.name == "triton":
-            model.use_fast_path(self.engine.ops.rms_norm, self.engine.ops.gemv, self.engine.ops.gemv_rows)
+            ops = self.engine.ops
+            model.use_fast_path(ops.rms_norm, ops.gemv, ops.gemv_rows, ops.swiglu)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs:

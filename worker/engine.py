@@ -18,7 +18,7 @@ import torch
 
 from tinyloop.worker.cache import KVCache
 from tinyloop.worker.model import Attend, LoopedTransformer
-from tinyloop.worker.ops import Ops, masked_attention
+from tinyloop.worker.ops import Ops, causal_attention, masked_attention
 
 
 @dataclass
@@ -46,7 +46,8 @@ class Pass:
     the first capture (PaddedPrefill does), or a replay of a later stage would read rows that
     only the first stage's replay writes."""
     lanes: slice                 # cache slots of the B lanes, contiguous
-    positions: torch.Tensor      # (B, T) int64 absolute positions
+    positions: torch.Tensor      # (B, T) int64 absolute positions; outside tree mode, T > 1
+                                 # are consecutive and end at kv_len - 1 (a prompt, a chunk)
     kv_len: int                  # host-side bound: every position in the pass is < kv_len
     window: int = 0              # 0: full cache; W > 0: ring of W positions per lane
     rope: RopeRows | None = None           # None: no attention of the pass asks for rows
@@ -203,6 +204,10 @@ class Engine:
                     kv = slice(None) if W == 0 else slice(0, W)
                     return ops.decode_attention(qr[:, :, 0], kc[:, :, kv], vc[:, :, kv],
                                                 p.seq_lens, scale)[:, :, None]
+                if T == p.kv_len:
+                    # a fresh prompt (positions 0..T-1, see Pass): plain causal attention, no
+                    # mask to build, the fused SDPA kernels
+                    return causal_attention(qr, kc[:, :, :T], vc[:, :, :T], scale)
                 k_pos = torch.arange(p.kv_len, device=q.device)
                 return masked_attention(qr, kc[:, :, :p.kv_len], vc[:, :, :p.kv_len],
                                         p.positions, k_pos, 0, scale)

@@ -54,11 +54,20 @@ class Generation(list):
 TokenStream = Generator[list[int], None, Finish]
 
 
+def device_tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """torch.tensor(data) on `device`, with no host sync: a copy to the GPU from pageable
+    memory waits for all the work queued before it (a prefill just launched, a step launched
+    ahead); from pinned memory it is queued like a kernel."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _seen_mask(engine: Engine, tokens: list[list[int]]) -> torch.Tensor:
     V = engine.config.vocab_size
-    seen = torch.zeros(len(tokens), V, dtype=torch.bool, device=engine.cache.k.device)
-    for b, t in enumerate(tokens):
-        seen[b, torch.tensor(t, dtype=torch.long, device=seen.device)] = True
+    device = engine.cache.k.device
+    seen = torch.zeros(len(tokens), V, dtype=torch.bool, device=device)
+    idx = device_tensor([[b for b, t in enumerate(tokens) for _ in t], [i for t in tokens for i in t]], device)
+    seen[idx[0], idx[1]] = True
     return seen
 
 
@@ -73,7 +82,7 @@ def prefill(engine: Engine, lane: int, tokens: list[int], loops: int, window: in
             return logits, None
     device = engine.cache.k.device
     T = len(tokens)
-    t = torch.tensor([tokens], dtype=torch.long, device=device)
+    t = device_tensor([tokens], device)
     p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, window, track_norm)
     return engine.forward(t, p, loops)[:, -1], p.norm_max
 
@@ -328,7 +337,7 @@ class DecodeState:
         self.logits, self.norm = logits, norm   # (1, V) predicts the token at pos; (1,) or None
         self.pos = len(req.prompt)               # absolute position of the token being decided
         self.seen = _seen_mask(engine, [req.prompt])
-        self.seed = torch.tensor([req.seed], device=device)
+        self.seed = device_tensor([req.seed], device)
         self.generated = 0
         self.reason = FINISH_LENGTH
         self.tok: torch.Tensor | None = None     # (1,) the token decided last, on the device
@@ -487,8 +496,8 @@ def batch(engine: Engine, prompts: list[list[int]], lane_loops: list[int], max_t
     B = len(prompts)
     first = torch.cat([prefill(engine, b, prompts[b], lane_loops[b], window)[0] for b in range(B)], 0)
     seen = _seen_mask(engine, prompts)
-    seed = torch.tensor(seeds, device=device)
-    pos = torch.tensor([len(p) for p in prompts], device=device)
+    seed = device_tensor(seeds, device)
+    pos = device_tensor([len(p) for p in prompts], device)
     out: list[list[int]] = [[] for _ in range(B)]
     reasons = [FINISH_LENGTH] * B
     done = [False] * B
@@ -507,7 +516,7 @@ def batch(engine: Engine, prompts: list[list[int]], lane_loops: list[int], max_t
         if all(done):
             return out, reasons
         seen.scatter_(1, tok[:, None], True)
-        active = torch.tensor([not d for d in done], device=device)
+        active = device_tensor([not d for d in done], device, torch.bool)
         if stepper is not None:
             S = engine.cache.max_seq_len
             logits = stepper.run([0 if d else t for d, t in zip(done, toks)],

@@ -50,6 +50,14 @@ class RMSNorm(nn.Module):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): with the kernel, one launch (the sum rounds as
+        the unfused add does, so both are bitwise the ops below)."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual=residual)
+        h = x + residual
+        return self(h), h
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: LoopedConfig):
@@ -101,12 +109,15 @@ class FeedForward(nn.Module):
         self.w13 = w
         self.w1.weight.data, self.w3.weight.data = w.chunk(2)
 
+    swiglu = None  # a fused `swiglu(gate, up)` (Triton on CUDA); None: F.silu(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "w13"):
             gate, up = linear(x, self.w13).chunk(2, -1)
         else:
             gate, up = linear(x, self.w1.weight), linear(x, self.w3.weight)
-        return linear(F.silu(gate) * up, self.w2.weight)
+        act = F.silu(gate) * up if self.swiglu is None else self.swiglu(gate, up)
+        return linear(act, self.w2.weight)
 
 
 class Block(nn.Module):
@@ -132,8 +143,8 @@ class Block(nn.Module):
         a = self.attention(self.attention_norm(x), attend)
         if self.sandwich:
             a = self.post_attention_norm(a)
-        x = x + a
-        f = self.feed_forward(self.ffn_norm(x))
+        h, x = self.ffn_norm.add(a, x)  # x + a and its norm
+        f = self.feed_forward(h)
         if self.sandwich:
             f = self.post_ffn_norm(f)
         return x + f
@@ -190,14 +201,17 @@ class LoopedTransformer(nn.Module):
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
-    def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1) -> None:
-        """Inference on CUDA: fused projections, a fused RMSNorm kernel and, given `gemv`,
-        decode steps of up to `gemv_rows` lanes in fused projections (fewer, larger launches:
-        decode of a small model is bound by launches as much as by weight reads)."""
+    def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1, swiglu=None) -> None:
+        """Inference on CUDA: fused projections, a fused RMSNorm kernel (with the residual add
+        before the feed-forward norm), a fused SwiGLU and, given `gemv`, decode steps of up to
+        `gemv_rows` lanes in fused projections (fewer, larger launches: decode of a small model
+        is bound by launches as much as by weight reads)."""
         self.gemv, self.gemv_rows = gemv, gemv_rows if gemv is not None else 0
         for m in self.modules():
             if isinstance(m, (Attention, FeedForward)):
                 m.fuse()
+                if isinstance(m, FeedForward):
+                    m.swiglu = swiglu
             elif isinstance(m, RMSNorm):
                 m.kernel = rms_norm
             elif isinstance(m, Block):

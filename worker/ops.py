@@ -37,7 +37,9 @@ class TritonOps(Ops):
         self.gemv, self.gemv_rows = gemv, 1
         from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
+        from tinyloop.kernels.swiglu import swiglu
         self.rms_norm = rms_norm
+        self.swiglu = swiglu
         self.rope_cache_write = rope_cache_write
         self.decode_attention = decode_attention
         self.rope_decode_attention = rope_decode_attention
@@ -54,6 +56,13 @@ def select_ops(device: torch.device, backend: str | None = None) -> Ops:
             raise ValueError(f"backend 'triton' needs a CUDA device, got {device}")
         return TritonOps()
     raise ValueError(f"unknown backend {backend!r}: expected 'torch' or 'triton'")
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A fresh prompt's attention: q (B, H, T, hd) at positions 0..T-1 over k/v (B, Hkv, T, hd)
+    at the same positions, each query seeing the keys at or before it."""
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

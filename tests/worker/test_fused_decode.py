@@ -1,11 +1,13 @@
 """The fused single-token layer step (Block.token_step on kernels/gemv.py, what CUDA decode
-runs) against the unfused layer: same logits at every decode step, same greedy tokens. On CPU
+runs) and the fused prompt layer (the residual add in the norm kernel, kernels.swiglu) against
+the unfused layer: same logits at every step, the prompt's included, same greedy tokens. On CPU
 the Triton kernels run under the interpreter."""
 import pytest
 import torch
 
 from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
+from tinyloop.kernels.swiglu import swiglu
 from tinyloop.worker import Model
 from tinyloop.worker.generate import prefill
 
@@ -25,8 +27,9 @@ def decode_logits(m: Model, loops: int, toks: list[int], T0: int) -> torch.Tenso
 @pytest.mark.parametrize("config_path", ["gqa-prelude-coda", "sandwich", "untied-2-layer-block"], indirect=True)
 def test_fused_token_step_matches_unfused(config_path, loops=2):
     with Model(config_path, max_seq_len=64) as ref, Model(config_path, max_seq_len=64) as fused:
-        fused._module.use_fast_path(rms_norm, gemv)
-        calls = []
+        calls, acts = [], []
+        fused._module.use_fast_path(rms_norm, gemv,
+                                    swiglu=lambda g, u: acts.append(g.shape[-2]) or swiglu(g, u))
         for blk in fused._module.modules():
             if hasattr(blk, "token_step"):
                 blk.gemv = lambda *a, _g=gemv, **k: calls.append(1) or _g(*a, **k)
@@ -34,6 +37,7 @@ def test_fused_token_step_matches_unfused(config_path, loops=2):
         want = decode_logits(ref, loops, toks, len(PROMPT))
         got = decode_logits(fused, loops, toks, len(PROMPT))
         assert calls, "the fused step never ran"
+        assert len(PROMPT) in acts, "the prompt's feed-forward never ran the fused SwiGLU"
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4
         assert fused.generate(PROMPT, loops=loops, max_tokens=4) == toks
 

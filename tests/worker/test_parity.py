@@ -100,3 +100,15 @@ def test_stop_token_ends_generation(tiny_model):
     out = tiny_model.generate(PROMPTS[0], loops=4, max_tokens=10, stop_token_ids=[stop])
     assert out.finish_reason == "stop"
     assert out == full[:full.index(stop, len(PROMPTS[0])) + 1]
+
+
+def test_causal_attention_is_the_masked_attention_of_a_fresh_prompt():
+    """The engine's fresh-prompt attention (is_causal, no mask) against the masked attention
+    with every key's position, GQA included."""
+    from tinyloop.worker.ops import causal_attention, masked_attention
+    torch.manual_seed(0)
+    T = 13
+    q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, T, 8), torch.randn(2, 2, T, 8)
+    pos = torch.arange(T)
+    want = masked_attention(q, k, v, pos.expand(2, T), pos, 0, 0.3)
+    torch.testing.assert_close(causal_attention(q, k, v, 0.3), want)
