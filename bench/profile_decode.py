@@ -70,6 +70,10 @@ def main() -> None:
     for r in pre["kernels"][:15]:
         print(f"  {r['ms'] * 1e3:8.1f} us  x{r['launches']:5.1f}  {r['kernel'][:110]}")
     gen = generate_profile(m, prompt, L)
+    gen["wall_by_tokens"] = wall_by_tokens(m, prompt, L)
+    per_token = (gen["wall_by_tokens"][-1]["ms"] - gen["wall_by_tokens"][1]["ms"]) / (16 - 2)
+    print("generate wall by max_tokens: " + ", ".join(f"{r['tokens']}: {r['ms']:.2f} ms" for r in gen["wall_by_tokens"])
+          + f"; {per_token:.3f} ms per token past the second, against the {graph_ms:.3f} ms graph step")
     print(f"generate(prefix {T}, decode 16, L={L}): {gen['wall_ms']:.2f} ms wall, GPU busy {gen['gpu_busy_ms']:.2f} ms "
           f"({gen['gpu_ops']} kernels and copies)")
     write("profile-decode-cuda", {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
@@ -107,6 +111,25 @@ def prefill_profile(m: Model, prompt: list[int], L: int, runs: int = 3) -> dict:
         torch.cuda.synchronize()
     rows = kernel_rows(prof, runs)
     return {"tokens": len(prompt), "wall_ms": wall, "kernel_sum_ms": sum(r["ms"] for r in rows), "kernels": rows}
+
+
+def wall_by_tokens(m: Model, prompt: list[int], L: int, counts=(1, 2, 4, 8, 16), repeat: int = 10) -> list[dict]:
+    """Median wall ms of one generate per max_tokens, no profiler: the slope is what a token
+    costs on the served path (the graph step plus the host's work per token, where the two do
+    not overlap), the intercept what a request costs besides."""
+    import statistics
+    import time
+    rows = []
+    for n in counts:
+        times = []
+        for _ in range(repeat + 2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            m.generate(prompt, loops=L, max_tokens=n)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        rows.append({"tokens": n, "ms": statistics.median(times[2:])})
+    return rows
 
 
 def generate_profile(m: Model, prompt: list[int], L: int, tokens: int = 16) -> dict:
