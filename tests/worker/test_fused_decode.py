@@ -1,7 +1,8 @@
 """The fused single-token layer step (Block.token_step on kernels/gemv.py, what CUDA decode
 runs) and the fused prompt layer (the residual add in the norm kernel, kernels.swiglu) against
 the unfused layer: same logits at every step, the prompt's included, same greedy tokens. On CPU
-the Triton kernels run under the interpreter."""
+the Triton kernels run under the interpreter; on a GPU host, on the GPU (fp32, both models on
+the torch reference ops but for the fused parts, no graphs)."""
 import pytest
 import torch
 
@@ -12,6 +13,11 @@ from tinyloop.worker import Model
 from tinyloop.worker.generate import prefill
 
 PROMPT = [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model(path, **kw) -> Model:
+    return Model(path, max_seq_len=64, device=DEVICE, dtype="float32", backend="torch", cuda_graphs=False, **kw)
 
 
 def decode_logits(m: Model, loops: int, toks: list[int], T0: int) -> torch.Tensor:
@@ -19,14 +25,14 @@ def decode_logits(m: Model, loops: int, toks: list[int], T0: int) -> torch.Tenso
     logits, _ = prefill(e, 0, toks[:T0], loops, 0)
     steps = [logits[0]]
     for pos in range(T0, len(toks)):
-        p = e.make_pass(slice(0, 1), torch.tensor([[pos]]), pos + 1)
-        steps.append(e.forward(torch.tensor([[toks[pos]]]), p, loops)[0, -1])
+        p = e.make_pass(slice(0, 1), torch.tensor([[pos]], device=DEVICE), pos + 1)
+        steps.append(e.forward(torch.tensor([[toks[pos]]], device=DEVICE), p, loops)[0, -1])
     return torch.stack(steps)
 
 
 @pytest.mark.parametrize("config_path", ["gqa-prelude-coda", "sandwich", "untied-2-layer-block"], indirect=True)
 def test_fused_token_step_matches_unfused(config_path, loops=2):
-    with Model(config_path, max_seq_len=64) as ref, Model(config_path, max_seq_len=64) as fused:
+    with model(config_path) as ref, model(config_path) as fused:
         calls, acts = [], []
         fused._module.use_fast_path(rms_norm, gemv,
                                     swiglu=lambda g, u: acts.append(g.shape[-2]) or swiglu(g, u))
@@ -48,7 +54,7 @@ def test_fused_batched_step_matches_unfused(config_path):
     fused projections of up to 16 rows: each stream's greedy tokens are its unfused stream's,
     and every step's logits agree to 1e-4."""
     from tinyloop.worker.batcher import Batcher
-    with Model(config_path, max_seq_len=64, n_slots=4) as ref, Model(config_path, max_seq_len=64, n_slots=4) as fused:
+    with model(config_path, n_slots=4) as ref, model(config_path, n_slots=4) as fused:
         fused._module.use_fast_path(rms_norm, gemv, gemv_rows=16)
         rows = []
         for blk in fused._module.modules():
