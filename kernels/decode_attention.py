@@ -6,23 +6,13 @@
 Slots j < n_b are valid, in any order, so the same kernel serves a linear cache and a ring
 buffer sliding window (S == window, every filled slot valid). n_b == 0 gives a zero output.
 
-Flash-decoding in one launch: one program per (b, kv head, split of S); the program loads each
-K / V tile once for all G query heads of its group (a (G, hd) x (hd, BLOCK_N) dot) and keeps an
-online softmax, writing the partial (max m, sum l, unnormalized acc) of its split. The last
-program of a (b, kv head) group to finish merges the group's splits: after storing its partial
-each program adds 1 to the group's int32 counter (an acq_rel atomic at GPU scope, after a CTA
-barrier so that the whole program's stores precede it); the one that reads NUM_SPLITS - 1
-resets the counter to 0, reads every split's partial back through L2 (``.cg``: never a stale L1
-line) and writes o for the group's G heads. The grid depends only on B, Hkv and S, never on
-seq_lens, so the launch needs no host sync and can be captured in a CUDA graph; splits past n_b
-write neutral partials (m = -inf, l = 0, acc = 0).
-
-The counters live in one zeroed int32 buffer per device (``_split_counters``), shared by every
-launch and left at zero by each, so a launch or a CUDA-graph replay needs no memset. Two
-launches on one device must therefore not run concurrently on different streams; the engine
-issues its whole step on one stream. The buffer is allocated (and zeroed) by the first eager
-launch that needs its size; the engine runs eager warm-up steps before any capture. A launch
-captured before that gets a buffer of its own, zeroed inside the graph at each replay.
+Flash-decoding in two launches: the split kernel runs one program per (b, kv head, split of S);
+the program loads each K / V tile once for all G query heads of its group (a (G, hd) x
+(hd, BLOCK_N) dot) and keeps an online softmax, writing the partial (max m, sum l, unnormalized
+acc) of its split. The merge kernel, one program per (b, h), combines the splits of its head
+into o. The grids depend only on B, H, Hkv and S, never on seq_lens, so the launches need no
+host sync and can be captured in a CUDA graph; splits past n_b write neutral partials
+(m = -inf, l = 0, acc = 0).
 
 Layouts: q (B, H, hd); k_cache, v_cache (B, Hkv, S, hd), any strides; seq_lens (B,) int32 /
 int64 on the device. Dtypes: q and caches share fp16 / bf16 / fp32; softmax and accumulation
@@ -30,7 +20,7 @@ in fp32 (scores in the log2 domain, scale folded into log2(e)); output (B, H, hd
 hd need not be a power of two (masked to BLOCK_D).
 
 ``rope_decode_attention`` fuses the RoPE / K-V cache write of the new token (``rope_cache_write``
-of kernels/rope.py, one launch per layer) into the split kernel. With p_b = positions[b]:
+of kernels/rope.py, a launch of its own per layer) into the split kernel. With p_b = positions[b]:
 
     q_rot = rot(q[b, 0]),  k_new = rot(k[b, 0]),  v_new = v[b, 0]        (rotate-half, as rope.py)
     live (0 <= p_b < S):  K[b, :, p_b] = k_new, V[b, :, p_b] = v_new;
@@ -48,15 +38,17 @@ with idle lanes, which must cost nothing). As with decode_attention the grid dep
 and S only. The slot is the position itself: a ring buffer (slot = position % W, every slot
 valid once wrapped) is not served by this op.
 
-Both ops launch with programmatic dependent launch where the GEMV does (Hopper and later,
-`_launch.use_pdl`): the kernel lets the next one launch at once, so the projection after it
-starts loading its weights while attention drains, then waits for the previous kernel's writes.
-decode_attention reads nothing before that wait. rope_decode_attention loads positions[b] and
-its cos / sin rows before it, since they never come from the projection launched just before
-(which writes q, k, v): the contract is that positions and the tables are not written by a
-kernel launched with PDL since the last ordinary launch in the stream (only such a kernel can
-still be running). The engine's tables never change, and it writes positions by a host copy or
-fill before the step.
+Both ops launch their split and merge kernels with programmatic dependent launch where the
+GEMV does (Hopper and later, `_launch.use_pdl`). Each kernel lets the next one launch at once,
+then waits for the previous kernel's writes: the merge kernel launches while the split kernel
+runs (and waits for its partials), and the projection after the merge starts loading its
+weights while the merge drains. decode_attention's split kernel and the merge kernel read
+nothing before the wait. rope_decode_attention's split kernel loads positions[b] and its cos /
+sin rows before it, since they never come from the projection launched just before (which
+writes q, k, v): the contract is that positions and the tables are not written by a kernel
+launched with PDL since the last ordinary launch in the stream (only such a kernel can still be
+running). The engine's tables never change, and it writes positions by a host copy or fill
+before the step.
 
 Layouts: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), any strides (views of one fused projection);
 cos, sin (P, hd // 2) fp32 tables, row p the angles of position p, P >= S (a row for every cache
@@ -107,43 +99,13 @@ def _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stri
 
 
 @triton.jit
-def _merge_head(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, offs_d, mask_d,
-                BLOCK_SPLITS: tl.constexpr):
-    """o[bh] from the NUM_SPLITS partials of row bh = b * H + h, read through L2 (``.cg``):
-    other programs wrote them, and an L1 line of this SM could predate their writes."""
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    mask_s = offs_s < NUM_SPLITS
-    m = tl.load(m_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(l_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=0.0, cache_modifier=".cg")
-    acc = tl.load(acc_ptr + (bh * NUM_SPLITS + offs_s[:, None]) * HD + offs_d[None, :],
-                  mask=mask_s[:, None] & mask_d[None, :], other=0.0,
-                  cache_modifier=".cg")  # (BLOCK_SPLITS, BLOCK_D)
-    m_max = tl.max(m, axis=0)
-    # An empty sequence has every m = -inf: shift by 0 instead, so weights are 0, not NaN.
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    l_total = tl.sum(l * w, axis=0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.where(l_total == 0.0, 1.0, l_total)
-    tl.store(o_ptr + bh * HD + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
-
-
-@triton.jit
-def _store_and_merge(m_ptr, l_ptr, acc_ptr, counters_ptr, o_ptr, m, l, acc, b, kvh, heads, split,
-                     H, HD, GROUP, NUM_SPLITS, mask_g, offs_d, mask_d, BLOCK_SPLITS: tl.constexpr):
-    """Store this split's partial of the group's heads; the group's last program to get here
-    merges all of them into o."""
+def _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
+                    mask_g, offs_d, mask_d):
+    """Store this split's partial (m, l, acc) of the group's heads, for the merge kernel."""
     part = (b * H + heads) * NUM_SPLITS + split  # (BLOCK_G,) row of the partial tensors
     tl.store(m_ptr + part, m, mask=mask_g)
     tl.store(l_ptr + part, l, mask=mask_g)
     tl.store(acc_ptr + part[:, None] * HD + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
-    # The atomic is one thread's: the barrier puts every thread's stores above before its release.
-    tl.debug_barrier()
-    counter = counters_ptr + b * tl.num_programs(1) + kvh
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-        tl.store(counter, 0)  # every program of the group has counted: ready for the next launch
-        tl.debug_barrier()  # and the acquire is one thread's too: the whole program reads after it
-        for g in range(GROUP):
-            _merge_head(m_ptr, l_ptr, acc_ptr, o_ptr, b * H + kvh * GROUP + g, HD, NUM_SPLITS,
-                        offs_d, mask_d, BLOCK_SPLITS)
 
 
 @triton.jit
@@ -160,9 +122,10 @@ def _load_rotated(row_ptr, stride_d, offs_d, partner_d, mask, cos, sin_signed):
 
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
-    """Launched with programmatic dependent launch: let the next kernel launch now (a GEMV
-    after attention loads its first weights while this drains), then wait for the previous
-    kernel's writes."""
+    """Launched with programmatic dependent launch: let the next kernel launch now (the merge
+    after a split kernel; the GEMV after the merge, which loads its first weights while this
+    drains), then wait for the previous kernel's writes. A kernel that starts with it reads
+    nothing before the wait."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -177,14 +140,11 @@ def _decode_attention_split_kernel(
     m_ptr,  # (B, H, NUM_SPLITS) fp32
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
-    counters_ptr,  # (>= B * Hkv,) int32, zero: split programs done per (b, kv head)
-    o_ptr,  # (B, H, hd) contiguous
     stride_q_b, stride_q_h, stride_q_d,
     stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
     stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
     H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
     qk_scale,
-    BLOCK_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -214,8 +174,8 @@ def _decode_attention_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
                               start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
-    _store_and_merge(m_ptr, l_ptr, acc_ptr, counters_ptr, o_ptr, m, l, acc, b, kvh, heads, split,
-                     H, HD, GROUP, NUM_SPLITS, mask_g, offs_d, mask_d, BLOCK_SPLITS)
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
+                    mask_g, offs_d, mask_d)
 
 
 @triton.jit
@@ -231,8 +191,6 @@ def _rope_decode_attention_split_kernel(
     m_ptr,  # (B, H, NUM_SPLITS) fp32
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
-    counters_ptr,  # (>= B * Hkv,) int32, zero: split programs done per (b, kv head)
-    o_ptr,  # (B, H, hd) contiguous
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_b, stride_k_h, stride_k_d,
     stride_v_b, stride_v_h, stride_v_d,
@@ -243,7 +201,6 @@ def _rope_decode_attention_split_kernel(
     stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
     H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
     qk_scale,
-    BLOCK_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -303,8 +260,37 @@ def _rope_decode_attention_split_kernel(
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
                               start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
-    _store_and_merge(m_ptr, l_ptr, acc_ptr, counters_ptr, o_ptr, m, l, acc, b, kvh, heads, split,
-                     H, HD, GROUP, NUM_SPLITS, mask_g, offs_d, mask_d, BLOCK_SPLITS)
+    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
+                    mask_g, offs_d, mask_d)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    m_ptr,  # (B, H, NUM_SPLITS) fp32
+    l_ptr,  # (B, H, NUM_SPLITS) fp32
+    acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
+    o_ptr,  # (B, H, hd) contiguous
+    HD, NUM_SPLITS,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl_enter(PDL)
+    bh = tl.program_id(0).to(tl.int64)  # b * H + h
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HD
+    m = tl.load(m_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    l = tl.load(l_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=0.0)
+    acc = tl.load(acc_ptr + (bh * NUM_SPLITS + offs_s[:, None]) * HD + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_SPLITS, BLOCK_D)
+    m_max = tl.max(m, axis=0)
+    # An empty sequence has every m = -inf: shift by 0 instead, so weights are 0, not NaN.
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    l_total = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(l_total == 0.0, 1.0, l_total)
+    tl.store(o_ptr + bh * HD + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
 @functools.lru_cache(maxsize=None)
@@ -389,36 +375,10 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
     _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-# Per device: the split counters (see the module docstring). Every buffer handed out stays
-# referenced, since a captured graph keeps its address; the last one serves eager launches.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_CAPTURED_COUNTERS: list[torch.Tensor] = []
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """A zeroed int32 buffer of at least n counters on `device`, shared by every launch there.
-
-    Grown (never shrunk) when a launch needs more. Allocating it zeroes it, a memset: eager,
-    that happens once. Inside a CUDA-graph capture (a launch that no eager launch of its size
-    preceded; the engine's warm-up steps always do) the memset would only run at replay, so
-    the capture gets a fresh buffer, zeroed by the graph before each use, and the shared one
-    is left as it is."""
-    held = _COUNTERS.setdefault(device, [])
-    if held and held[-1].numel() >= n:
-        return held[-1]
-    counters = torch.zeros(max(triton.next_power_of_2(n), 1024), dtype=torch.int32, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _CAPTURED_COUNTERS.append(counters)
-    else:
-        held.append(counters)
-    return counters
-
-
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len):
-    """Launch a split kernel taking (*inputs, m, l, acc, counters, o, *strides, H, S, HD, GROUP,
-    NUM_SPLITS, SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, its last programs
-    merging: o (B, H, hd). q is the (B, H, hd) query (rotated or not): it gives the shapes,
-    dtype and device."""
+    """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
+    SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, then the merge: o (B, H, hd).
+    q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
     if B * H * hd == 0:
@@ -430,10 +390,9 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len)
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
     split_kernel[(B, Hkv, num_splits)](
-        *inputs, m, l, acc, _split_counters(B * Hkv, q.device), o, *strides,
+        *inputs, m, l, acc, *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
         float(scale) * LOG2E,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
         BLOCK_N=_block_n(BLOCK_D),
@@ -441,6 +400,14 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len)
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
+    )
+    _decode_attention_merge_kernel[(B * H,)](
+        m, l, acc, o, hd, num_splits,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_D=BLOCK_D,
+        PDL=pdl,
+        num_warps=1 if BLOCK_D <= 64 else 2,
         launch_pdl=pdl,
     )
     return o
@@ -477,9 +444,9 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
 
 
 def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
-    """RoPE + cache write of one new token per lane + decode attention, in one launch: q (B, 1,
-    H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered at positions (B,)
-    int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype."""
+    """RoPE + cache write of one new token per lane + decode attention, in one split launch and
+    the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered
+    at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype."""
     _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]

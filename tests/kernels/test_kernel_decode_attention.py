@@ -3,7 +3,7 @@ import torch
 from kernel_tolerances import DEVICE, assert_close
 
 from tinyloop.kernels import decode_attention, decode_attention_ref
-from tinyloop.kernels.decode_attention import _COUNTERS, _decode_attention, _split_counters
+from tinyloop.kernels.decode_attention import _decode_attention
 
 
 def make_inputs(B, H, Hkv, hd, S, dtype, seed):
@@ -16,12 +16,6 @@ def make_inputs(B, H, Hkv, hd, S, dtype, seed):
 
 
 F32, F16 = torch.float32, torch.float16
-
-
-def assert_counters_zero(device):
-    """The split counters every launch on the device shares are back at zero (the last program
-    of each group resets its own), so the next launch needs no memset."""
-    assert not _split_counters(1, device).any(), "a split counter was left non-zero"
 
 
 # Every S, hd and GQA ratio (1 / 2 / 4) appears with both dtypes without the full product,
@@ -54,10 +48,10 @@ def test_decode_attention_many_splits(S, split_len):
 
 @pytest.mark.parametrize("split_len", [16, 48])
 @pytest.mark.parametrize("H, Hkv, dtype", [(3, 3, F32), (4, 2, F32), (8, 2, F16)])
-def test_decode_attention_fused_merge(H, Hkv, dtype, split_len):
-    """The last program of each (b, kv head) group merges its splits, empty ones included
-    (splits past seq_len, an empty sequence): the output equals the reference after every
-    launch, the counters are zero after every launch, and launches agree bitwise."""
+def test_decode_attention_merge_of_many_splits(H, Hkv, dtype, split_len):
+    """The merge kernel combines every split of each head, empty ones included (splits past
+    seq_len, an empty sequence), over GQA groups of 1, 2 and 4: the output equals the reference
+    after every launch, and repeated launches agree bitwise."""
     S = 130  # 9 splits of 16, 3 of 48
     q, k_cache, v_cache = make_inputs(5, H, Hkv, 24, S, dtype, seed=H * 100 + split_len)
     seq_lens = torch.tensor([S, 0, 1, 16, 49], device=DEVICE)
@@ -66,24 +60,8 @@ def test_decode_attention_fused_merge(H, Hkv, dtype, split_len):
     for _ in range(3):
         outs.append(_decode_attention(q, k_cache, v_cache, seq_lens, 0.3, split_len))
         assert_close(outs[-1], expected, "attention")
-        assert_counters_zero(q.device)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert torch.all(outs[0][1] == 0)
-
-
-def test_decode_attention_counters_grow(monkeypatch):
-    """A launch over more (b, kv head) groups than the shared buffer holds grows it; the
-    buffer it replaces stays referenced (a captured graph may hold its address)."""
-    q, k_cache, v_cache = make_inputs(3, 4, 2, 16, 20, F32, seed=3)  # 6 groups
-    device = q.device
-    small = torch.zeros(4, dtype=torch.int32, device=device)
-    monkeypatch.setitem(_COUNTERS, device, [small])
-    seq_lens = torch.tensor([20, 0, 7], device=DEVICE)
-    out = _decode_attention(q, k_cache, v_cache, seq_lens, 0.5, 16)
-    assert_close(out, decode_attention_ref(q, k_cache, v_cache, seq_lens, 0.5), "attention")
-    assert _COUNTERS[device][0] is small and _split_counters(1, device).numel() >= 6
-    assert_counters_zero(device)
-    assert not small.any()
 
 
 @pytest.mark.parametrize("split_len", [16, 144])
@@ -129,10 +107,10 @@ def test_decode_attention_gpu_bf16(B, H, Hkv, hd, S):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split_len", [None, 64])
 @pytest.mark.parametrize("Hkv", [16, 4])
-def test_decode_attention_gpu_fused_merge_cuda_graph(Hkv, split_len):
-    """The merge by the last program of each group on the GPU, over the launcher's splits and
-    over 32 forced ones: eager launches, then one captured graph replayed at three sets of
-    seq_lens (empty and full sequences included) with no memset between launches."""
+def test_decode_attention_gpu_split_merge_cuda_graph(Hkv, split_len):
+    """The split and merge kernels on the GPU, over the launcher's splits and over 32 forced
+    ones: eager launches agree bitwise, then one captured graph replayed at three sets of
+    seq_lens (empty and full sequences included)."""
     B, H, hd, S = 4, 16, 128, 2048
     q, k_cache, v_cache = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, seed=Hkv)
     seq_lens = torch.tensor([S, 1, 0, 1000], device="cuda")
@@ -147,33 +125,10 @@ def test_decode_attention_gpu_fused_merge_cuda_graph(Hkv, split_len):
     first = launch()
     assert_close(first, expected, "attention")
     assert torch.equal(launch(), first)
-    assert_counters_zero(q.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = launch()
     for lens in ([0, 127, S, 2047], [S, 0, 1, 300], [5, S, 2000, 0]):
-        seq_lens.copy_(torch.tensor(lens))
-        graph.replay()
-        assert_close(out.clone(), decode_attention_ref(q, k_cache, v_cache, seq_lens, scale), "attention")
-        assert_counters_zero(q.device)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_attention_gpu_captured_before_any_eager_launch(monkeypatch):
-    """A launch captured before any eager launch on its device (no shared counters yet) gets
-    counters of its own, zeroed by the graph at each replay; the shared ones stay unmade."""
-    B, H, Hkv, hd, S = 2, 16, 4, 128, 2048
-    q, k_cache, v_cache = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, seed=11)
-    seq_lens = torch.tensor([S, 3], device="cuda")
-    scale = hd ** -0.5
-    decode_attention(q, k_cache, v_cache, seq_lens, scale)  # compile outside the capture
-    monkeypatch.setitem(_COUNTERS, q.device, [])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(q, k_cache, v_cache, seq_lens, scale)
-    assert _COUNTERS[q.device] == []
-    for lens in ([S, 3], [1, 2047], [0, S]):
         seq_lens.copy_(torch.tensor(lens))
         graph.replay()
         assert_close(out.clone(), decode_attention_ref(q, k_cache, v_cache, seq_lens, scale), "attention")

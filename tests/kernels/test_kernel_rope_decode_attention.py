@@ -11,7 +11,7 @@ from tinyloop.kernels import (
     rope_decode_attention,
     rope_decode_attention_ref,
 )
-from tinyloop.kernels.decode_attention import _rope_decode_attention, _split_counters
+from tinyloop.kernels.decode_attention import _rope_decode_attention
 
 F32, F16 = torch.float32, torch.float16
 
@@ -98,27 +98,19 @@ def test_rope_decode_attention_matches_ref(S, hd, H, Hkv, dtype):
     assert torch.equal(out[3], got.v[3, 0].repeat_interleave(G, dim=0))
 
 
-def assert_counters_zero(device):
-    """The split counters every launch on the device shares are back at zero (the last program
-    of each group resets its own), so the next launch needs no memset."""
-    assert not _split_counters(1, device).any(), "a split counter was left non-zero"
-
-
 @pytest.mark.parametrize("split_len", [16, 48])
 @pytest.mark.parametrize("S", [33, 130])
 @pytest.mark.parametrize("H, Hkv", [(3, 3), (4, 2), (8, 2)])
 def test_rope_decode_attention_many_splits(H, Hkv, S, split_len):
     """Splits at or past pos (and every split of an idle lane) must write neutral partials, and
-    the last program of each group merges them: pos 16 ends a split of 16 exactly, pos 17 leaves
-    one slot in the next; -1 and S are idle (tables of S rows, or longer as the engine's). A
-    second launch on the same inputs (slot pos now holds the key it writes again) gives the same
-    output bitwise, and after each the shared split counters are back at zero."""
+    the merge kernel combines them, over GQA groups of 1, 2 and 4: pos 16 ends a split of 16
+    exactly, pos 17 leaves one slot in the next; -1 and S are idle (tables of S rows, or longer
+    as the engine's). A second launch on the same inputs (slot pos now holds the key it writes
+    again) gives the same output bitwise."""
     out, got = run_both(lambda *a: _rope_decode_attention(*a, split_len), 6, H, Hkv, 24, S, F32,
                         [S - 1, 16, 17, 0, -1, S], seed=S + split_len + H, scale=0.2,
                         rows=S if split_len == 16 else S + 7)
-    assert_counters_zero(out.device)
     assert torch.equal(_rope_decode_attention(*got[:8], 0.2, split_len), out)
-    assert_counters_zero(out.device)
 
 
 @pytest.mark.parametrize("split_len", [16, 144])
@@ -207,9 +199,7 @@ def test_rope_decode_attention_gpu_bf16(positions, Hkv):
     B, H, hd, S = len(positions), 16, 128, 2048
     out, got = run_both(rope_decode_attention, B, H, Hkv, hd, S, torch.bfloat16, positions,
                         seed=Hkv + sum(positions), scale=hd ** -0.5)
-    assert_counters_zero(out.device)
     assert torch.equal(rope_decode_attention(*got[:8], hd ** -0.5), out)
-    assert_counters_zero(out.device)
     assert_equals_unfused(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=1)
 
 
@@ -217,9 +207,9 @@ def test_rope_decode_attention_gpu_bf16(positions, Hkv):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split_len", [None, 64])
 def test_rope_decode_attention_gpu_cuda_graph(split_len):
-    """No host sync, a grid independent of the positions and no memset of the split counters:
-    one captured graph replays at any positions (the tables stay put), idle lanes included, over
-    the launcher's splits and over 32 forced ones."""
+    """No host sync and grids independent of the positions: one captured graph replays at any
+    positions (the tables stay put), idle lanes included, over the launcher's splits and over 32
+    forced ones."""
     B, H, Hkv, hd, S = 4, 16, 4, 128, 2048
     got = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, [0, 1, 2, 3], seed=5, rows=4096)
     static_pos = got.positions.clone()
@@ -243,4 +233,3 @@ def test_rope_decode_attention_gpu_cuda_graph(split_len):
         graph.replay()
         assert_close(out.clone(), rope_decode_attention_ref(*ref[:8], hd ** -0.5), "attention")
         assert_caches(got, ref, new, S)
-        assert_counters_zero(out.device)
