@@ -63,11 +63,15 @@ def device_tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -
 
 
 def _seen_mask(engine: Engine, tokens: list[list[int]]) -> torch.Tensor:
+    """(B, V) bool: the tokens of each (non-empty) prompt. scatter_ takes True as a scalar;
+    `seen[i, j] = True` would copy it to the GPU from pageable memory, which waits for all the
+    work queued before it (a prefill just launched)."""
     V = engine.config.vocab_size
     device = engine.cache.k.device
     seen = torch.zeros(len(tokens), V, dtype=torch.bool, device=device)
-    idx = device_tensor([[b for b, t in enumerate(tokens) for _ in t], [i for t in tokens for i in t]], device)
-    seen[idx[0], idx[1]] = True
+    width = max(map(len, tokens))
+    # rows padded with their first token: marking it twice is harmless
+    seen.scatter_(1, device_tensor([t + t[:1] * (width - len(t)) for t in tokens], device), True)
     return seen
 
 
@@ -424,7 +428,7 @@ class DecodeState:
             return False
         if self.generated >= self.req.max_tokens:
             return False
-        self.seen[0, t] = True
+        self.seen[0, t].fill_(True)  # not `= True`: that copies True from pageable memory, a sync
         return True
 
     def advance(self) -> None:
