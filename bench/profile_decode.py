@@ -8,8 +8,10 @@ The sum of kernel times is what the step costs with no launch gaps at all; the c
 
 Then one fresh generate (prefix --context, 16 tokens, the served path: prefill graphs,
 pipelined decode on graph steps), wall clock against the GPU's busy time (kernels, those the
-graphs launch included, and copies): what is left is the device waiting on the host. And
-the kernels of that prompt's prefill on its own (the stage graphs), against its wall time."""
+graphs launch included, and copies): what is left is the device waiting on the host. Its wall
+time by max_tokens (the slope: a token's cost on the served path), and the host time of each
+call of the pipelined loop per token. And the kernels of that prompt's prefill on its own (the
+stage graphs), against its wall time."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +73,9 @@ def main() -> None:
         print(f"  {r['ms'] * 1e3:8.1f} us  x{r['launches']:5.1f}  {r['kernel'][:110]}")
     gen = generate_profile(m, prompt, L)
     gen["wall_by_tokens"] = wall_by_tokens(m, prompt, L)
+    gen["host_us_per_token"] = host_phases(m, prompt, L)
+    print("host us per token of the pipelined loop: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in gen["host_us_per_token"].items()))
     per_token = (gen["wall_by_tokens"][-1]["ms"] - gen["wall_by_tokens"][1]["ms"]) / (16 - 2)
     print("generate wall by max_tokens: " + ", ".join(f"{r['tokens']}: {r['ms']:.2f} ms" for r in gen["wall_by_tokens"])
           + f"; {per_token:.3f} ms per token past the second, against the {graph_ms:.3f} ms graph step")
@@ -130,6 +135,36 @@ def wall_by_tokens(m: Model, prompt: list[int], L: int, counts=(1, 2, 4, 8, 16),
             times.append((time.perf_counter() - t) * 1e3)
         rows.append({"tokens": n, "ms": statistics.median(times[2:])})
     return rows
+
+
+def host_phases(m: Model, prompt: list[int], L: int, tokens: int = 48) -> dict:
+    """Median host microseconds of each call of the pipelined decode loop (generate.
+    decode_steps) per token: sample, the token's copy to the host, the step launched ahead,
+    the wait for the token, accept. Only the wait should take long (the device's step): a
+    call that syncs shows as one that takes a step's time."""
+    import statistics
+    import time
+    from tinyloop.worker.generate import start
+    clock = time.perf_counter
+    st = start(m.engine, 0, m.make_request(prompt, loops=L, max_tokens=tokens + 1, stop_token_ids=[]))
+    phases = defaultdict(list)
+    for _ in range(tokens):
+        t0 = clock()
+        tok = st.sample()
+        t1 = clock()
+        st.copy_to_host(tok)
+        t2 = clock()
+        st.speculate()
+        t3 = clock()
+        t = st.host_token()
+        t4 = clock()
+        st.accept(t)
+        t5 = clock()
+        for name, a, b in (("sample", t0, t1), ("copy_to_host", t1, t2), ("launch_ahead", t2, t3),
+                           ("wait_token", t3, t4), ("accept", t4, t5), ("total", t0, t5)):
+            phases[name].append((b - a) * 1e6)
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in phases.items()}
 
 
 def generate_profile(m: Model, prompt: list[int], L: int, tokens: int = 16) -> dict:
