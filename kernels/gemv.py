@@ -41,11 +41,7 @@ batch-1 decode at L = 8 from 0.539 to 0.510 ms). M = 1 then loads each next chun
 ahead in registers; M > 1 leaves the loop over the other chunks to Triton's software
 pipeliner and applies the first chunk after it.
 """
-import functools
-import json
 import math
-import os
-from pathlib import Path
 
 import torch
 import triton
@@ -154,36 +150,6 @@ _gemv_tuned = triton.autotune(
     configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "PDL"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_gemv_kernel)
-
-# Configs chosen in the decode step's chain of projections rather than one projection alone:
-# the autotuner times each shape back to back with itself, while in a step each projection
-# overlaps (PDL) the tail of a different one, so its pick can lose there. bench/tune_gemv.py
-# times a graph of every layer's projections at bench-285m shapes per candidate config and
-# writes the winners here, per GPU name, keyed "N,K,flags" (flags: norm, swiglu, residual, pdl
-# joined by "+", or "-" for none) -> [BLOCK_N, BLOCK_K, num_warps, num_stages]. A shape with
-# no entry for the GPU falls back to the autotuner.
-TUNED_FILE = Path(__file__).with_name("gemv_tuned.json")
-
-
-def tuned_key(N: int, K: int, flags: dict, pdl: bool) -> str:
-    """The table's key of one projection: "N,K,flags" with flags in a fixed order."""
-    on = [name for name, set_ in (("norm", flags["NORM"]), ("swiglu", flags["SWIGLU"]),
-                                  ("residual", flags["RESIDUAL"]), ("pdl", pdl)) if set_]
-    return f"{N},{K},{'+'.join(on) or '-'}"
-
-
-@functools.lru_cache(maxsize=None)
-def tuned_table(gpu_name: str) -> dict[str, list[int]]:
-    """The pinned configs of one GPU (a dict the tuning bench edits in place while it runs);
-    TINYLOOP_GEMV_TUNED=0 ignores the file (the autotuner's picks, for an A/B)."""
-    if not TUNED_FILE.exists() or os.environ.get("TINYLOOP_GEMV_TUNED", "1") == "0":
-        return {}
-    return dict(json.loads(TUNED_FILE.read_text()).get("gpus", {}).get(gpu_name, {}))
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
 
 
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
@@ -389,15 +355,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         _gemv_kernel[(triton.cdiv(N, 8),)](*args, **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
     else:
         pdl = use_pdl(x.device) if pdl is None else pdl
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        pinned = tuned_table(_gpu_name(index)).get(tuned_key(N, K, flags, pdl))
-        if pinned is None:
-            _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags, PREFETCH=pdl, PDL=pdl,
-                                                                         launch_pdl=pdl)
-        else:
-            bn, bk, warps, stages = pinned
-            _gemv_kernel[(triton.cdiv(N, bn),)](*args, **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-                                                num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags, PREFETCH=pdl, PDL=pdl,
+                                                                     launch_pdl=pdl)
     return y
 
 
