@@ -126,9 +126,7 @@ def decode_rate(model: Model, loops: int, context: int, steps: int, repeat: int 
 
         def run():
             for _ in range(steps):
-                g.graph.replay()
-                g.tokens.copy_(g.greedy.view(1, 1))
-                g.positions.add_(1)
+                g.graph.replay()  # it feeds itself its greedy token, one position on
             g.positions.fill_(context)
     else:
         def run():

@@ -163,7 +163,7 @@ class Batcher:
         toks = None
         for params, rows in groups.items():
             sts = [self.states[lanes[r]] for r in rows]
-            seen = torch.cat([st.seen for st in sts])
+            seen = None if params.repetition_penalty == 1.0 else torch.cat([st.seen for st in sts])
             seed = torch.cat([st.seed for st in sts])
             pos = None if params.greedy else self._to_device([st.pos for st in sts])
             got = sample(torch.cat([st.logits for st in sts]), seen, params, seed, pos)

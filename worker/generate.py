@@ -340,7 +340,8 @@ class DecodeState:
         self.engine, self.lane, self.req = engine, lane, req
         self.logits, self.norm = logits, norm   # (1, V) predicts the token at pos; (1,) or None
         self.pos = len(req.prompt)               # absolute position of the token being decided
-        self.seen = _seen_mask(engine, [req.prompt])
+        # the tokens seen so far, for the repetition penalty only
+        self.seen = _seen_mask(engine, [req.prompt]) if req.sampling.repetition_penalty != 1.0 else None
         self.seed = device_tensor([req.seed], device)
         self.generated = 0
         self.reason = FINISH_LENGTH
@@ -353,6 +354,7 @@ class DecodeState:
         self._host: torch.Tensor | None = None   # pipelined decode: the token's copy on the host
         self._copied: torch.cuda.Event | None = None
         self._undo: tuple | None = None          # (logits, norm, pos, work) before a speculative step
+        self._graph = None                       # the DecodeGraph whose replay produced `logits`, if one did
 
     @property
     def batchable(self) -> bool:
@@ -367,7 +369,13 @@ class DecodeState:
         return self.warm_L is None and self.req.safety_threshold is None
 
     def sample(self) -> torch.Tensor:
-        """The token at `pos`, (1,) int64 on the device (no host sync)."""
+        """The token at `pos`, (1,) int64 on the device (no host sync). Greedy with no penalty
+        after a graph step: the argmax the graph computed, which the next replay takes as its
+        input where it stands (DecodeGraph.step)."""
+        p = self.req.sampling
+        if self._graph is not None and p.greedy and p.repetition_penalty == 1.0:
+            self.tok = self._graph.greedy
+            return self.tok
         pos = None if self.req.sampling.greedy else torch.full((1,), self.pos, dtype=torch.long,
                                                                device=self.seed.device)
         self.tok = sample(self.logits, self.seen, self.req.sampling, self.seed, pos)
@@ -406,6 +414,7 @@ class DecodeState:
         attends to it."""
         self.logits, self.norm, self.pos, self.work = self._undo
         self._undo = None
+        self._graph = None  # the logits are the copy now: the graph's greedy is the next step's
 
     def decide(self) -> int | None:
         """Sample the token at `pos` on the host; None when the safety check stops the stream
@@ -428,7 +437,8 @@ class DecodeState:
             return False
         if self.generated >= self.req.max_tokens:
             return False
-        self.seen[0, t].fill_(True)  # not `= True`: that copies True from pageable memory, a sync
+        if self.seen is not None:
+            self.seen[0, t].fill_(True)  # not `= True`: that copies True from pageable memory, a sync
         return True
 
     def advance(self) -> None:
@@ -445,8 +455,10 @@ class DecodeState:
         L = self.warm_L if self.warm_L is not None and step < req.warmup_tokens else req.loops
         track = req.safety_threshold is not None
         graph = engine.graphs.get(L, self.lane) if engine.graphs is not None else None
+        self._graph = None
         if graph is not None and L == req.loops and not track and req.window == 0:
             logits = graph.step(self.tok, pos)
+            self._graph = graph
             engine.counters.loop_iterations += L
             engine.counters.loop_token_iterations += L
         else:
@@ -467,6 +479,7 @@ class DecodeState:
         L = self.req.loops
         self.work = self.work.plus(Counters(L, L))
         self.logits = logits
+        self._graph = None
         self.pos += 1
 
     def finish(self) -> Finish:

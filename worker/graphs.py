@@ -33,16 +33,24 @@ class DecodeGraph:
     logits: torch.Tensor     # (1, V) fp32 output
     greedy: torch.Tensor     # (1,) int64 output: argmax of logits
     loops: int
+    next_position: int = -1  # where a replay leaves `positions`: one past the token it ran
 
     def step(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
         """Run the token (a device tensor of one element, or a host int) at `position`: the
-        logits (1, V), the graph's static output."""
-        if isinstance(token, int):
-            self.tokens.fill_(token)
-        else:
-            self.tokens.copy_(token.view(1, 1))
-        self.positions.fill_(position)
+        logits (1, V), the graph's static output.
+
+        A replay ends by feeding itself: its greedy token goes into `tokens` and `positions`
+        moves one on. So a greedy stream that passes `greedy` back at that position (what
+        DecodeState.sample returns after a graph step) sets nothing: the step is the replay
+        alone, with no kernel or copy around it."""
+        if token is not self.greedy or position != self.next_position:
+            if isinstance(token, int):
+                self.tokens.fill_(token)
+            else:
+                self.tokens.copy_(token.view(1, 1))
+            self.positions.fill_(position)
         self.graph.replay()
+        self.next_position = position + 1
         return self.logits
 
 
@@ -61,14 +69,19 @@ class DecodeGraphs:
         self.batch = BatchGraphs(engine, self.pool)
 
     def _eager(self, tokens: torch.Tensor, positions: torch.Tensor, loops: int, lane: int):
+        """The captured step: logits and greedy token of `tokens` at `positions`, then the
+        inputs fed for the next step (the greedy token, one position on; see DecodeGraph.step)."""
         e = self.engine
         p = e.make_pass(slice(lane, lane + 1), positions, e.cache.max_seq_len)
         logits = e.forward(tokens, p, loops)[:, -1]
-        return logits, logits.argmax(-1)
+        greedy = logits.argmax(-1)
+        tokens.copy_(greedy.view(1, 1))
+        positions.add_(1)
+        return logits, greedy
 
     def capture(self, loops: int, lane: int = 0) -> DecodeGraph:
         """Capture at position 0 of `lane`; the step is position-independent, and the warm-up
-        writes only slot 0 of a lane no request holds yet, which its prefill overwrites."""
+        writes only slots 0 and 1 of a lane no request holds yet, which its prefill overwrites."""
         key = (loops, lane)
         if key in self.graphs:
             return self.graphs[key]

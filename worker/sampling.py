@@ -58,9 +58,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
     """CTRL-style penalty (Keskar et al. 2019): seen tokens' positive logits are divided by
-    the penalty, negative ones multiplied. logits (B, V) fp32, seen (B, V) bool."""
+    the penalty, negative ones multiplied. logits (B, V) fp32, seen (B, V) bool (None when the
+    penalty is 1: nothing reads it)."""
     if penalty == 1.0:
         return logits
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -97,7 +98,7 @@ def draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.gather(-1, pick).squeeze(-1)
 
 
-def sample(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams,
+def sample(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingParams,
            seed: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,) int64, for the token at absolute `position` (B,)
     (greedy reads no random number: position may be None)."""
