@@ -305,9 +305,12 @@ def _block_d(hd: int) -> int:
 def _block_n(block_d: int) -> int:
     # The interpreter pays per tile, a GPU per register: small tiles on CPU keep tests exercising
     # the multi-tile loop on short caches.
+    # On the H200, 128 slots a tile (one K and one V load of 32 KB per iteration at hd 128) took
+    # the bench-285m step from 0.488 / 0.470 to 0.471 / 0.450 ms against 64 in two rounds of one
+    # session (bench/results/decode-attention-tile-ab-cuda.json): fewer dependent round trips.
     if interpreting():
         return 16
-    return 64 if block_d <= 128 else 32
+    return 128 if block_d <= 128 else 32
 
 
 def _split_len(B: int, Hkv: int, S: int, device: torch.device, block_n: int) -> int:
