@@ -25,7 +25,7 @@ def main() -> None:
     r = json.loads(Path(args.result).read_text())
     rows = r["decode"]
     L = [row["loops"] for row in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(6.4, 5.0), dpi=120)
     ax.plot(L, [row["eager_torch_ms"] for row in rows], "s-", label="eager torch (same model, same run)")
     ax.plot(L, [row["graph_ms"] for row in rows], "o-", label="TinyLoop Serve (Triton + CUDA graphs)")
     ax.plot(L, [row["floor_ms"] for row in rows], "k--", label="floor: bytes read / copy bandwidth")
@@ -42,7 +42,7 @@ def main() -> None:
     hw = r["hardware"].get("gpu", r["hardware"]["device"])
     ax.set_title(f"bench-285m decode, bf16, {hw}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below the axes: no point hidden
     fig.tight_layout()
     fig.savefig(args.output)
     print(f"wrote {args.output}")
