@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import DecodeState, Finish
+from tinyloop.worker.generate import DecodeState, Finish, device_tensor
 from tinyloop.worker.graphs import BatchGraphs
 from tinyloop.worker.sampling import sample
 
@@ -146,7 +146,6 @@ class Batcher:
             tokens[lane], positions[lane], depths[lane] = st.tok_id, st.pos, st.req.loops
         dev = None
         if on_device:
-            device = e.cache.k.device
             dev = (self._to_device(list(on_device)), torch.stack(list(on_device.values())))
         logits = self.stepper.run(tokens, positions, depths, dev)  # the static output: the next step's
         if lanes[-1] - lanes[0] + 1 == len(lanes):
@@ -177,9 +176,7 @@ class Batcher:
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """A small int64 host list on the device without a host sync: a pageable copy would
         wait for the step launched ahead, and the pipelining would be lost."""
-        t = torch.tensor(values, dtype=torch.long)
-        device = self.engine.cache.k.device
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+        return device_tensor(values, self.engine.cache.k.device)
 
     def _copy_to_host(self, toks: torch.Tensor) -> None:
         """Start copying the tokens to the host (pinned buffer + event on CUDA), before the

@@ -376,9 +376,8 @@ class DecodeState:
         if self._graph is not None and p.greedy and p.repetition_penalty == 1.0:
             self.tok = self._graph.greedy
             return self.tok
-        pos = None if self.req.sampling.greedy else torch.full((1,), self.pos, dtype=torch.long,
-                                                               device=self.seed.device)
-        self.tok = sample(self.logits, self.seen, self.req.sampling, self.seed, pos)
+        pos = None if p.greedy else torch.full((1,), self.pos, dtype=torch.long, device=self.seed.device)
+        self.tok = sample(self.logits, self.seen, p, self.seed, pos)
         return self.tok
 
     def copy_to_host(self, tok: torch.Tensor) -> None:
