@@ -79,3 +79,42 @@ def test_fused_batched_step_matches_unfused(config_path):
             for a, c in zip(wl, hl):
                 if a is not None:
                     assert ((c - a).norm() / a.norm()) < 1e-4, lane
+
+
+@pytest.mark.parametrize("config_path", ["gqa-prelude-coda", "sandwich"], indirect=True)
+def test_l2_hints_reach_the_projections_and_change_nothing(config_path, loops=2):
+    """keep_in_l2: the looped block's named projections load with "keep", every other one (the
+    prelude's, the coda's, the block's others, the head) with "stream"; the logits are bitwise
+    those of no hints. l2_plan keeps what fits the budget in KEEP_ORDER."""
+    from tinyloop.worker.model import KEEP_ORDER
+    with model(config_path) as fused:
+        net = fused._module
+        net.use_fast_path(rms_norm, gemv)
+        toks = PROMPT + fused.generate(PROMPT, loops=loops, max_tokens=3)[len(PROMPT):]
+        plain = decode_logits(fused, loops, toks, len(PROMPT))
+        seen = []
+
+        def spy(x, w, *a, **k):
+            seen.append((w.data_ptr(), k["cache"]))
+            return gemv(x, w, *a, **k)
+        net.gemv = spy
+        for blk in net.modules():
+            if hasattr(blk, "token_step"):
+                blk.gemv = spy
+        net.keep_in_l2(("wqkv", "wo"))
+        hinted = decode_logits(fused, loops, toks, len(PROMPT))
+        assert torch.equal(hinted, plain)
+        kept = {w.data_ptr() for blk in net.loop for n, w in blk.projections().items() if n in ("wqkv", "wo")}
+        assert kept and {p for p, c in seen if c == "keep"} == kept
+        assert {c for p, c in seen if p not in kept} == {"stream"}
+        assert len({p for p, c in seen if c == "stream"}) == 2 * len(net.loop) + 4 * (len(net.prelude) + len(net.coda)) + 1
+        net.keep_in_l2(None)
+        seen.clear()
+        decode_logits(fused, loops, toks, len(PROMPT))
+        assert {c for _, c in seen} == {None}
+        with pytest.raises(ValueError, match=r"unknown projections \['wq'\]"):
+            net.keep_in_l2(("wq",))
+        sizes = {n: sum(blk.projections()[n].nbytes for blk in net.loop) for n in KEEP_ORDER}
+        assert net.l2_plan(0) == ()
+        assert net.l2_plan(sum(sizes.values())) == KEEP_ORDER
+        assert net.l2_plan(sizes[KEEP_ORDER[0]] + sizes[KEEP_ORDER[1]]) == KEEP_ORDER[:2]
