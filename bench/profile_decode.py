@@ -24,7 +24,7 @@ from bench.common import hardware, write
 from bench.decode import bytes_per_token, ceilings, decode_rate, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.config import PRESETS
-from tinyloop.worker.generate import prefill
+from tinyloop.worker.generate import PaddedPrefill, prefill
 
 
 def main() -> None:
@@ -71,7 +71,14 @@ def main() -> None:
           f"kernels {pre['kernel_sum_ms']:.3f} ms")
     for r in pre["kernels"][:15]:
         print(f"  {r['ms'] * 1e3:8.1f} us  x{r['launches']:5.1f}  {r['kernel'][:110]}")
+    pre["one_graph"] = prefill_one_graph(m, prompt, L)
+    print(f"prefill as {len(PaddedPrefill.stages(L))} stage replays {pre['one_graph']['stages_ms']:.3f} ms, "
+          f"as one graph {pre['one_graph']['one_graph_ms']:.3f} ms (wall, median)")
     gen = generate_profile(m, prompt, L)
+    gen["first_token"] = first_token(m, prompt, L)
+    print("first token, us from the call: host " + ", ".join(
+        f"{k} {v:.0f}" for k, v in gen["first_token"]["host_us"].items()) + "; GPU done " + ", ".join(
+        f"{k} {v:.0f}" for k, v in gen["first_token"]["gpu_us"].items()))
     gen["wall_by_tokens"] = wall_by_tokens(m, prompt, L)
     gen["host_us_per_token"] = host_phases(m, prompt, L)
     print("host us per token of the pipelined loop: "
@@ -116,6 +123,80 @@ def prefill_profile(m: Model, prompt: list[int], L: int, runs: int = 3) -> dict:
         torch.cuda.synchronize()
     rows = kernel_rows(prof, runs)
     return {"tokens": len(prompt), "wall_ms": wall, "kernel_sum_ms": sum(r["ms"] for r in rows), "kernels": rows}
+
+
+def prefill_one_graph(m: Model, prompt: list[int], L: int, repeat: int = 20) -> dict:
+    """Wall ms (median) of the prompt's prefill on lane 0 as the served path runs it (one
+    replay per stage) against all its stages captured as one graph (an experiment: the engine
+    captures stages, so that any depth composes from few graphs)."""
+    import statistics
+    import time
+    from tinyloop.worker.graphs import _capture
+    e = m.engine
+    pg = e.graphs.prefill
+    pre = pg.prefills[(0, pg.bucket(len(prompt)))]
+    stages = PaddedPrefill.stages(L)
+    g = _capture(e, pg.pool, lambda: [pre.run(s) for s in stages], warm=False)
+
+    def one():
+        pre._load_tokens(prompt)
+        g.replay()
+        return pre.logits.clone()
+
+    def wall(fn):
+        times = []
+        for _ in range(repeat + 2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times[2:]), out
+    staged_ms, a = wall(lambda: prefill(e, 0, prompt, L, 0)[0])
+    one_ms, b = wall(one)
+    return {"stages": len(stages), "stages_ms": staged_ms, "one_graph_ms": one_ms, "same_logits": bool(torch.equal(a, b))}
+
+
+def first_token(m: Model, prompt: list[int], L: int, repeat: int = 7) -> dict:
+    """Where a generate's first token goes, µs from the call (median of `repeat`): on the host,
+    when each call of the served path returns (the request built, the prefill launched, the
+    decode state built, the first token sampled, its copy started, the second step launched
+    ahead, the token on the host); on the device, when the prefill and that step finish."""
+    import statistics
+    import time
+    from tinyloop.worker.engine import Counters
+    from tinyloop.worker.generate import DecodeState
+    e = m.engine
+    host, gpu = defaultdict(list), defaultdict(list)
+    for _ in range(repeat + 2):
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        t0 = time.perf_counter()
+        ev[0].record()
+        req = m.make_request(prompt, loops=L, max_tokens=16, stop_token_ids=[])
+        t1 = time.perf_counter()
+        logits, _ = prefill(e, 0, req.prompt, L, 0)
+        ev[1].record()
+        t2 = time.perf_counter()
+        st = DecodeState(e, 0, req, logits, None, Counters())
+        t3 = time.perf_counter()
+        tok = st.sample()
+        t4 = time.perf_counter()
+        st.copy_to_host(tok)
+        t5 = time.perf_counter()
+        st.speculate()
+        ev[2].record()
+        t6 = time.perf_counter()
+        st.host_token()
+        t7 = time.perf_counter()
+        torch.cuda.synchronize()
+        for k, t in (("request", t1), ("prefill_launched", t2), ("state", t3), ("sample", t4), ("copy", t5),
+                     ("step_launched", t6), ("token_on_host", t7)):
+            host[k].append((t - t0) * 1e6)
+        gpu["prefill"].append(ev[0].elapsed_time(ev[1]) * 1e3)
+        gpu["step"].append(ev[0].elapsed_time(ev[2]) * 1e3)
+    return {"host_us": {k: statistics.median(v[2:]) for k, v in host.items()},
+            "gpu_us": {k: statistics.median(v[2:]) for k, v in gpu.items()}}
 
 
 def wall_by_tokens(m: Model, prompt: list[int], L: int, counts=(1, 2, 4, 8, 16), repeat: int = 10) -> list[dict]:
