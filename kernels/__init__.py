@@ -15,7 +15,7 @@ from .decode_attention import (
 from .gemv import gemv, gemv_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rope import apply_rope_ref, rope_cache_write, rope_cache_write_ref
-from .sampling import argmax, argmax_ref, sample_top_k, sample_top_k_ref
+from .sampling import argmax, argmax_feed, argmax_feed_ref, argmax_ref, sample_top_k, sample_top_k_ref
 from .swiglu import swiglu, swiglu_ref
 from .tree_attention import ancestors_from_parents, tree_attention, tree_attention_ref
 
@@ -23,6 +23,8 @@ __all__ = [
     "ancestors_from_parents",
     "apply_rope_ref",
     "argmax",
+    "argmax_feed",
+    "argmax_feed_ref",
     "argmax_ref",
     "decode_attention",
     "decode_attention_ref",

@@ -32,7 +32,11 @@ def _argmax_kernel(
     out_ptr,  # (B,) int64
     stride_logits_b, stride_logits_v,
     V,
+    tokens_ptr,  # FEED only (B = 1): the step's (1, 1) token input
+    positions_ptr,  # FEED only: the step's (1, 1) position input
+    host_ptr,  # FEED only: (2,) int64 ring in pinned host memory
     BLOCK_V: tl.constexpr,
+    FEED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     row = logits_ptr + b * stride_logits_b
@@ -48,6 +52,11 @@ def _argmax_kernel(
         best_idx = tl.where(better, x_idx.to(tl.int64), best_idx)
         best = tl.where(better, x_max, best)
     tl.store(out_ptr + b, best_idx)
+    if FEED:
+        pos = tl.load(positions_ptr) + 1  # the position of the token just chosen
+        tl.store(tokens_ptr, best_idx)
+        tl.store(positions_ptr, pos)
+        tl.store(host_ptr + pos % 2, best_idx)
 
 
 @triton.jit
@@ -112,9 +121,39 @@ def argmax(logits):
     B, V = logits.shape
     out = torch.empty((B,), dtype=torch.int64, device=logits.device)
     if B:
-        BLOCK_V = min(4096, triton.next_power_of_2(V))
-        _argmax_kernel[(B,)](logits, out, *logits.stride(), V, BLOCK_V=BLOCK_V,
-                             num_warps=8 if BLOCK_V >= 4096 else 4)
+        _launch_argmax(logits, out, out, out, out, feed=False)
+    return out
+
+
+def _launch_argmax(logits, out, tokens, positions, host, feed: bool) -> None:
+    B, V = logits.shape
+    BLOCK_V = min(4096, triton.next_power_of_2(V))
+    _argmax_kernel[(B,)](logits, out, *logits.stride(), V, tokens, positions, host, BLOCK_V=BLOCK_V, FEED=feed,
+                         num_warps=8 if BLOCK_V >= 4096 else 4)
+
+
+def argmax_feed(logits, tokens, positions, host):
+    """A batch-1 decode step's greedy token, fed forward in the same kernel: logits (1, V) at
+    `positions` (1, 1) -> greedy (1,) int64; then tokens (1, 1) = greedy, positions += 1 and
+    host[p % 2] = greedy, where p is the greedy token's position (the new `positions`).
+
+    `host` is a (2,) int64 ring in pinned host memory, which the kernel writes through its
+    device mapping: a captured step leaves its token on the host with no copy launched after
+    it, and a replay writes the slot of its own token only, so the host may read a token while
+    the next step (launched ahead) runs."""
+    op = "argmax_feed"
+    check_device(op, logits=logits, tokens=tokens, positions=positions)
+    _check_logits(op, logits)
+    check_shape(op, "logits", logits, (1, logits.shape[1]))
+    for name, t in (("tokens", tokens), ("positions", positions)):
+        check_shape(op, name, t, (1, 1))
+        check_dtype(op, name, t, (torch.int64,))
+    check_shape(op, "host", host, (2,))
+    check_dtype(op, "host", host, (torch.int64,))
+    if logits.is_cuda and not host.is_pinned():
+        raise ValueError(f"{op}: host must be pinned host memory (the kernel writes it from the GPU)")
+    out = torch.empty((1,), dtype=torch.int64, device=logits.device)
+    _launch_argmax(logits, out, tokens, positions, host, feed=True)
     return out
 
 
@@ -159,6 +198,15 @@ def sample_top_k(logits, top_k, temperature, u):
 def argmax_ref(logits):
     """The spec, in plain torch."""
     return logits.argmax(dim=-1)
+
+
+def argmax_feed_ref(logits, tokens, positions, host):
+    """The spec, in plain torch (CPU: the host ring is written like any tensor)."""
+    out = logits.argmax(dim=-1)
+    positions += 1
+    tokens.copy_(out.view(1, 1))
+    host[int(positions) % 2] = out[0]
+    return out
 
 
 def sample_top_k_ref(logits, top_k, temperature, u):

@@ -138,16 +138,19 @@ class Model:
                 raise ValueError(f"{name} must hold integer token ids, got dtype {prompt.dtype}")
             ids = prompt.astype(np.int64).tolist()
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            if all(type(t) is int for t in prompt):  # plain ints (not bools): the common case, checked fast
+                ids = list(prompt)
+            elif all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+                ids = [int(t) for t in prompt]
+            else:
                 raise ValueError(f"{name} must be a list of ints")
-            ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"{name} must be a 1-D int32 numpy array or a list of ints, got {type(prompt).__name__}")
         if not ids:
             raise ValueError(f"{name} is empty: at least one token is needed")
         V = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < V), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= V:
+            bad = next(t for t in ids if not 0 <= t < V)
             raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {V})")
         return ids
 

@@ -351,9 +351,11 @@ class DecodeState:
         self.extra_stats: dict = {}
         self.warm_L = req.warmup_loops if req.warmup_tokens else None
         self.warm_x: list[torch.Tensor] = []     # residual entering iteration warm_L, per warm-up position
-        self._host: torch.Tensor | None = None   # pipelined decode: the token's copy on the host
+        self._host: torch.Tensor | None = None   # pipelined decode: where the token lands on the host,
+        self._slot = 0                           # at this index
+        self._buf: torch.Tensor | None = None    # a pinned buffer for tokens copied there
         self._copied: torch.cuda.Event | None = None
-        self._undo: tuple | None = None          # (logits, norm, pos, work) before a speculative step
+        self._undo: tuple | None = None          # (norm, pos, work) before a speculative step
         self._graph = None                       # the DecodeGraph whose replay produced `logits`, if one did
 
     @property
@@ -381,39 +383,48 @@ class DecodeState:
         return self.tok
 
     def copy_to_host(self, tok: torch.Tensor) -> None:
-        """Start copying the sampled token to the host: into a pinned buffer, with an event to
-        wait on (CUDA); on CPU the token is already there."""
+        """Start bringing the sampled token to the host, with an event to wait on (CUDA); on
+        CPU the token is already there. A graph step's own greedy token needs no copy: the
+        replay wrote it to the graph's pinned host ring (kernels.argmax_feed), in the slot of
+        its position, which the next replay leaves alone; anything else is copied into a
+        pinned buffer."""
         if tok.device.type != "cuda":
-            self._host = tok
+            self._host, self._slot = tok, 0
             return
         if self._copied is None:
-            self._host = torch.empty(1, dtype=torch.long, pin_memory=True)
+            self._buf = torch.empty(1, dtype=torch.long, pin_memory=True)
             self._copied = torch.cuda.Event()
-        self._host.copy_(tok, non_blocking=True)
+        if self._graph is not None and tok is self._graph.greedy:
+            self._host, self._slot = self._graph.host, self.pos % 2
+        else:
+            self._buf.copy_(tok, non_blocking=True)
+            self._host, self._slot = self._buf, 0
         self._copied.record()
 
     def host_token(self) -> int:
-        """The token `copy_to_host` started copying, once it is there (the step launched
-        after it keeps running)."""
+        """The token `copy_to_host` started bringing over, once it is there (the step
+        launched after it keeps running)."""
         if self._copied is not None:
             self._copied.synchronize()
-        return int(self._host[0])
+        return int(self._host[self._slot])
 
     def speculate(self) -> None:
         """`advance` before the host has read the decided token (pipelined decode), keeping
         what `discard` restores."""
-        self._undo = (self.logits.clone(), self.norm, self.pos, self.work)  # a graph reuses its logits buffer
+        self._undo = (self.norm, self.pos, self.work)
         self.advance()
 
     def discard(self) -> None:
-        """The token of the speculative step ended the stream: the state (logits, position,
-        stats) is as if the step never ran; the engine's counters keep it, since it ran.
-        The step wrote K/V at `pos` of the lane's layers. That is harmless: whatever reads
-        the lane later (a new prefill, a resume, a decode step) writes a position before it
-        attends to it."""
-        self.logits, self.norm, self.pos, self.work = self._undo
+        """The token of the speculative step ended the stream: its position and stats are as
+        if the step never ran; the engine's counters keep it, since it ran. The logits are
+        dropped, not restored (the stream is over, and keeping them would cost a copy per
+        token: a graph step writes its logits over the last ones). The step wrote K/V at
+        `pos` of the lane's layers. That is harmless: whatever reads the lane later (a new
+        prefill, a resume, a decode step) writes a position before it attends to it."""
+        self.norm, self.pos, self.work = self._undo
         self._undo = None
-        self._graph = None  # the logits are the copy now: the graph's greedy is the next step's
+        self.logits = None
+        self._graph = None
 
     def decide(self) -> int | None:
         """Sample the token at `pos` on the host; None when the safety check stops the stream
@@ -482,6 +493,9 @@ class DecodeState:
         self.pos += 1
 
     def finish(self) -> Finish:
+        """The stream is over: its finish reason and stats. The state lets go of its logits
+        (a graph's buffer, or a row of a batched step's output) whichever loop ran it."""
+        self.logits, self._graph = None, None
         return Finish(self.reason, {"prompt_tokens": len(self.req.prompt), "completion_tokens": self.generated,
                                     "loop_iterations": self.work.loop_iterations,
                                     "loop_token_iterations": self.work.loop_token_iterations,

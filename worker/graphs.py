@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyloop.kernels.sampling import argmax_feed
 from tinyloop.worker.engine import Engine
 from tinyloop.worker.generate import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
                                       prefill_buffers)
@@ -32,6 +33,7 @@ class DecodeGraph:
     positions: torch.Tensor  # (1, 1) int64 input: where the token sits
     logits: torch.Tensor     # (1, V) fp32 output
     greedy: torch.Tensor     # (1,) int64 output: argmax of logits
+    host: torch.Tensor       # (2,) int64 pinned host ring: host[p % 2] is the greedy token at position p
     loops: int
     next_position: int = -1  # where a replay leaves `positions`: one past the token it ran
 
@@ -68,16 +70,14 @@ class DecodeGraphs:
         self.prefill = PrefillGraphs(engine, self.pool, prefill_len)
         self.batch = BatchGraphs(engine, self.pool)
 
-    def _eager(self, tokens: torch.Tensor, positions: torch.Tensor, loops: int, lane: int):
-        """The captured step: logits and greedy token of `tokens` at `positions`, then the
-        inputs fed for the next step (the greedy token, one position on; see DecodeGraph.step)."""
+    def _eager(self, tokens: torch.Tensor, positions: torch.Tensor, host: torch.Tensor, loops: int, lane: int):
+        """The captured step: logits and greedy token of `tokens` at `positions`, then, in the
+        argmax's kernel, the inputs fed for the next step (the greedy token, one position on;
+        see DecodeGraph.step) and the token written to the host ring."""
         e = self.engine
         p = e.make_pass(slice(lane, lane + 1), positions, e.cache.max_seq_len)
         logits = e.forward(tokens, p, loops)[:, -1]
-        greedy = logits.argmax(-1)
-        tokens.copy_(greedy.view(1, 1))
-        positions.add_(1)
-        return logits, greedy
+        return logits, argmax_feed(logits, tokens, positions, host)
 
     def capture(self, loops: int, lane: int = 0) -> DecodeGraph:
         """Capture at position 0 of `lane`; the step is position-independent, and the warm-up
@@ -88,12 +88,13 @@ class DecodeGraphs:
         dev = self.engine.cache.k.device
         tokens = torch.zeros(1, 1, dtype=torch.long, device=dev)
         positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        host = torch.full((2,), -1, dtype=torch.long).pin_memory()
         out = []
-        g = _capture(self.engine, self.pool, lambda: out.append(self._eager(tokens, positions, loops, lane)),
+        g = _capture(self.engine, self.pool, lambda: out.append(self._eager(tokens, positions, host, loops, lane)),
                      loops not in self.warm)
         self.warm.add(loops)
         logits, greedy = out[-1]  # the captured run's outputs: the graph's static buffers
-        dg = DecodeGraph(g, tokens, positions, logits, greedy, loops)
+        dg = DecodeGraph(g, tokens, positions, logits, greedy, host, loops)
         self.graphs[key] = dg
         return dg
 

@@ -58,8 +58,9 @@ def _decode(model, req, pipelined):
 
 
 def test_pipelined_decode_equals_plain_on_gpu(pair):
-    """Graph steps launched ahead of the host (pinned copy + event), dropped on a stop token:
-    the same tokens, finish, stats and final logits as the plain loop, bitwise."""
+    """Graph steps launched ahead of the host (the token on the host through the graph's
+    pinned ring, or a pinned copy, and an event), dropped on a stop token: the same tokens,
+    finish, stats and final position as the plain loop."""
     fast, _ = pair
     n = len(PROMPTS[1])
     for kw in (dict(loops=4), dict(loops=5, temperature=0.9, seed=3, repetition_penalty=1.2),
@@ -70,7 +71,7 @@ def test_pipelined_decode_equals_plain_on_gpu(pair):
         for r in (req, stop):
             (a, sa), (b, sb) = _decode(fast, r, True), _decode(fast, r, False)
             assert a == b and (a.finish_reason, a.stats) == (b.finish_reason, b.stats), kw
-            assert torch.equal(sa.logits, sb.logits) and sa.pos == sb.pos, kw
+            assert sa.pos == sb.pos and sa.logits is None and sb.logits is None, kw
         assert _decode(fast, stop, True)[0].finish_reason == "stop"
 
 
