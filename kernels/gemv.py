@@ -52,14 +52,13 @@ from ._launch import use_pdl
 
 
 @triton.jit
-def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr, EVICT: tl.constexpr):
-    """The (BLOCK_N, BLOCK_K) weight tile at columns k (and its up-projection tile), loaded with
-    the L2 eviction priority EVICT ("", "evict_last" or "evict_first")."""
+def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) weight tile at columns k (and its up-projection tile)."""
     m = row_mask[:, None] & (k < K)[None, :]
-    w = tl.load(w_rows + k[None, :], mask=m, other=0.0, eviction_policy=EVICT)
+    w = tl.load(w_rows + k[None, :], mask=m, other=0.0)
     up = w
     if SWIGLU:
-        up = tl.load(up_rows + k[None, :], mask=m, other=0.0, eviction_policy=EVICT)
+        up = tl.load(up_rows + k[None, :], mask=m, other=0.0)
     return w, up
 
 
@@ -79,7 +78,6 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    EVICT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -102,7 +100,7 @@ def _gemv_kernel(
         # (programmatic dependent launch) this kernel may start while the previous one drains:
         # the weights never depend on it, so the first chunk's load goes out before the wait,
         # and x, the residual and everything after wait for the previous kernel's writes.
-        w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
+        w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -115,12 +113,12 @@ def _gemv_kernel(
             xv = xv * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         xv = xv[None, :]
         if not PREFETCH:
-            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
+            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
         acc += w.to(tl.float32) * xv
         if SWIGLU:
             acc_up += up.to(tl.float32) * xv
         if PREFETCH:
-            w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU, EVICT)
+            w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
 
     y = tl.sum(acc, axis=1)
     if NORM:
@@ -198,7 +196,6 @@ def _gemv_rows_kernel(
     RESIDUAL: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    EVICT: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -232,14 +229,14 @@ def _gemv_rows_kernel(
         # pipeliner from staging the weight loads through shared memory (num_stages - 1 tiles in
         # flight) and spilled registers at these tile sizes; this way the loop stays pipelined
         # and its first loads go out right after the wait, while the first tile is landing.
-        w0, up0 = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
+        w0, up0 = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         xv, ss = _rows_x(x_rows, nw_ptr, k0 + cols, m_mask, K, ss, NORM)
-        w, up = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU, EVICT)
+        w, up = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU)
         acc = _dot_wt(xv, w, acc, DOT_F32)
         if SWIGLU:
             acc_up = _dot_wt(xv, up, acc_up, DOT_F32)
@@ -301,10 +298,7 @@ def _m_bucket(m: int) -> int:
     return 4 if m <= 4 else 8 if m <= 8 else MAX_ROWS
 
 
-CACHE_POLICIES = {None: "", "keep": "evict_last", "stream": "evict_first"}
-
-
-def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, cache=None):
+def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -312,13 +306,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     of each weight tile for all rows). Options as in the module docstring; all tensors share
     x's dtype except norm_weight, which may be any float dtype.
     pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
-    under the interpreter it selects the prefetching loop alone.
-    cache: the L2 priority of the weight's lines -- "keep" (evict last: a weight read again soon,
-    the looped block's), "stream" (evict first: read once per step, making room for the kept
-    ones) or None (the default policy). A hint: the result does not depend on it."""
+    under the interpreter it selects the prefetching loop alone."""
     op = "gemv"
-    if cache not in CACHE_POLICIES:
-        raise ValueError(f"{op}: cache must be one of {sorted(CACHE_POLICIES, key=str)}, got {cache!r}")
     tensors = {"x": x, "weight": weight}
     if norm_weight is not None:
         tensors["norm_weight"] = norm_weight
@@ -355,8 +344,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
             raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
         residual = residual.contiguous()
     y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
-                 EVICT=CACHE_POLICIES[cache])
+    flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
     if M > 1:
         return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
                           flags)
@@ -394,10 +382,9 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
 
 
 
-def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, cache=None):
+def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
-    row by row over x's leading dims (the norm statistics are per row). pdl and cache are
-    launch hints: no effect on the result."""
+    row by row over x's leading dims (the norm statistics are per row)."""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

@@ -136,7 +136,6 @@ class Block(nn.Module):
 
     gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
     gemv_rows = 0
-    cache: dict[str, str] = {}  # projection name ("wqkv", "wo", "w13", "w2") -> gemv's L2 cache hint
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
@@ -157,27 +156,17 @@ class Block(nn.Module):
         (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
         adds in the epilogues of wo and w2 (sandwich norm keeps its post-norms apart: they
         need the whole projected row before the add)."""
-        att, ffn, gemv, cache = self.attention, self.feed_forward, self.gemv, self.cache.get
-        qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
-                   cache=cache("wqkv"))
+        att, ffn, gemv = self.attention, self.feed_forward, self.gemv
+        qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
         out = att.attend(*qkv.split(att._sizes(), -1), attend)
         if self.sandwich:
-            x = x + self.post_attention_norm(gemv(out, att.wo.weight, cache=cache("wo")))
+            x = x + self.post_attention_norm(gemv(out, att.wo.weight))
         else:
-            x = gemv(out, att.wo.weight, residual=x, cache=cache("wo"))
-        h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True,
-                 cache=cache("w13"))
+            x = gemv(out, att.wo.weight, residual=x)
+        h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True)
         if self.sandwich:
-            return x + self.post_ffn_norm(gemv(h, ffn.w2.weight, cache=cache("w2")))
-        return gemv(h, ffn.w2.weight, residual=x, cache=cache("w2"))
-
-    def projections(self) -> dict[str, torch.Tensor]:
-        """The weights token_step reads, by the names `cache` takes (after use_fast_path's fuse)."""
-        att, ffn = self.attention, self.feed_forward
-        return {"wqkv": att.wqkv, "wo": att.wo.weight, "w13": ffn.w13, "w2": ffn.w2.weight}
-
-
-KEEP_ORDER = ("wqkv", "wo", "w2", "w13")  # LoopedTransformer.l2_plan's preference
+            return x + self.post_ffn_norm(gemv(h, ffn.w2.weight))
+        return gemv(h, ffn.w2.weight, residual=x)
 
 
 class LoopedTransformer(nn.Module):
@@ -228,34 +217,6 @@ class LoopedTransformer(nn.Module):
             elif isinstance(m, Block):
                 m.gemv, m.gemv_rows = self.gemv, self.gemv_rows
 
-    def keep_in_l2(self, keep=None) -> None:
-        """L2 hints for the fused decode projections (Block.cache, head_cache). keep: names of
-        the looped block's projections ("wqkv", "wo", "w13", "w2") whose weights stay in L2
-        from one iteration to the next ("keep"); every other projection streams ("stream": its
-        lines are evicted first, so that they do not push the kept ones out). keep=None: no
-        hints. Only a looped model reads weights again within a step: its block once per
-        iteration. Re-capture decode graphs after a change: they hold the hints they ran with."""
-        names = {"wqkv", "wo", "w13", "w2"}
-        if keep is not None and not set(keep) <= names:
-            raise ValueError(f"keep_in_l2: unknown projections {sorted(set(keep) - names)}; "
-                             f"expected some of {sorted(names)}")
-        for part in (self.prelude, self.loop, self.coda):
-            for layer in part:
-                kept = keep if part is self.loop and keep is not None else ()
-                layer.cache = {} if keep is None else {n: "keep" if n in kept else "stream" for n in names}
-        self.head_cache = None if keep is None else "stream"
-
-    def l2_plan(self, budget: int) -> tuple[str, ...]:
-        """The looped block's projections to keep in L2 within `budget` bytes (over all the
-        block's layers), in the order of KEEP_ORDER."""
-        sizes = {n: sum(layer.projections()[n].nbytes for layer in self.loop) for n in KEEP_ORDER}
-        keep, used = [], 0
-        for n in KEEP_ORDER:
-            if used + sizes[n] <= budget:
-                keep.append(n)
-                used += sizes[n]
-        return tuple(keep)
-
     @property
     def inv_freq(self) -> torch.Tensor:
         """(hd/2,) fp32 rotation frequencies."""
@@ -291,12 +252,11 @@ class LoopedTransformer(nn.Module):
 
     gemv = None  # see Block.gemv
     gemv_rows = 0
-    head_cache = None  # the head projection's L2 cache hint (see Block.cache)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
-            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps, cache=self.head_cache)
+            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps)
         return linear(self.norm(x), head)
 
     def forward(self, tokens: torch.Tensor, loops: int, window: int = 0) -> torch.Tensor:
