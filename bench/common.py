@@ -50,16 +50,22 @@ def timed(fn, device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
     return run_timed(fn, device, repeat, warmup)[0] * 1e3
 
 
+def provenance() -> dict:
+    """The commit and UTC date a result is stamped with. TINYLOOP_COMMIT: the caller's commit,
+    where the checkout has no .git or a stale copy of it (a GPU host)."""
+    try:
+        commit = os.environ.get("TINYLOOP_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def write(name: str, payload: dict, out_dir: str | None = None) -> Path:
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    try:  # TINYLOOP_COMMIT: the caller's commit, where the checkout's .git is a stale copy (a GPU host)
-        commit = os.environ.get("TINYLOOP_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
-    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
-               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
+    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), **provenance(), **payload}
     path = out / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")

@@ -128,8 +128,10 @@ def main() -> int:
         base = in_process(path, prompt, args.loops, args.max_tokens, args.reps, args.device)
         svc = service(path, prompt, args.loops, args.max_tokens, args.reps, args.device, args.concurrency,
                       args.torch_threads)
+    from bench.common import provenance
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
+        **provenance(),
         "hardware": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                      "cpu_count": os.cpu_count(), "device": args.device, "python": platform.python_version(),
                      "torch": torch.__version__, "torch_threads": args.torch_threads},
