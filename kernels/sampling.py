@@ -150,6 +150,8 @@ def argmax_feed(logits, tokens, positions, host):
         check_dtype(op, name, t, (torch.int64,))
     check_shape(op, "host", host, (2,))
     check_dtype(op, "host", host, (torch.int64,))
+    # Not inside a CUDA graph capture: is_pinned() there broke the engine's decode captures on
+    # the H200 (DecodeGraphs pins the ring itself, before it captures).
     if logits.is_cuda and not torch.cuda.is_current_stream_capturing() and not host.is_pinned():
         raise ValueError(f"{op}: host must be pinned host memory (the kernel writes it from the GPU)")
     out = torch.empty((1,), dtype=torch.int64, device=logits.device)

@@ -16,7 +16,6 @@ depths replays from few graphs.
 """
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -238,17 +237,7 @@ def _capture(engine: Engine, pool, fn, warm: bool) -> torch.cuda.CUDAGraph:
                 fn()
         torch.cuda.current_stream(dev).wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    # No garbage collection inside the capture: a collected object's finalizer (an engine
-    # closed earlier, with its graphs, pools and pinned buffers, freed only by the cycle
-    # collector) may call CUDA, which invalidates the capture. torch.cuda.graph collects
-    # just before it begins.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(g, pool=pool):
-            fn()
-    finally:
-        if collecting:
-            gc.enable()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
     engine.counters = counters
     return g
