@@ -7,7 +7,10 @@ depths), then samples every stream's next token -- one sampling call per distinc
 sampling parameters, each row with its own random key (seed, absolute position) -- and
 reads them all in one host sync. The step is pipelined like a stream alone: the forward for
 the tokens just sampled is launched before the host reads them (`Batcher.step`). Streams join
-and leave between steps.
+and leave between steps. A stream alone in the batcher steps on its lane's captured decode
+graph exactly as it would outside it (DecodeState's pipelined calls): a greedy token is the
+graph's own argmax, fed into its next replay and read from its pinned host ring, and nothing
+is copied or launched around the replay.
 
 On CUDA the step replays the stages captured at start-up (worker/graphs.py `BatchGraphs`,
 one graph per (lane-count bucket, stage)); elsewhere the same stages run eagerly. Lanes of
@@ -44,7 +47,8 @@ class Batcher:
         self.states: dict[int, DecodeState] = {}  # lane -> a stream whose decided token waits to run
         self.steps = 0       # batched forwards whose logits streams used
         self.lane_steps = 0  # stream steps they carried (lane_steps / steps: the mean batch)
-        self._ahead: tuple[list, torch.Tensor] | None = None  # ([(lane, state)], logits) of a step launched ahead
+        # ([(lane, state)], logits, the lane's DecodeGraph when a lone stream ran on it) of a step launched ahead
+        self._ahead: tuple[list, torch.Tensor, object] | None = None
         self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
         self._copied: torch.cuda.Event | None = None
 
@@ -86,25 +90,36 @@ class Batcher:
         try:
             if self._ahead is None:
                 self._launch({})
-            ran, logits = self._ahead
+            ran, logits, graph = self._ahead
             self._ahead = None
             # a stream that left meanwhile is dropped (its lane may hold a new stream already)
             rows = [(row, lane) for row, (lane, st) in enumerate(ran) if self.states.get(lane) is st]
             if not rows:
                 return {}
-            logits = logits.clone()  # the static output the next launch overwrites
             lanes = [lane for _, lane in rows]
             self.steps += 1
             self.lane_steps += len(lanes)
-            for row, lane in rows:
-                self.states[lane].advanced(logits[row][None])
-            toks = self._sample(lanes)
-            self._copy_to_host(toks)
-            go_on = {lane: toks[i] for i, lane in enumerate(lanes)
-                     if self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
+            if graph is not None:
+                # a lone stream's own decode graph ran the step: it steps as it would alone
+                # (DecodeState's pipelined calls): a greedy token is the graph's argmax, already
+                # fed into its next replay and written to its host ring; the logits are read in
+                # stream order before the next launch overwrites them, so they are not copied
+                st = self.states[lanes[0]]
+                st.advanced(logits, graph)
+                tok = st.sample()
+                st.copy_to_host(tok)
+                go_on = {lanes[0]: tok} if st.generated + 1 < st.req.max_tokens else {}
+            else:
+                logits = logits.clone()  # the static output the next launch overwrites
+                for row, lane in rows:
+                    self.states[lane].advanced(logits[row][None])
+                toks = self._sample(lanes)
+                self._copy_to_host(toks)
+                go_on = {lane: toks[i] for i, lane in enumerate(lanes)
+                         if self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
             if go_on or len(self.states) > len(lanes):  # or streams joined since: their first token
                 self._launch(go_on, skip=set(lanes) - set(go_on))
-            toks_h = self._host_tokens(len(lanes))
+            toks_h = [st.host_token()] if graph is not None else self._host_tokens(len(lanes))
         except Exception:
             self._ahead = None
             raise
@@ -121,13 +136,14 @@ class Batcher:
     def _launch(self, on_device: dict[int, torch.Tensor], skip: frozenset | set = frozenset()) -> None:
         """Launch the forward of every waiting stream but `skip` (the step launched ahead)."""
         lanes = sorted(lane for lane in self.states if lane not in skip)
-        self._ahead = [(lane, self.states[lane]) for lane in lanes], self._forward(lanes, on_device)
+        self._ahead = [(lane, self.states[lane]) for lane in lanes], *self._forward(lanes, on_device)
 
-    def _forward(self, lanes: list[int], on_device: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Launch one batched step over lanes [0, lanes[-1]]: the logits rows of `lanes`
-        (len, V). A lane's token is its decided token on the host, or on_device[lane], a (0-d)
-        device tensor sampled and not read yet; a lane in on_device runs at the position after
-        the one its host state last ran."""
+    def _forward(self, lanes: list[int], on_device: dict[int, torch.Tensor]):
+        """Launch one batched step over lanes [0, lanes[-1]]: (the logits rows of `lanes`
+        (len, V), None), or (logits (1, V), the graph) when one stream ran on its lane's
+        decode graph. A lane's token is its decided token on the host, or on_device[lane], a
+        one-element device tensor sampled and not read yet; a lane in on_device runs at the
+        position after the one its host state last ran."""
         e = self.engine
         if len(lanes) == 1 and e.graphs is not None:
             # one stream: its lane's captured batch-1 step (fused projections, no idle lanes)
@@ -137,7 +153,7 @@ class Batcher:
                 logits = g.step(on_device.get(st.lane, st.tok_id), st.pos)
                 e.counters.loop_iterations += g.loops
                 e.counters.loop_token_iterations += g.loops
-                return logits
+                return logits, g
         n = lanes[-1] + 1
         S = e.cache.max_seq_len
         tokens, positions, depths = [0] * n, [S] * n, [0] * n  # idle lanes: see the module docstring
@@ -146,11 +162,11 @@ class Batcher:
             tokens[lane], positions[lane], depths[lane] = st.tok_id, st.pos, st.req.loops
         dev = None
         if on_device:
-            dev = (self._to_device(list(on_device)), torch.stack(list(on_device.values())))
+            dev = (self._to_device(list(on_device)), torch.stack([t.view(()) for t in on_device.values()]))
         logits = self.stepper.run(tokens, positions, depths, dev)  # the static output: the next step's
         if lanes[-1] - lanes[0] + 1 == len(lanes):
-            return logits[lanes[0]:]
-        return logits.index_select(0, self._to_device(lanes))
+            return logits[lanes[0]:], None
+        return logits.index_select(0, self._to_device(lanes)), None
 
     def _sample(self, lanes: list[int]) -> torch.Tensor:
         """Every stream's next token (len(lanes),) on the device from its logits: one `sample`

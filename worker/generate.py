@@ -484,12 +484,13 @@ class DecodeState:
         self.logits = logits
         self.pos += 1
 
-    def advanced(self, logits: torch.Tensor) -> None:
-        """A batched forward ran the decided token at `pos` at depth req.loops: its row (1, V)."""
+    def advanced(self, logits: torch.Tensor, graph=None) -> None:
+        """A batched forward ran the decided token at `pos` at depth req.loops: its row (1, V);
+        graph: the lane's DecodeGraph when that forward was its replay (see `sample`)."""
         L = self.req.loops
         self.work = self.work.plus(Counters(L, L))
         self.logits = logits
-        self._graph = None
+        self._graph = graph
         self.pos += 1
 
     def finish(self) -> Finish:
