@@ -76,8 +76,8 @@ def device_ms(fn, device: torch.device, repeat: int = 20, warmup: int = 3) -> fl
 
 
 def ceilings(device: torch.device) -> dict:
-    """Copy bandwidth and bf16 matmul rate (GPU: 2 GiB copies, far past the 50 MB L2, and an
-    8192^3 matmul; CPU: small sizes, for a smoke run)."""
+    """Copy bandwidth and bf16 matmul rate (GPU: 2 GiB copies, far past the L2, 60 MiB on the
+    H200, and an 8192^3 matmul; CPU: small sizes, for a smoke run)."""
     n, size = (1 << 30, 8192) if device.type == "cuda" else (1 << 22, 512)
     src = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
