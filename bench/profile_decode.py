@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import hardware, write
+from bench.common import hardware, run_timed, timed, write
 from bench.decode import bytes_per_token, ceilings, decode_rate, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.config import PRESETS
@@ -129,8 +129,6 @@ def prefill_one_graph(m: Model, prompt: list[int], L: int, repeat: int = 20) -> 
     """Wall ms (median) of the prompt's prefill on lane 0 as the served path runs it (one
     replay per stage) against all its stages captured as one graph (an experiment: the engine
     captures stages, so that any depth composes from few graphs)."""
-    import statistics
-    import time
     from tinyloop.worker.graphs import _capture
     e = m.engine
     pg = e.graphs.prefill
@@ -143,18 +141,10 @@ def prefill_one_graph(m: Model, prompt: list[int], L: int, repeat: int = 20) -> 
         g.replay()
         return pre.logits.clone()
 
-    def wall(fn):
-        times = []
-        for _ in range(repeat + 2):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times[2:]), out
-    staged_ms, a = wall(lambda: prefill(e, 0, prompt, L, 0)[0])
-    one_ms, b = wall(one)
-    return {"stages": len(stages), "stages_ms": staged_ms, "one_graph_ms": one_ms, "same_logits": bool(torch.equal(a, b))}
+    staged_s, a = run_timed(lambda: prefill(e, 0, prompt, L, 0)[0], m.device, repeat, warmup=2)
+    one_s, b = run_timed(one, m.device, repeat, warmup=2)
+    return {"stages": len(stages), "stages_ms": staged_s * 1e3, "one_graph_ms": one_s * 1e3,
+            "same_logits": bool(torch.equal(a, b))}
 
 
 def first_token(m: Model, prompt: list[int], L: int, repeat: int = 7) -> dict:
@@ -203,19 +193,8 @@ def wall_by_tokens(m: Model, prompt: list[int], L: int, counts=(1, 2, 4, 8, 16),
     """Median wall ms of one generate per max_tokens, no profiler: the slope is what a token
     costs on the served path (the graph step plus the host's work per token, where the two do
     not overlap), the intercept what a request costs besides."""
-    import statistics
-    import time
-    rows = []
-    for n in counts:
-        times = []
-        for _ in range(repeat + 2):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            m.generate(prompt, loops=L, max_tokens=n)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        rows.append({"tokens": n, "ms": statistics.median(times[2:])})
-    return rows
+    return [{"tokens": n, "ms": timed(lambda: m.generate(prompt, loops=L, max_tokens=n), m.device, repeat=repeat)}
+            for n in counts]
 
 
 def host_phases(m: Model, prompt: list[int], L: int, tokens: int = 48) -> dict:

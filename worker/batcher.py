@@ -208,6 +208,6 @@ class Batcher:
         self._copied.record()
 
     def _host_tokens(self, n: int) -> list[int]:
-        if self._copied is not None and self._host.is_pinned():
+        if self._copied is not None:  # set with the pinned buffer, on CUDA only
             self._copied.synchronize()
         return self._host[:n].tolist()

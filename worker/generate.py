@@ -417,14 +417,13 @@ class DecodeState:
     def discard(self) -> None:
         """The token of the speculative step ended the stream: its position and stats are as
         if the step never ran; the engine's counters keep it, since it ran. The logits are
-        dropped, not restored (the stream is over, and keeping them would cost a copy per
-        token: a graph step writes its logits over the last ones). The step wrote K/V at
-        `pos` of the lane's layers. That is harmless: whatever reads the lane later (a new
-        prefill, a resume, a decode step) writes a position before it attends to it."""
+        not restored: the stream is over (`finish` drops them), and keeping them would cost a
+        copy per token, since a graph step writes its logits over the last ones. The step
+        wrote K/V at `pos` of the lane's layers. That is harmless: whatever reads the lane
+        later (a new prefill, a resume, a decode step) writes a position before it attends to
+        it."""
         self.norm, self.pos, self.work = self._undo
         self._undo = None
-        self.logits = None
-        self._graph = None
 
     def decide(self) -> int | None:
         """Sample the token at `pos` on the host; None when the safety check stops the stream
