@@ -191,6 +191,7 @@ def _rope_decode_attention_split_kernel(
     m_ptr,  # (B, H, NUM_SPLITS) fp32
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
+    o_ptr,  # (B, H, hd) contiguous: written here for a lane with one active split
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_b, stride_k_h, stride_k_d,
     stride_v_b, stride_v_h, stride_v_d,
@@ -217,9 +218,40 @@ def _rope_decode_attention_split_kernel(
     live = (pos >= 0) & (pos < S)
     row = tl.where(live, pos, 0)  # of the tables: in range, since P >= S
     n_cached = row.to(tl.int32)  # cache slots before the new token
+    # A split past the lane's cached slots has nothing to add: it exits here, before the wait
+    # and with nothing written (the merge reads the first _active_splits only). Split 0 always
+    # runs: it holds the new key.
+    if split < _active_splits(n_cached, SPLIT_LEN):
+        _rope_attend_split(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
+                           o_ptr, stride_q_b, stride_q_h, stride_q_d, stride_k_b, stride_k_h, stride_k_d,
+                           stride_v_b, stride_v_h, stride_v_d, stride_cos_p, stride_cos_d, stride_sin_p,
+                           stride_sin_d, stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
+                           stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
+                           b, kvh, split, pos, live, row, n_cached,
+                           H, HD, GROUP, NUM_SPLITS, SPLIT_LEN, qk_scale,
+                           BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, PDL)
+
+
+@triton.jit
+def _active_splits(n_cached, SPLIT_LEN):
+    """Splits of rope_decode_attention that hold a slot of a lane with n_cached slots before its
+    new token: at least split 0, which holds the new key."""
+    return tl.maximum(tl.cdiv(n_cached, SPLIT_LEN), 1)
+
+
+@triton.jit
+def _rope_attend_split(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
+                       o_ptr, stride_q_b, stride_q_h, stride_q_d, stride_k_b, stride_k_h, stride_k_d,
+                       stride_v_b, stride_v_h, stride_v_d, stride_cos_p, stride_cos_d, stride_sin_p,
+                       stride_sin_d, stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
+                       stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
+                       b, kvh, split, pos, live, row, n_cached,
+                       H, HD, GROUP, NUM_SPLITS, SPLIT_LEN, qk_scale,
+                       BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """The work of one active split of _rope_decode_attention_split_kernel (its arguments)."""
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, n_cached)  # never slot pos itself: split 0 writes it
-
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
     HALF = HD // 2
@@ -260,8 +292,15 @@ def _rope_decode_attention_split_kernel(
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
                               start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
-    _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
-                    mask_g, offs_d, mask_d)
+    if _active_splits(n_cached, SPLIT_LEN) == 1:
+        # The lane's only split: its softmax is complete, and it writes o itself (the merge of
+        # one partial is this division, bit for bit; the merge kernel skips the lane).
+        o = acc / l[:, None]
+        tl.store(o_ptr + (b * H + heads)[:, None] * HD + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
+                        mask_g, offs_d, mask_d)
 
 
 @triton.jit
@@ -270,15 +309,38 @@ def _decode_attention_merge_kernel(
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
     o_ptr,  # (B, H, hd) contiguous
-    HD, NUM_SPLITS,
+    positions_ptr,  # (B,) ROPE only: rope_decode_attention's positions
+    stride_pos, H, S, HD, NUM_SPLITS, SPLIT_LEN,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
-    _pdl_enter(PDL)
+    """o of each (b, h) from its splits' partials. decode_attention's split kernel writes every
+    split; rope_decode_attention's writes the lane's active splits only, and none when there is
+    one (it wrote o itself): the merge reads the positions to know which."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)  # b * H + h
+    n_splits = NUM_SPLITS
+    if ROPE:  # the positions before the wait, as the split kernel reads them
+        pos = tl.load(positions_ptr + (bh // H) * stride_pos)
+        n_splits = _active_splits(tl.where((pos >= 0) & (pos < S), pos, 0).to(tl.int32), SPLIT_LEN)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if ROPE:
+        if n_splits > 1:
+            _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits, BLOCK_SPLITS, BLOCK_D)
+    else:
+        _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits, BLOCK_SPLITS, BLOCK_D)
+
+
+@triton.jit
+def _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits,
+                  BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """o[bh] from the partials of its first n_splits splits."""
     offs_s = tl.arange(0, BLOCK_SPLITS)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < n_splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
     m = tl.load(m_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
@@ -378,9 +440,11 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
     _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len):
+def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, then the merge: o (B, H, hd).
+    positions: rope_decode_attention's, whose split kernel also takes o (after acc) and writes
+    its active splits only.
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
@@ -392,8 +456,9 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
+    rope = positions is not None
     split_kernel[(B, Hkv, num_splits)](
-        *inputs, m, l, acc, *strides,
+        *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
         float(scale) * LOG2E,
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
@@ -406,10 +471,12 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len)
         launch_pdl=pdl,
     )
     _decode_attention_merge_kernel[(B * H,)](
-        m, l, acc, o, hd, num_splits,
+        m, l, acc, o, positions if rope else o, positions.stride(0) if rope else 0,
+        H, S, hd, num_splits, split_len,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         BLOCK_D=BLOCK_D,
         PDL=pdl,
+        ROPE=rope,
         num_warps=1 if BLOCK_D <= 64 else 2,
         launch_pdl=pdl,
     )
@@ -443,7 +510,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (q, k, v, cos, sin, positions, k_cache, v_cache),
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len)
+                            q, Hkv, S, scale, split_len, positions)
 
 
 def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):

@@ -125,11 +125,15 @@ def argmax(logits):
     return out
 
 
+_ARGMAX_TILE = (32768, 32)  # (BLOCK_V cap, num_warps at the cap)
+
+
 def _launch_argmax(logits, out, tokens, positions, host, feed: bool) -> None:
     B, V = logits.shape
-    BLOCK_V = min(4096, triton.next_power_of_2(V))
+    cap, warps = _ARGMAX_TILE
+    BLOCK_V = min(cap, triton.next_power_of_2(V))
     _argmax_kernel[(B,)](logits, out, *logits.stride(), V, tokens, positions, host, BLOCK_V=BLOCK_V, FEED=feed,
-                         num_warps=8 if BLOCK_V >= 4096 else 4)
+                         num_warps=warps if BLOCK_V >= cap else 4)
 
 
 def argmax_feed(logits, tokens, positions, host):
