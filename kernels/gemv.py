@@ -133,7 +133,7 @@ def _gemv_kernel(
         y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
     if RESIDUAL:
         y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(y_ptr + rows, y.to(dtype).to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the configs that won the autotuning of every
@@ -262,7 +262,7 @@ def _gemv_rows_kernel(
     out_mask = m_mask[:, None] & row_mask[None, :]
     if RESIDUAL:
         y += tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(y_ptr + out_offs, y.to(dtype).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..16, chosen for Hopper but not yet timed
@@ -298,7 +298,7 @@ def _m_bucket(m: int) -> int:
     return 4 if m <= 4 else 8 if m <= 8 else MAX_ROWS
 
 
-def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
+def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -306,7 +306,10 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     of each weight tile for all rows). Options as in the module docstring; all tensors share
     x's dtype except norm_weight, which may be any float dtype.
     pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
-    under the interpreter it selects the prefetching loop alone."""
+    under the interpreter it selects the prefetching loop alone.
+    out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
+    all the same, so a float32 y is exactly the default y's .float(), with no kernel to convert
+    it (the decode step's logits)."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if norm_weight is not None:
@@ -337,13 +340,16 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     if norm_weight is not None:
         check_dtype(op, "norm_weight", norm_weight, FLOAT_DTYPES)
         check_shape(op, "norm_weight", norm_weight, (K,))
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"{op}: out_dtype must be x's dtype {x.dtype} or torch.float32, got {out_dtype}")
     out_shape = (*x.shape[:-1], N)
     if residual is not None:
         check_shape(op, "residual", residual, out_shape)
         if residual.dtype != x.dtype:
             raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
         residual = residual.contiguous()
-    y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
     if M > 1:
         return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
@@ -382,7 +388,8 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
 
 
 
-def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None):
+def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
+             out_dtype=None):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
     row by row over x's leading dims (the norm statistics are per row)."""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
@@ -394,4 +401,4 @@ def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=No
         y = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
     if residual is not None:
         y = (residual.float() + y.float()).to(x.dtype)
-    return y
+    return y if out_dtype is None else y.to(out_dtype)

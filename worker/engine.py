@@ -169,7 +169,7 @@ class Engine:
     def logits(self, x: torch.Tensor, p: Pass | None = None) -> torch.Tensor:
         if p is not None and p.trace is not None:
             p.trace.append(("final_ln", self.model.norm(x[:, -1]).float()))
-        return self.model.logits(x).float()
+        return self.model.logits(x, torch.float32)
 
     def forward(self, tokens: torch.Tensor, p: Pass, loops: int, lane_loops: list[int] | None = None,
                 last_only: bool = True, depth: torch.Tensor | None = None) -> torch.Tensor:

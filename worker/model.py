@@ -253,11 +253,14 @@ class LoopedTransformer(nn.Module):
     gemv = None  # see Block.gemv
     gemv_rows = 0
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The final norm and the head; dtype: the logits' (default x's), float32 written by the
+        fused projection itself on the decode path (no conversion kernel)."""
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
-            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps)
-        return linear(self.norm(x), head)
+            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=dtype)
+        y = linear(self.norm(x), head)
+        return y if dtype is None else y.to(dtype)
 
     def forward(self, tokens: torch.Tensor, loops: int, window: int = 0) -> torch.Tensor:
         """Full causal forward with no cache: training, and the recompute the tests compare to.

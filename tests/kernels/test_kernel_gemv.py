@@ -173,3 +173,31 @@ def test_gemv_rows_gpu_bf16_shapes(N, K, swiglu, M, pdl):
     r = torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)
     for kw in ({}, {"norm_weight": nw}, {"residual": r}, {"norm_weight": nw, "residual": r}):
         assert_close(gemv(x, w, swiglu=swiglu, pdl=pdl, **kw), gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("kw", [{}, {"norm": True}, {"residual": True}, {"norm": True, "swiglu": True}],
+                         ids=["plain", "norm", "residual", "norm+swiglu"])
+def test_gemv_float32_out_is_the_rounded_y(M, kw):
+    """out_dtype=float32 stores the very values of the default bf16 y, widened (the decode
+    step's logits need no conversion kernel)."""
+    g = torch.Generator().manual_seed(M)
+    N, K = 24, 96
+    x = (3 * torch.randn(M, 1, K, generator=g)).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(2 * N if kw.get("swiglu") else N, K, generator=g) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    args = {"swiglu": kw.get("swiglu", False)}
+    if kw.get("norm"):
+        args["norm_weight"] = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, torch.bfloat16)
+    if kw.get("residual"):
+        args["residual"] = torch.randn(M, 1, N, generator=g).to(DEVICE, torch.bfloat16)
+    y32 = gemv(x, w, out_dtype=torch.float32, **args)
+    assert y32.dtype == torch.float32
+    assert torch.equal(y32, gemv(x, w, **args).float())
+    assert torch.equal(gemv_ref(x, w, out_dtype=torch.float32, **args), gemv_ref(x, w, **args).float())
+
+
+def test_gemv_rejects_other_out_dtypes():
+    x = torch.randn(1, 16, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(8, 16, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype must be x's dtype torch.bfloat16 or torch.float32, got torch.float16"):
+        gemv(x, w, out_dtype=torch.float16)
