@@ -66,6 +66,11 @@ def main() -> None:
           f"({sum(r['launches_per_step'] for r in rows):.0f} launches)")
     for r in rows[:25]:
         print(f"  {r['ms_per_step'] * 1e3:8.1f} us  x{r['launches_per_step']:5.1f}  {r['kernel'][:110]}")
+    timeline = replay_timeline(m, prompt, L)
+    print(f"replayed step: {timeline['step_us']:.1f} us from its first kernel's start to its last's end, "
+          f"{timeline['gap_between_steps_us']:.1f} us between steps; critical path by kernel:")
+    for k, us in timeline["critical_path_us"].items():
+        print(f"  {us:8.1f} us  {k[:110]}")
     pre = prefill_profile(m, prompt, L)
     print(f"prefill({T} tokens, L={L}, the served path: stage graphs): {pre['wall_ms']:.3f} ms wall, "
           f"kernels {pre['kernel_sum_ms']:.3f} ms")
@@ -90,8 +95,55 @@ def main() -> None:
           f"({gen['gpu_ops']} kernels and copies)")
     write("profile-decode-cuda", {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
                                   "floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms,
-                                  "kernels": rows, "prefill": pre, "generate": gen}, args.out_dir)
+                                  "kernels": rows, "replay_timeline": timeline, "prefill": pre, "generate": gen},
+          args.out_dir)
     m.close()
+
+
+def replay_timeline(m: Model, prompt: list[int], L: int, reps: int = 12, skip: int = 2) -> dict:
+    """The captured step as the GPU runs it (CUPTI records each kernel a graph launches): each
+    kernel's start and end in its step, and what it adds to the step's critical path, its end
+    minus the latest end before it. With PDL a kernel starts before the one ahead of it ends, so
+    its own duration overstates its cost; the additions sum to the step. Medians over the
+    replays past the first `skip`; one step's kernels listed in order."""
+    e, T = m.engine, len(prompt)
+    logits, _ = prefill(e, 0, prompt, L, 0)
+    g = e.graphs.capture(L)
+    g.tokens.copy_(logits.argmax(-1).view(1, 1))
+    g.positions.fill_(T)
+    for _ in range(3):
+        g.graph.replay()
+    g.positions.fill_(T)  # the replays decode at contexts T .. T + reps - 1, feeding themselves
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                     if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("Mem"))
+    n = len(kernels) // reps  # the step's kernels
+    if n < 1 or len(kernels) % reps:
+        raise RuntimeError(f"{len(kernels)} kernels recorded over {reps} replays of one graph")
+    steps = [kernels[i * n:(i + 1) * n] for i in range(reps)]
+    adds = defaultdict(list)  # (index in the step, name) -> us added per replay
+    for st in steps[skip:]:
+        prev_end = st[0][0]
+        for i, (_, end, name) in enumerate(st):
+            adds[(i, name)].append(end - prev_end)
+            prev_end = max(prev_end, end)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    per_kernel = defaultdict(float)
+    for (_, name), v in adds.items():
+        per_kernel[name] += med(v)
+    t0 = steps[-1][0][0]
+    return {
+        "kernels_per_step": n,
+        "step_us": med([st[-1][1] - st[0][0] for st in steps[skip:]]),
+        "gap_between_steps_us": med([steps[i + 1][0][0] - steps[i][-1][1] for i in range(skip, reps - 1)]),
+        "critical_path_us": {k: v for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])},
+        "one_step": [{"kernel": name, "start_us": s - t0, "end_us": end - t0, "adds_us": med(adds[(i, name)])}
+                     for i, (s, end, name) in enumerate(steps[-1])],
+    }
 
 
 def kernel_rows(prof, runs: int) -> list[dict]:
