@@ -5,7 +5,8 @@ while the previous kernel in the stream drains; it must call ``gdc_wait`` before
 anything that kernel writes. The decode step's GEMVs (kernels/gemv.py) load their first weight
 chunk before the wait; the decode attention kernels (a split kernel, then the merge) let the
 next kernel launch at once and read nothing before the wait, except rope_decode_attention's
-split kernel, which loads positions and its cos / sin rows first. On the H200 it took batch-1
+kernels: its split kernel loads positions and its cos / sin rows first (and its programs
+holding no slot of their lane exit there), its merge kernel the positions. On the H200 it took batch-1
 decode at L = 8 from 0.539 to 0.510 ms (docs/performance.md).
 """
 import functools

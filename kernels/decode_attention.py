@@ -48,10 +48,11 @@ Both ops launch their split and merge kernels with programmatic dependent launch
 GEMV does (Hopper and later, `_launch.use_pdl`). Each kernel lets the next one launch at once,
 then waits for the previous kernel's writes: the merge kernel launches while the split kernel
 runs (and waits for its partials), and the projection after the merge starts loading its
-weights while the merge drains. decode_attention's split kernel and the merge kernel read
-nothing before the wait. rope_decode_attention's split kernel loads positions[b] and its cos /
-sin rows before it, since they never come from the projection launched just before (which
-writes q, k, v): the contract is that positions and the tables are not written by a kernel
+weights while the merge drains. decode_attention's split and merge kernels read nothing
+before the wait. rope_decode_attention's split kernel loads positions[b] and its cos / sin rows
+before it (and a program with no slot of its lane exits there), and its merge kernel loads
+positions[b], since they never come from the projection launched just before (which writes
+q, k, v): the contract is that positions and the tables are not written by a kernel
 launched with PDL since the last ordinary launch in the stream (only such a kernel can still be
 running). The engine's tables never change, and it writes positions by a host copy or fill
 before the step (or, in a captured step, `argmax_feed` at the end of the step before).
