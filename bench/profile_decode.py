@@ -119,17 +119,26 @@ def replay_timeline(m: Model, prompt: list[int], L: int, reps: int = 12, skip: i
         for _ in range(reps):
             g.graph.replay()
         torch.cuda.synchronize()
-    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
-                     if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("Mem"))
+    kernels = [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+               if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("Mem")]
+    return critical_path(kernels, reps, skip)
+
+
+def critical_path(kernels: list[tuple[float, float, str]], reps: int, skip: int = 2) -> dict:
+    """replay_timeline's arithmetic: kernels (start us, end us, name) of `reps` replays of one
+    graph, in any order -> the step's span, the gap between steps, what each kernel adds to the
+    step's end (median over the replays past the first `skip`), summed by name, and the last
+    replay's kernels in order."""
+    kernels = sorted(kernels)
     n = len(kernels) // reps  # the step's kernels
-    if n < 1 or len(kernels) % reps:
-        raise RuntimeError(f"{len(kernels)} kernels recorded over {reps} replays of one graph")
+    if n < 1 or len(kernels) % reps or reps <= skip + 1:
+        raise ValueError(f"{len(kernels)} kernels over {reps} replays (skipping {skip}): not whole steps")
     steps = [kernels[i * n:(i + 1) * n] for i in range(reps)]
     adds = defaultdict(list)  # (index in the step, name) -> us added per replay
     for st in steps[skip:]:
         prev_end = st[0][0]
         for i, (_, end, name) in enumerate(st):
-            adds[(i, name)].append(end - prev_end)
+            adds[(i, name)].append(max(end - prev_end, 0.0))
             prev_end = max(prev_end, end)
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     per_kernel = defaultdict(float)

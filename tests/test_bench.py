@@ -175,3 +175,24 @@ def test_decode_bench_skip_compile(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile", None)  # never called
     r = run_decode(tmp_path, "--skip-compile", "--loops", "2")
     assert "compiled" not in r and "compiled" not in r["decode"][0]
+
+
+def test_replay_critical_path_arithmetic():
+    """profile_decode's attribution of a replayed step: with overlapping (PDL) kernels each adds
+    its end minus the latest end before it, the additions sum to the step, and the replays are
+    told apart by their kernel count."""
+    from bench.profile_decode import critical_path
+    # one step: a (0-10), b starts early at 8 and ends 15, c starts at 9 and ends 14 (inside b),
+    # d 15-20; four replays 30 us apart, the third one slower in b
+    kernels = []
+    for r in range(4):
+        t, slow = 30.0 * r, 3.0 if r == 2 else 0.0
+        kernels += [(t, t + 10, "a"), (t + 8, t + 15 + slow, "b"), (t + 9, t + 14, "c"), (t + 15 + slow, t + 20 + slow, "d")]
+    out = critical_path(kernels[::-1], reps=4, skip=1)  # any order in
+    assert out["kernels_per_step"] == 4
+    assert [k["kernel"] for k in out["one_step"]] == ["a", "b", "c", "d"]
+    assert out["critical_path_us"] == {"a": 10.0, "b": 5.0, "d": 5.0, "c": 0.0}  # medians of 3 replays
+    assert out["step_us"] == 20.0 and out["gap_between_steps_us"] == 10.0
+    assert sum(out["critical_path_us"].values()) == out["step_us"]
+    with pytest.raises(ValueError, match="7 kernels over 4 replays"):
+        critical_path(kernels[:7], reps=4)
