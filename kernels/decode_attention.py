@@ -186,6 +186,13 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
+def _active_splits(n_cached, SPLIT_LEN):
+    """Splits of rope_decode_attention that hold a slot of a lane with n_cached slots before its
+    new token: at least split 0, which holds the new key."""
+    return tl.maximum(tl.cdiv(n_cached, SPLIT_LEN), 1)
+
+
+@triton.jit
 def _rope_decode_attention_split_kernel(
     q_ptr,  # (B, H, hd): q[:, 0]
     k_ptr,  # (B, Hkv, hd): k[:, 0]
@@ -228,35 +235,9 @@ def _rope_decode_attention_split_kernel(
     # A split past the lane's cached slots has nothing to add: it exits here, before the wait
     # and with nothing written (the merge reads the first _active_splits only). Split 0 always
     # runs: it holds the new key.
-    if split < _active_splits(n_cached, SPLIT_LEN):
-        _rope_attend_split(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
-                           o_ptr, stride_q_b, stride_q_h, stride_q_d, stride_k_b, stride_k_h, stride_k_d,
-                           stride_v_b, stride_v_h, stride_v_d, stride_cos_p, stride_cos_d, stride_sin_p,
-                           stride_sin_d, stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
-                           stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
-                           b, kvh, split, pos, live, row, n_cached,
-                           H, HD, GROUP, NUM_SPLITS, SPLIT_LEN, qk_scale,
-                           BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, PDL)
-
-
-@triton.jit
-def _active_splits(n_cached, SPLIT_LEN):
-    """Splits of rope_decode_attention that hold a slot of a lane with n_cached slots before its
-    new token: at least split 0, which holds the new key."""
-    return tl.maximum(tl.cdiv(n_cached, SPLIT_LEN), 1)
-
-
-@triton.jit
-def _rope_attend_split(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
-                       o_ptr, stride_q_b, stride_q_h, stride_q_d, stride_k_b, stride_k_h, stride_k_d,
-                       stride_v_b, stride_v_h, stride_v_d, stride_cos_p, stride_cos_d, stride_sin_p,
-                       stride_sin_d, stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
-                       stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
-                       b, kvh, split, pos, live, row, n_cached,
-                       H, HD, GROUP, NUM_SPLITS, SPLIT_LEN, qk_scale,
-                       BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """The work of one active split of _rope_decode_attention_split_kernel (its arguments)."""
+    n_active = _active_splits(n_cached, SPLIT_LEN)
+    if split >= n_active:
+        return
     start = split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, n_cached)  # never slot pos itself: split 0 writes it
     offs_d = tl.arange(0, BLOCK_D)
@@ -299,7 +280,7 @@ def _rope_attend_split(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cac
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
                               start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
-    if _active_splits(n_cached, SPLIT_LEN) == 1:
+    if n_active == 1:
         # The lane's only split: its softmax is complete, and it writes o itself (the merge of
         # one partial is this division, bit for bit; the merge kernel skips the lane).
         o = acc / l[:, None]
