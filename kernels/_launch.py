@@ -26,16 +26,3 @@ def use_pdl(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _pdl_on(index: int) -> bool:
     return os.environ.get("TINYLOOP_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def use_l2_prefetch(device: torch.device) -> bool:
-    """rope_decode_attention's L2 prefetch programs (cp.async.bulk.prefetch, sm_90+): on for Hopper
-    and later unless TINYLOOP_L2_PREFETCH=0 (read once per process and device)."""
-    if device.type != "cuda":
-        return False
-    return _l2_prefetch_on(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_prefetch_on(index: int) -> bool:
-    return os.environ.get("TINYLOOP_L2_PREFETCH", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9

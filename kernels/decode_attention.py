@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape, interpreting
-from ._launch import use_l2_prefetch, use_pdl
+from ._launch import use_pdl
 from .rope import rope_cache_write_ref
 
 LOG2E = math.log2(math.e)
@@ -193,26 +193,6 @@ def _active_splits(n_cached, SPLIT_LEN):
 
 
 @triton.jit
-def _l2_prefetch(j, a_ptr, a_bytes, b_ptr, b_bytes, c_ptr, c_bytes,
-                 CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Hint chunks [j * CHUNKS, (j + 1) * CHUNKS) of the byte ranges a | b | c (each cut into
-    CHUNK-byte chunks of its own, the last one shorter) into L2: one cp.async.bulk.prefetch per
-    chunk (sm_90+), which loads nothing into registers and is waited for by no one."""
-    c = j.to(tl.int64) * CHUNKS + tl.arange(0, CHUNKS)
-    na = tl.cdiv(a_bytes, CHUNK)
-    nb = tl.cdiv(b_bytes, CHUNK)
-    in_a = c < na
-    in_b = (c >= na) & (c < na + nb)
-    off = tl.where(in_a, c, tl.where(in_b, c - na, c - na - nb)) * CHUNK
-    n = tl.where(in_a, a_bytes, tl.where(in_b, b_bytes, c_bytes))
-    addr = tl.where(in_a, a_ptr + off, tl.where(in_b, b_ptr + off, c_ptr + off))
-    size = tl.where(off < n, tl.minimum(n - off, CHUNK), 0).to(tl.int32)  # 0: past every range
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _rope_decode_attention_split_kernel(
     q_ptr,  # (B, H, hd): q[:, 0]
     k_ptr,  # (B, Hkv, hd): k[:, 0]
@@ -226,7 +206,6 @@ def _rope_decode_attention_split_kernel(
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
     o_ptr,  # (B, H, hd) contiguous: written here for a lane with one active split
-    pf_a_ptr, pf_a_bytes, pf_b_ptr, pf_b_bytes, pf_c_ptr, pf_c_bytes,  # uint8: ranges hinted into L2
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_b, stride_k_h, stride_k_d,
     stride_v_b, stride_v_h, stride_v_d,
@@ -237,27 +216,17 @@ def _rope_decode_attention_split_kernel(
     stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
     H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
     qk_scale,
-    B,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    PF_CHUNK: tl.constexpr,
-    PF_CHUNKS: tl.constexpr,  # 0: no L2 prefetch programs
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    if PF_CHUNKS > 0:
-        if b >= B:
-            # A prefetch program (rows B.. of the grid): it hints its chunks of the next
-            # projections' weights into L2 and exits, reading nothing and before any wait.
-            j = ((b - B) * tl.num_programs(1) + kvh) * NUM_SPLITS + split
-            _l2_prefetch(j, pf_a_ptr, pf_a_bytes, pf_b_ptr, pf_b_bytes, pf_c_ptr, pf_c_bytes, PF_CHUNK, PF_CHUNKS)
-            return
     # Before the wait: positions and cos / sin are not the previous kernel's (module docstring).
     pos = tl.load(positions_ptr + b * stride_pos)
     live = (pos >= 0) & (pos < S)
@@ -459,43 +428,11 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
     _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-def _check_prefetch(op, prefetch, device):
-    """rope_decode_attention's prefetch: up to three contiguous tensors on the op's device, each
-    starting at a 16-byte boundary and holding a multiple of 16 bytes (the bulk prefetch's unit)."""
-    if not isinstance(prefetch, (tuple, list)) or len(prefetch) > len(_PF_SLOTS):
-        raise ValueError(f"{op}: prefetch must be a tuple of at most {len(_PF_SLOTS)} tensors, got {prefetch!r}")
-    for i, t in enumerate(prefetch):
-        if not isinstance(t, torch.Tensor) or t.device != device:
-            raise ValueError(f"{op}: prefetch[{i}] must be a tensor on {device}, got "
-                             f"{getattr(t, 'device', type(t).__name__)}")
-        nbytes = t.numel() * t.element_size()
-        if not t.is_contiguous() or t.data_ptr() % 16 or nbytes % 16:
-            raise ValueError(f"{op}: prefetch[{i}] must be contiguous, 16-byte aligned and a multiple of "
-                             f"16 bytes, got shape {tuple(t.shape)} strides {t.stride()} ({nbytes} bytes)")
-
-
-# rope_decode_attention's L2 prefetch: each prefetch program hints PF_CHUNKS chunks of PF_CHUNK
-# bytes, one per thread of its 4 warps (512 KB a program); up to three byte ranges (_PF_SLOTS).
-PF_CHUNK = 4096
-PF_CHUNKS = 128
-_PF_SLOTS = ("a", "b", "c")
-
-
-def _prefetch_args(prefetch, like):
-    """(args, programs): the split kernel's (ptr, bytes) pairs of the ranges (unused slots empty)
-    and the prefetch programs that cover them."""
-    ranges = [t.reshape(-1).view(torch.uint8) for t in prefetch if t.numel()]
-    chunks = sum(triton.cdiv(r.numel(), PF_CHUNK) for r in ranges)
-    ranges += [like.reshape(-1)[:0].view(torch.uint8)] * (len(_PF_SLOTS) - len(ranges))
-    return [a for r in ranges for a in (r, r.numel())], triton.cdiv(chunks, PF_CHUNKS)
-
-
-def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None, prefetch=()):
+def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, then the merge: o (B, H, hd).
-    positions: rope_decode_attention's, whose split kernel also takes o (after acc) and the
-    prefetch ranges, writes its active splits only, and runs the prefetch programs (rows B.. of
-    its grid) when `use_l2_prefetch` holds.
+    positions: rope_decode_attention's, whose split kernel also takes o (after acc) and writes
+    its active splits only.
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
@@ -508,26 +445,16 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
     rope = positions is not None
-    extra, pf_rows, pf_meta = (), 0, {}
-    if rope:
-        if interpreting() or not use_l2_prefetch(q.device):  # (the interpreter runs no inline asm)
-            prefetch = ()
-        pf_args, pf_programs = _prefetch_args(prefetch, o)
-        pf_rows = triton.cdiv(pf_programs, Hkv * num_splits)
-        extra = (o, *pf_args)
-        pf_meta = dict(PF_CHUNK=PF_CHUNK, PF_CHUNKS=PF_CHUNKS if pf_rows else 0)
-    split_kernel[(B + pf_rows, Hkv, num_splits)](
-        *inputs, m, l, acc, *extra, *strides,
+    split_kernel[(B, Hkv, num_splits)](
+        *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
         float(scale) * LOG2E,
-        *((B,) if rope else ()),
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
         BLOCK_N=_block_n(BLOCK_D),
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
-        **pf_meta,
         num_warps=4,
         launch_pdl=pdl,
     )
@@ -562,7 +489,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale):
                              _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
 
 
-def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, prefetch=()):
+def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len):
     """rope_decode_attention with an explicit split length (slots per split); tests use it to
     force many splits on short caches."""
     q, k, v = q[:, 0], k[:, 0], v[:, 0]  # views: drop T = 1
@@ -571,21 +498,18 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (q, k, v, cos, sin, positions, k_cache, v_cache),
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len, positions, prefetch)
+                            q, Hkv, S, scale, split_len, positions)
 
 
-def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, prefetch=()):
+def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
     """RoPE + cache write of one new token per lane + decode attention, in one split launch and
     the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered
-    at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype.
-    prefetch: up to three tensors (the weights the next projections read) hinted into L2 while
-    the attention runs (module docstring); a hint, the output does not depend on it."""
+    at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype."""
     _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache)
-    _check_prefetch("rope_decode_attention", prefetch, q.device)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
-                                  _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))), prefetch)
+                                  _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
@@ -609,11 +533,11 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale):
     return masked_attention_ref(q[:, :, None], k_cache, v_cache, valid[:, None], scale)[:, :, 0]
 
 
-def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, prefetch=()):
+def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
     """The spec, in plain torch: rope_cache_write at rows p_b of the tables then decode_attention
     over p_b + 1 slots for a live lane; an idle lane (p_b outside [0, S)) writes nothing and
     outputs its own v, rounded to the cache dtype as if it had gone through the cache. Writes the
-    caches in place. prefetch, a hint to the kernel, changes nothing here."""
+    caches in place."""
     S = k_cache.shape[2]
     live = (positions >= 0) & (positions < S)  # (B,)
     rows = torch.where(live, positions, 0)[:, None]  # (B, 1): row 0 for an idle lane, as the kernel

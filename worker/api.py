@@ -77,7 +77,7 @@ class Model:
                                             self.device, self.dtype), select_ops(self.device, backend))
         if self.engine.ops.name == "triton":
             ops = self.engine.ops
-            model.use_fast_path(ops.rms_norm, ops.gemv, ops.gemv_rows, ops.swiglu, ops.l2_prefetch_bytes)
+            model.use_fast_path(ops.rms_norm, ops.gemv, ops.gemv_rows, ops.swiglu)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs:

@@ -186,7 +186,7 @@ class Engine:
         vc = self.cache.v[layer, p.lanes]
         ops, scale, W, model = self.ops, self.scale, p.window, self.model
 
-        def attend(q, k, v, l2_prefetch=()):
+        def attend(q, k, v):
             T = q.shape[1]
             if p.tree is not None:
                 return self._attend_tree(q, k, v, p, kc, vc)
@@ -195,7 +195,7 @@ class Engine:
                 # cache write and attention in one op; a position outside the cache (an idle
                 # lane of a batched step) writes and reads nothing
                 return ops.rope_decode_attention(q, k, v, model.rope_cos, model.rope_sin, p.positions[:, 0],
-                                                 kc, vc, scale, l2_prefetch)[:, :, None]
+                                                 kc, vc, scale)[:, :, None]
             if W == 0 or T == 1:
                 # write first, then read: a single new token cannot evict a key it needs
                 write_idx = p.positions if W == 0 else p.positions % W

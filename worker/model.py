@@ -17,11 +17,9 @@ import torch.nn.functional as F
 from tinyloop.kernels.rope import apply_rope_ref
 from tinyloop.worker.config import LoopedConfig
 
-# attend(q (B,T,H,hd), k (B,T,Hkv,hd), v (B,T,Hkv,hd), l2_prefetch=()) -> (B,H,T,hd). It
-# receives the raw projections and applies RoPE itself, so that the GPU path can fuse RoPE with
-# the cache write. l2_prefetch: weights the layer reads next, which the decode step's attention
-# kernel hints into L2 while it runs (a hint: no result depends on it; other paths ignore it).
-Attend = Callable[..., torch.Tensor]
+# attend(q (B,T,H,hd), k (B,T,Hkv,hd), v (B,T,Hkv,hd)) -> (B,H,T,hd). It receives the raw
+# projections and applies RoPE itself, so that the GPU path can fuse RoPE with the cache write.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -88,14 +86,13 @@ class Attention(nn.Module):
             q, k, v = linear(x, self.wq.weight), linear(x, self.wk.weight), linear(x, self.wv.weight)
         return linear(self.attend(q, k, v, attend), self.wo.weight)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend,
-               l2_prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Projected q (B, T, H·hd), k / v (B, T, Hkv·hd) -> attention output (B, T, H·hd)."""
         B, T, _ = q.shape
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        out = attend(q, k, v, l2_prefetch=l2_prefetch)  # (B, H, T, hd)
+        out = attend(q, k, v)  # (B, H, T, hd)
         return out.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -139,7 +136,6 @@ class Block(nn.Module):
 
     gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
     gemv_rows = 0
-    l2_prefetch_bytes = 0  # of the weights after the attention, hinted into L2 by its kernel (token_step)
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
@@ -162,7 +158,7 @@ class Block(nn.Module):
         need the whole projected row before the add)."""
         att, ffn, gemv = self.attention, self.feed_forward, self.gemv
         qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
-        out = att.attend(*qkv.split(att._sizes(), -1), attend, l2_prefetch=self.l2_prefetch(self.l2_prefetch_bytes))
+        out = att.attend(*qkv.split(att._sizes(), -1), attend)
         if self.sandwich:
             x = x + self.post_attention_norm(gemv(out, att.wo.weight))
         else:
@@ -171,23 +167,6 @@ class Block(nn.Module):
         if self.sandwich:
             return x + self.post_ffn_norm(gemv(h, ffn.w2.weight))
         return gemv(h, ffn.w2.weight, residual=x)
-
-    def l2_prefetch(self, budget: int) -> tuple[torch.Tensor, ...]:
-        """Up to `budget` bytes of the weights token_step reads after the attention, in the order
-        it reads them: wo, then the first rows of gate and of up (those of the gate|up GEMV's
-        first programs). The attention hardly uses the memory bus, so while it runs its kernel
-        can pull these into L2 (kernels/decode_attention.py)."""
-        wo = self.attention.wo.weight
-        row = wo.shape[1] * wo.element_size()
-        if budget < row:
-            return ()
-        if budget < wo.numel() * wo.element_size():
-            return (wo[:budget // row],)
-        budget -= wo.numel() * wo.element_size()
-        w13 = self.feed_forward.w13
-        F_ = w13.shape[0] // 2
-        r = min(budget // (2 * w13.shape[1] * w13.element_size()), F_)
-        return (wo, w13[:r], w13[F_:F_ + r]) if r else (wo,)
 
 
 class LoopedTransformer(nn.Module):
@@ -222,14 +201,11 @@ class LoopedTransformer(nn.Module):
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
-    def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1, swiglu=None, l2_prefetch_bytes: int = 0) -> None:
+    def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1, swiglu=None) -> None:
         """Inference on CUDA: fused projections, a fused RMSNorm kernel (with the residual add
         before the feed-forward norm), a fused SwiGLU and, given `gemv`, decode steps of up to
         `gemv_rows` lanes in fused projections (fewer, larger launches: decode of a small model
-        is bound by launches as much as by weight reads), whose attention hints
-        `l2_prefetch_bytes` of the layer's next weights into L2 (Block.l2_prefetch)."""
-        if l2_prefetch_bytes < 0:
-            raise ValueError(f"l2_prefetch_bytes must be >= 0, got {l2_prefetch_bytes}")
+        is bound by launches as much as by weight reads)."""
         self.gemv, self.gemv_rows = gemv, gemv_rows if gemv is not None else 0
         for m in self.modules():
             if isinstance(m, (Attention, FeedForward)):
@@ -239,7 +215,7 @@ class LoopedTransformer(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.kernel = rms_norm
             elif isinstance(m, Block):
-                m.gemv, m.gemv_rows, m.l2_prefetch_bytes = self.gemv, self.gemv_rows, l2_prefetch_bytes
+                m.gemv, m.gemv_rows = self.gemv, self.gemv_rows
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -298,7 +274,7 @@ class LoopedTransformer(nn.Module):
         if window:
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # (T, T)
 
-        def attend(q, k, v, l2_prefetch=()):
+        def attend(q, k, v):
             q, k = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,

@@ -23,9 +23,6 @@ class Ops:
     tree_attention = staticmethod(tree_attention_ref)
 
 
-L2_PREFETCH_BYTES = 24 << 20
-
-
 class TritonOps(Ops):
     """Triton kernels for the decode hot path (CUDA only)."""
     name = "triton"
@@ -38,9 +35,6 @@ class TritonOps(Ops):
         # 1.75 against 1.24 ms (bench/results/batch-cuda-gemv-rows.json vs batch-cuda-a801900.json).
         # Model(...)._module.use_fast_path(..., gemv_rows=16) engages it.
         self.gemv, self.gemv_rows = gemv, 1
-        # Bytes of each layer's wo and gate|up weights its decode attention hints into L2
-        # (Block.l2_prefetch).
-        self.l2_prefetch_bytes = L2_PREFETCH_BYTES
         from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
         from tinyloop.kernels.swiglu import swiglu

@@ -186,28 +186,6 @@ def test_rope_decode_attention_rejects_bad_inputs():
              v_cache=a.v_cache[..., :15])
     with pytest.raises(ValueError, match=f"{op}: v_cache must have shape"):
         call(v_cache=a.v_cache[:, :, :3])
-    w = torch.zeros(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match=f"{op}: prefetch must be a tuple of at most 3 tensors"):
-        call(prefetch=(w,) * 4)
-    with pytest.raises(ValueError, match=f"{op}: prefetch must be a tuple"):
-        call(prefetch=w)
-    with pytest.raises(ValueError, match=f"{op}: prefetch\\[1\\] must be contiguous"):
-        call(prefetch=(w, w.t()))
-    with pytest.raises(ValueError, match=f"{op}: prefetch\\[0\\] must be contiguous, 16-byte aligned"):
-        call(prefetch=(w.view(-1)[1:5],))  # 4-byte offset
-    with pytest.raises(ValueError, match=f"{op}: prefetch\\[0\\] must be a tensor on"):
-        call(prefetch=("w",))
-
-
-def test_rope_decode_attention_prefetch_is_a_hint():
-    """Valid prefetch ranges change nothing (under the interpreter the programs are not launched;
-    the GPU test below runs them)."""
-    a = make_inputs(2, 4, 2, 16, 8, F32, [3, 8], seed=0)
-    b = make_inputs(2, 4, 2, 16, 8, F32, [3, 8], seed=0)
-    w = torch.randn(64, 32, device=DEVICE)
-    out = rope_decode_attention(*a[:8], 0.25)
-    assert torch.equal(rope_decode_attention(*b[:8], 0.25, prefetch=(w, w[:3], w[8:9])), out)
-    assert torch.equal(a.k_buf, b.k_buf) and torch.equal(a.v_buf, b.v_buf)
 
 
 GPU_POSITIONS = [[0], [127], [2047], [2048], [0, 127, 2047, 2048]]  # 2048 = S: an idle lane
@@ -223,24 +201,6 @@ def test_rope_decode_attention_gpu_bf16(positions, Hkv):
                         seed=Hkv + sum(positions), scale=hd ** -0.5)
     assert torch.equal(rope_decode_attention(*got[:8], hd ** -0.5), out)
     assert_equals_unfused(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("B", [1, 4])
-def test_rope_decode_attention_gpu_prefetch(B):
-    """The L2 prefetch programs (rows B.. of the split grid, one bulk prefetch per 4 KB chunk of
-    three ranges, one ending mid-chunk) leave the output and the caches bitwise as without them."""
-    H, Hkv, hd, S = 16, 16, 128, 2048
-    positions = [100, 2048, 5, 1500][:B]
-    w = torch.randn(5632 * 2, 2048, device="cuda", dtype=torch.bfloat16)
-    flat = w.view(-1)
-    ranges = (w[:2048], w[:3], flat[5632 * 2048:5633 * 2048 + 24])  # 8 MB, 12 KB, 4 KB and 48 bytes
-    a = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=3)
-    b = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=3)
-    out = rope_decode_attention(*a[:8], hd ** -0.5)
-    assert torch.equal(rope_decode_attention(*b[:8], hd ** -0.5, prefetch=ranges), out)
-    assert torch.equal(a.k_buf, b.k_buf) and torch.equal(a.v_buf, b.v_buf)
 
 
 @pytest.mark.gpu

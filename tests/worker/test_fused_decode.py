@@ -34,7 +34,7 @@ def decode_logits(m: Model, loops: int, toks: list[int], T0: int) -> torch.Tenso
 def test_fused_token_step_matches_unfused(config_path, loops=2):
     with model(config_path) as ref, model(config_path) as fused:
         calls, acts = [], []
-        fused._module.use_fast_path(rms_norm, gemv, l2_prefetch_bytes=1 << 20,
+        fused._module.use_fast_path(rms_norm, gemv,
                                     swiglu=lambda g, u: acts.append(g.shape[-2]) or swiglu(g, u))
         for blk in fused._module.modules():
             if hasattr(blk, "token_step"):
@@ -79,25 +79,3 @@ def test_fused_batched_step_matches_unfused(config_path):
             for a, c in zip(wl, hl):
                 if a is not None:
                     assert ((c - a).norm() / a.norm()) < 1e-4, lane
-
-
-def test_l2_prefetch_ranges():
-    """Block.l2_prefetch: the weights after the attention in the order token_step reads them,
-    wo (whole or its first rows) then as many first rows of gate and of up as the budget holds."""
-    from tinyloop.worker.config import PRESETS
-    from tinyloop.worker.model import Block, LoopedTransformer
-    blk = Block(PRESETS["small"])
-    blk.attention.fuse(), blk.feed_forward.fuse()
-    wo, w13 = blk.attention.wo.weight, blk.feed_forward.w13
-    F, row, wo_bytes = w13.shape[0] // 2, w13.shape[1] * 4, wo.numel() * 4
-    assert blk.l2_prefetch(0) == () and blk.l2_prefetch(wo.shape[1] * 4 - 1) == ()
-    (part,) = blk.l2_prefetch(wo_bytes - 1)
-    assert part.data_ptr() == wo.data_ptr() and part.shape == (wo.shape[0] - 1, wo.shape[1])
-    assert blk.l2_prefetch(wo_bytes + 2 * row - 1) == (wo,)
-    got = blk.l2_prefetch(wo_bytes + 5 * row)
-    assert got[0] is wo and [t.shape[0] for t in got[1:]] == [2, 2]
-    assert got[1].data_ptr() == w13.data_ptr() and got[2].data_ptr() == w13[F].data_ptr()
-    whole = blk.l2_prefetch(1 << 40)
-    assert [t.shape[0] for t in whole[1:]] == [F, F]
-    with pytest.raises(ValueError, match="l2_prefetch_bytes must be >= 0"):
-        LoopedTransformer(PRESETS["tiny"]).use_fast_path(rms_norm, l2_prefetch_bytes=-1)
