@@ -28,17 +28,19 @@ of kernels/rope.py, a launch of its own per layer) into the split kernel. With p
     idle (otherwise):     no write; o[b, h] = v_new[h // G] (the new key alone)
 
 which is rope_cache_write then decode_attention(seq_lens = p_b + 1) for a live lane, with cos /
-sin gathered from the tables at row p_b. The lane's active splits are those holding one of its
-p_b cached slots, and split 0 always (it holds the new key); a program of any other split exits
-at once, before the PDL wait, writing nothing, so a short context in a long cache costs the
-programs it uses. Every active program rotates its group's q heads with its lane's row (row 0
+sin gathered from the tables at row p_b. The lane's p_b cached slots are spread evenly over
+its active splits: as many as splits of SPLIT_LEN slots would need, but no more than the grid's
+NUM_SPLITS, which the launcher caps at one wave of programs (a long context takes longer splits
+rather than a second wave); split 0 is always active (it holds the new key). A program of any
+other split exits at once, before the PDL wait, writing nothing, so a short context in a long
+cache costs the programs it uses. Every active program rotates its group's q heads with its lane's row (row 0
 for an idle lane: its rotation reaches nothing, and a position outside [0, S) is never a row
 read); the program of split 0 also rotates the new key, starts its online softmax from it
 (m = s_new, l = 1, acc = v_new, so p_b = 0 needs no cache slot) and stores k_new, v_new into
 slot p_b. Every program reads slots [start, min(end, p_b)) only, never slot p_b itself, so no
 program reads what another writes; an idle lane reads no slot at all (batched decode pads with
 idle lanes, which must cost nothing). A lane with one active split (p_b <= SPLIT_LEN, every idle
-lane) has o written by that split: acc / l, which is the merge of one partial bit for bit. The
+lane, or NUM_SPLITS = 1) has o written by that split: acc / l, which is the merge of one partial bit for bit. The
 merge kernel reads positions too (before its wait), skips such a lane and merges the active
 splits of the others. As with decode_attention the grids depend on B, Hkv and S only. The slot
 is the position itself: a ring buffer (slot = position % W, every slot valid once wrapped) is
@@ -78,6 +80,10 @@ LOG2E = math.log2(math.e)
 # A split shorter than this costs more in partial traffic than it wins in parallelism.
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 64
+# Software-pipeline stages of the split kernels' K / V loop (Triton's default, made explicit): on
+# the H200, 1 or 2 stages made the L = 8 step at 128 tokens of context 0.450-0.461 ms against
+# 0.424 with 3 (bench/results/split-stages-ab-cuda.json).
+SPLIT_STAGES = 3
 
 
 @triton.jit
@@ -186,10 +192,15 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
-def _active_splits(n_cached, SPLIT_LEN):
-    """Splits of rope_decode_attention that hold a slot of a lane with n_cached slots before its
-    new token: at least split 0, which holds the new key."""
-    return tl.maximum(tl.cdiv(n_cached, SPLIT_LEN), 1)
+def _lane_splits(n_cached, SPLIT_LEN, NUM_SPLITS):
+    """(active splits, slots per split) of rope_decode_attention's lane with n_cached slots before
+    its new token: as many splits of at most SPLIT_LEN slots as the slots need, but at most
+    NUM_SPLITS (the grid's), with the slots spread evenly over them, so a long context takes
+    longer splits rather than a second wave of programs; at least split 0, which holds the new
+    key. No active split is empty."""
+    n = tl.minimum(tl.maximum(tl.cdiv(n_cached, SPLIT_LEN), 1), NUM_SPLITS)
+    span = tl.cdiv(tl.maximum(n_cached, 1), n)
+    return tl.maximum(tl.cdiv(n_cached, span), 1), span
 
 
 @triton.jit
@@ -233,13 +244,13 @@ def _rope_decode_attention_split_kernel(
     row = tl.where(live, pos, 0)  # of the tables: in range, since P >= S
     n_cached = row.to(tl.int32)  # cache slots before the new token
     # A split past the lane's cached slots has nothing to add: it exits here, before the wait
-    # and with nothing written (the merge reads the first _active_splits only). Split 0 always
+    # and with nothing written (the merge reads the lane's active splits only). Split 0 always
     # runs: it holds the new key.
-    n_active = _active_splits(n_cached, SPLIT_LEN)
+    n_active, span = _lane_splits(n_cached, SPLIT_LEN, NUM_SPLITS)
     if split >= n_active:
         return
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, n_cached)  # never slot pos itself: split 0 writes it
+    start = split * span
+    end = tl.minimum(start + span, n_cached)  # never slot pos itself: split 0 writes it
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
     HALF = HD // 2
@@ -313,7 +324,7 @@ def _decode_attention_merge_kernel(
     n_splits = NUM_SPLITS
     if ROPE:  # the positions before the wait, as the split kernel reads them
         pos = tl.load(positions_ptr + (bh // H) * stride_pos)
-        n_splits = _active_splits(tl.where((pos >= 0) & (pos < S), pos, 0).to(tl.int32), SPLIT_LEN)
+        n_splits, _ = _lane_splits(tl.where((pos >= 0) & (pos < S), pos, 0).to(tl.int32), SPLIT_LEN, NUM_SPLITS)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if ROPE:
@@ -428,18 +439,20 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
     _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None):
+def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
+                     num_splits=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, then the merge: o (B, H, hd).
+    num_splits: cdiv(S, split_len) by default, the splits of a full cache.
     positions: rope_decode_attention's, whose split kernel also takes o (after acc) and writes
-    its active splits only.
+    its lanes' active splits only (_lane_splits; num_splits may be fewer than a full cache's).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
     if B * H * hd == 0:
         return o
     BLOCK_D = _block_d(hd)
-    num_splits = triton.cdiv(max(S, 1), split_len)
+    num_splits = num_splits or triton.cdiv(max(S, 1), split_len)
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
@@ -456,6 +469,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
         num_warps=4,
+        num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
     )
     _decode_attention_merge_kernel[(B * H,)](
@@ -489,16 +503,29 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale):
                              _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
 
 
-def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len):
-    """rope_decode_attention with an explicit split length (slots per split); tests use it to
-    force many splits on short caches."""
+def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, num_splits=None):
+    """rope_decode_attention with an explicit split length (slots per split) and split count
+    (default: a full cache's); tests use them to force many splits on short caches, and longer
+    ones than split_len."""
     q, k, v = q[:, 0], k[:, 0], v[:, 0]  # views: drop T = 1
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _split_and_merge(_rope_decode_attention_split_kernel,
                             (q, k, v, cos, sin, positions, k_cache, v_cache),
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len, positions)
+                            q, Hkv, S, scale, split_len, positions, num_splits)
+
+
+def _one_wave(B: int, Hkv: int, S: int, device: torch.device, split_len: int) -> int:
+    """rope_decode_attention's splits: a full cache's, but no more than one wave of split
+    programs holds. With SPLIT_STAGES = 3 a program takes 139 KB of shared memory at hd 128, so one
+    runs per SM; on the H200 a 3072-token context in 8 splits of 384 slots (128 programs) took the
+    L = 8 step from 0.520 to 0.490 ms against 12 of 256 (192 programs, two waves), and shorter
+    contexts, which need fewer splits, keep theirs (bench/results/split-stages-ab-cuda.json)."""
+    full = triton.cdiv(max(S, 1), split_len)
+    if device.type != "cuda":
+        return full
+    return min(full, max(_sm_count(device) // (B * Hkv), 1))
 
 
 def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
@@ -508,8 +535,9 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale)
     _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
-                                  _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
+    split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
+    return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
+                                  _one_wave(B, Hkv, S, q.device, split_len))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
