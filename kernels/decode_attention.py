@@ -29,9 +29,10 @@ of kernels/rope.py, a launch of its own per layer) into the split kernel. With p
 
 which is rope_cache_write then decode_attention(seq_lens = p_b + 1) for a live lane, with cos /
 sin gathered from the tables at row p_b. The lane's p_b cached slots are spread evenly over
-its active splits: as many as splits of SPLIT_LEN slots would need, but no more than the grid's
-NUM_SPLITS, which the launcher caps at one wave of programs (a long context takes longer splits
-rather than a second wave); split 0 is always active (it holds the new key). A program of any
+its active splits: as many as splits of SPLIT_LEN slots would need, but no more than MAX_ACTIVE,
+which the launcher sets to what one wave of programs holds (a long context takes longer splits
+rather than a second wave; the grid keeps a full cache's splits); split 0 is always active (it
+holds the new key). A program of any
 other split exits at once, before the PDL wait, writing nothing, so a short context in a long
 cache costs the programs it uses. Every active program rotates its group's q heads with its lane's row (row 0
 for an idle lane: its rotation reaches nothing, and a position outside [0, S) is never a row
@@ -40,7 +41,7 @@ read); the program of split 0 also rotates the new key, starts its online softma
 slot p_b. Every program reads slots [start, min(end, p_b)) only, never slot p_b itself, so no
 program reads what another writes; an idle lane reads no slot at all (batched decode pads with
 idle lanes, which must cost nothing). A lane with one active split (p_b <= SPLIT_LEN, every idle
-lane, or NUM_SPLITS = 1) has o written by that split: acc / l, which is the merge of one partial bit for bit. The
+lane, or MAX_ACTIVE = 1) has o written by that split: acc / l, which is the merge of one partial bit for bit. The
 merge kernel reads positions too (before its wait), skips such a lane and merges the active
 splits of the others. As with decode_attention the grids depend on B, Hkv and S only. The slot
 is the position itself: a ring buffer (slot = position % W, every slot valid once wrapped) is
@@ -192,13 +193,13 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
-def _lane_splits(n_cached, SPLIT_LEN, NUM_SPLITS):
+def _lane_splits(n_cached, SPLIT_LEN, MAX_ACTIVE):
     """(active splits, slots per split) of rope_decode_attention's lane with n_cached slots before
     its new token: as many splits of at most SPLIT_LEN slots as the slots need, but at most
-    NUM_SPLITS (the grid's), with the slots spread evenly over them, so a long context takes
-    longer splits rather than a second wave of programs; at least split 0, which holds the new
-    key. No active split is empty."""
-    n = tl.minimum(tl.maximum(tl.cdiv(n_cached, SPLIT_LEN), 1), NUM_SPLITS)
+    MAX_ACTIVE, with the slots spread evenly over them, so a long context takes longer splits
+    rather than a second wave of programs; at least split 0, which holds the new key. No active
+    split is empty."""
+    n = tl.minimum(tl.maximum(tl.cdiv(n_cached, SPLIT_LEN), 1), MAX_ACTIVE)
     span = tl.cdiv(tl.maximum(n_cached, 1), n)
     return tl.maximum(tl.cdiv(n_cached, span), 1), span
 
@@ -227,6 +228,7 @@ def _rope_decode_attention_split_kernel(
     stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
     H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
     qk_scale,
+    MAX_ACTIVE,  # a lane's most active splits, <= NUM_SPLITS
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -246,7 +248,7 @@ def _rope_decode_attention_split_kernel(
     # A split past the lane's cached slots has nothing to add: it exits here, before the wait
     # and with nothing written (the merge reads the lane's active splits only). Split 0 always
     # runs: it holds the new key.
-    n_active, span = _lane_splits(n_cached, SPLIT_LEN, NUM_SPLITS)
+    n_active, span = _lane_splits(n_cached, SPLIT_LEN, MAX_ACTIVE)
     if split >= n_active:
         return
     start = split * span
@@ -310,6 +312,7 @@ def _decode_attention_merge_kernel(
     o_ptr,  # (B, H, hd) contiguous
     positions_ptr,  # (B,) ROPE only: rope_decode_attention's positions
     stride_pos, H, S, HD, NUM_SPLITS, SPLIT_LEN,
+    MAX_ACTIVE,  # ROPE only: rope_decode_attention's
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
@@ -324,7 +327,7 @@ def _decode_attention_merge_kernel(
     n_splits = NUM_SPLITS
     if ROPE:  # the positions before the wait, as the split kernel reads them
         pos = tl.load(positions_ptr + (bh // H) * stride_pos)
-        n_splits, _ = _lane_splits(tl.where((pos >= 0) & (pos < S), pos, 0).to(tl.int32), SPLIT_LEN, NUM_SPLITS)
+        n_splits, _ = _lane_splits(tl.where((pos >= 0) & (pos < S), pos, 0).to(tl.int32), SPLIT_LEN, MAX_ACTIVE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if ROPE:
@@ -440,19 +443,21 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     num_splits=None):
+                     max_active=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
-    SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, then the merge: o (B, H, hd).
-    num_splits: cdiv(S, split_len) by default, the splits of a full cache.
-    positions: rope_decode_attention's, whose split kernel also takes o (after acc) and writes
-    its lanes' active splits only (_lane_splits; num_splits may be fewer than a full cache's).
+    SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
+    the merge: o (B, H, hd).
+    positions: rope_decode_attention's, whose split kernel also takes o (after acc) and
+    max_active (after qk_scale; default num_splits), and writes its lanes' active splits only
+    (_lane_splits).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
     if B * H * hd == 0:
         return o
     BLOCK_D = _block_d(hd)
-    num_splits = num_splits or triton.cdiv(max(S, 1), split_len)
+    num_splits = triton.cdiv(max(S, 1), split_len)
+    max_active = min(max_active or num_splits, num_splits)
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
@@ -462,6 +467,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
         float(scale) * LOG2E,
+        *((max_active,) if rope else ()),
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
         BLOCK_N=_block_n(BLOCK_D),
@@ -474,7 +480,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     )
     _decode_attention_merge_kernel[(B * H,)](
         m, l, acc, o, positions if rope else o, positions.stride(0) if rope else 0,
-        H, S, hd, num_splits, split_len,
+        H, S, hd, num_splits, split_len, max_active,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         BLOCK_D=BLOCK_D,
         PDL=pdl,
@@ -503,22 +509,22 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale):
                              _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
 
 
-def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, num_splits=None):
-    """rope_decode_attention with an explicit split length (slots per split) and split count
-    (default: a full cache's); tests use them to force many splits on short caches, and longer
-    ones than split_len."""
+def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None):
+    """rope_decode_attention with an explicit split length (slots per split) and most active
+    splits a lane (default: a full cache's); tests use them to force many splits on short caches,
+    and longer ones than split_len."""
     q, k, v = q[:, 0], k[:, 0], v[:, 0]  # views: drop T = 1
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _split_and_merge(_rope_decode_attention_split_kernel,
                             (q, k, v, cos, sin, positions, k_cache, v_cache),
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len, positions, num_splits)
+                            q, Hkv, S, scale, split_len, positions, max_active)
 
 
 def _one_wave(B: int, Hkv: int, S: int, device: torch.device, split_len: int) -> int:
-    """rope_decode_attention's splits: a full cache's, but no more than one wave of split
-    programs holds. With SPLIT_STAGES = 3 a program takes 139 KB of shared memory at hd 128, so one
+    """rope_decode_attention's most active splits a lane: a full cache's, but no more than one
+    wave of split programs holds. With SPLIT_STAGES = 3 a program takes 139 KB of shared memory at hd 128, so one
     runs per SM; on the H200 a 3072-token context in 8 splits of 384 slots (128 programs) took the
     L = 8 step from 0.520 to 0.490 ms against 12 of 256 (192 programs, two waves), and shorter
     contexts, which need fewer splits, keep theirs (bench/results/split-stages-ab-cuda.json)."""

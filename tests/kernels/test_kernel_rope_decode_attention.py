@@ -113,21 +113,21 @@ def test_rope_decode_attention_many_splits(H, Hkv, S, split_len):
     assert torch.equal(_rope_decode_attention(*got[:8], 0.2, split_len), out)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3])
-def test_rope_decode_attention_capped_splits(num_splits):
-    """Fewer splits than a full cache's (the launcher's one-wave cap): a lane needing more spreads
-    its slots evenly over num_splits longer splits, whose ends fall inside tiles (pos 129 in 3
+@pytest.mark.parametrize("max_active", [1, 2, 3])
+def test_rope_decode_attention_capped_splits(max_active):
+    """Fewer active splits a lane than a full cache's (the launcher's one-wave cap): a lane
+    needing more spreads its slots evenly over max_active longer splits, whose ends fall inside tiles (pos 129 in 3
     splits: 43 slots each; pos 100 in 2: 50), and one split writes o itself. Checked against the
     reference, then the slots >= pos poisoned as below: none is read."""
     S, hd = 130, 24
     positions = [129, 100, 33, 17, 16, 0, S]
-    out, got = run_both(lambda *a: _rope_decode_attention(*a, 16, num_splits), 7, 4, 2, hd, S, F32,
-                        positions, seed=num_splits, scale=0.3)
+    out, got = run_both(lambda *a: _rope_decode_attention(*a, 16, max_active), 7, 4, 2, hd, S, F32,
+                        positions, seed=max_active, scale=0.3)
     for b, p in enumerate(positions):
         first_unread = p + 1 if p < S else 0  # slot p now holds the new key
         got.k_cache[b, :, first_unread:] = float("nan")
         got.v_cache[b, :, first_unread:] = float("inf")
-    assert torch.equal(_rope_decode_attention(*got[:8], 0.3, 16, num_splits), out)
+    assert torch.equal(_rope_decode_attention(*got[:8], 0.3, 16, max_active), out)
 
 
 @pytest.mark.parametrize("split_len", [16, 144])
@@ -222,8 +222,8 @@ def test_rope_decode_attention_gpu_bf16(positions, Hkv):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split_len, num_splits", [(None, None), (64, None), (256, 3)])
-def test_rope_decode_attention_gpu_cuda_graph(split_len, num_splits):
+@pytest.mark.parametrize("split_len, max_active", [(None, None), (64, None), (256, 3)])
+def test_rope_decode_attention_gpu_cuda_graph(split_len, max_active):
     """No host sync and grids independent of the positions: one captured graph replays at any
     positions (the tables stay put), idle lanes included, over the launcher's splits, over 32
     forced ones and over 3 splits of up to 683 slots (a cap below the full cache's 8)."""
@@ -235,7 +235,7 @@ def test_rope_decode_attention_gpu_cuda_graph(split_len, num_splits):
     def launch():
         if split_len is None:
             return rope_decode_attention(*args)
-        return _rope_decode_attention(*args, split_len, num_splits)
+        return _rope_decode_attention(*args, split_len, max_active)
 
     launch()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
