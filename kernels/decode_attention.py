@@ -524,10 +524,11 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
 
 def _one_wave(B: int, Hkv: int, S: int, device: torch.device, split_len: int) -> int:
     """rope_decode_attention's most active splits a lane: a full cache's, but no more than one
-    wave of split programs holds. With SPLIT_STAGES = 3 a program takes 139 KB of shared memory at hd 128, so one
-    runs per SM; on the H200 a 3072-token context in 8 splits of 384 slots (128 programs) took the
-    L = 8 step from 0.520 to 0.490 ms against 12 of 256 (192 programs, two waves), and shorter
-    contexts, which need fewer splits, keep theirs (bench/results/split-stages-ab-cuda.json)."""
+    wave of split programs holds. With SPLIT_STAGES = 3 a program takes 139 KB of shared memory at
+    hd 128, so one runs per SM. On the H200 (B = 1, 16 kv heads: 8 splits at most) this took the
+    L = 8 step at 3072 tokens of context from 0.529 to 0.501 ms (12 splits of 256 slots, 192
+    programs in two waves, against 8 of 384) and at 4000 from 0.543 to 0.503; contexts up to 2048
+    tokens need no more than 8 splits and keep theirs (bench/results/split-stages-ab-cuda.json)."""
     full = triton.cdiv(max(S, 1), split_len)
     if device.type != "cuda":
         return full
