@@ -217,8 +217,7 @@ def _rope_decode_attention_split_kernel(
     m_ptr,  # (B, H, NUM_SPLITS) fp32
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
-    o_ptr,  # (B, H, hd) contiguous
-    counters_ptr,  # (>= B * Hkv,) int32, zero: a lane's split programs done per (b, kv head)
+    o_ptr,  # (B, H, hd) contiguous: written here for a lane with one active split
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_b, stride_k_h, stride_k_d,
     stride_v_b, stride_v_h, stride_v_d,
@@ -233,10 +232,8 @@ def _rope_decode_attention_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    MERGE_LAST: tl.constexpr,  # the group's last split program merges (no merge kernel)
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -305,17 +302,6 @@ def _rope_decode_attention_split_kernel(
     else:
         _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
                         mask_g, offs_d, mask_d)
-        if MERGE_LAST:
-            # The atomic is one thread's: the barrier puts every thread's stores above before
-            # its release (and its acquire before every thread's loads below).
-            tl.debug_barrier()
-            counter = counters_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
-                tl.store(counter, 0)  # the group's programs have all counted: zero for the next launch
-                tl.debug_barrier()
-                for g in range(GROUP):
-                    _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, b * H + kvh * GROUP + g, HD, NUM_SPLITS,
-                                  n_active, BLOCK_SPLITS, BLOCK_D, ".cg")
 
 
 @triton.jit
@@ -346,52 +332,29 @@ def _decode_attention_merge_kernel(
         tl.extra.cuda.gdc_wait()
     if ROPE:
         if n_splits > 1:
-            _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits, BLOCK_SPLITS, BLOCK_D, "")
+            _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits, BLOCK_SPLITS, BLOCK_D)
     else:
-        _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits, BLOCK_SPLITS, BLOCK_D, "")
+        _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits, BLOCK_SPLITS, BLOCK_D)
 
 
 @triton.jit
 def _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits,
-                  BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
-    """o[bh] from the partials of its first n_splits splits, loaded with the cache modifier
-    CACHE (".cg" in a split program: other programs wrote them, and an L1 line of this SM could
-    predate their writes)."""
+                  BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """o[bh] from the partials of its first n_splits splits."""
     offs_s = tl.arange(0, BLOCK_SPLITS)
     mask_s = offs_s < n_splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HD
-    m = tl.load(m_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=CACHE)
-    l = tl.load(l_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=0.0, cache_modifier=CACHE)
+    m = tl.load(m_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    l = tl.load(l_ptr + bh * NUM_SPLITS + offs_s, mask=mask_s, other=0.0)
     acc = tl.load(acc_ptr + (bh * NUM_SPLITS + offs_s[:, None]) * HD + offs_d[None, :],
-                  mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=CACHE)  # (BLOCK_SPLITS, BLOCK_D)
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_SPLITS, BLOCK_D)
     m_max = tl.max(m, axis=0)
     # An empty sequence has every m = -inf: shift by 0 instead, so weights are 0, not NaN.
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     l_total = tl.sum(l * w, axis=0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(l_total == 0.0, 1.0, l_total)
     tl.store(o_ptr + bh * HD + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
-
-
-_MERGE_LAST = True
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """rope_decode_attention's split counters: one zeroed int32 buffer per device, shared by
-    every launch and left at zero by each (the group's last program resets its counter), so no
-    launch or graph replay needs a memset; two launches on one device must therefore not run on
-    two streams at once (the engine issues a step on one stream). It grows outside a CUDA-graph
-    capture; a capture that needs more gets a buffer of its own, zeroed in the graph."""
-    key = (device.type, device.index if device.index is not None or device.type != "cuda"
-           else torch.cuda.current_device())
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        zeros = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return zeros
-        buf = _COUNTERS[key] = zeros
-    return buf
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,10 +463,8 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
     rope = positions is not None
-    merge_last = rope and _MERGE_LAST
-    extra = (o, _split_counters(q.device, B * Hkv)) if rope else ()
     split_kernel[(B, Hkv, num_splits)](
-        *inputs, m, l, acc, *extra, *strides,
+        *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
         float(scale) * LOG2E,
         *((max_active,) if rope else ()),
@@ -513,13 +474,10 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
-        **(dict(BLOCK_SPLITS=triton.next_power_of_2(num_splits), MERGE_LAST=merge_last) if rope else {}),
         num_warps=4,
         num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
     )
-    if merge_last:
-        return o
     _decode_attention_merge_kernel[(B * H,)](
         m, l, acc, o, positions if rope else o, positions.stride(0) if rope else 0,
         H, S, hd, num_splits, split_len, max_active,
