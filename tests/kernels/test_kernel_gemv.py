@@ -81,6 +81,21 @@ def test_gemv_gpu_bf16_shapes(N, K, swiglu, pdl):
         assert_close(gemv(x, w, swiglu=swiglu, pdl=pdl, **kw), gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_gemv_gpu_float32_logits(pdl):
+    """The decode step's head (bench-285m's 32000 x 2048, final norm fused) with out_dtype
+    float32: bitwise the default bf16 output widened, as Model.logits asks for it."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(32000, 2048, device="cuda") / 2048 ** 0.5).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
+    y = gemv(x, w, norm_weight=nw, pdl=pdl, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (1, 1, 32000)
+    assert torch.equal(y, gemv(x, w, norm_weight=nw, pdl=pdl).float())
+
+
 # M > 1 rows: the batched kernel (tl.dot over a 16-row x tile). Under the interpreter it runs
 # 16 x 64 tiles: N = 21 and K = 150 leave a partial last block of each (K: three chunks).
 ROWS_N, ROWS_K = 21, 150
