@@ -152,6 +152,9 @@ _gemv_tuned = triton.autotune(
 )(_gemv_kernel)
 
 
+# gemv's tile for a float32 y, by kernel, shape and options: the one tuned for a y of x's dtype
+_DEFAULT_Y_CONFIG: dict[tuple, triton.Config] = {}
+
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
 
@@ -308,7 +311,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
     under the interpreter it selects the prefetching loop alone.
     out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
-    all the same, so a float32 y is exactly the default y's .float(), with no kernel to convert
+    all the same (with the tile tuned for the default y: `_launch_tuned`), so a float32 y is
+    exactly the default y's .float(), with no kernel to convert
     it (the decode step's logits)."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
@@ -355,34 +359,56 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
                           flags)
     x1 = x.reshape(K).contiguous()
-    args = (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
-            y if residual is None else residual, y, N, K, weight.stride(0), float(eps))
+
+    def args(out):
+        return (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
+                out if residual is None else residual, out, N, K, weight.stride(0), float(eps))
     if interpreting():
-        _gemv_kernel[(triton.cdiv(N, 8),)](*args, **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
-    else:
-        pdl = use_pdl(x.device) if pdl is None else pdl
-        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags, PREFETCH=pdl, PDL=pdl,
-                                                                     launch_pdl=pdl)
+        _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
+        return y
+    pdl = use_pdl(x.device) if pdl is None else pdl
+    _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
+                  **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
     return y
+
+
+def _launch_tuned(tuned, N, args, y, dtype, key, **meta):
+    """tuned[grid](*args(y), **meta) over cdiv(N, BLOCK_N) programs. A y of another dtype than
+    `dtype` (x's: a float32 y) runs the tile tuned for a y of x's dtype, found once per key
+    (shape and options): the autotuner keys on every argument's dtype, and a tile of its own
+    would sum each row in another order (on the H200 the head's float32 logits then differed
+    from the bf16 ones widened)."""
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    if y.dtype == dtype:
+        tuned[grid](*args(y), **meta)
+        return
+    key = (tuned, dtype, *key)
+    config = _DEFAULT_Y_CONFIG.get(key)
+    if config is None:
+        tuned[grid](*args(torch.empty(y.shape, dtype=dtype, device=y.device)), **meta)
+        config = _DEFAULT_Y_CONFIG[key] = tuned.best_config
+    tuned.fn[grid(config.kwargs)](*args(y), **meta, **config.all_kwargs())  # as the autotuner launches it
 
 
 def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     """gemv's launch for 2 <= M <= MAX_ROWS rows: x (M, K) contiguous, y and residual (..., N)
     contiguous, so (M, N) in memory."""
-    args = (x, weight, x if norm_weight is None else norm_weight.contiguous(),
-            y if residual is None else residual, y, M, N, K, weight.stride(0), float(eps), _m_bucket(M))
+    def args(out):
+        return (x, weight, x if norm_weight is None else norm_weight.contiguous(),
+                out if residual is None else residual, out, M, N, K, weight.stride(0), float(eps), _m_bucket(M))
     # the dot in fp32: for fp32 x (exact products like gemv_ref's, not tf32), and for bf16 under
     # the interpreter, whose tl.dot multiplies bf16 bit patterns as integers (bf16 products are
     # exact in fp32, so this is the tensor cores' math)
     dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
     flags = dict(flags, DOT_F32=dot_f32, BLOCK_M=MAX_ROWS)
     if interpreting():
-        _gemv_rows_kernel[(triton.cdiv(N, 16),)](*args, **flags, PREFETCH=bool(pdl), PDL=False,
+        _gemv_rows_kernel[(triton.cdiv(N, 16),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False,
                                                  BLOCK_N=16, BLOCK_K=64)
     else:
         pdl = use_pdl(x.device) if pdl is None else pdl
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_rows_tuned[grid](*args, **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
+        _launch_tuned(_gemv_rows_tuned, N, args, y, x.dtype,
+                      (N, K, weight.stride(0), x.device, pdl, _m_bucket(M), *flags.values()),
+                      **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
     return y
 
 
