@@ -71,6 +71,9 @@ def main() -> None:
           f"{timeline['gap_between_steps_us']:.1f} us between steps; critical path by kernel:")
     for k, us in timeline["critical_path_us"].items():
         print(f"  {us:8.1f} us  {k[:110]}")
+    print(f"per layer ({timeline['per_layer']['layers']} layers), by offset from the attention kernel:")
+    for k, us in timeline["per_layer"]["adds_us"].items():
+        print(f"  {us:8.2f} us  {k[:110]}")
     pre = prefill_profile(m, prompt, L)
     print(f"prefill({T} tokens, L={L}, the served path: stage graphs): {pre['wall_ms']:.3f} ms wall, "
           f"kernels {pre['kernel_sum_ms']:.3f} ms")
@@ -121,7 +124,30 @@ def replay_timeline(m: Model, prompt: list[int], L: int, reps: int = 12, skip: i
         torch.cuda.synchronize()
     kernels = [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
                if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("Mem")]
-    return critical_path(kernels, reps, skip)
+    out = critical_path(kernels, reps, skip)
+    out["per_layer"] = per_layer(out["one_step"], ATTENTION_KERNEL)
+    return out
+
+
+ATTENTION_KERNEL = "_rope_decode_attention_split_kernel"  # one launch per layer of a decode step
+
+
+def per_layer(one_step: list[dict], anchor: str) -> dict:
+    """What each kernel of a layer adds to the step, averaged over the layers: a layer runs from
+    the kernel before its `anchor` (the attention, once per layer; before it, the q|k|v
+    projection) to the kernel before the next layer's anchor, and the kernels are labelled by
+    their offset from the anchor ("-1 _gemv_kernel", "+0 <anchor>", ...). The last layer is
+    taken as long as the one before it (what follows is the head)."""
+    at = [i for i, k in enumerate(one_step) if k["kernel"] == anchor]
+    if len(at) < 2:
+        raise ValueError(f"{len(at)} launches of {anchor} in the step: per-layer figures need two or more")
+    span = at[1] - at[0]
+    sums: dict[str, float] = {}
+    for a in at:
+        for i in range(a - 1, min(a - 1 + span, len(one_step))):
+            label = f"{i - a:+d} {one_step[i]['kernel']}"
+            sums[label] = sums.get(label, 0.0) + one_step[i]["adds_us"]
+    return {"layers": len(at), "adds_us": {k: v / len(at) for k, v in sums.items()}}
 
 
 def critical_path(kernels: list[tuple[float, float, str]], reps: int, skip: int = 2) -> dict:

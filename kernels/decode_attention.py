@@ -28,24 +28,23 @@ of kernels/rope.py, a launch of its own per layer) into the split kernel. With p
     idle (otherwise):     no write; o[b, h] = v_new[h // G] (the new key alone)
 
 which is rope_cache_write then decode_attention(seq_lens = p_b + 1) for a live lane, with cos /
-sin gathered from the tables at row p_b. The lane's p_b cached slots are spread evenly over
-its active splits: as many as splits of SPLIT_LEN slots would need, but no more than MAX_ACTIVE,
+sin gathered from the tables at row p_b. The lane's p_b cached slots are spread evenly over its
+active splits: as many as splits of SPLIT_LEN slots would need, but no more than MAX_ACTIVE,
 which the launcher sets to what one wave of programs holds (a long context takes longer splits
 rather than a second wave; the grid keeps a full cache's splits); split 0 is always active (it
-holds the new key). A program of any
-other split exits at once, before the PDL wait, writing nothing, so a short context in a long
-cache costs the programs it uses. Every active program rotates its group's q heads with its lane's row (row 0
-for an idle lane: its rotation reaches nothing, and a position outside [0, S) is never a row
-read); the program of split 0 also rotates the new key, starts its online softmax from it
-(m = s_new, l = 1, acc = v_new, so p_b = 0 needs no cache slot) and stores k_new, v_new into
-slot p_b. Every program reads slots [start, min(end, p_b)) only, never slot p_b itself, so no
-program reads what another writes; an idle lane reads no slot at all (batched decode pads with
-idle lanes, which must cost nothing). A lane with one active split (p_b <= SPLIT_LEN, every idle
-lane, or MAX_ACTIVE = 1) has o written by that split: acc / l, which is the merge of one partial bit for bit. The
-merge kernel reads positions too (before its wait), skips such a lane and merges the active
-splits of the others. As with decode_attention the grids depend on B, Hkv and S only. The slot
-is the position itself: a ring buffer (slot = position % W, every slot valid once wrapped) is
-not served by this op.
+holds the new key). A program of any other split exits at once, before the PDL wait, writing
+nothing, so a short context in a long cache costs the programs it uses. Every active program
+rotates its group's q heads with its lane's row (row 0 for an idle lane: its rotation reaches
+nothing, and a position outside [0, S) is never a row read); the program of split 0 also rotates
+the new key, starts its online softmax from it (m = s_new, l = 1, acc = v_new, so p_b = 0 needs
+no cache slot) and stores k_new, v_new into slot p_b. Every program reads slots [start, min(end,
+p_b)) only, never slot p_b itself, so no program reads what another writes; an idle lane reads
+no slot at all (batched decode pads with idle lanes, which must cost nothing). A lane with one
+active split (p_b <= SPLIT_LEN, every idle lane, or MAX_ACTIVE = 1) has o written by that split:
+acc / l, which is the merge of one partial bit for bit. The merge kernel reads positions too
+(before its wait), skips such a lane and merges the active splits of the others. As with
+decode_attention the grids depend on B, Hkv and S only. The slot is the position itself: a ring
+buffer (slot = position % W, every slot valid once wrapped) is not served by this op.
 
 Both ops launch their split and merge kernels with programmatic dependent launch where the
 GEMV does (Hopper and later, `_launch.use_pdl`). Each kernel lets the next one launch at once,

@@ -196,3 +196,16 @@ def test_replay_critical_path_arithmetic():
     assert sum(out["critical_path_us"].values()) == out["step_us"]
     with pytest.raises(ValueError, match="7 kernels over 4 replays"):
         critical_path(kernels[:7], reps=4)
+
+
+def test_replay_per_layer():
+    """profile_decode's per-layer figures: each layer's kernels labelled by their offset from its
+    attention kernel and averaged over the layers; the last layer as long as the one before (the
+    head after it is left out)."""
+    from bench.profile_decode import per_layer
+    layer = [("proj", 1.0), ("attn", 2.0), ("out", 3.0)]
+    step = [("embed", 0.5)] + [(k, us * (n + 1)) for n in range(3) for k, us in layer] + [("head", 9.0)]
+    out = per_layer([{"kernel": k, "adds_us": us} for k, us in step], "attn")
+    assert out == {"layers": 3, "adds_us": {"-1 proj": 2.0, "+0 attn": 4.0, "+1 out": 6.0}}
+    with pytest.raises(ValueError, match="1 launches of attn"):
+        per_layer([{"kernel": "attn", "adds_us": 1.0}], "attn")
