@@ -209,3 +209,45 @@ def test_replay_per_layer():
     assert out == {"layers": 3, "adds_us": {"-1 proj": 2.0, "+0 attn": 4.0, "+1 out": 6.0}}
     with pytest.raises(ValueError, match="1 launches of attn"):
         per_layer([{"kernel": "attn", "adds_us": 1.0}], "attn")
+
+
+def test_ab_bench_cpu(tmp_path):
+    """bench/ab.py: variants interleaved round by round on one model, each with its module
+    settings applied while it runs and restored after; the JSON has every round's figures and
+    each variant's best against the first."""
+    import importlib
+
+    from bench import ab
+    da = importlib.import_module("tinyloop.kernels.decode_attention")
+    stages = da.SPLIT_STAGES
+    ab.main(["--device", "cpu", "--preset", "tiny", "--configs", "2x8", "1x4", "--rounds", "2", "--steps", "2",
+             "--best-of", "1", "--max-seq-len", "32", "--out-dir", str(tmp_path), "--variant", "base",
+             "--variant", "one_stage:tinyloop.kernels.decode_attention.SPLIT_STAGES=1;"
+                          "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=(128)"])
+    r = json.loads((tmp_path / "decode-ab-cpu.json").read_text())
+    assert [(row["round"], row["variant"]) for row in r["rounds"]] == [
+        (0, "base"), (0, "one_stage"), (1, "base"), (1, "one_stage")]
+    assert r["variants"]["one_stage"] == ["tinyloop.kernels.decode_attention.SPLIT_STAGES=1",
+                                          "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=128"]
+    for row in r["rounds"]:
+        assert sorted(row["ms"]) == ["1x4", "2x8"] and all(v > 0 for v in row["ms"].values())
+    assert r["best_ms"]["base"]["2x8"] == min(row["ms"]["2x8"] for row in r["rounds"] if row["variant"] == "base")
+    assert set(r["vs_first_pct"]) == {"one_stage"}
+    assert da.SPLIT_STAGES == stages and da.MIN_SPLIT_LEN == 256  # restored
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--variant", "a", "--variant", "a"], "distinct names"),
+    (["--variant", "a"], "two or more"),
+    (["--variant", "a", "--variant", "b:tinyloop.kernels.decode_attention.NO_SUCH=1"], "decode_attention has no attribute 'NO_SUCH'"),
+    (["--variant", "a", "--variant", "b:tinyloop.no_such.X=1"], "no module 'tinyloop.no_such'"),
+    (["--variant", "a", "--variant", "b:SPLIT_STAGES=1"], "is not module.attr=value"),
+    (["--variant", "a", "--variant", "b:tinyloop.kernels.decode_attention.SPLIT_STAGES=one"], "not a Python literal"),
+    (["--variant", "a", "--variant", "b", "--configs", "8by128"], "expected LOOPSxCONTEXT"),
+    (["--variant", "a", "--variant", "b", "--configs", "8x62"], "pass --max-seq-len 64"),
+])
+def test_ab_bench_rejects_bad_arguments(tmp_path, argv, match):
+    from bench import ab
+    with pytest.raises(ValueError, match=match):
+        ab.main(["--device", "cpu", "--preset", "tiny", "--rounds", "1", "--steps", "2", "--best-of", "1",
+                 "--max-seq-len", "64", "--out-dir", str(tmp_path), *argv])
