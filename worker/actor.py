@@ -317,13 +317,19 @@ class WorkerActor:
             return heapq.heappop(self._free_lanes)
         if len(self._waiters) >= self.max_queue:
             return None
-        state.waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(state.waiter)
+        state.waiter = waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
         try:
-            return await state.waiter
+            return await waiter
+        except BaseException:
+            # A lane handed over (_release_lane) just as this wait ended otherwise (its task
+            # cancelled before it could resume) would be lost with it: pass it on.
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release_lane(waiter.result())
+            raise
         finally:
-            if state.waiter in self._waiters:
-                self._waiters.remove(state.waiter)
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
             state.waiter = None
 
     def _release_lane(self, lane: int) -> None:
