@@ -521,17 +521,15 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             q, Hkv, S, scale, split_len, positions, max_active)
 
 
-def _one_wave(B: int, Hkv: int, S: int, device: torch.device, split_len: int) -> int:
-    """rope_decode_attention's most active splits a lane: a full cache's, but no more than one
-    wave of split programs holds. With SPLIT_STAGES = 3 a program takes 139 KB of shared memory at
-    hd 128, so one runs per SM. On the H200 (B = 1, 16 kv heads: 8 splits at most) this took the
-    L = 8 step at 3072 tokens of context from 0.529 to 0.501 ms (12 splits of 256 slots, 192
-    programs in two waves, against 8 of 384) and at 4000 from 0.543 to 0.503; contexts up to 2048
-    tokens need no more than 8 splits and keep theirs (bench/results/split-stages-ab-cuda.json)."""
-    full = triton.cdiv(max(S, 1), split_len)
-    if device.type != "cuda":
-        return full
-    return min(full, max(_sm_count(device) // (B * Hkv), 1))
+def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
+    """rope_decode_attention's most active splits a lane on CUDA (None elsewhere: a full
+    cache's): what one wave of split programs holds. With SPLIT_STAGES = 3 a program takes 139 KB
+    of shared memory at hd 128, so one runs per SM. On the H200 (B = 1, 16 kv heads: 8 splits at
+    most) this took the L = 8 step at 3072 tokens of context from 0.529 to 0.501 ms (12 splits of
+    256 slots, 192 programs in two waves, against 8 of 384) and at 4000 from 0.543 to 0.503;
+    contexts up to 2048 tokens need no more than 8 splits and keep theirs
+    (bench/results/split-stages-ab-cuda.json)."""
+    return max(_sm_count(device) // (B * Hkv), 1) if device.type == "cuda" else None
 
 
 def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
@@ -543,7 +541,7 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale)
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
-                                  _one_wave(B, Hkv, S, q.device, split_len))
+                                  _one_wave(B, Hkv, q.device))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):

@@ -312,8 +312,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     under the interpreter it selects the prefetching loop alone.
     out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
     all the same (with the tile tuned for the default y: `_launch_tuned`), so a float32 y is
-    exactly the default y's .float(), with no kernel to convert
-    it (the decode step's logits)."""
+    exactly the default y's .float(), with no kernel to convert it (the decode step's logits)."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if norm_weight is not None:

@@ -116,9 +116,9 @@ def test_rope_decode_attention_many_splits(H, Hkv, S, split_len):
 @pytest.mark.parametrize("max_active", [1, 2, 3])
 def test_rope_decode_attention_capped_splits(max_active):
     """Fewer active splits a lane than a full cache's (the launcher's one-wave cap): a lane
-    needing more spreads its slots evenly over max_active longer splits, whose ends fall inside tiles (pos 129 in 3
-    splits: 43 slots each; pos 100 in 2: 50), and one split writes o itself. Checked against the
-    reference, then the slots >= pos poisoned as below: none is read."""
+    needing more spreads its slots evenly over max_active longer splits, whose ends fall inside
+    tiles (pos 129 in 3 splits: 43 slots each; pos 100 in 2: 50), and one split writes o itself.
+    Checked against the reference, then the slots >= pos poisoned as below: none is read."""
     S, hd = 130, 24
     positions = [129, 100, 33, 17, 16, 0, S]
     out, got = run_both(lambda *a: _rope_decode_attention(*a, 16, max_active), 7, 4, 2, hd, S, F32,
