@@ -12,17 +12,20 @@ from .decode_attention import (
     rope_decode_attention,
     rope_decode_attention_ref,
 )
-from .gemv import gemv, gemv_ref
+from .gemv import ARGMAX_KEY_NONE, argmax_key_ref, gemv, gemv_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rope import apply_rope_ref, rope_cache_write, rope_cache_write_ref
-from .sampling import argmax, argmax_feed, argmax_feed_ref, argmax_ref, sample_top_k, sample_top_k_ref
+from .sampling import (argmax, argmax_feed, argmax_feed_ref, argmax_ref, greedy_feed, greedy_feed_ref, sample_top_k,
+                       sample_top_k_ref)
 from .swiglu import swiglu, swiglu_ref
 from .tree_attention import ancestors_from_parents, tree_attention, tree_attention_ref
 
 __all__ = [
+    "ARGMAX_KEY_NONE",
     "ancestors_from_parents",
     "apply_rope_ref",
     "argmax",
+    "argmax_key_ref",
     "argmax_feed",
     "argmax_feed_ref",
     "argmax_ref",
@@ -30,6 +33,8 @@ __all__ = [
     "decode_attention_ref",
     "gemv",
     "gemv_ref",
+    "greedy_feed",
+    "greedy_feed_ref",
     "rms_norm",
     "rms_norm_ref",
     "rope_cache_write",

@@ -50,6 +50,10 @@ import triton.language as tl
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
 from ._launch import use_pdl
 
+# An argmax key no row's key is below: what `argmax_key` holds before a projection maxes it.
+ARGMAX_KEY_NONE = -(2**63)
+_KEY_NONE = tl.constexpr(ARGMAX_KEY_NONE)
+
 
 @triton.jit
 def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr):
@@ -69,6 +73,7 @@ def _gemv_kernel(
     nw_ptr,  # (K,) norm weight, read only when NORM
     res_ptr,  # (N,) residual, read only when RESIDUAL
     y_ptr,  # (N,)
+    key_ptr,  # (1,) int64, written only when ARGMAX
     N,
     K,
     stride_w,
@@ -76,6 +81,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    ARGMAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,7 +139,26 @@ def _gemv_kernel(
         y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
     if RESIDUAL:
         y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(dtype).to(y_ptr.dtype.element_ty), mask=row_mask)
+    y = y.to(dtype)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    if ARGMAX:
+        _argmax_key_max(key_ptr, y.to(tl.float32), rows, row_mask, N)
+
+
+@triton.jit
+def _argmax_key_max(key_ptr, y, rows, row_mask, N):
+    """Atomically max key_ptr[0] with the argmax key of this program's rows of y (fp32 values):
+    the order-preserving bits of the value in the high word, N - 1 - row in the low word, so
+    the largest key is the largest value at its first row (torch.argmax's tie rule). A program
+    whose best cannot raise the key as it reads it skips the atomic."""
+    y = tl.where(y == 0.0, 0.0, y)  # -0.0 and +0.0 are equal: one key prefix, the tie by row
+    bits = y.to(tl.int32, bitcast=True)
+    # Flipping the magnitude bits of negatives makes signed integer order equal float order.
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    keys = tl.where(row_mask, (ordered << 32) | (N - 1 - rows).to(tl.int64), _KEY_NONE)
+    best = tl.max(keys, axis=0)
+    seen = tl.load(key_ptr, volatile=True)  # only ever lower than the key the atomics leave
+    tl.atomic_max(key_ptr, best, mask=best > seen, sem="relaxed")
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the configs that won the autotuning of every
@@ -147,7 +172,7 @@ _CONFIGS = [
                           (16, 512, 4, 1)]
 ]
 _gemv_tuned = triton.autotune(
-    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "PDL"],
+    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "PDL"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_gemv_kernel)
 
@@ -301,7 +326,8 @@ def _m_bucket(m: int) -> int:
     return 4 if m <= 4 else 8 if m <= 8 else MAX_ROWS
 
 
-def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None):
+def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
+         argmax_key=None):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -312,9 +338,15 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     under the interpreter it selects the prefetching loop alone.
     out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
     all the same (with the tile tuned for the default y: `_launch_tuned`), so a float32 y is
-    exactly the default y's .float(), with no kernel to convert it (the decode step's logits)."""
+    exactly the default y's .float(), with no kernel to convert it (the decode step's logits).
+    argmax_key: a (1,) int64 tensor, M = 1 only: each program maxes it (atomically) with the
+    key of its largest entry of y (`argmax_key_ref`), so after the call it holds y's argmax if
+    it held `ARGMAX_KEY_NONE` before (the decode step's greedy token, with no kernel reading
+    the logits back: kernels.sampling.greedy_feed reads the key and sets it back)."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
+    if argmax_key is not None:
+        tensors["argmax_key"] = argmax_key
     if norm_weight is not None:
         tensors["norm_weight"] = norm_weight
     if residual is not None:
@@ -352,6 +384,11 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         if residual.dtype != x.dtype:
             raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
         residual = residual.contiguous()
+    if argmax_key is not None:
+        if M != 1:
+            raise ValueError(f"{op}: argmax_key takes one row of x (M = 1), got M = {M}")
+        check_shape(op, "argmax_key", argmax_key, (1,))
+        check_dtype(op, "argmax_key", argmax_key, (torch.int64,))
     y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
     if M > 1:
@@ -361,7 +398,9 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
 
     def args(out):
         return (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
-                out if residual is None else residual, out, N, K, weight.stride(0), float(eps))
+                out if residual is None else residual, out, out if argmax_key is None else argmax_key,
+                N, K, weight.stride(0), float(eps))
+    flags["ARGMAX"] = argmax_key is not None
     if interpreting():
         _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
         return y
@@ -413,8 +452,20 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
 
 
 
+def argmax_key_ref(y):
+    """The argmax key of y (..., N) over its last dim, (...) int64: the largest of
+    (order-preserving int32 bits of the fp32 value) << 32 | (N - 1 - index), -0.0 taken as +0.0;
+    ((N - 1) - (key & 0xFFFFFFFF)) is y's torch.argmax (its first maximum)."""
+    N = y.shape[-1]
+    yf = y.float()
+    bits = torch.where(yf == 0, torch.zeros_like(yf), yf).view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    idx = torch.arange(N - 1, -1, -1, device=y.device)
+    return ((ordered << 32) | idx).amax(-1)
+
+
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
-             out_dtype=None):
+             out_dtype=None, argmax_key=None):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
     row by row over x's leading dims (the norm statistics are per row)."""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
@@ -426,4 +477,6 @@ def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=No
         y = (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
     if residual is not None:
         y = (residual.float() + y.float()).to(x.dtype)
+    if argmax_key is not None:
+        torch.maximum(argmax_key, argmax_key_ref(y).reshape(1), out=argmax_key)
     return y if out_dtype is None else y.to(out_dtype)

@@ -21,7 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape, interpreting
+from ._launch import use_pdl
+from .gemv import ARGMAX_KEY_NONE
+
+KEY_NONE = tl.constexpr(ARGMAX_KEY_NONE)
 
 MAX_TOP_K = 1024
 
@@ -57,6 +61,40 @@ def _argmax_kernel(
         tl.store(tokens_ptr, best_idx)
         tl.store(positions_ptr, pos)
         tl.store(host_ptr + pos % 2, best_idx)
+
+
+@triton.jit
+def _greedy_feed_kernel(
+    key_ptr,  # (1,) int64: the argmax key of the step's logits (kernels.gemv), set back to NONE
+    out_ptr,  # (1,) int64: the greedy token
+    tokens_ptr,  # (1, 1) int64: the step's token input
+    positions_ptr,  # (1, 1) int64: the step's position input
+    host_ptr,  # (2,) int64 ring in pinned host memory
+    table_ptr,  # (V, D) embedding table
+    x_ptr,  # (D,) the next step's input: row `greedy` of the table
+    stride_table_v, stride_table_d,
+    V,
+    D,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        # The key is the head's: wait for it. No gdc_launch_dependents: the next kernel may read
+        # positions before its own wait (kernels/decode_attention.py), so it must not start
+        # before this one has written them.
+        tl.extra.cuda.gdc_wait()
+    key = tl.load(key_ptr)
+    tok = (V - 1) - (key & 0xFFFFFFFF)
+    tl.store(key_ptr, KEY_NONE)
+    pos = tl.load(positions_ptr) + 1  # the position of the token just chosen
+    tl.store(out_ptr, tok)
+    tl.store(tokens_ptr, tok)
+    tl.store(positions_ptr, pos)
+    tl.store(host_ptr + pos % 2, tok)
+    row = table_ptr + tok * stride_table_v
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        tl.store(x_ptr + offs, tl.load(row + offs * stride_table_d, mask=offs < D), mask=offs < D)
 
 
 @triton.jit
@@ -166,6 +204,39 @@ def argmax_feed(logits, tokens, positions, host):
     return out
 
 
+def greedy_feed(key, tokens, positions, host, table, x):
+    """A batch-1 decode step's greedy token from the argmax key its head projection left
+    (`gemv(..., argmax_key=key)`), fed forward in one kernel: greedy (1,) int64 =
+    (V - 1) - (key & 0xFFFFFFFF); then tokens (1, 1) = greedy, positions += 1,
+    host[p % 2] = greedy (p the new position: as `argmax_feed`), x (1, 1, D) = table[greedy]
+    (the next step's input, embedded), and key = ARGMAX_KEY_NONE for the next step's head.
+
+    No kernel reads the logits back (an argmax over the vocabulary in one program was the
+    step's slowest kernel after the head). With PDL (`use_pdl`) it launches while the head
+    runs and waits for it."""
+    op = "greedy_feed"
+    check_device(op, key=key, tokens=tokens, positions=positions, table=table, x=x)
+    check_shape(op, "key", key, (1,))
+    for name, t in (("key", key), ("tokens", tokens), ("positions", positions), ("host", host)):
+        check_dtype(op, name, t, (torch.int64,))
+    for name, t in (("tokens", tokens), ("positions", positions)):
+        check_shape(op, name, t, (1, 1))
+    check_shape(op, "host", host, (2,))
+    check_rank(op, "table", table, 2, "(V, D)")
+    V, D = table.shape
+    check_shape(op, "x", x, (1, 1, D))
+    if x.dtype != table.dtype or not x.is_contiguous():
+        raise ValueError(f"{op}: x must be contiguous in the table's dtype {table.dtype}, got {x.dtype}")
+    if key.is_cuda and not torch.cuda.is_current_stream_capturing() and not host.is_pinned():
+        raise ValueError(f"{op}: host must be pinned host memory (the kernel writes it from the GPU)")
+    out = torch.empty((1,), dtype=torch.int64, device=key.device)
+    pdl = use_pdl(key.device) and not interpreting()
+    _greedy_feed_kernel[(1,)](key, out, tokens, positions, host, table, x, *table.stride(), V, D,
+                              BLOCK_D=min(triton.next_power_of_2(D), 4096), PDL=pdl, num_warps=4,
+                              launch_pdl=pdl)
+    return out
+
+
 def _selection_order(logits, k):
     """(B, V) -> (B, k) int64 token ids: descending logit, ties by ascending index."""
     B, V = logits.shape
@@ -215,6 +286,18 @@ def argmax_feed_ref(logits, tokens, positions, host):
     positions += 1
     tokens.copy_(out.view(1, 1))
     host[int(positions) % 2] = out[0]
+    return out
+
+
+def greedy_feed_ref(key, tokens, positions, host, table, x):
+    """The spec, in plain torch (CPU: the host ring is written like any tensor)."""
+    V = table.shape[0]
+    out = (V - 1) - (key & 0xFFFFFFFF)
+    key.fill_(ARGMAX_KEY_NONE)
+    positions += 1
+    tokens.copy_(out.view(1, 1))
+    host[int(positions) % 2] = out[0]
+    x.copy_(table[out].view(x.shape))
     return out
 
 

@@ -118,7 +118,12 @@ class Engine:
     @torch.no_grad()
     def embed_prelude(self, tokens: torch.Tensor, p: Pass) -> torch.Tensor:
         """tokens (B, T) -> residual (B, T, D) after the prelude."""
-        x = self.model.tok_embeddings(tokens)
+        return self.prelude(self.model.tok_embeddings(tokens), p)
+
+    @torch.no_grad()
+    def prelude(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
+        """The embedded tokens (B, T, D) -> residual (B, T, D) after the prelude (x is read, not
+        written)."""
         self._trace(p, "embed", x)
         for j, layer in enumerate(self.model.prelude):
             x = layer(x, self._attend(j, p))
@@ -166,10 +171,11 @@ class Engine:
         return x
 
     @torch.no_grad()
-    def logits(self, x: torch.Tensor, p: Pass | None = None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, p: Pass | None = None, argmax_key: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of x; argmax_key: see LoopedTransformer.logits."""
         if p is not None and p.trace is not None:
             p.trace.append(("final_ln", self.model.norm(x[:, -1]).float()))
-        return self.model.logits(x, torch.float32)
+        return self.model.logits(x, torch.float32, argmax_key)
 
     def forward(self, tokens: torch.Tensor, p: Pass, loops: int, lane_loops: list[int] | None = None,
                 last_only: bool = True, depth: torch.Tensor | None = None) -> torch.Tensor:

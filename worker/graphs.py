@@ -20,10 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyloop.kernels.sampling import argmax_feed
+from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
+from tinyloop.kernels.sampling import argmax_feed, greedy_feed
 from tinyloop.worker.engine import Engine
 from tinyloop.worker.generate import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
                                       prefill_buffers)
+
+
+# The captured step's tail: the head's epilogue leaves the argmax key and one small kernel feeds
+# the greedy token forward, embedded (kernels.sampling.greedy_feed), so the step starts at its
+# first projection; False: an argmax kernel over the logits feeds the token and the step starts
+# by embedding it (kernels.sampling.argmax_feed).
+GREEDY_FROM_KEY = True
 
 
 @dataclass
@@ -35,21 +43,25 @@ class DecodeGraph:
     greedy: torch.Tensor     # (1,) int64 output: argmax of logits
     host: torch.Tensor       # (2,) int64 pinned host ring: host[p % 2] is the greedy token at position p
     loops: int
+    x: torch.Tensor | None = None      # (1, 1, D) input, the token embedded (None: the graph embeds `tokens`)
+    table: torch.Tensor | None = None  # the embedding table x is a row of
     next_position: int = -1  # where a replay leaves `positions`: one past the token it ran
 
     def step(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
         """Run the token (a device tensor of one element, or a host int) at `position`: the
         logits (1, V), the graph's static output.
 
-        A replay ends by feeding itself: its greedy token goes into `tokens` and `positions`
-        moves one on. So a greedy stream that passes `greedy` back at that position (what
-        DecodeState.sample returns after a graph step) sets nothing: the step is the replay
-        alone, with no kernel or copy around it."""
+        A replay ends by feeding itself: its greedy token goes into `tokens` (and its embedding
+        into `x`) and `positions` moves one on. So a greedy stream that passes `greedy` back at
+        that position (what DecodeState.sample returns after a graph step) sets nothing: the
+        step is the replay alone, with no kernel or copy around it."""
         if token is not self.greedy or position != self.next_position:
             if isinstance(token, int):
                 self.tokens.fill_(token)
             else:
                 self.tokens.copy_(token.view(1, 1))
+            if self.x is not None:
+                torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
             self.positions.fill_(position)
         self.graph.replay()
         self.next_position = position + 1
@@ -70,15 +82,6 @@ class DecodeGraphs:
         self.prefill = PrefillGraphs(engine, self.pool, prefill_len)
         self.batch = BatchGraphs(engine, self.pool)
 
-    def _eager(self, tokens: torch.Tensor, positions: torch.Tensor, host: torch.Tensor, loops: int, lane: int):
-        """The captured step: logits and greedy token of `tokens` at `positions`, then, in the
-        argmax's kernel, the inputs fed for the next step (the greedy token, one position on;
-        see DecodeGraph.step) and the token written to the host ring."""
-        e = self.engine
-        p = e.make_pass(slice(lane, lane + 1), positions, e.cache.max_seq_len)
-        logits = e.forward(tokens, p, loops)[:, -1]
-        return logits, argmax_feed(logits, tokens, positions, host)
-
     def capture(self, loops: int, lane: int = 0) -> DecodeGraph:
         """Capture at position 0 of `lane`; the step is position-independent, and the warm-up
         writes only slots 0 and 1 of a lane no request holds yet, which its prefill overwrites."""
@@ -89,17 +92,39 @@ class DecodeGraphs:
         tokens = torch.zeros(1, 1, dtype=torch.long, device=dev)
         positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
         host = torch.full((2,), -1, dtype=torch.long).pin_memory()
+        table = self.engine.model.tok_embeddings.weight
+        x = table.new_zeros(1, 1, table.shape[1]) if GREEDY_FROM_KEY else None
+        argmax_key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=dev)
         out = []
-        g = _capture(self.engine, self.pool, lambda: out.append(self._eager(tokens, positions, host, loops, lane)),
+        g = _capture(self.engine, self.pool,
+                     lambda: out.append(decode_step(self.engine, lane, loops, tokens, positions, host, x, argmax_key)),
                      loops not in self.warm)
         self.warm.add(loops)
         logits, greedy = out[-1]  # the captured run's outputs: the graph's static buffers
-        dg = DecodeGraph(g, tokens, positions, logits, greedy, host, loops)
+        dg = DecodeGraph(g, tokens, positions, logits, greedy, host, loops, x, table)
         self.graphs[key] = dg
         return dg
 
     def get(self, loops: int, lane: int = 0) -> DecodeGraph | None:
         return self.graphs.get((loops, lane))
+
+
+def decode_step(engine: Engine, lane: int, loops: int, tokens: torch.Tensor, positions: torch.Tensor,
+                host: torch.Tensor, x: torch.Tensor | None = None, key: torch.Tensor | None = None):
+    """The step DecodeGraphs captures: (logits (1, V), greedy (1,)) of the token at `positions`
+    on `lane`, given embedded in x (with the argmax key buffer `key`, ARGMAX_KEY_NONE between
+    steps), or as `tokens` (x None: embedded here); then, in the step's last kernel, the inputs
+    fed for the next step (the greedy token, one position on; see DecodeGraph.step) and the
+    token written to the host ring. Eager on any device (the CPU tests run it on the
+    interpreted kernels)."""
+    e = engine
+    p = e.make_pass(slice(lane, lane + 1), positions, e.cache.max_seq_len)
+    if x is None:
+        logits = e.forward(tokens, p, loops)[:, -1]
+        return logits, argmax_feed(logits, tokens, positions, host)
+    h = e.coda(e.run_loops(e.prelude(x, p), p, 0, loops), p)
+    logits = e.logits(h, p, argmax_key=key)[:, -1]
+    return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x)
 
 
 class PrefillGraphs:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tinyloop.kernels.gemv import argmax_key_ref
 from tinyloop.kernels.rope import apply_rope_ref
 from tinyloop.worker.config import LoopedConfig
 
@@ -253,13 +254,21 @@ class LoopedTransformer(nn.Module):
     gemv = None  # see Block.gemv
     gemv_rows = 0
 
-    def logits(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, dtype: torch.dtype | None = None,
+               argmax_key: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm and the head; dtype: the logits' (default x's), float32 written by the
-        fused projection itself on the decode path (no conversion kernel)."""
+        fused projection itself on the decode path (no conversion kernel). argmax_key (one
+        token, x (1, 1, D)): a (1,) int64 tensor maxed with the key of the logits' argmax
+        (kernels.gemv's `argmax_key`; in the fused projection's epilogue on the decode path)."""
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
-            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=dtype)
+            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=dtype,
+                             argmax_key=argmax_key)
         y = linear(self.norm(x), head)
+        if argmax_key is not None:
+            if x.shape[:2] != (1, 1):
+                raise ValueError(f"argmax_key takes the logits of one token, got x of shape {tuple(x.shape)}")
+            torch.maximum(argmax_key, argmax_key_ref(y).view(1), out=argmax_key)
         return y if dtype is None else y.to(dtype)
 
     def forward(self, tokens: torch.Tensor, loops: int, window: int = 0) -> torch.Tensor:

@@ -2,7 +2,7 @@ import pytest
 import torch
 from kernel_tolerances import DEVICE, assert_close
 
-from tinyloop.kernels.gemv import gemv, gemv_ref
+from tinyloop.kernels.gemv import ARGMAX_KEY_NONE, argmax_key_ref, gemv, gemv_ref
 
 CASES = [  # (N, K): a row block and a K chunk that divide, and ones that do not
     (8, 64), (24, 192), (13, 100), (70, 33),
@@ -66,6 +66,87 @@ def test_gemv_rejects_bad_inputs():
         gemv(x, w, residual=torch.ones(1, 9, device=DEVICE))
 
 
+
+def argmax_of(key: torch.Tensor, N: int) -> int:
+    """The row an argmax key names (kernels.gemv's key: N - 1 - row in its low word)."""
+    return N - 1 - (int(key) & 0xFFFFFFFF)
+
+
+def new_key(device=DEVICE) -> torch.Tensor:
+    return torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.int64, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K", CASES + [(1000, 64)])
+@pytest.mark.parametrize("kw", [{}, {"norm": True}, {"residual": True}, {"out_dtype": torch.float32}])
+def test_gemv_argmax_key_is_the_argmax_of_y(N, K, dtype, kw):
+    """The head's epilogue: after one call the key names y's argmax (torch.argmax of the y it
+    wrote) and equals argmax_key_ref; y is the y of a call without the key."""
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(1, 1, K, generator=g).to(DEVICE, dtype)
+    w = torch.randn(N, K, generator=g).to(DEVICE, dtype)
+    opts = {"out_dtype": kw.get("out_dtype")}
+    if kw.get("norm"):
+        opts["norm_weight"] = torch.rand(K, generator=g).to(DEVICE, dtype)
+    if kw.get("residual"):
+        opts["residual"] = torch.randn(1, 1, N, generator=g).to(DEVICE, dtype)
+    key = new_key()
+    y = gemv(x, w, argmax_key=key, **opts)
+    assert torch.equal(y, gemv(x, w, **opts))
+    assert argmax_of(key, N) == int(y.argmax())
+    assert int(key) == int(argmax_key_ref(y.reshape(N)))
+    want = new_key()  # the spec's key names the spec's argmax (its y differs in the last bits)
+    y_ref = gemv_ref(x, w, argmax_key=want, **opts)
+    assert argmax_of(want, N) == int(y_ref.argmax())
+
+
+@pytest.mark.parametrize("values,want", [
+    ([0.0, 3.0, 1.0, 3.0, 3.0], 1),        # a tie across row blocks: the first maximum
+    ([-5.0, -2.0, -7.0, -2.0, -3.0], 1),  # negative values order by magnitude, reversed
+    ([-0.0, -1.0, 0.0, -3.0, -2.0], 0),   # -0.0 and +0.0 are equal: the first of them
+    ([-1.0, -0.0, -2.0, 0.0, -5.0], 1),
+    ([float("-inf")] * 5, 0),
+])
+def test_gemv_argmax_key_follows_torch_argmax_ties_and_signs(values, want):
+    """Rows 0, 9, 18, 27, 36 (different row blocks) hold the values, every other row -inf: the
+    key's row is torch.argmax's, ties included."""
+    N, K = 40, 16
+    w = torch.zeros(N, K)
+    x = torch.zeros(1, K)
+    x[0, 0] = 1.0
+    w[:, 1] = 1.0
+    x_inf = torch.zeros(1, K)
+    rows = [0, 9, 18, 27, 36]
+    y_want = torch.full((N,), float("-inf"))
+    y_want[rows] = torch.tensor(values)
+    # y = x @ w.T through a residual: y = residual + 0 (the projection of a zero row)
+    key = new_key()
+    y = gemv(x_inf.to(DEVICE), w.to(DEVICE), residual=y_want.view(1, N).to(DEVICE), argmax_key=key)
+    assert torch.equal(y.cpu(), y_want.view(1, N))
+    assert argmax_of(key, N) == rows[want] == int(y_want.argmax())
+
+
+def test_gemv_argmax_key_keeps_a_larger_key():
+    """The key is maxed, not set: a call whose argmax key is lower leaves it (what resetting it
+    to ARGMAX_KEY_NONE between steps is for)."""
+    w = torch.eye(8, device=DEVICE)
+    key = new_key()
+    gemv(torch.arange(8.0, device=DEVICE).view(1, 8), w, argmax_key=key)
+    assert argmax_of(key, 8) == 7
+    gemv(torch.arange(8.0, device=DEVICE).flip(0).view(1, 8) / 2, w, argmax_key=key)  # max 3.5 at row 0
+    assert argmax_of(key, 8) == 7
+
+
+def test_gemv_argmax_key_rejects_bad_inputs():
+    x = torch.randn(1, 16, device=DEVICE)
+    w = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"gemv: argmax_key takes one row of x \(M = 1\), got M = 2"):
+        gemv(torch.randn(2, 16, device=DEVICE), w, argmax_key=new_key())
+    with pytest.raises(ValueError, match=r"argmax_key must have shape \(1,\)"):
+        gemv(x, w, argmax_key=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="argmax_key dtype must be one of"):
+        gemv(x, w, argmax_key=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES)
@@ -94,6 +175,28 @@ def test_gemv_gpu_float32_logits(pdl):
     y = gemv(x, w, norm_weight=nw, pdl=pdl, out_dtype=torch.float32)
     assert y.dtype == torch.float32 and y.shape == (1, 1, 32000)
     assert torch.equal(y, gemv(x, w, norm_weight=nw, pdl=pdl).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("N", [32000, 49152])
+def test_gemv_gpu_argmax_key_of_the_head(N, pdl):
+    """The heads of bench-285m and Ouro-1.4B (final norm fused, float32 logits, the decode
+    graph's call): the key names the argmax of the logits written, over repeated calls with a
+    reset key, and the logits are those of a call without it. Logits of few distinct values
+    (a near-constant weight) put ties across many programs' rows."""
+    torch.manual_seed(2)
+    x = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
+    for w in ((torch.randn(N, 2048, device="cuda") / 2048 ** 0.5).to(torch.bfloat16),
+              torch.randint(0, 3, (N, 1), device="cuda").to(torch.bfloat16).expand(N, 2048).contiguous()):
+        key = new_key("cuda")
+        for _ in range(3):
+            y = gemv(x, w, norm_weight=nw, pdl=pdl, out_dtype=torch.float32, argmax_key=key)
+            assert argmax_of(key, N) == int(y.argmax())
+            assert torch.equal(y, gemv(x, w, norm_weight=nw, pdl=pdl, out_dtype=torch.float32))
+            key.fill_(ARGMAX_KEY_NONE)
 
 
 # M > 1 rows: the batched kernel (tl.dot over a 16-row x tile). Under the interpreter it runs

@@ -2,7 +2,8 @@ import pytest
 import torch
 from kernel_tolerances import DEVICE
 
-from tinyloop.kernels import argmax, argmax_feed, argmax_feed_ref, argmax_ref, sample_top_k, sample_top_k_ref
+from tinyloop.kernels import (ARGMAX_KEY_NONE, argmax, argmax_feed, argmax_feed_ref, argmax_key_ref, argmax_ref,
+                              greedy_feed, greedy_feed_ref, sample_top_k, sample_top_k_ref)
 from tinyloop.kernels.sampling import _selection_order
 
 
@@ -64,6 +65,69 @@ def test_argmax_feed_rejects_bad_inputs():
         argmax_feed(logits, tokens, positions.int(), host)
     with pytest.raises(ValueError, match=r"host must have shape \(2,\)"):
         argmax_feed(logits, tokens, positions, host[:1])
+
+
+def greedy_buffers(position, table):
+    """greedy_feed's key (holding NONE), the feed buffers, and the x it embeds into."""
+    key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.int64, device=table.device)
+    x = torch.zeros(1, 1, table.shape[1], dtype=table.dtype, device=table.device)
+    return key, *feed_buffers(position, table.device.type), x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V,D,position", [(17, 8, 4), (5003, 96, 9), (300, 5000, 0)])
+def test_greedy_feed_matches_ref(V, D, position, dtype):
+    """The token an argmax key names, fed forward as argmax_feed feeds it, with its embedding
+    row in x (D = 5000: two BLOCK_D chunks) and the key set back to NONE."""
+    g = torch.Generator().manual_seed(V + D)
+    table = torch.randn(V, D, generator=g).to(DEVICE, dtype)
+    logits = make_logits(1, V, torch.float32, seed=V, ties=True)
+    got, want = greedy_buffers(position, table), greedy_buffers(position, table)
+    for key in (got[0], want[0]):
+        torch.maximum(key, argmax_key_ref(logits), out=key)
+    out = greedy_feed(*got[:4], table, got[4])
+    assert torch.equal(out, argmax_ref(logits))
+    assert torch.equal(greedy_feed_ref(*want[:4], table, want[4]), out)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    key, tokens, positions, host, x = got
+    assert int(key) == ARGMAX_KEY_NONE and tokens.item() == out.item() and positions.item() == position + 1
+    slot = (position + 1) % 2
+    assert host[slot].item() == out.item() and host[1 - slot].item() == -1
+    assert torch.equal(x.view(D), table[out.item()])
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
+
+
+def test_greedy_feed_rejects_bad_inputs():
+    table = torch.randn(11, 4, device=DEVICE)
+    key, tokens, positions, host, x = greedy_buffers(3, table)
+    with pytest.raises(ValueError, match=r"greedy_feed: key must have shape \(1,\)"):
+        greedy_feed(key.repeat(2), tokens, positions, host, table, x)
+    with pytest.raises(ValueError, match="key dtype must be one of"):
+        greedy_feed(key.int(), tokens, positions, host, table, x)
+    with pytest.raises(ValueError, match="positions dtype must be one of"):
+        greedy_feed(key, tokens, positions.int(), host, table, x)
+    with pytest.raises(ValueError, match=r"host must have shape \(2,\)"):
+        greedy_feed(key, tokens, positions, host[:1], table, x)
+    with pytest.raises(ValueError, match=r"x must have shape \(1, 1, 4\)"):
+        greedy_feed(key, tokens, positions, host, table, x[..., :3])
+    with pytest.raises(ValueError, match="x must be contiguous in the table's dtype"):
+        greedy_feed(key, tokens, positions, host, table, x.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_feed_gpu_writes_pinned_host_memory_and_rejects_pageable():
+    table = torch.randn(151_936, 2048, device="cuda", dtype=torch.bfloat16)
+    logits = make_logits(1, 151_936, torch.bfloat16, seed=1, ties=False)
+    key, tokens, positions, host, x = greedy_buffers(10, table)
+    key.copy_(argmax_key_ref(logits))
+    out = greedy_feed(key, tokens, positions, host, table, x)
+    torch.cuda.synchronize()
+    assert host[1].item() == out.item() == argmax_ref(logits).item() and positions.item() == 11
+    assert torch.equal(x.view(-1), table[out.item()]) and int(key) == ARGMAX_KEY_NONE
+    with pytest.raises(ValueError, match="host must be pinned"):
+        greedy_feed(key, tokens, positions, torch.zeros(2, dtype=torch.int64), table, x)
 
 
 @pytest.mark.gpu

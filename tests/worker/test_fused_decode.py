@@ -79,3 +79,39 @@ def test_fused_batched_step_matches_unfused(config_path):
             for a, c in zip(wl, hl):
                 if a is not None:
                     assert ((c - a).norm() / a.norm()) < 1e-4, lane
+
+
+@pytest.mark.parametrize("config_path", ["gqa-prelude-coda", "untied-2-layer-block"], indirect=True)
+def test_decode_step_feeds_its_greedy_token_embedded(config_path, loops=2):
+    """graphs.decode_step, the step the decode graphs capture, fed by its own tail: the head's
+    argmax key and greedy_feed (x: the token embedded) on the fused projections, and the same
+    on the torch ops (the key from the logits), give the greedy stream of generate() and the
+    logits of the unfused step at every position, leave the key NONE between steps, and keep
+    host[p % 2] the token at p; the argmax_feed form (x None) gives the same."""
+    from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
+    from tinyloop.worker.graphs import decode_step
+    with model(config_path) as ref, model(config_path) as fused:
+        fused._module.use_fast_path(rms_norm, gemv)
+        toks = ref.generate(PROMPT, loops=loops, max_tokens=5)
+        want = decode_logits(ref, loops, toks, len(PROMPT))[1:]
+        T0 = len(PROMPT)
+        for m, embedded in ((fused, True), (ref, True), (fused, False)):
+            e = m.engine
+            prefill(e, 0, PROMPT, loops, 0)
+            table = e.model.tok_embeddings.weight
+            tokens = torch.tensor([[toks[T0]]], device=DEVICE)
+            positions = torch.tensor([[T0]], device=DEVICE)
+            host = torch.full((2,), -1, dtype=torch.int64)
+            key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.int64, device=DEVICE)
+            x = table[toks[T0]].view(1, 1, -1).clone() if embedded else None
+            got = []
+            for step in range(4):
+                logits, greedy = decode_step(e, 0, loops, tokens, positions, host, x, key)
+                got.append(logits[0].clone())
+                p = T0 + 1 + step
+                assert greedy.item() == toks[p] == tokens.item() == host[p % 2].item() and positions.item() == p
+                assert int(key) == ARGMAX_KEY_NONE
+                if embedded:
+                    assert torch.equal(x.view(-1), table[toks[p]])
+            got = torch.stack(got)
+            assert ((got - want[:4]).norm(dim=-1) / want[:4].norm(dim=-1)).max() < 1e-4
