@@ -84,9 +84,6 @@ MAX_SPLITS = 64
 # the H200, 1 or 2 stages made the L = 8 step at 128 tokens of context 0.450-0.461 ms against
 # 0.424 with 3 (bench/results/split-stages-ab-cuda.json).
 SPLIT_STAGES = 3
-# Bytes of each of K and V (a multiple of 4096) that a split program of rope_decode_attention
-# hints into L2 before its PDL wait (_prefetch_kv_bytes); 0: none.
-SPLIT_L2_PREFETCH = 65536
 
 
 @triton.jit
@@ -195,21 +192,6 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
-def _prefetch_rows_l2(k_rows, v_rows, nbytes, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Hint the first CHUNKS * CHUNK bytes of [k_rows, k_rows + nbytes) and of the same range
-    at v_rows into L2: one cp.async.bulk.prefetch per CHUNK-byte chunk (sm_90+), which loads
-    nothing into registers and is waited for by no one. L2 is where the GPU's writes meet, so a
-    line hinted before a write to it is read back as written (unlike a load through L1)."""
-    c = tl.arange(0, 2 * CHUNKS)
-    off = (c % CHUNKS).to(tl.int64) * CHUNK
-    base = tl.where(c >= CHUNKS, v_rows.to(tl.pointer_type(tl.uint8)), k_rows.to(tl.pointer_type(tl.uint8)))
-    size = tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32)  # 0: past the range
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _lane_splits(n_cached, SPLIT_LEN, MAX_ACTIVE):
     """(active splits, slots per split) of rope_decode_attention's lane with n_cached slots before
     its new token: as many splits of at most SPLIT_LEN slots as the slots need, but at most
@@ -251,7 +233,6 @@ def _rope_decode_attention_split_kernel(
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_KV: tl.constexpr = 0,  # > 0: hint up to this many bytes of the split's K and V rows into L2
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -280,15 +261,6 @@ def _rope_decode_attention_split_kernel(
     cos = tl.load(cos_ptr + row * stride_cos_p + pair * stride_cos_d, mask=mask_d, other=0.0)
     sin = tl.load(sin_ptr + row * stride_sin_p + pair * stride_sin_d, mask=mask_d, other=0.0)
     sin = tl.where(first, -sin, sin)
-    k_base = k_cache_ptr + b * stride_kc_b + kvh * stride_kc_h
-    v_base = v_cache_ptr + b * stride_vc_b + kvh * stride_vc_h
-    if PREFETCH_KV > 0:
-        # The cache slots this split reads were written by earlier steps, not by the kernels
-        # still draining: hinted into L2 now, they are there when the loop's loads go out
-        # after the wait (the launcher sets this for row-contiguous caches only).
-        nbytes = (end - start).to(tl.int64) * stride_kc_s * (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        _prefetch_rows_l2(k_base + start * stride_kc_s, v_base + start * stride_vc_s, nbytes,
-                          4096, PREFETCH_KV // 4096)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v: the projection launched just before writes them
 
@@ -299,6 +271,8 @@ def _rope_decode_attention_split_kernel(
     q = _load_rotated(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h, stride_q_d,
                       offs_d[None, :], partner[None, :], mask_g[:, None] & mask_d[None, :],
                       cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
+    k_base = k_cache_ptr + b * stride_kc_b + kvh * stride_kc_h
+    v_base = v_cache_ptr + b * stride_vc_b + kvh * stride_vc_h
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -468,7 +442,7 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None, prefetch_kv=0):
+                     max_active=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd).
@@ -499,7 +473,6 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
-        **({"PREFETCH_KV": prefetch_kv} if prefetch_kv else {}),
         num_warps=4,
         num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
@@ -545,23 +518,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (q, k, v, cos, sin, positions, k_cache, v_cache),
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len, positions, max_active,
-                            _prefetch_kv_bytes(k_cache, v_cache))
-
-
-def _prefetch_kv_bytes(k_cache, v_cache) -> int:
-    """rope_decode_attention's L2 hint of a split's cache rows before its wait: SPLIT_L2_PREFETCH
-    bytes of K and of V on CUDA sm_90+ for caches whose slots are rows of 16-byte multiples
-    with unit stride along hd and one layout for K and V (the bulk prefetch's alignment); 0
-    (none) otherwise, and under the interpreter, which runs no inline PTX."""
-    if (not SPLIT_L2_PREFETCH or interpreting() or k_cache.device.type != "cuda"
-            or torch.cuda.get_device_capability(k_cache.device)[0] < 9):
-        return 0
-    if (k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
-            or any(t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:3])
-                   for t in (k_cache, v_cache))):
-        return 0
-    return SPLIT_L2_PREFETCH
+                            q, Hkv, S, scale, split_len, positions, max_active)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:

@@ -19,6 +19,10 @@ into the projection that reads its input or writes its output, row by row:
   projection's output is), then silu and the product rounded as ``swiglu`` does.
 - ``residual`` (..., N), y's shape: y = residual + (x @ W.T rounded to x.dtype), rounded once
   more, exactly like the unfused ``residual + linear(x, W)``.
+- ``argmax_key`` (M = 1): the argmax of y without reading y back -- each program maxes one
+  int64 key (the order-preserving bits of its largest value, then N - 1 - its row) into the
+  tensor with one atomic, skipped when the key it reads is already larger. The decode step's
+  head leaves its greedy token this way (kernels.sampling.greedy_feed).
 
 Layout, M = 1 (``_gemv_kernel``): one program per BLOCK_N output rows, looping over K in
 BLOCK_K chunks and accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the
@@ -177,8 +181,9 @@ _gemv_tuned = triton.autotune(
 )(_gemv_kernel)
 
 
-# gemv's tile for a float32 y, by kernel, shape and options: the one tuned for a y of x's dtype
-_DEFAULT_Y_CONFIG: dict[tuple, triton.Config] = {}
+# gemv's tile for a float32 y or the argmax epilogue, by kernel, shape and options: the one
+# tuned for the plain call (`_launch_tuned`)
+_PLAIN_CONFIG: dict[tuple, triton.Config] = {}
 
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
@@ -337,12 +342,13 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
     under the interpreter it selects the prefetching loop alone.
     out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
-    all the same (with the tile tuned for the default y: `_launch_tuned`), so a float32 y is
-    exactly the default y's .float(), with no kernel to convert it (the decode step's logits).
+    all the same (with the plain call's tile: `_launch_tuned`), so a float32 y is exactly the
+    default y's .float(), with no kernel to convert it (the decode step's logits).
     argmax_key: a (1,) int64 tensor, M = 1 only: each program maxes it (atomically) with the
     key of its largest entry of y (`argmax_key_ref`), so after the call it holds y's argmax if
     it held `ARGMAX_KEY_NONE` before (the decode step's greedy token, with no kernel reading
-    the logits back: kernels.sampling.greedy_feed reads the key and sets it back)."""
+    the logits back: kernels.sampling.greedy_feed reads the key and sets it back). y is the
+    y of the call without it (the plain call's tile)."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if argmax_key is not None:
@@ -396,9 +402,9 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                           flags)
     x1 = x.reshape(K).contiguous()
 
-    def args(out):
+    def args(out, key=argmax_key):
         return (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
-                out if residual is None else residual, out, out if argmax_key is None else argmax_key,
+                out if residual is None else residual, out, out if key is None else key,
                 N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
     if interpreting():
@@ -411,27 +417,31 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
 
 
 def _launch_tuned(tuned, N, args, y, dtype, key, **meta):
-    """tuned[grid](*args(y), **meta) over cdiv(N, BLOCK_N) programs. A y of another dtype than
-    `dtype` (x's: a float32 y) runs the tile tuned for a y of x's dtype, found once per key
-    (shape and options): the autotuner keys on every argument's dtype, and a tile of its own
-    would sum each row in another order (on the H200 the head's float32 logits then differed
-    from the bf16 ones widened)."""
+    """tuned[grid](*args(y), **meta) over cdiv(N, BLOCK_N) programs. A call that is not the plain
+    one -- a y of another dtype than `dtype` (x's: a float32 y), or the argmax epilogue -- runs
+    the tile tuned for the plain call (y of x's dtype, no argmax key: `args(y, None)`), found
+    once per key (shape and options): the autotuner keys on every argument's dtype, and a tile
+    of its own would sum each row in another order, so the logits would depend on how they
+    were asked for (on the H200 the head's float32 logits differed from the bf16 ones widened,
+    and the Ouro head's logits with the argmax key from those without it)."""
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    if y.dtype == dtype:
+    argmax = meta.get("ARGMAX", False)
+    if y.dtype == dtype and not argmax:
         tuned[grid](*args(y), **meta)
         return
     key = (tuned, dtype, *key)
-    config = _DEFAULT_Y_CONFIG.get(key)
+    config = _PLAIN_CONFIG.get(key)
     if config is None:
-        tuned[grid](*args(torch.empty(y.shape, dtype=dtype, device=y.device)), **meta)
-        config = _DEFAULT_Y_CONFIG[key] = tuned.best_config
+        plain = dict(meta, ARGMAX=False) if argmax else meta
+        tuned[grid](*args(torch.empty(y.shape, dtype=dtype, device=y.device), None), **plain)
+        config = _PLAIN_CONFIG[key] = tuned.best_config
     tuned.fn[grid(config.kwargs)](*args(y), **meta, **config.all_kwargs())  # as the autotuner launches it
 
 
 def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     """gemv's launch for 2 <= M <= MAX_ROWS rows: x (M, K) contiguous, y and residual (..., N)
     contiguous, so (M, N) in memory."""
-    def args(out):
+    def args(out, key=None):  # (no argmax key: M > 1)
         return (x, weight, x if norm_weight is None else norm_weight.contiguous(),
                 out if residual is None else residual, out, M, N, K, weight.stride(0), float(eps), _m_bucket(M))
     # the dot in fp32: for fp32 x (exact products like gemv_ref's, not tf32), and for bf16 under

@@ -92,7 +92,7 @@ class DecodeGraphs:
         tokens = torch.zeros(1, 1, dtype=torch.long, device=dev)
         positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
         host = torch.full((2,), -1, dtype=torch.long).pin_memory()
-        table = self.engine.model.tok_embeddings.weight
+        table = self.engine.model.tok_embeddings.weight.detach()  # (index_select(out=...) takes no grad)
         x = table.new_zeros(1, 1, table.shape[1]) if GREEDY_FROM_KEY else None
         argmax_key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=dev)
         out = []
