@@ -57,7 +57,8 @@ positions[b], since they never come from the projection launched just before (wh
 q, k, v): the contract is that positions and the tables are not written by a kernel
 launched with PDL since the last ordinary launch in the stream (only such a kernel can still be
 running). The engine's tables never change, and it writes positions by a host copy or fill
-before the step (or, in a captured step, `argmax_feed` at the end of the step before).
+before the step (or, in a captured step, `greedy_feed` at the end of the step before, which
+lets no kernel launch before it completes).
 
 Layouts: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), any strides (views of one fused projection);
 cos, sin (P, hd // 2) fp32 tables, row p the angles of position p, P >= S (a row for every cache

@@ -3,6 +3,10 @@
 ``argmax``: logits (B, V) -> (B,) int64, the first index of the row maximum (torch.argmax's
 tie rule). One program per row scans V in BLOCK_V chunks, keeping the earliest best.
 
+``greedy_feed``: the captured batch-1 decode step's last kernel. Its head projection leaves the
+argmax as a key (kernels.gemv's ``argmax_key``); this reads it, feeds the token forward into the
+next step's inputs (embedded) and the host ring, and sets the key back.
+
 ``sample_top_k``: logits (B, V), top_k in 1..1024, temperature > 0, u (B,) fp32 in [0, 1).
 Order the row by descending logit, ties by ascending index, keep the first k = min(top_k, V):
     w_i = exp((l_i - l_0) * (1 / temperature))        (fp32, l_0 the largest logit)
@@ -36,11 +40,7 @@ def _argmax_kernel(
     out_ptr,  # (B,) int64
     stride_logits_b, stride_logits_v,
     V,
-    tokens_ptr,  # FEED only (B = 1): the step's (1, 1) token input
-    positions_ptr,  # FEED only: the step's (1, 1) position input
-    host_ptr,  # FEED only: (2,) int64 ring in pinned host memory
     BLOCK_V: tl.constexpr,
-    FEED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     row = logits_ptr + b * stride_logits_b
@@ -56,11 +56,6 @@ def _argmax_kernel(
         best_idx = tl.where(better, x_idx.to(tl.int64), best_idx)
         best = tl.where(better, x_max, best)
     tl.store(out_ptr + b, best_idx)
-    if FEED:
-        pos = tl.load(positions_ptr) + 1  # the position of the token just chosen
-        tl.store(tokens_ptr, best_idx)
-        tl.store(positions_ptr, pos)
-        tl.store(host_ptr + pos % 2, best_idx)
 
 
 @triton.jit
@@ -152,6 +147,12 @@ def _check_logits(op, logits):
         raise ValueError(f"{op}: logits must have a non-empty vocab dim, got shape {tuple(logits.shape)}")
 
 
+# (BLOCK_V cap, num_warps at the cap): 32000 logits in one pass of 32 warps took the H200's
+# decode step 5-11 us under 8 passes of 4096 with 8 warps (bench/results/decode-ab-cuda-a723099.json,
+# split_exit_and_argmax_tile); 16384 x 16 / x 32 and 8192 x 16 fell in between.
+_ARGMAX_TILE = (32768, 32)
+
+
 def argmax(logits):
     """logits (B, V) -> (B,) int64 greedy tokens."""
     check_device("argmax", logits=logits)
@@ -159,48 +160,10 @@ def argmax(logits):
     B, V = logits.shape
     out = torch.empty((B,), dtype=torch.int64, device=logits.device)
     if B:
-        _launch_argmax(logits, out, out, out, out, feed=False)
-    return out
-
-
-# (BLOCK_V cap, num_warps at the cap): 32000 logits in one pass of 32 warps took the H200's
-# decode step 5-11 us under 8 passes of 4096 with 8 warps (bench/results/decode-ab-cuda-a723099.json,
-# split_exit_and_argmax_tile); 16384 x 16 / x 32 and 8192 x 16 fell in between.
-_ARGMAX_TILE = (32768, 32)
-
-
-def _launch_argmax(logits, out, tokens, positions, host, feed: bool) -> None:
-    B, V = logits.shape
-    cap, warps = _ARGMAX_TILE
-    BLOCK_V = min(cap, triton.next_power_of_2(V))
-    _argmax_kernel[(B,)](logits, out, *logits.stride(), V, tokens, positions, host, BLOCK_V=BLOCK_V, FEED=feed,
-                         num_warps=warps if BLOCK_V >= cap else 4)
-
-
-def argmax_feed(logits, tokens, positions, host):
-    """A batch-1 decode step's greedy token, fed forward in the same kernel: logits (1, V) at
-    `positions` (1, 1) -> greedy (1,) int64; then tokens (1, 1) = greedy, positions += 1 and
-    host[p % 2] = greedy, where p is the greedy token's position (the new `positions`).
-
-    `host` is a (2,) int64 ring in pinned host memory, which the kernel writes through its
-    device mapping: a captured step leaves its token on the host with no copy launched after
-    it, and a replay writes the slot of its own token only, so the host may read a token while
-    the next step (launched ahead) runs."""
-    op = "argmax_feed"
-    check_device(op, logits=logits, tokens=tokens, positions=positions)
-    _check_logits(op, logits)
-    check_shape(op, "logits", logits, (1, logits.shape[1]))
-    for name, t in (("tokens", tokens), ("positions", positions)):
-        check_shape(op, name, t, (1, 1))
-        check_dtype(op, name, t, (torch.int64,))
-    check_shape(op, "host", host, (2,))
-    check_dtype(op, "host", host, (torch.int64,))
-    # Not inside a CUDA graph capture: is_pinned() there broke the engine's decode captures on
-    # the H200 (DecodeGraphs pins the ring itself, before it captures).
-    if logits.is_cuda and not torch.cuda.is_current_stream_capturing() and not host.is_pinned():
-        raise ValueError(f"{op}: host must be pinned host memory (the kernel writes it from the GPU)")
-    out = torch.empty((1,), dtype=torch.int64, device=logits.device)
-    _launch_argmax(logits, out, tokens, positions, host, feed=True)
+        cap, warps = _ARGMAX_TILE
+        BLOCK_V = min(cap, triton.next_power_of_2(V))
+        _argmax_kernel[(B,)](logits, out, *logits.stride(), V, BLOCK_V=BLOCK_V,
+                             num_warps=warps if BLOCK_V >= cap else 4)
     return out
 
 
@@ -208,12 +171,16 @@ def greedy_feed(key, tokens, positions, host, table, x):
     """A batch-1 decode step's greedy token from the argmax key its head projection left
     (`gemv(..., argmax_key=key)`), fed forward in one kernel: greedy (1,) int64 =
     (V - 1) - (key & 0xFFFFFFFF); then tokens (1, 1) = greedy, positions += 1,
-    host[p % 2] = greedy (p the new position: as `argmax_feed`), x (1, 1, D) = table[greedy]
-    (the next step's input, embedded), and key = ARGMAX_KEY_NONE for the next step's head.
+    host[p % 2] = greedy (p the new position), x (1, 1, D) = table[greedy] (the next step's
+    input, embedded), and key = ARGMAX_KEY_NONE for the next step's head.
 
-    No kernel reads the logits back (an argmax over the vocabulary in one program was the
-    step's slowest kernel after the head). With PDL (`use_pdl`) it launches while the head
-    runs and waits for it."""
+    `host` is a (2,) int64 ring in pinned host memory, which the kernel writes through its
+    device mapping: a captured step leaves its token on the host with no copy launched after
+    it, and a replay writes the slot of its own token only, so the host may read a token while
+    the next step (launched ahead) runs. No kernel reads the logits back: an argmax over the
+    vocabulary in one program and the embedding gather were 8 us of the H200's step
+    (bench/results/step-tail-ab-cuda-87ec7e6.json). With PDL (`use_pdl`) it launches while the
+    head runs and waits for it."""
     op = "greedy_feed"
     check_device(op, key=key, tokens=tokens, positions=positions, table=table, x=x)
     check_shape(op, "key", key, (1,))
@@ -278,15 +245,6 @@ def sample_top_k(logits, top_k, temperature, u):
 def argmax_ref(logits):
     """The spec, in plain torch."""
     return logits.argmax(dim=-1)
-
-
-def argmax_feed_ref(logits, tokens, positions, host):
-    """The spec, in plain torch (CPU: the host ring is written like any tensor)."""
-    out = logits.argmax(dim=-1)
-    positions += 1
-    tokens.copy_(out.view(1, 1))
-    host[int(positions) % 2] = out[0]
-    return out
 
 
 def greedy_feed_ref(key, tokens, positions, host, table, x):

@@ -385,7 +385,7 @@ class DecodeState:
     def copy_to_host(self, tok: torch.Tensor) -> None:
         """Start bringing the sampled token to the host, with an event to wait on (CUDA); on
         CPU the token is already there. A graph step's own greedy token needs no copy: the
-        replay wrote it to the graph's pinned host ring (kernels.argmax_feed), in the slot of
+        replay wrote it to the graph's pinned host ring (kernels.greedy_feed), in the slot of
         its position, which the next replay leaves alone; anything else is copied into a
         pinned buffer."""
         if tok.device.type != "cuda":

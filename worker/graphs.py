@@ -21,17 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
-from tinyloop.kernels.sampling import argmax_feed, greedy_feed
+from tinyloop.kernels.sampling import greedy_feed
 from tinyloop.worker.engine import Engine
 from tinyloop.worker.generate import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
                                       prefill_buffers)
-
-
-# The captured step's tail: the head's epilogue leaves the argmax key and one small kernel feeds
-# the greedy token forward, embedded (kernels.sampling.greedy_feed), so the step starts at its
-# first projection; False: an argmax kernel over the logits feeds the token and the step starts
-# by embedding it (kernels.sampling.argmax_feed).
-GREEDY_FROM_KEY = True
 
 
 @dataclass
@@ -43,8 +36,8 @@ class DecodeGraph:
     greedy: torch.Tensor     # (1,) int64 output: argmax of logits
     host: torch.Tensor       # (2,) int64 pinned host ring: host[p % 2] is the greedy token at position p
     loops: int
-    x: torch.Tensor | None = None      # (1, 1, D) input, the token embedded (None: the graph embeds `tokens`)
-    table: torch.Tensor | None = None  # the embedding table x is a row of
+    x: torch.Tensor          # (1, 1, D) input: the token embedded (the step starts at its first projection)
+    table: torch.Tensor      # the embedding table x is a row of
     next_position: int = -1  # where a replay leaves `positions`: one past the token it ran
 
     def step(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
@@ -60,8 +53,7 @@ class DecodeGraph:
                 self.tokens.fill_(token)
             else:
                 self.tokens.copy_(token.view(1, 1))
-            if self.x is not None:
-                torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
+            torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
             self.positions.fill_(position)
         self.graph.replay()
         self.next_position = position + 1
@@ -93,7 +85,7 @@ class DecodeGraphs:
         positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
         host = torch.full((2,), -1, dtype=torch.long).pin_memory()
         table = self.engine.model.tok_embeddings.weight.detach()  # (index_select(out=...) takes no grad)
-        x = table.new_zeros(1, 1, table.shape[1]) if GREEDY_FROM_KEY else None
+        x = table.new_zeros(1, 1, table.shape[1])
         argmax_key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=dev)
         out = []
         g = _capture(self.engine, self.pool,
@@ -110,18 +102,15 @@ class DecodeGraphs:
 
 
 def decode_step(engine: Engine, lane: int, loops: int, tokens: torch.Tensor, positions: torch.Tensor,
-                host: torch.Tensor, x: torch.Tensor | None = None, key: torch.Tensor | None = None):
-    """The step DecodeGraphs captures: (logits (1, V), greedy (1,)) of the token at `positions`
-    on `lane`, given embedded in x (with the argmax key buffer `key`, ARGMAX_KEY_NONE between
-    steps), or as `tokens` (x None: embedded here); then, in the step's last kernel, the inputs
-    fed for the next step (the greedy token, one position on; see DecodeGraph.step) and the
-    token written to the host ring. Eager on any device (the CPU tests run it on the
-    interpreted kernels)."""
+                host: torch.Tensor, x: torch.Tensor, key: torch.Tensor):
+    """The step DecodeGraphs captures: (logits (1, V), greedy (1,)) of the token embedded in x
+    (1, 1, D) at `positions` on `lane`. The head's epilogue maxes the argmax key `key` (which
+    holds ARGMAX_KEY_NONE between steps), and the step's last kernel (kernels.greedy_feed)
+    feeds the greedy token forward: into `tokens`, embedded into x, one position on, and into
+    the host ring (see DecodeGraph.step). So a step runs no argmax over the logits and no
+    embedding kernel. Eager on any device (the CPU tests run it on the interpreted kernels)."""
     e = engine
     p = e.make_pass(slice(lane, lane + 1), positions, e.cache.max_seq_len)
-    if x is None:
-        logits = e.forward(tokens, p, loops)[:, -1]
-        return logits, argmax_feed(logits, tokens, positions, host)
     h = e.coda(e.run_loops(e.prelude(x, p), p, 0, loops), p)
     logits = e.logits(h, p, argmax_key=key)[:, -1]
     return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x)

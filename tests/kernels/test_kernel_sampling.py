@@ -2,8 +2,8 @@ import pytest
 import torch
 from kernel_tolerances import DEVICE
 
-from tinyloop.kernels import (ARGMAX_KEY_NONE, argmax, argmax_feed, argmax_feed_ref, argmax_key_ref, argmax_ref,
-                              greedy_feed, greedy_feed_ref, sample_top_k, sample_top_k_ref)
+from tinyloop.kernels import (ARGMAX_KEY_NONE, argmax, argmax_key_ref, argmax_ref, greedy_feed, greedy_feed_ref,
+                              sample_top_k, sample_top_k_ref)
 from tinyloop.kernels.sampling import _selection_order
 
 
@@ -30,41 +30,12 @@ def test_argmax_tie_across_chunks_takes_first():
 
 
 def feed_buffers(position, device):
-    """A decode step's inputs (token, position) and a host ring, as argmax_feed takes them."""
+    """A decode step's inputs (token, position) and a host ring, as greedy_feed takes them."""
     host = torch.full((2,), -1, dtype=torch.int64)
     if device == "cuda":
         host = host.pin_memory()
     return (torch.full((1, 1), 7, dtype=torch.int64, device=device),
             torch.full((1, 1), position, dtype=torch.int64, device=device), host)
-
-
-@pytest.mark.parametrize("position", [4, 9])
-@pytest.mark.parametrize("V", [17, 5003])
-def test_argmax_feed_matches_ref(V, position):
-    """The greedy token, fed forward: into the step's token input, its position one on, and
-    the host ring's slot of that position (the other slot untouched)."""
-    logits = make_logits(1, V, torch.float32, seed=V, ties=True)
-    got, want = feed_buffers(position, DEVICE), feed_buffers(position, DEVICE)
-    out = argmax_feed(logits, *got)
-    assert torch.equal(out, argmax_ref(logits)) and torch.equal(argmax_feed_ref(logits, *want), out)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    tokens, positions, host = got
-    assert tokens.item() == out.item() and positions.item() == position + 1
-    slot = (position + 1) % 2
-    assert host[slot].item() == out.item() and host[1 - slot].item() == -1
-    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
-
-
-def test_argmax_feed_rejects_bad_inputs():
-    logits = torch.randn(1, 11, device=DEVICE)
-    tokens, positions, host = feed_buffers(3, DEVICE)
-    with pytest.raises(ValueError, match=r"logits must have shape \(1, 11\)"):
-        argmax_feed(torch.randn(2, 11, device=DEVICE), tokens, positions, host)
-    with pytest.raises(ValueError, match="positions dtype must be one of"):
-        argmax_feed(logits, tokens, positions.int(), host)
-    with pytest.raises(ValueError, match=r"host must have shape \(2,\)"):
-        argmax_feed(logits, tokens, positions, host[:1])
 
 
 def greedy_buffers(position, table):
@@ -77,8 +48,9 @@ def greedy_buffers(position, table):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("V,D,position", [(17, 8, 4), (5003, 96, 9), (300, 5000, 0)])
 def test_greedy_feed_matches_ref(V, D, position, dtype):
-    """The token an argmax key names, fed forward as argmax_feed feeds it, with its embedding
-    row in x (D = 5000: two BLOCK_D chunks) and the key set back to NONE."""
+    """The token an argmax key names, fed forward: into the step's token input, its position
+    one on, the host ring's slot of that position (the other slot untouched) and its embedding
+    row into x (D = 5000: two BLOCK_D chunks); the key is set back to NONE."""
     g = torch.Generator().manual_seed(V + D)
     table = torch.randn(V, D, generator=g).to(DEVICE, dtype)
     logits = make_logits(1, V, torch.float32, seed=V, ties=True)
@@ -128,18 +100,6 @@ def test_greedy_feed_gpu_writes_pinned_host_memory_and_rejects_pageable():
     assert torch.equal(x.view(-1), table[out.item()]) and int(key) == ARGMAX_KEY_NONE
     with pytest.raises(ValueError, match="host must be pinned"):
         greedy_feed(key, tokens, positions, torch.zeros(2, dtype=torch.int64), table, x)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_argmax_feed_gpu_writes_pinned_host_memory_and_rejects_pageable():
-    logits = make_logits(1, 151_936, torch.bfloat16, seed=1, ties=False)
-    tokens, positions, host = feed_buffers(10, "cuda")
-    out = argmax_feed(logits, tokens, positions, host)
-    torch.cuda.synchronize()
-    assert host[1].item() == out.item() == argmax_ref(logits).item() and positions.item() == 11
-    with pytest.raises(ValueError, match="host must be pinned"):
-        argmax_feed(logits, tokens, positions, torch.zeros(2, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
