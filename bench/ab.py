@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
                     if cuda:
                         torch.cuda.synchronize(dev)
                         torch.cuda.empty_cache()
+                if cuda:  # the projections' autotuned tiles (picked once per process and shape)
+                    from tinyloop.kernels import gemv as gemv_mod
+                    tuned = importlib.import_module(gemv_mod.__module__)._gemv_tuned
+                    result["gemv_tiles"] = {repr(k[:7]): str(v) for k, v in tuned.cache.items()}
                 tqdm.write(f"round {r} {name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in row["ms"].items()))
                 result["rounds"].append(row)
                 write(f"{args.name}-{dev.type}", result, args.out_dir)
