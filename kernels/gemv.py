@@ -192,8 +192,23 @@ _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
 # Fixed M = 1 tiles, by device name, then (N, K, NORM, SWIGLU, RESIDUAL, PDL): (BLOCK_N, BLOCK_K,
-# num_warps, num_stages), launched without the autotuner (bench/ab.py A/Bs them in the step).
-TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {}
+# num_warps, num_stages), launched without the autotuner; other shapes and devices autotune.
+# Autotuning picks a tile per process from standalone timings, and close races go either way:
+# on the H200 one process picked (8, 256, 4, 1) for bench-285m's gate|up and its L = 8 step read
+# 0.454 ms, 6.4 % slower than with (8, 512, 4, 1) on the same machine
+# (bench/results/tiles-ab-cuda-e7c005b.json, `first`); a fixed tile also keeps the logits'
+# summation order, hence the tokens of near ties, the same in every worker process. These are
+# bench-285m's projections with PDL: the best set of `second` in that file, where single-tile
+# changes from it were 0.3-5.4 % slower in the step.
+TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
+    "NVIDIA H200": {
+        (6144, 2048, True, False, False, True): (16, 512, 4, 1),    # q|k|v (+norm)
+        (2048, 2048, False, False, True, True): (2, 1024, 4, 1),    # wo (+residual)
+        (5632, 2048, True, True, False, True): (8, 512, 4, 1),      # gate|up (+norm, SwiGLU)
+        (2048, 5632, False, False, True, True): (2, 1024, 4, 3),    # w2 (+residual)
+        (32000, 2048, True, False, False, True): (2, 1024, 4, 3),   # head (+norm)
+    },
+}
 # The argmax epilogue reads the key before its atomic and skips an atomic that cannot raise it.
 ARGMAX_READ_FIRST = True
 
