@@ -29,7 +29,7 @@ from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_
 from ._launch import use_pdl
 from .gemv import ARGMAX_KEY_NONE
 
-KEY_NONE = tl.constexpr(ARGMAX_KEY_NONE)
+_KEY_NONE = tl.constexpr(ARGMAX_KEY_NONE)
 
 MAX_TOP_K = 1024
 
@@ -80,7 +80,7 @@ def _greedy_feed_kernel(
         tl.extra.cuda.gdc_wait()
     key = tl.load(key_ptr)
     tok = (V - 1) - (key & 0xFFFFFFFF)
-    tl.store(key_ptr, KEY_NONE)
+    tl.store(key_ptr, _KEY_NONE)
     pos = tl.load(positions_ptr) + 1  # the position of the token just chosen
     tl.store(out_ptr, tok)
     tl.store(tokens_ptr, tok)
