@@ -137,6 +137,22 @@ def test_gemv_argmax_key_keeps_a_larger_key():
     assert argmax_of(key, 8) == 7
 
 
+def test_fixed_tiles_are_launchable():
+    """kernels.gemv.TILES (the M = 1 tiles fixed per device and shape, launched without the
+    autotuner): each key names a shape and its options, each tile is one the kernel compiles
+    (power-of-two blocks no wider than the padded K, a warp count Triton takes)."""
+    from tinyloop.kernels.gemv import TILES
+    assert TILES, "no fixed tiles"
+    for device, table in TILES.items():
+        assert isinstance(device, str) and table, device
+        for key, tile in table.items():
+            assert len(key) == 6 and all(isinstance(v, int) and v > 0 for v in key[:2]), key
+            assert all(isinstance(v, bool) for v in key[2:]), key
+            bn, bk, warps, stages = tile
+            assert all(v & (v - 1) == 0 for v in (bn, bk)) and bk <= 2 ** (key[1] - 1).bit_length(), tile
+            assert warps in (1, 2, 4, 8, 16, 32) and stages >= 1, tile
+
+
 def test_gemv_argmax_key_rejects_bad_inputs():
     x = torch.randn(1, 16, device=DEVICE)
     w = torch.randn(8, 16, device=DEVICE)
