@@ -137,9 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                     if cuda:
                         torch.cuda.synchronize(dev)
                         torch.cuda.empty_cache()
-                if cuda:  # the projections' autotuned tiles (picked once per process and shape)
-                    from tinyloop.kernels import gemv as gemv_mod
-                    tuned = importlib.import_module(gemv_mod.__module__)._gemv_tuned
+                if cuda:  # the projections' autotuned tiles (once per process and shape; not TILES')
+                    tuned = importlib.import_module("tinyloop.kernels.gemv")._gemv_tuned
                     result["gemv_tiles"] = {repr(k[:7]): str(v) for k, v in tuned.cache.items()}
                 tqdm.write(f"round {r} {name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in row["ms"].items()))
                 result["rounds"].append(row)

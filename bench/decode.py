@@ -121,8 +121,7 @@ def decode_rate(model: Model, loops: int, context: int, steps: int, repeat: int 
     first = logits.argmax(-1).view(1, 1)
     if e.graphs is not None:
         g = e.graphs.capture(loops)
-        g.tokens.copy_(first)
-        g.positions.fill_(context)
+        g.feed(first, context)
 
         def run():
             for _ in range(steps):

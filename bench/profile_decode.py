@@ -112,8 +112,7 @@ def replay_timeline(m: Model, prompt: list[int], L: int, reps: int = 12, skip: i
     e, T = m.engine, len(prompt)
     logits, _ = prefill(e, 0, prompt, L, 0)
     g = e.graphs.capture(L)
-    g.tokens.copy_(logits.argmax(-1).view(1, 1))
-    g.positions.fill_(T)
+    g.feed(logits.argmax(-1), T)
     for _ in range(3):
         g.graph.replay()
     g.positions.fill_(T)  # the replays decode at contexts T .. T + reps - 1, feeding themselves

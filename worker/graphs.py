@@ -49,15 +49,19 @@ class DecodeGraph:
         that position (what DecodeState.sample returns after a graph step) sets nothing: the
         step is the replay alone, with no kernel or copy around it."""
         if token is not self.greedy or position != self.next_position:
-            if isinstance(token, int):
-                self.tokens.fill_(token)
-            else:
-                self.tokens.copy_(token.view(1, 1))
-            torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
-            self.positions.fill_(position)
+            self.feed(token, position)
         self.graph.replay()
         self.next_position = position + 1
         return self.logits
+
+    def feed(self, token: torch.Tensor | int, position: int) -> None:
+        """Set the next replay's inputs: the token (and its embedding, x) at `position`."""
+        if isinstance(token, int):
+            self.tokens.fill_(token)
+        else:
+            self.tokens.copy_(token.view(1, 1))
+        torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
+        self.positions.fill_(position)
 
 
 class DecodeGraphs:
