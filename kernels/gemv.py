@@ -102,6 +102,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     X_AHEAD: tl.constexpr,
     W_AHEAD: tl.constexpr,
+    RED_EACH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -114,11 +115,17 @@ def _gemv_kernel(
     if NORM:
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if RED_EACH:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_rows = w_rows
     if SWIGLU:
         up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if RED_EACH:
+            acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PREFETCH:
         # Each iteration loads the next chunk's weights ahead of its own FMAs. With PDL
         # (programmatic dependent launch) this kernel may start while the previous one drains:
@@ -147,9 +154,14 @@ def _gemv_kernel(
         if NORM:
             ss += xv * xv
             xv = xv * nv
-        acc += w.to(tl.float32) * xv[None, :]
-        if SWIGLU:
-            acc_up += up.to(tl.float32) * xv[None, :]
+        if RED_EACH:
+            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+            if SWIGLU:
+                acc_up += tl.sum(up.to(tl.float32) * xv[None, :], axis=1)
+        else:
+            acc += w.to(tl.float32) * xv[None, :]
+            if SWIGLU:
+                acc_up += up.to(tl.float32) * xv[None, :]
         if X_AHEAD:
             xv, nv = xn, nn
             if PREFETCH:
@@ -158,15 +170,25 @@ def _gemv_kernel(
                 else:
                     w, up = wn, upn
         elif PREFETCH:
-            w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
+            if W_AHEAD == 2:
+                wn, upn = _load_w(w_rows, up_rows, k + 2 * BLOCK_K, row_mask, K, SWIGLU)
+                w, up, w1, up1 = w1, up1, wn, upn
+            else:
+                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
 
-    y = tl.sum(acc, axis=1)
+    if RED_EACH:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=1)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         y *= inv_rms
     y = y.to(dtype).to(tl.float32)
     if SWIGLU:
-        up = tl.sum(acc_up, axis=1)
+        if RED_EACH:
+            up = acc_up
+        else:
+            up = tl.sum(acc_up, axis=1)
         if NORM:
             up *= inv_rms
         up = up.to(dtype).to(tl.float32)
@@ -207,7 +229,7 @@ _CONFIGS = [
                           (16, 512, 4, 1)]
 ]
 _gemv_tuned = triton.autotune(
-    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "PDL", "X_AHEAD", "W_AHEAD"],
+    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "PDL", "X_AHEAD", "W_AHEAD", "RED_EACH"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_gemv_kernel)
 
@@ -219,6 +241,7 @@ _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
 # A/B switches: x loaded one chunk ahead with the weights; the weights W_AHEAD chunks ahead
 X_AHEAD = False
 W_AHEAD = 1
+RED_EACH = False
 
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
@@ -462,13 +485,11 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                 N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
     if interpreting():
-        ahead = bool(X_AHEAD and pdl)
-        _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, X_AHEAD=ahead,
-                                           W_AHEAD=W_AHEAD if ahead else 1, BLOCK_N=8, BLOCK_K=64)
+        _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, X_AHEAD=bool(X_AHEAD and pdl),
+                                           W_AHEAD=W_AHEAD if pdl else 1, RED_EACH=RED_EACH, BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
-    ahead = bool(X_AHEAD and pdl)
-    flags.update(X_AHEAD=ahead, W_AHEAD=W_AHEAD if ahead else 1)
+    flags.update(X_AHEAD=bool(X_AHEAD and pdl), W_AHEAD=W_AHEAD if pdl else 1, RED_EACH=RED_EACH)
     tile = TILES.get(_device_name(x.device), {}).get((N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl))
     if tile is not None:
         bn, bk, warps, stages = tile
