@@ -85,35 +85,21 @@ MAX_SPLITS = 64
 # the H200, 1 or 2 stages made the L = 8 step at 128 tokens of context 0.450-0.461 ms against
 # 0.424 with 3 (bench/results/split-stages-ab-cuda.json).
 SPLIT_STAGES = 3
-# A/B switches: groups of up to VEC_MAX_GROUP query heads attend on the CUDA cores (no tl.dot)
-VEC_MAX_GROUP = 0
-VEC_BLOCK_N = 32
-VEC_WARPS = 4
-VEC_STAGES = 3
-VEC_SPLIT_LEN = 0  # 0: as the dot path's
-VEC_MAX_ACTIVE = 0  # 0: one wave's (_one_wave)
 
 
 @triton.jit
 def _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
                   start, end, offs_d, mask_d, m, l, acc, qk_scale,
-                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT: tl.constexpr):
+                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Online softmax of the group's queries q (BLOCK_G, BLOCK_D) over cache slots [start, end),
-    continuing from the running (m, l, acc): returns the updated triple. DOT: the scores and the
-    output by tl.dot (tensor cores, BLOCK_G >= 16 rows); else by products and sums in fp32 on the
-    CUDA cores, for a group of a few heads (no padding to 16 rows, no shared-memory operands)."""
+    continuing from the running (m, l, acc): returns the updated triple."""
     # Every tile of this loop holds at least one valid slot, so m is finite after the first.
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        if DOT:
-            k = tl.load(k_base + offs_n[None, :] * stride_kc_s + offs_d[:, None] * stride_kc_d,
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-            s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
-        else:
-            k = tl.load(k_base + offs_n[:, None] * stride_kc_s + offs_d[None, :] * stride_kc_d,
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
+        k = tl.load(k_base + offs_n[None, :] * stride_kc_s + offs_d[:, None] * stride_kc_d,
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -121,11 +107,7 @@ def _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stri
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs_n[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        if DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        else:
-            pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m = m_new
     return m, l, acc
 
@@ -181,7 +163,6 @@ def _decode_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _pdl_enter(PDL)
@@ -206,8 +187,7 @@ def _decode_attention_split_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
-                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION,
-                              DOT)
+                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
                     mask_g, offs_d, mask_d)
 
@@ -253,7 +233,6 @@ def _rope_decode_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -313,8 +292,7 @@ def _rope_decode_attention_split_kernel(
         l = tl.full([BLOCK_G], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
-                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION,
-                              DOT)
+                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
     if n_active == 1:
         # The lane's only split: its softmax is complete, and it writes o itself (the merge of
         # one partial is this division, bit for bit; the merge kernel skips the lane).
@@ -485,21 +463,19 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
     rope = positions is not None
-    vec = H // Hkv <= VEC_MAX_GROUP
     split_kernel[(B, Hkv, num_splits)](
         *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, split_len,
         float(scale) * LOG2E,
         *((max_active,) if rope else ()),
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
-        BLOCK_G=triton.next_power_of_2(H // Hkv) if vec else max(16, triton.next_power_of_2(H // Hkv)),
-        BLOCK_N=VEC_BLOCK_N if vec else _block_n(BLOCK_D),
+        BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
+        BLOCK_N=_block_n(BLOCK_D),
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT=not vec,
         PDL=pdl,
-        num_warps=VEC_WARPS if vec else 4,
-        num_stages=VEC_STAGES if vec else SPLIT_STAGES,
+        num_warps=4,
+        num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
     )
     _decode_attention_merge_kernel[(B * H,)](
@@ -565,11 +541,8 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
-    max_active = _one_wave(B, Hkv, q.device)
-    if H // Hkv <= VEC_MAX_GROUP and q.device.type == "cuda":
-        split_len = VEC_SPLIT_LEN or split_len
-        max_active = VEC_MAX_ACTIVE or max_active
-    return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active)
+    return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
+                                  _one_wave(B, Hkv, q.device))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):

@@ -72,17 +72,6 @@ def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _load_x(x_ptr, nw_ptr, k, K, NORM: tl.constexpr):
-    """x's chunk at columns k in fp32 (and the norm weight's: 0 unless NORM)."""
-    k_mask = k < K
-    xv = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-    nv = xv
-    if NORM:
-        nv = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-    return xv, nv
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,  # (K,)
     w_ptr,  # (N, K) or (2N, K) with SWIGLU, unit stride along K
@@ -100,9 +89,6 @@ def _gemv_kernel(
     ARGMAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    X_AHEAD: tl.constexpr,
-    W_AHEAD: tl.constexpr,
-    RED_EACH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -115,80 +101,43 @@ def _gemv_kernel(
     if NORM:
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    if RED_EACH:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_rows = w_rows
     if SWIGLU:
         up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
-        if RED_EACH:
-            acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-        else:
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PREFETCH:
         # Each iteration loads the next chunk's weights ahead of its own FMAs. With PDL
         # (programmatic dependent launch) this kernel may start while the previous one drains:
         # the weights never depend on it, so the first chunk's load goes out before the wait,
         # and x, the residual and everything after wait for the previous kernel's writes.
         w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
-        if W_AHEAD == 2:
-            w1, up1 = _load_w(w_rows, up_rows, cols + BLOCK_K, row_mask, K, SWIGLU)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        if X_AHEAD:
-            xv, nv = _load_x(x_ptr, nw_ptr, cols, K, NORM)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
-        if X_AHEAD:
-            xn, nn = _load_x(x_ptr, nw_ptr, k + BLOCK_K, K, NORM)
-        else:
-            xv, nv = _load_x(x_ptr, nw_ptr, k, K, NORM)
-        if not PREFETCH:
-            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
-        elif W_AHEAD == 2 and X_AHEAD:
-            wn, upn = _load_w(w_rows, up_rows, k + 2 * BLOCK_K, row_mask, K, SWIGLU)
-        elif X_AHEAD:
-            wn, upn = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
+        k_mask = k < K
+        xv = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         if NORM:
             ss += xv * xv
-            xv = xv * nv
-        if RED_EACH:
-            acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-            if SWIGLU:
-                acc_up += tl.sum(up.to(tl.float32) * xv[None, :], axis=1)
-        else:
-            acc += w.to(tl.float32) * xv[None, :]
-            if SWIGLU:
-                acc_up += up.to(tl.float32) * xv[None, :]
-        if X_AHEAD:
-            xv, nv = xn, nn
-            if PREFETCH:
-                if W_AHEAD == 2:
-                    w, up, w1, up1 = w1, up1, wn, upn
-                else:
-                    w, up = wn, upn
-        elif PREFETCH:
-            if W_AHEAD == 2:
-                wn, upn = _load_w(w_rows, up_rows, k + 2 * BLOCK_K, row_mask, K, SWIGLU)
-                w, up, w1, up1 = w1, up1, wn, upn
-            else:
-                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
+            xv = xv * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        xv = xv[None, :]
+        if not PREFETCH:
+            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
+        acc += w.to(tl.float32) * xv
+        if SWIGLU:
+            acc_up += up.to(tl.float32) * xv
+        if PREFETCH:
+            w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
 
-    if RED_EACH:
-        y = acc
-    else:
-        y = tl.sum(acc, axis=1)
+    y = tl.sum(acc, axis=1)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         y *= inv_rms
     y = y.to(dtype).to(tl.float32)
     if SWIGLU:
-        if RED_EACH:
-            up = acc_up
-        else:
-            up = tl.sum(acc_up, axis=1)
+        up = tl.sum(acc_up, axis=1)
         if NORM:
             up *= inv_rms
         up = up.to(dtype).to(tl.float32)
@@ -229,7 +178,7 @@ _CONFIGS = [
                           (16, 512, 4, 1)]
 ]
 _gemv_tuned = triton.autotune(
-    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "PDL", "X_AHEAD", "W_AHEAD", "RED_EACH"],
+    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "PDL"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_gemv_kernel)
 
@@ -237,11 +186,6 @@ _gemv_tuned = triton.autotune(
 # gemv's tile for a float32 y or the argmax epilogue, by kernel, shape and options: the one
 # tuned for the plain call (`_launch_tuned`)
 _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
-
-# A/B switches: x loaded one chunk ahead with the weights; the weights W_AHEAD chunks ahead
-X_AHEAD = False
-W_AHEAD = 1
-RED_EACH = False
 
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
@@ -485,11 +429,9 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                 N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
     if interpreting():
-        _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, X_AHEAD=bool(X_AHEAD and pdl),
-                                           W_AHEAD=W_AHEAD if pdl else 1, RED_EACH=RED_EACH, BLOCK_N=8, BLOCK_K=64)
+        _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
-    flags.update(X_AHEAD=bool(X_AHEAD and pdl), W_AHEAD=W_AHEAD if pdl else 1, RED_EACH=RED_EACH)
     tile = TILES.get(_device_name(x.device), {}).get((N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl))
     if tile is not None:
         bn, bk, warps, stages = tile
