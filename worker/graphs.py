@@ -38,6 +38,7 @@ class DecodeGraph:
     loops: int
     x: torch.Tensor          # (1, 1, D) input: the token embedded (the step starts at its first projection)
     table: torch.Tensor      # the embedding table x is a row of
+    residual: torch.Tensor   # (1, 1, D) output: the residual after the loop iterations (before the coda)
     next_position: int = -1  # where a replay leaves `positions`: one past the token it ran
 
     def step(self, token: torch.Tensor | int, position: int) -> torch.Tensor:
@@ -96,8 +97,8 @@ class DecodeGraphs:
                      lambda: out.append(decode_step(self.engine, lane, loops, tokens, positions, host, x, argmax_key)),
                      loops not in self.warm)
         self.warm.add(loops)
-        logits, greedy = out[-1]  # the captured run's outputs: the graph's static buffers
-        dg = DecodeGraph(g, tokens, positions, logits, greedy, host, loops, x, table)
+        logits, greedy, residual = out[-1]  # the captured run's outputs: the graph's static buffers
+        dg = DecodeGraph(g, tokens, positions, logits, greedy, host, loops, x, table, residual)
         self.graphs[key] = dg
         return dg
 
@@ -107,17 +108,18 @@ class DecodeGraphs:
 
 def decode_step(engine: Engine, lane: int, loops: int, tokens: torch.Tensor, positions: torch.Tensor,
                 host: torch.Tensor, x: torch.Tensor, key: torch.Tensor):
-    """The step DecodeGraphs captures: (logits (1, V), greedy (1,)) of the token embedded in x
-    (1, 1, D) at `positions` on `lane`. The head's epilogue maxes the argmax key `key` (which
-    holds ARGMAX_KEY_NONE between steps), and the step's last kernel (kernels.greedy_feed)
-    feeds the greedy token forward: into `tokens`, embedded into x, one position on, and into
-    the host ring (see DecodeGraph.step). So a step runs no argmax over the logits and no
-    embedding kernel. Eager on any device (the CPU tests run it on the interpreted kernels)."""
+    """The step DecodeGraphs captures: (logits (1, V), greedy (1,), the residual after the loop
+    iterations (1, 1, D)) of the token embedded in x (1, 1, D) at `positions` on `lane`. The
+    head's epilogue maxes the argmax key `key` (which holds ARGMAX_KEY_NONE between steps), and
+    the step's last kernel (kernels.greedy_feed) feeds the greedy token forward: into `tokens`,
+    embedded into x, one position on, and into the host ring (see DecodeGraph.step). So a step
+    runs no argmax over the logits and no embedding kernel. Eager on any device (the CPU tests
+    run it on the interpreted kernels)."""
     e = engine
     p = e.make_pass(slice(lane, lane + 1), positions, e.cache.max_seq_len)
-    h = e.coda(e.run_loops(e.prelude(x, p), p, 0, loops), p)
-    logits = e.logits(h, p, argmax_key=key)[:, -1]
-    return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x)
+    h = e.run_loops(e.prelude(x, p), p, 0, loops)
+    logits = e.logits(e.coda(h, p), p, argmax_key=key)[:, -1]
+    return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x), h
 
 
 class PrefillGraphs:

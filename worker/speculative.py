@@ -208,18 +208,24 @@ def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser,
     device = engine.cache.k.device
     Ld, Lv = spec.draft_loops, spec.verify_loops
     lanes = slice(lane, lane + 1)
-    chunk, xs, qs = [t], [], []
-    for i in range(k + 1):
-        p = engine.make_pass(lanes, torch.tensor([[pos + i]], device=device), pos + i + 1)
-        x = engine.run_loops(engine.embed_prelude(torch.tensor([[chunk[i]]], device=device), p), p, 0, Ld)
-        xs.append(x)
-        if i < k:  # the last drafted token needs only its residual, not a draft of its own
-            d, q = chooser.draft(engine.logits(engine.coda(x, p))[0, -1], pos + i + 1)
-            chunk.append(d)
-            qs.append(q)
+    graph = engine.graphs.get(Ld, lane) if engine.graphs is not None and chooser.greedy else None
+    if graph is not None:
+        chunk, x = _graph_drafts(engine, graph, t, pos, k)
+        qs = [None] * k
+    else:
+        chunk, xs, qs = [t], [], []
+        for i in range(k + 1):
+            p = engine.make_pass(lanes, torch.tensor([[pos + i]], device=device), pos + i + 1)
+            x = engine.run_loops(engine.embed_prelude(torch.tensor([[chunk[i]]], device=device), p), p, 0, Ld)
+            xs.append(x)
+            if i < k:  # the last drafted token needs only its residual, not a draft of its own
+                d, q = chooser.draft(engine.logits(engine.coda(x, p))[0, -1], pos + i + 1)
+                chunk.append(d)
+                qs.append(q)
+        x = torch.cat(xs, 1)
     n = k + 1
     p = engine.make_pass(lanes, torch.arange(pos, pos + n, device=device)[None], pos + n)
-    logits = engine.logits(engine.coda(engine.run_loops(torch.cat(xs, 1), p, Ld, Lv), p))[0]  # (n, V)
+    logits = engine.logits(engine.coda(engine.run_loops(x, p, Ld, Lv), p))[0]  # (n, V)
     out = []
     for i in range(k):
         ok, tok = chooser.verify(logits[i], qs[i], chunk[i + 1], pos + i + 1)
@@ -228,6 +234,26 @@ def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser,
             return out, i
     out.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
     return out, k
+
+
+def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[list[int], torch.Tensor]:
+    """A greedy chain's drafts by replaying the lane's captured decode step at draft_loops
+    (worker/graphs.py): k + 1 replays from t at pos, each fed its own greedy token on the device,
+    so the drafts run with no launch from Python and no host sync but the one reading the k
+    drafted tokens at the end. -> ([t, d_1 .. d_k], the residuals after the draft's iterations
+    (1, k + 1, D)). The cache gets what the eager drafts write (every replay also runs the coda
+    and head of its token, which the eager path skips for d_k: the verify overwrites those coda
+    layers' K / V at the chunk's positions)."""
+    residuals = graph.residual.new_empty(1, k + 1, graph.residual.shape[-1])
+    drafts = graph.greedy.new_empty(k)
+    for i in range(k + 1):
+        graph.step(t if i == 0 else graph.greedy, pos + i)
+        residuals[:, i] = graph.residual[:, 0]
+        if i < k:
+            drafts[i:i + 1] = graph.greedy
+        engine.counters.loop_iterations += graph.loops
+        engine.counters.loop_token_iterations += graph.loops
+    return [t, *drafts.tolist()], residuals
 
 
 def tree_layout(K: int, depth: int, device=None):

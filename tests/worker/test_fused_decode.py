@@ -86,8 +86,8 @@ def test_decode_step_feeds_its_greedy_token_embedded(config_path, loops=2):
     """graphs.decode_step, the step the decode graphs capture, fed by its own tail: the head's
     argmax key and greedy_feed (x: the token embedded) on the fused projections, and the same
     on the torch ops (the key from the logits), give the greedy stream of generate() and the
-    logits of the unfused step at every position, leave the key NONE between steps, and keep
-    host[p % 2] the token at p."""
+    logits of the unfused step at every position, leave the key NONE between steps, keep
+    host[p % 2] the token at p, and return the residual the coda and head start from."""
     from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
     from tinyloop.worker.graphs import decode_step
     with model(config_path) as ref, model(config_path) as fused:
@@ -107,10 +107,13 @@ def test_decode_step_feeds_its_greedy_token_embedded(config_path, loops=2):
             x = table[toks[T0]].view(1, 1, -1).clone()
             got = []
             for step in range(4):
-                logits, greedy = decode_step(e, 0, loops, tokens, positions, host, x, key)
+                logits, greedy, h = decode_step(e, 0, loops, tokens, positions, host, x, key)
                 got.append(logits[0].clone())
                 p = T0 + 1 + step
                 assert greedy.item() == toks[p] == tokens.item() == host[p % 2].item() and positions.item() == p
                 assert int(key) == ARGMAX_KEY_NONE and torch.equal(x.view(-1), table[toks[p]])
+                # h is the residual after the loop: the coda and head from it give the logits again
+                at = e.make_pass(slice(0, 1), torch.tensor([[p - 1]], device=DEVICE), e.cache.max_seq_len)
+                assert torch.equal(e.logits(e.coda(h.clone(), at), at)[:, -1], logits)
             got = torch.stack(got)
             assert ((got - want[:4]).norm(dim=-1) / want[:4].norm(dim=-1)).max() < 1e-4
