@@ -87,9 +87,10 @@ class Model:
 
     def capture_graphs(self, loops, lanes=None) -> None:
         """Capture the batch-1 decode step for each depth in `loops` on each cache lane in
-        `lanes` (default: all; CUDA only), the prefill stages of every length bucket and the
-        batched decode stages of every lane-count bucket for depths up to the deepest;
-        generate, resume, batches and the actor's batcher then replay them. Done at start-up,
+        `lanes` (default: all; CUDA only), the prefill stages of every length bucket, the
+        speculative verify stages of every chunk bucket and the batched decode stages of every
+        lane-count bucket for depths up to the deepest; generate, resume, speculation, batches
+        and the actor's batcher then replay them. Done at start-up,
         before a worker reports healthy: capturing writes into the lanes' caches."""
         from tinyloop.worker.graphs import DecodeGraphs
         if self.engine.graphs is None:
@@ -100,6 +101,7 @@ class Model:
                 self.engine.graphs.capture(L, lane)
             if loops:
                 self.engine.graphs.prefill.capture(lane, max(loops))
+                self.engine.graphs.verify.capture(lane, max(loops))
         if loops:
             self.engine.graphs.batch.capture(max(loops))
 

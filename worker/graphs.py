@@ -25,6 +25,7 @@ from tinyloop.kernels.sampling import greedy_feed
 from tinyloop.worker.engine import Engine
 from tinyloop.worker.generate import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
                                       prefill_buffers)
+from tinyloop.worker.speculative import VERIFY_BUCKETS, ChainVerify, verify_bucket
 
 
 @dataclass
@@ -78,6 +79,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.prefill = PrefillGraphs(engine, self.pool, prefill_len)
         self.batch = BatchGraphs(engine, self.pool)
+        self.verify = VerifyGraphs(engine, self.pool)
 
     def capture(self, loops: int, lane: int = 0) -> DecodeGraph:
         """Capture at position 0 of `lane`; the step is position-independent, and the warm-up
@@ -189,6 +191,46 @@ class PrefillGraphs:
             g = self.graphs[(lane, b, stage)]
             pre.run(stage) if g is None else g.replay()
         return pre, run
+
+
+class VerifyGraphs:
+    """Captured stages of the speculative chain verify (speculative.ChainVerify), keyed by
+    (lane, bucket, stage): iterations 1 .. max depth - 1 (a draft runs at least one) and the
+    coda, for every verify bucket, so any (draft_loops, verify_loops) pair replays from them."""
+
+    def __init__(self, engine: Engine, pool):
+        self.engine, self.pool = engine, pool
+        self.chunks: dict[tuple[int, int], ChainVerify] = {}
+        self.graphs: dict[tuple[int, int, object], torch.cuda.CUDAGraph] = {}
+        self.warm: set[tuple[int, object]] = set()  # (bucket, stage) whose kernels have been compiled
+
+    def capture(self, lane: int, loops: int) -> None:
+        """Capture every bucket's stages for verifies up to `loops` on `lane`. The warm-up runs
+        and the captures write K/V at the lane's first positions: capture before any request
+        holds the lane."""
+        for b in VERIFY_BUCKETS:
+            if b > self.engine.cache.max_seq_len:
+                continue
+            chunk = self.chunks.get((lane, b))
+            if chunk is None:
+                chunk = self.chunks[(lane, b)] = ChainVerify(self.engine, lane, b)
+            for stage in ChainVerify.stages(1, loops):
+                if (lane, b, stage) in self.graphs:
+                    continue
+                warm = (b, stage) not in self.warm
+                self.graphs[(lane, b, stage)] = _capture(self.engine, self.pool, lambda: chunk.run(stage), warm)
+                self.warm.add((b, stage))
+
+    def run(self, lane: int, residual: torch.Tensor, pos: int, start: int, stop: int) -> torch.Tensor | None:
+        """The chain verify of the chunk of residuals (1, n, D) at pos, iterations [start, stop)
+        then the coda, by replay: logits (n, V) (a view the next verify overwrites); None when
+        no captured bucket and stages cover it, or its pads would pass the cache's end."""
+        b = verify_bucket(residual.shape[1])
+        chunk = self.chunks.get((lane, b))
+        stages = ChainVerify.stages(start, stop)
+        if chunk is None or not chunk.fits(pos) or any((lane, b, s) not in self.graphs for s in stages):
+            return None
+        return chunk(residual, pos, start, stop, lambda s: self.graphs[(lane, b, s)].replay())
 
 
 class BatchGraphs:

@@ -224,8 +224,10 @@ def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser,
                 qs.append(q)
         x = torch.cat(xs, 1)
     n = k + 1
-    p = engine.make_pass(lanes, torch.arange(pos, pos + n, device=device)[None], pos + n)
-    logits = engine.logits(engine.coda(engine.run_loops(x, p, Ld, Lv), p))[0]  # (n, V)
+    logits = engine.graphs.verify.run(lane, x, pos, Ld, Lv) if engine.graphs is not None else None
+    if logits is None:  # no captured stages cover it: eagerly
+        p = engine.make_pass(lanes, torch.arange(pos, pos + n, device=device)[None], pos + n)
+        logits = engine.logits(engine.coda(engine.run_loops(x, p, Ld, Lv), p))[0]  # (n, V)
     out = []
     for i in range(k):
         ok, tok = chooser.verify(logits[i], qs[i], chunk[i + 1], pos + i + 1)
@@ -254,6 +256,95 @@ def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[list
         engine.counters.loop_iterations += graph.loops
         engine.counters.loop_token_iterations += graph.loops
     return [t, *drafts.tolist()], residuals
+
+
+VERIFY_BUCKETS = (3, 5, 9, MAX_DRAFT_AHEAD + 1)  # chunk lengths ChainVerify is built for
+
+
+def verify_bucket(n: int) -> int | None:
+    """The smallest verify bucket that holds a chunk of n tokens (None: none does)."""
+    return next((b for b in VERIFY_BUCKETS if b >= n), None)
+
+
+class ChainVerify:
+    """A chain round's verify (iterations [L_d, L_v) over the chunk's residuals, the coda, the
+    logits at every chunk position) padded to `bucket` tokens on `lane`, as stages over static
+    buffers, so that each stage is captured once as a CUDA graph (worker/graphs.py) and
+    replayed for any chunk of up to `bucket` tokens at any position and any depths. The same
+    stages run eagerly anywhere.
+
+    Stages: iteration i (in place on the residual buffer), "coda" (the coda, then the logits
+    of every row). The chunk is a tree pass over a chain (node t's ancestors are nodes < t),
+    so its attention reads the prefix up to a device-side length (kernels/tree_attention.py)
+    and nothing in a stage depends on the position on the host: the positions, the prefix
+    length and the RoPE rows are static buffers that `load` sets before the stages run.
+
+    Pads sit at the positions after the chunk and write K/V there, in the verified layers
+    only. That is harmless for the reason rejected drafts are (module docstring, Rollback):
+    nothing reads a position before a later round or step writes it; no real node attends to
+    a pad (its ancestors are real nodes). A chunk runs only where its pads stay inside the
+    cache (`fits`)."""
+
+    def __init__(self, engine: Engine, lane: int, bucket: int):
+        cfg, device = engine.config, engine.cache.k.device
+        dtype = engine.model.tok_embeddings.weight.dtype
+        self.engine, self.lane, self.bucket = engine, lane, bucket
+        self.x = torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device)
+        self.logits = torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device)
+        self.offsets = torch.arange(bucket, device=device)[None]
+        self.positions = self.offsets.clone()  # (1, bucket): pos + node; the nodes' slots too
+        self.prefix = torch.zeros(1, dtype=torch.long, device=device)
+        chain = ancestors_from_parents(torch.arange(-1, bucket - 1, device=device)[None])
+        S = engine.cache.max_seq_len
+        self.p = engine.make_pass(slice(lane, lane + 1), self.positions, S)
+        self.p.tree = Tree(self.positions, self.prefix, chain)
+        self.p.rope_rows()  # gathered now, into buffers `load` refreshes (see Pass)
+
+    @staticmethod
+    def stages(start: int, stop: int) -> list:
+        return [*range(start, stop), "coda"]
+
+    def fits(self, pos: int) -> bool:
+        return pos + self.bucket <= self.engine.cache.max_seq_len
+
+    @torch.no_grad()
+    def run(self, stage) -> None:
+        """One stage, eagerly (what a graph captures)."""
+        e, p = self.engine, self.p
+        if stage == "coda":
+            self.logits.copy_(e.logits(e.coda(self.x, p), p)[0])
+        else:
+            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1))
+
+    @torch.no_grad()
+    def load(self, residual: torch.Tensor, pos: int) -> None:
+        """Set the buffers for the chunk (1, n, D) of residuals whose first token sits at pos."""
+        n = residual.shape[1]
+        self.x[:, :n].copy_(residual)
+        self.x[:, n:].zero_()  # pads: any finite value does
+        torch.add(self.offsets, pos, out=self.positions)
+        self.prefix.fill_(pos)
+        m = self.engine.model
+        for table, rows in zip((m.rope_cos, m.rope_sin), self.p.rows):
+            torch.index_select(table, 0, self.positions.view(-1), out=rows.view(self.bucket, -1))
+
+    def __call__(self, residual: torch.Tensor, pos: int, start: int, stop: int, run=None) -> torch.Tensor:
+        """The verify of the chunk (1, n, D) at pos from iteration `start` to `stop`: its logits
+        (n, V), a view of the buffer the next verify overwrites. run(stage) runs a stage:
+        `self.run` (eager) or a captured graph's replay."""
+        if not self.fits(pos) or residual.shape[1] > self.bucket:
+            raise ValueError(f"a chunk of {residual.shape[1]} tokens at {pos} does not fit bucket {self.bucket} "
+                             f"of a {self.engine.cache.max_seq_len}-position cache")
+        e = self.engine
+        n = residual.shape[1]
+        self.load(residual, pos)
+        before = e.counters.snapshot()
+        for stage in self.stages(start, stop):
+            (run or self.run)(stage)
+        # count what the chunk needs, as the eager verify does (a replay counts nothing)
+        e.counters.loop_iterations = before.loop_iterations + stop - start
+        e.counters.loop_token_iterations = before.loop_token_iterations + (stop - start) * n
+        return self.logits[:n]
 
 
 def tree_layout(K: int, depth: int, device=None):

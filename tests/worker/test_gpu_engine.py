@@ -42,23 +42,25 @@ def test_resume_and_sampling_on_gpu(pair):
     assert fast.generate(PROMPTS[0], **kw) == ref.generate(PROMPTS[0], **kw)
 
 
-def test_speculative_drafts_replay_the_decode_graph(pair):
-    """Greedy chain speculation drafts by replaying the decode graph at draft_loops: the tokens
-    of plain generate at verify_loops, and the acceptance and loop work of the eager drafts
-    (the torch reference has no graphs); sampled speculation keeps the eager drafts."""
+def test_speculative_replays_its_drafts_and_verifies(pair):
+    """Greedy chain speculation drafts by replaying the decode graph at draft_loops and
+    verifies by replaying the captured verify stages: the tokens of plain generate at
+    verify_loops, and the acceptance and loop work of the eager drafts and verify (the torch
+    reference has no graphs); sampled speculation drafts eagerly and verifies by replay."""
     fast, ref = pair
     spec = dict(max_tokens=20, draft_loops=2, verify_loops=6, draft_ahead=4)
     graph = fast.engine.graphs.get(2, 0)
+    verify = fast.engine.graphs.verify.chunks[(0, 5)]  # draft_ahead 4: chunks of 5
     for p in PROMPTS:
-        graph.next_position = -1
+        graph.next_position, _ = -1, verify.prefix.zero_()
         a, b = fast.generate_speculative(p, **spec), ref.generate_speculative(p, **spec)
         assert a == b == ref.generate(p, loops=6, max_tokens=20)
         assert a.stats == b.stats
-        assert graph.next_position > len(p)  # the drafts replayed the graph
-    graph.next_position = -1
+        assert graph.next_position > len(p) and verify.prefix.item() >= len(p)  # both replayed
+    graph.next_position, _ = -1, verify.prefix.zero_()
     kw = dict(spec, temperature=0.8, seed=5)
     assert fast.generate_speculative(PROMPTS[0], **kw) == ref.generate_speculative(PROMPTS[0], **kw)
-    assert graph.next_position == -1
+    assert graph.next_position == -1 and verify.prefix.item() >= len(PROMPTS[0])
 
 
 def test_every_lane_replays_its_own_graph(pair):

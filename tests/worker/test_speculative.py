@@ -223,6 +223,40 @@ def test_tree_mask_of_a_chain_equals_the_causal_chunk(tiny_spec):
         assert {k: v for k, v in chain.stats.items()} == {k: v for k, v in tree.stats.items()}
 
 
+def test_chain_verify_stages_equal_the_eager_verify(tiny_spec):
+    """speculative.ChainVerify (the stages the verify graphs capture, run eagerly here): a chunk
+    of drafted residuals at any position, padded to its bucket, gives the logits of the eager
+    chain verify at every chunk position, counts the chunk's iterations as it does, and reads
+    its position from the buffers `load` sets (the same object at two positions); a chunk
+    that does not fit is refused."""
+    m, e = tiny_spec, tiny_spec.engine
+    Ld, Lv = 2, 6
+    prompt = PROMPTS[1]
+    e.forward(torch.tensor([prompt]), e.make_pass(slice(0, 1), torch.arange(len(prompt))[None], len(prompt)), Lv)
+    verify = spec_mod.ChainVerify(e, 0, 5)
+    for pos, chunk in ((len(prompt), [9, 250, 3]), (len(prompt) + 3, [77, 31, 4, 4, 120])):
+        xs = []
+        for i, t in enumerate(chunk):  # the drafts: iterations [0, Ld) and their K/V
+            p = e.make_pass(slice(0, 1), torch.tensor([[pos + i]]), pos + i + 1)
+            xs.append(e.run_loops(e.embed_prelude(torch.tensor([[t]]), p), p, 0, Ld))
+        x = torch.cat(xs, 1)
+        before = e.counters.snapshot()
+        got = verify(x, pos, Ld, Lv).clone()
+        work = e.counters.since(before)
+        n = len(chunk)
+        assert got.shape == (n, e.config.vocab_size)
+        assert (work.loop_iterations, work.loop_token_iterations) == (Lv - Ld, (Lv - Ld) * n)
+        p = e.make_pass(slice(0, 1), torch.arange(pos, pos + n)[None], pos + n)
+        want = e.logits(e.coda(e.run_loops(x, p, Ld, Lv), p))[0]
+        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4, pos
+    with pytest.raises(ValueError, match="does not fit bucket 5"):
+        verify(x[:, :3], e.cache.max_seq_len - 4, Ld, Lv)
+    with pytest.raises(ValueError, match="does not fit bucket 5"):
+        verify(torch.cat([x, x], 1), len(prompt), Ld, Lv)
+    assert spec_mod.verify_bucket(5) == 5 and spec_mod.verify_bucket(6) == 9
+    assert spec_mod.verify_bucket(spec_mod.MAX_DRAFT_AHEAD + 2) is None
+
+
 def test_tree_layout():
     parents, depths = spec_mod.tree_layout(3, 2)
     assert parents.tolist() == [-1, 0, 0, 0, 1, 2, 3]
