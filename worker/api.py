@@ -432,7 +432,8 @@ class Model:
                              temperature=0.0, top_k=50, top_p=1.0, seed=None,
                              stop_token_ids=None) -> Generation:
         """Draft at draft_loops, verify at verify_loops (warm-started from the draft's residuals).
-        Greedy output equals `generate(prompt, loops=verify_loops)`; sampled output is
+        Greedy output equals `generate(prompt, loops=verify_loops)` (in fp32; in bf16 up to near
+        ties, which the verify's chunk kernels may round the other way); sampled output is
         distributed as it. `.stats` adds accepted_per_verify, acceptance_rate, verify_steps."""
         return self._generate_speculative(prompt, max_tokens, temperature, top_k, top_p, seed,
                                           stop_token_ids, dict(draft_loops=draft_loops, verify_loops=verify_loops,
