@@ -196,12 +196,13 @@ class PrefillGraphs:
 class VerifyGraphs:
     """Captured stages of the speculative chain verify (speculative.ChainVerify), keyed by
     (lane, bucket, stage): iterations 1 .. max depth - 1 (a draft runs at least one) and the
-    coda, for every verify bucket, so any (draft_loops, verify_loops) pair replays from them."""
+    coda, for every verify bucket, so any (draft_loops, verify_loops) pair replays from them.
+    On a CPU engine (the tests) nothing is captured: the same stages run eagerly."""
 
-    def __init__(self, engine: Engine, pool):
+    def __init__(self, engine: Engine, pool=None):
         self.engine, self.pool = engine, pool
         self.chunks: dict[tuple[int, int], ChainVerify] = {}
-        self.graphs: dict[tuple[int, int, object], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, object], torch.cuda.CUDAGraph | None] = {}  # None: eager
         self.warm: set[tuple[int, object]] = set()  # (bucket, stage) whose kernels have been compiled
 
     def capture(self, lane: int, loops: int) -> None:
@@ -217,6 +218,9 @@ class VerifyGraphs:
             for stage in ChainVerify.stages(1, loops):
                 if (lane, b, stage) in self.graphs:
                     continue
+                if self.engine.cache.k.device.type != "cuda":
+                    self.graphs[(lane, b, stage)] = None
+                    continue
                 warm = (b, stage) not in self.warm
                 self.graphs[(lane, b, stage)] = _capture(self.engine, self.pool, lambda: chunk.run(stage), warm)
                 self.warm.add((b, stage))
@@ -230,7 +234,11 @@ class VerifyGraphs:
         stages = ChainVerify.stages(start, stop)
         if chunk is None or not chunk.fits(pos) or any((lane, b, s) not in self.graphs for s in stages):
             return None
-        return chunk(residual, pos, start, stop, lambda s: self.graphs[(lane, b, s)].replay())
+
+        def run(stage):
+            g = self.graphs[(lane, b, stage)]
+            chunk.run(stage) if g is None else g.replay()
+        return chunk(residual, pos, start, stop, run)
 
 
 class BatchGraphs:

@@ -9,7 +9,7 @@ import torch
 from tinyloop.worker import Model
 from tinyloop.worker.generate import (DecodeState, PaddedPrefill, decode_steps, prefill, prefill_buckets,
                                       prefill_buffers, prefill_padded)
-from tinyloop.worker.graphs import BatchGraphs, PrefillGraphs
+from tinyloop.worker.graphs import BatchGraphs, PrefillGraphs, VerifyGraphs
 
 MAX_SEQ = 96  # buckets 16, 32, 64, 96
 
@@ -19,13 +19,16 @@ def prompt(T: int, seed: int = 0) -> list[int]:
 
 
 class CpuGraphs:
-    """engine.graphs on CPU: no decode graphs; the prefill and batched decode stages run eagerly."""
+    """engine.graphs on CPU: no decode graphs; the prefill, speculative verify and batched
+    decode stages run eagerly."""
 
     def __init__(self, engine, max_len: int, lanes, loops: int):
         self.prefill = PrefillGraphs(engine, None, max_len)
         self.batch = BatchGraphs(engine)
+        self.verify = VerifyGraphs(engine)
         for lane in lanes:
             self.prefill.capture(lane, loops)
+            self.verify.capture(lane, loops)
 
     def get(self, loops, lane=0):
         return None
@@ -162,7 +165,8 @@ def test_prefill_takes_the_bucket_path_when_covered(pair):
 @pytest.mark.parametrize("T", [5, 16, 17, 70])
 def test_generation_through_bucket_prefill(pair, T):
     """Tokens, finish and stats through the bucket prefill equal the eager model's: greedy,
-    sampled, with a stop token, on other lanes, and resume after it."""
+    sampled, with a stop token, on other lanes, resume after it, and speculation through the
+    verify stages."""
     g, ref = pair
     p = prompt(T, 7)
     for kw in (dict(loops=4), dict(loops=8, temperature=0.9, top_k=40, seed=3, repetition_penalty=1.2)):
@@ -180,7 +184,11 @@ def test_generation_through_bucket_prefill(pair, T):
     finally:
         g.free_resume_handle(h)
     spec = dict(max_tokens=8, draft_loops=2, verify_loops=5)
-    assert g.generate_speculative(p, **spec) == ref.generate(p, loops=5, max_tokens=8)
+    verify = g.engine.graphs.verify.chunks[(0, 5)]
+    verify.prefix.zero_()
+    a, b = g.generate_speculative(p, **spec), ref.generate_speculative(p, **spec)
+    assert a == b == ref.generate(p, loops=5, max_tokens=8) and a.stats == b.stats
+    assert verify.prefix.item() >= T  # its chunks went through the verify stages (pads and all)
     batch = g.generate_batch([p, prompt(3, 9)], per_lane_loops=[6, 2], max_tokens=6)
     assert batch == [ref.generate(p, loops=6, max_tokens=6), ref.generate(prompt(3, 9), loops=2, max_tokens=6)]
 
