@@ -253,7 +253,7 @@ def test_chain_verify_stages_equal_the_eager_verify(tiny_spec):
         verify(x[:, :3], e.cache.max_seq_len - 4, Ld, Lv)
     with pytest.raises(ValueError, match="does not fit bucket 5"):
         verify(torch.cat([x, x], 1), len(prompt), Ld, Lv)
-    assert spec_mod.verify_bucket(5) == 5 and spec_mod.verify_bucket(6) == 9
+    assert spec_mod.verify_bucket(2) == spec_mod.verify_bucket(5) == 5 and spec_mod.verify_bucket(6) == 17
     assert spec_mod.verify_bucket(spec_mod.MAX_DRAFT_AHEAD + 2) is None
 
 
