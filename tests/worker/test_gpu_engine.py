@@ -52,12 +52,14 @@ def test_speculative_replays_its_drafts_and_verifies(pair):
     graph = fast.engine.graphs.get(2, 0)
     verify = fast.engine.graphs.verify.chunks[(0, 5)]  # draft_ahead 4: chunks of 5
     for p in PROMPTS:
-        graph.next_position, _ = -1, verify.prefix.zero_()
+        graph.next_position = -1
+        verify.prefix.zero_()
         a, b = fast.generate_speculative(p, **spec), ref.generate_speculative(p, **spec)
         assert a == b == ref.generate(p, loops=6, max_tokens=20)
         assert a.stats == b.stats
         assert graph.next_position > len(p) and verify.prefix.item() >= len(p)  # both replayed
-    graph.next_position, _ = -1, verify.prefix.zero_()
+    graph.next_position = -1
+    verify.prefix.zero_()
     kw = dict(spec, temperature=0.8, seed=5)
     assert fast.generate_speculative(PROMPTS[0], **kw) == ref.generate_speculative(PROMPTS[0], **kw)
     assert graph.next_position == -1 and verify.prefix.item() >= len(PROMPTS[0])
