@@ -209,9 +209,9 @@ def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser,
     Ld, Lv = spec.draft_loops, spec.verify_loops
     lanes = slice(lane, lane + 1)
     graph = engine.graphs.get(Ld, lane) if engine.graphs is not None and chooser.greedy else None
+    drafts = None  # the graph drafts' tokens, on the device until the round's one read
     if graph is not None:
-        chunk, x = _graph_drafts(engine, graph, t, pos, k)
-        qs = [None] * k
+        drafts, x = _graph_drafts(engine, graph, t, pos, k)
     else:
         chunk, xs, qs = [t], [], []
         for i in range(k + 1):
@@ -228,6 +228,16 @@ def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser,
     if logits is None:  # no captured stages cover it: eagerly
         p = engine.make_pass(lanes, torch.arange(pos, pos + n, device=device)[None], pos + n)
         logits = engine.logits(engine.coda(engine.run_loops(x, p, Ld, Lv), p))[0]  # (n, V)
+    if chooser.greedy:
+        # the verifier's tokens (and the graph drafts) in one read: accept while they agree
+        targets = logits.argmax(-1)
+        if drafts is not None:
+            both = torch.cat([drafts, targets]).tolist()
+            chunk, targets = [t, *both[:k]], both[k:]
+        else:
+            targets = targets.tolist()
+        n_acc = next((i for i in range(k) if targets[i] != chunk[i + 1]), k)
+        return targets[:n_acc + 1], n_acc  # the first mismatch, or the bonus after a full chunk
     out = []
     for i in range(k):
         ok, tok = chooser.verify(logits[i], qs[i], chunk[i + 1], pos + i + 1)
@@ -238,14 +248,14 @@ def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser,
     return out, k
 
 
-def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[list[int], torch.Tensor]:
+def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A greedy chain's drafts by replaying the lane's captured decode step at draft_loops
     (worker/graphs.py): k + 1 replays from t at pos, each fed its own greedy token on the device,
-    so the drafts run with no launch from Python and no host sync but the one reading the k
-    drafted tokens at the end. -> ([t, d_1 .. d_k], the residuals after the draft's iterations
-    (1, k + 1, D)). The cache gets what the eager drafts write (every replay also runs the coda
-    and head of its token, which the eager path skips for d_k: the verify overwrites those coda
-    layers' K / V at the chunk's positions)."""
+    so the drafts run with no launch from Python and no host sync (the round reads the drafted
+    tokens with the verifier's). -> (d_1 .. d_k (k,) on the device, the residuals after the
+    draft's iterations (1, k + 1, D)). The cache gets what the eager drafts write (every replay
+    also runs the coda and head of its token, which the eager path skips for d_k: the verify
+    overwrites those coda layers' K / V at the chunk's positions)."""
     residuals = graph.residual.new_empty(1, k + 1, graph.residual.shape[-1])
     drafts = graph.greedy.new_empty(k)
     for i in range(k + 1):
@@ -255,7 +265,7 @@ def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[list
             drafts[i:i + 1] = graph.greedy
         engine.counters.loop_iterations += graph.loops
         engine.counters.loop_token_iterations += graph.loops
-    return [t, *drafts.tolist()], residuals
+    return drafts, residuals
 
 
 # Chunk lengths ChainVerify is built for: a round of the default draft_ahead (4) and the longest.
