@@ -496,8 +496,6 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     return y
 
 
-
-
 def argmax_key_ref(y):
     """The argmax key of y (..., N) over its last dim, (...) int64: the largest of
     (order-preserving int32 bits of the fp32 value) << 32 | (N - 1 - index), -0.0 taken as +0.0;

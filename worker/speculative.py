@@ -302,7 +302,7 @@ class ChainVerify:
     def __init__(self, engine: Engine, lane: int, bucket: int):
         cfg, device = engine.config, engine.cache.k.device
         dtype = engine.model.tok_embeddings.weight.dtype
-        self.engine, self.lane, self.bucket = engine, lane, bucket
+        self.engine, self.bucket = engine, bucket
         self.x = torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device)
         self.logits = torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device)
         self.offsets = torch.arange(bucket, device=device)[None]
