@@ -110,6 +110,9 @@ class Model:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                # The graphs and the engine refer to each other: break the cycle, so the graphs'
+                # memory goes now rather than at some later collection (see graphs._gc_paused).
+                self.engine.graphs = None
                 self.engine = None
                 self._module = None
 

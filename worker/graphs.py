@@ -16,6 +16,8 @@ depths replays from few graphs.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -307,7 +309,24 @@ def _capture(engine: Engine, pool, fn, warm: bool) -> torch.cuda.CUDAGraph:
                 fn()
         torch.cuda.current_stream(dev).wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with _gc_paused(), torch.cuda.graph(g, pool=pool):
         fn()
     engine.counters = counters
     return g
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No automatic garbage collection inside: a collection in a capture window that frees
+    another CUDA graph (one held by a reference cycle, say of a closed model) destroys it while
+    the stream captures, which CUDA refuses ("operation not permitted when stream is
+    capturing") and which invalidates the capture (cudaErrorStreamCaptureInvalidated at its
+    end). It happened on the H200 in a test process that had closed models: whether it does
+    depends on when the collector's thresholds trip, so it came and went between runs."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -269,9 +269,9 @@ def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[torc
 
 
 # Chunk lengths ChainVerify is built for: a round of the default draft_ahead (4) and the longest.
-# Two, not more: each is a graph per lane and depth, and a GPU test process holding three models
-# with (3, 5, 9, 17) failed a later capture (cudaErrorStreamCaptureInvalidated) where (5, 17)
-# passed; a chunk's pads cost little (its projections are bound by the weight read).
+# Two, not more: each is a graph per lane and depth captured at start-up (with four, 1.5 s a lane
+# on bench-285m against 0.8), and a chunk's pads cost little (its projections are bound by the
+# weight read).
 VERIFY_BUCKETS = (5, MAX_DRAFT_AHEAD + 1)
 
 

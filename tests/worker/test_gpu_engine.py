@@ -266,3 +266,39 @@ def test_the_decode_loop_never_waits_for_the_gpu(pair):
     st.accept(5)
     assert not stream.query(), "a host call waited for the GPU"
     torch.cuda.synchronize()
+
+
+def test_a_capture_runs_with_the_collector_paused(pair):
+    """A collection inside a capture window can destroy another graph, which invalidates the
+    capture (graphs._gc_paused): the captured function sees the collector off, and it is back
+    on (as it was) afterwards; a capture that raises leaves it on too."""
+    import gc
+
+    from tinyloop.worker.graphs import _capture
+    fast, _ = pair
+    e = fast.engine
+    x = torch.zeros(4, device="cuda")
+    seen = []
+    g = _capture(e, e.graphs.pool, lambda: (seen.append(gc.isenabled()), x.add_(1)), warm=False)
+    assert seen == [False] and gc.isenabled()
+    g.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1.0] * 4  # the capture itself runs nothing
+    with pytest.raises(ZeroDivisionError):
+        _capture(e, e.graphs.pool, lambda: (x.add_(1), 1 / 0), warm=False)
+    assert gc.isenabled()
+
+
+def test_close_frees_the_graphs_without_a_collection(tiny_path):
+    """Closing a model drops its engine and graphs at once (graphs and engine refer to each
+    other: left to the collector, they could go during another model's capture)."""
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        m = Model(tiny_path, max_seq_len=64, device="cuda", dtype="float32", n_slots=1, prefill_graph_len=0)
+        refs = [weakref.ref(m.engine), weakref.ref(m.engine.graphs), weakref.ref(m.engine.graphs.get(4))]
+        m.close()
+        assert [r() for r in refs] == [None] * 3
+    finally:
+        gc.enable()
