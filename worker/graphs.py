@@ -27,7 +27,7 @@ from tinyloop.kernels.sampling import greedy_feed
 from tinyloop.worker.engine import Engine
 from tinyloop.worker.generate import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
                                       prefill_buffers)
-from tinyloop.worker.speculative import VERIFY_BUCKETS, ChainVerify, verify_bucket
+from tinyloop.worker.speculative import VERIFY_BUCKETS, TreeStages, verify_bucket
 
 
 @dataclass
@@ -196,19 +196,20 @@ class PrefillGraphs:
 
 
 class VerifyGraphs:
-    """Captured stages of the speculative chain verify (speculative.ChainVerify), keyed by
-    (lane, bucket, stage): iterations 1 .. max depth - 1 (a draft runs at least one) and the
-    coda, for every verify bucket, so any (draft_loops, verify_loops) pair replays from them.
-    On a CPU engine (the tests) nothing is captured: the same stages run eagerly."""
+    """Captured stages of the speculative tree passes (speculative.TreeStages), keyed by (lane,
+    bucket, stage): the prelude, iterations 0 .. max depth - 1 and the coda, for every verify
+    bucket, so a chain round's verify and a tree round's drafts and verify, at any (draft_loops,
+    verify_loops) pair, replay from them. On a CPU engine (the tests) nothing is captured: the
+    same stages run eagerly."""
 
     def __init__(self, engine: Engine, pool=None):
         self.engine, self.pool = engine, pool
-        self.chunks: dict[tuple[int, int], ChainVerify] = {}
+        self.chunks: dict[tuple[int, int], TreeStages] = {}
         self.graphs: dict[tuple[int, int, object], torch.cuda.CUDAGraph | None] = {}  # None: eager
         self.warm: set[tuple[int, object]] = set()  # (bucket, stage) whose kernels have been compiled
 
     def capture(self, lane: int, loops: int) -> None:
-        """Capture every bucket's stages for verifies up to `loops` on `lane`. The warm-up runs
+        """Capture every bucket's stages for passes up to `loops` on `lane`. The warm-up runs
         and the captures write K/V at the lane's first positions: capture before any request
         holds the lane."""
         for b in VERIFY_BUCKETS:
@@ -216,8 +217,8 @@ class VerifyGraphs:
                 continue
             chunk = self.chunks.get((lane, b))
             if chunk is None:
-                chunk = self.chunks[(lane, b)] = ChainVerify(self.engine, lane, b)
-            for stage in ChainVerify.stages(1, loops):
+                chunk = self.chunks[(lane, b)] = TreeStages(self.engine, lane, b)
+            for stage in TreeStages.stages(0, loops, prelude=True):
                 if (lane, b, stage) in self.graphs:
                     continue
                 if self.engine.cache.k.device.type != "cuda":
@@ -227,20 +228,29 @@ class VerifyGraphs:
                 self.graphs[(lane, b, stage)] = _capture(self.engine, self.pool, lambda: chunk.run(stage), warm)
                 self.warm.add((b, stage))
 
-    def run(self, lane: int, residual: torch.Tensor, pos: int, start: int, stop: int) -> torch.Tensor | None:
-        """The chain verify of the chunk of residuals (1, n, D) at pos, iterations [start, stop)
-        then the coda, by replay: logits (n, V) (a view the next verify overwrites); None when
-        no captured bucket and stages cover it, or its pads would pass the cache's end."""
-        b = verify_bucket(residual.shape[1])
+    def runner(self, lane: int, nodes: int, pos: int, stages: list):
+        """(the lane's TreeStages for a tree of `nodes` nodes at pos, run(stage): a stage's
+        replay), or None when no captured bucket holds the nodes and `stages`, or its pads would
+        pass the cache's end."""
+        b = verify_bucket(nodes)
         chunk = self.chunks.get((lane, b))
-        stages = ChainVerify.stages(start, stop)
         if chunk is None or not chunk.fits(pos) or any((lane, b, s) not in self.graphs for s in stages):
             return None
 
         def run(stage):
             g = self.graphs[(lane, b, stage)]
             chunk.run(stage) if g is None else g.replay()
-        return chunk(residual, pos, start, stop, run)
+        return chunk, run
+
+    def run(self, lane: int, residual: torch.Tensor, pos: int, start: int, stop: int) -> torch.Tensor | None:
+        """The chain verify of the chunk of residuals (1, n, D) at pos, iterations [start, stop)
+        then the coda, by replay: logits (n, V) (a view the next verify overwrites); None when
+        no captured bucket and stages cover it."""
+        staged = self.runner(lane, residual.shape[1], pos, TreeStages.stages(start, stop))
+        if staged is None:
+            return None
+        chunk, run = staged
+        return chunk.verify_chain(residual, pos, start, stop, run)
 
 
 class BatchGraphs:

@@ -268,10 +268,11 @@ def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[torc
     return drafts, residuals
 
 
-# Chunk lengths ChainVerify is built for: a round of the default draft_ahead (4) and the longest.
-# Two, not more: each is a graph per lane and depth captured at start-up (with four, 1.5 s a lane
-# on bench-285m against 0.8), and a chunk's pads cost little (its projections are bound by the
-# weight read).
+# Node counts TreeStages is built for: a chain round of the default draft_ahead (4), and the
+# longest chain (trees of up to 17 nodes: K_branches x draft_ahead <= 16; larger trees run
+# eagerly). Two, not more: each is a graph per lane and depth captured at start-up (with four,
+# 1.5 s a lane on bench-285m against 0.8), and a pass's pads cost little (its projections are
+# bound by the weight read).
 VERIFY_BUCKETS = (5, MAX_DRAFT_AHEAD + 1)
 
 
@@ -280,43 +281,55 @@ def verify_bucket(n: int) -> int | None:
     return next((b for b in VERIFY_BUCKETS if b >= n), None)
 
 
-class ChainVerify:
-    """A chain round's verify (iterations [L_d, L_v) over the chunk's residuals, the coda, the
-    logits at every chunk position) padded to `bucket` tokens on `lane`, as stages over static
+class TreeStages:
+    """Tree-mode passes (engine.Tree) over a bucket of nodes on `lane` as stages over static
     buffers, so that each stage is captured once as a CUDA graph (worker/graphs.py) and
-    replayed for any chunk of up to `bucket` tokens at any position and any depths. The same
-    stages run eagerly anywhere.
+    replayed for any tree of up to `bucket` nodes at any position and depths. The same stages
+    run eagerly anywhere.
 
-    Stages: iteration i (in place on the residual buffer), "coda" (the coda, then the logits
-    of every row). The chunk is a tree pass over a chain (node t's ancestors are nodes < t),
-    so its attention reads the prefix up to a device-side length (kernels/tree_attention.py)
-    and nothing in a stage depends on the position on the host: the positions, the prefix
-    length and the RoPE rows are static buffers that `load` sets before the stages run.
+    Stages: "prelude" (the nodes' tokens embedded, the prelude), iteration i (in place on the
+    residual buffer), "coda" (the coda, then the logits of every node). Node u sits at slot
+    pos + u and attends to the prefix (its length a device-side buffer: the tree-attention
+    kernel bounds its reads by it) and to its ancestors. The slots, positions, prefix length,
+    ancestor masks and RoPE rows are buffers that `load_chain` or `load_tree` sets, so nothing
+    in a stage depends on the position on the host.
 
-    Pads sit at the positions after the chunk and write K/V there, in the verified layers
-    only. That is harmless for the reason rejected drafts are (module docstring, Rollback):
-    nothing reads a position before a later round or step writes it; no real node attends to
-    a pad (its ancestors are real nodes). A chunk runs only where its pads stay inside the
-    cache (`fits`)."""
+    A chain round's verify (`verify_chain`) is a tree pass over a chain: the drafted residuals,
+    iterations [L_d, L_v), the coda. A tree round (`_tree_round` on stages) runs, for each draft
+    depth, the prelude and iterations [0, L_d) over every node with the tokens drafted so far,
+    then the coda for that depth's logits; the verify continues from the last depth's residuals
+    with iterations [L_d, L_v) and the coda. A node not drafted yet holds token 0 and writes
+    K / V that nothing reads (a node attends to its ancestors only, all drafted at shallower
+    depths) and the next depth rewrites.
+
+    Pads (nodes past the tree) sit at the slots after it, at positions equal to their slots,
+    attend to themselves only, and write K/V there, in the layers the stages run. That is
+    harmless for the reason rejected drafts are (module docstring, Rollback): nothing reads a
+    position before a later round or step writes it, and no real node has a pad as an ancestor.
+    A tree runs only where its pads stay inside the cache (`fits`)."""
 
     def __init__(self, engine: Engine, lane: int, bucket: int):
         cfg, device = engine.config, engine.cache.k.device
         dtype = engine.model.tok_embeddings.weight.dtype
         self.engine, self.bucket = engine, bucket
+        self.tokens = torch.zeros(1, bucket, dtype=torch.long, device=device)
         self.x = torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device)
         self.logits = torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device)
         self.offsets = torch.arange(bucket, device=device)[None]
-        self.positions = self.offsets.clone()  # (1, bucket): pos + node; the nodes' slots too
+        self.slots = self.offsets.clone()       # (1, bucket): pos + node
+        self.positions = self.offsets.clone()   # (1, bucket): pos + the node's depth (a pad's: its slot)
         self.prefix = torch.zeros(1, dtype=torch.long, device=device)
-        chain = ancestors_from_parents(torch.arange(-1, bucket - 1, device=device)[None])
+        self.chain = ancestors_from_parents(torch.arange(-1, bucket - 1, device=device)[None])
+        self.ancestors = self.chain.clone()
+        self.trees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (K, k): tree_layout's, padded
         S = engine.cache.max_seq_len
         self.p = engine.make_pass(slice(lane, lane + 1), self.positions, S)
-        self.p.tree = Tree(self.positions, self.prefix, chain)
-        self.p.rope_rows()  # gathered now, into buffers `load` refreshes (see Pass)
+        self.p.tree = Tree(self.slots, self.prefix, self.ancestors)
+        self.p.rope_rows()  # gathered now, into buffers the loads refresh (see Pass)
 
     @staticmethod
-    def stages(start: int, stop: int) -> list:
-        return [*range(start, stop), "coda"]
+    def stages(start: int, stop: int, prelude: bool = False) -> list:
+        return [*(["prelude"] if prelude else []), *range(start, stop), "coda"]
 
     def fits(self, pos: int) -> bool:
         return pos + self.bucket <= self.engine.cache.max_seq_len
@@ -325,33 +338,57 @@ class ChainVerify:
     def run(self, stage) -> None:
         """One stage, eagerly (what a graph captures)."""
         e, p = self.engine, self.p
-        if stage == "coda":
+        if stage == "prelude":
+            self.x.copy_(e.embed_prelude(self.tokens, p))
+        elif stage == "coda":
             self.logits.copy_(e.logits(e.coda(self.x, p), p)[0])
         else:
             self.x.copy_(e.run_loops(self.x, p, stage, stage + 1))
 
-    @torch.no_grad()
-    def load(self, residual: torch.Tensor, pos: int) -> None:
-        """Set the buffers for the chunk (1, n, D) of residuals whose first token sits at pos."""
-        n = residual.shape[1]
-        self.x[:, :n].copy_(residual)
-        self.x[:, n:].zero_()  # pads: any finite value does
-        torch.add(self.offsets, pos, out=self.positions)
+    def _place(self, pos: int, ancestors: torch.Tensor, depths: torch.Tensor | None) -> None:
+        torch.add(self.offsets, pos, out=self.slots)
+        if depths is None:
+            self.positions.copy_(self.slots)
+        else:
+            torch.add(depths, pos, out=self.positions)
         self.prefix.fill_(pos)
+        self.ancestors.copy_(ancestors)
         m = self.engine.model
         for table, rows in zip((m.rope_cos, m.rope_sin), self.p.rows):
             torch.index_select(table, 0, self.positions.view(-1), out=rows.view(self.bucket, -1))
 
-    def __call__(self, residual: torch.Tensor, pos: int, start: int, stop: int, run=None) -> torch.Tensor:
-        """The verify of the chunk (1, n, D) at pos from iteration `start` to `stop`: its logits
-        (n, V), a view of the buffer the next verify overwrites. run(stage) runs a stage:
-        `self.run` (eager) or a captured graph's replay."""
-        if not self.fits(pos) or residual.shape[1] > self.bucket:
-            raise ValueError(f"a chunk of {residual.shape[1]} tokens at {pos} does not fit bucket {self.bucket} "
+    @torch.no_grad()
+    def load_chain(self, residual: torch.Tensor, pos: int) -> None:
+        """Set the buffers for the chain (1, n, D) of residuals whose first token sits at pos."""
+        n = residual.shape[1]
+        self.x[:, :n].copy_(residual)
+        self.x[:, n:].zero_()  # pads: any finite value does
+        self._place(pos, self.chain, None)
+
+    @torch.no_grad()
+    def load_tree(self, t: int, pos: int, K: int, k: int) -> None:
+        """Set the buffers for a round's tree (`tree_layout(K, k)`) rooted at token t at pos: the
+        root's token, every other node's 0 until drafted."""
+        if (K, k) not in self.trees:
+            parents, depths = tree_layout(K, k, self.offsets.device)
+            pad = torch.arange(parents.shape[0], self.bucket, device=parents.device)
+            self.trees[(K, k)] = (ancestors_from_parents(torch.cat([parents, torch.full_like(pad, -1)])[None]),
+                                  torch.cat([depths, pad])[None])
+        ancestors, depths = self.trees[(K, k)]
+        self.tokens.zero_()
+        self.tokens[:, :1].fill_(t)
+        self._place(pos, ancestors, depths)
+
+    def verify_chain(self, residual: torch.Tensor, pos: int, start: int, stop: int, run=None) -> torch.Tensor:
+        """The verify of the chain (1, n, D) of residuals at pos from iteration `start` to `stop`:
+        its logits (n, V), a view of the buffer the next pass overwrites. run(stage) runs a
+        stage: `self.run` (eager) or a captured graph's replay."""
+        n = residual.shape[1]
+        if not self.fits(pos) or n > self.bucket:
+            raise ValueError(f"a chunk of {n} tokens at {pos} does not fit bucket {self.bucket} "
                              f"of a {self.engine.cache.max_seq_len}-position cache")
         e = self.engine
-        n = residual.shape[1]
-        self.load(residual, pos)
+        self.load_chain(residual, pos)
         before = e.counters.snapshot()
         for stage in self.stages(start, stop):
             (run or self.run)(stage)
@@ -374,10 +411,37 @@ def tree_layout(K: int, depth: int, device=None):
 def _tree_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
                 k: int) -> tuple[list[int], int]:
     """Draft a K-branch tree of depth k below t (at pos), verify all nodes in one tree pass,
-    move the accepted path to its linear slots. -> (tokens decided, drafts accepted)."""
+    move the accepted path to its linear slots. -> (tokens decided, drafts accepted). The
+    passes replay the lane's captured tree stages where they cover the tree (`_staged_tree`),
+    else run eagerly (`_eager_tree`)."""
+    K = min(spec.k_branches, engine.config.vocab_size) if k else 1
+    staged = None
+    if engine.graphs is not None:
+        staged = engine.graphs.verify.runner(lane, 1 + K * k, pos, TreeStages.stages(0, spec.verify_loops, True))
+    tokens, logits, targets = (_eager_tree(engine, lane, spec, t, pos, k, K) if staged is None
+                               else _staged_tree(engine, spec, chooser, t, pos, k, K, *staged))
+    out, path, cur = [], [], 0
+    for i in range(1, k + 1):
+        y = targets[cur] if targets is not None else chooser.target(logits[cur], pos + i)
+        out.append(y)
+        children = range(1, 1 + K) if i == 1 else [cur + K]
+        nxt = next((c for c in children if tokens[c] == y), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        cur = nxt
+    else:  # bonus after a full branch
+        out.append(targets[cur] if targets is not None else chooser.target(logits[cur], pos + k + 1))
+    _move_path(engine, lane, pos, path, spec.verify_loops)
+    return out, len(path)
+
+
+def _eager_tree(engine: Engine, lane: int, spec: SpecParams, t: int, pos: int, k: int,
+                K: int) -> tuple[list[int], torch.Tensor, None]:
+    """The tree's passes run eagerly, each draft depth over that depth's nodes only.
+    -> (the nodes' tokens, their verifier logits (N, V), None)."""
     device = engine.cache.k.device
     Ld, Lv = spec.draft_loops, spec.verify_loops
-    K = min(spec.k_branches, engine.config.vocab_size) if k else 1
     lanes = slice(lane, lane + 1)
     parents, depths = tree_layout(K, k, device)
     N = parents.shape[0]
@@ -393,29 +457,45 @@ def _tree_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, 
         x = engine.run_loops(engine.embed_prelude(tokens[nodes][None], p), p, 0, Ld)
         xs.append(x)
         if i < k:
-            logits = engine.logits(engine.coda(x, p))[0]              # (len(nodes), V)
-            if i == 0:   # the K branches start from the K most likely draft tokens
-                nxt = logits[0].topk(K).indices
-            else:        # then each branch continues greedily
-                nxt = logits.argmax(-1)
-            tokens[1 + i * K:1 + (i + 1) * K] = nxt
+            _draft_depth(engine.logits(engine.coda(x, p))[0], tokens, i, K)
     p = _tree_pass(engine, lanes, pos, depths, None, prefix, anc)
     logits = engine.logits(engine.coda(engine.run_loops(torch.cat(xs, 1), p, Ld, Lv), p))[0]  # (N, V)
-    toks = tokens.tolist()
-    out, path, cur = [], [], 0
-    for i in range(1, k + 1):
-        y = chooser.target(logits[cur], pos + i)
-        out.append(y)
-        children = range(1, 1 + K) if i == 1 else [cur + K]
-        nxt = next((c for c in children if toks[c] == y), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        cur = nxt
-    else:
-        out.append(chooser.target(logits[cur], pos + k + 1))  # bonus after a full branch
-    _move_path(engine, lane, pos, path, Lv)
-    return out, len(path)
+    return tokens.tolist(), logits, None
+
+
+def _staged_tree(engine: Engine, spec: SpecParams, chooser: _Chooser, t: int, pos: int, k: int, K: int,
+                 ts: TreeStages, run) -> tuple[list[int], torch.Tensor, list[int] | None]:
+    """The tree's passes on TreeStages (run(stage): a replay of the lane's captured stage, or
+    the stage eagerly), each draft depth over every node. The tokens move on the device only; a
+    greedy round reads them and the verifier's argmax in one transfer. The counters count what
+    the eager passes run: each draft depth's nodes, not the whole bucket.
+    -> (the nodes' tokens, their verifier logits (N, V), greedy: the verifier's tokens, else None)."""
+    Ld, Lv = spec.draft_loops, spec.verify_loops
+    N = 1 + K * k
+    ts.load_tree(t, pos, K, k)
+    before = engine.counters.snapshot()
+    for i in range(k + 1):
+        for stage in ("prelude", *range(Ld)):
+            run(stage)
+        if i < k:
+            run("coda")
+            first = 1 + (i - 1) * K if i else 0
+            _draft_depth(ts.logits[first:first + (K if i else 1)], ts.tokens[0], i, K)
+    for stage in (*range(Ld, Lv), "coda"):
+        run(stage)
+    engine.counters.loop_iterations = before.loop_iterations + (k + 1) * Ld + Lv - Ld
+    engine.counters.loop_token_iterations = before.loop_token_iterations + Lv * N
+    logits = ts.logits[:N]
+    if not chooser.greedy:
+        return ts.tokens[0, :N].tolist(), logits, None
+    both = torch.cat([ts.tokens[0, :N], logits.argmax(-1)]).tolist()
+    return both[:N], logits, both[N:]
+
+
+def _draft_depth(logits: torch.Tensor, tokens: torch.Tensor, i: int, K: int) -> None:
+    """The depth-(i + 1) nodes' tokens from the draft logits of depth i, on the device: the K
+    most likely after the root (the branches' first tokens), then each branch's greedy next."""
+    tokens[1 + i * K:1 + (i + 1) * K] = logits[0].topk(K).indices if i == 0 else logits.argmax(-1)
 
 
 def _tree_pass(engine: Engine, lanes: slice, pos: int, depths: torch.Tensor, nodes: torch.Tensor | None,

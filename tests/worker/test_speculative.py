@@ -9,6 +9,7 @@ from tinyloop.kernels.tree_attention import ancestors_from_parents
 from tinyloop.worker import Model, checkpoint
 from tinyloop.worker import speculative as spec_mod
 from tinyloop.worker.engine import Tree
+from tinyloop.worker.graphs import PrefillGraphs, VerifyGraphs
 from tinyloop.worker.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
@@ -45,6 +46,27 @@ def spec_model(request, ckpt_dir):
 def tiny_spec(ckpt_dir):
     path = damped_checkpoint(ckpt_dir / "damped-tiny.tinyloop", CONFIGS["gqa-prelude-coda"], 3, 0.03)
     with Model(path, max_seq_len=160) as m:
+        yield m
+
+
+class StagesOnCpu:
+    """engine.graphs on CPU with the speculative stages only (graphs.VerifyGraphs: without a
+    GPU they run eagerly, in the order the GPU replays them); no decode graphs, eager prefill."""
+
+    def __init__(self, engine, loops: int):
+        self.prefill = PrefillGraphs(engine, None, 0)
+        self.verify = VerifyGraphs(engine)
+        self.verify.capture(0, loops)
+
+    def get(self, loops, lane=0):
+        return None
+
+
+@pytest.fixture(scope="module")
+def staged_spec(tiny_spec):
+    """tiny_spec's checkpoint with its tree rounds and chain verifies on TreeStages."""
+    with Model(tiny_spec.path, max_seq_len=160) as m:
+        m.engine.graphs = StagesOnCpu(m.engine, 8)
         yield m
 
 
@@ -166,12 +188,13 @@ def test_warm_start_runs_each_iteration_once(tiny_spec, tree):
     assert out == plain and s["loop_token_iterations"] >= plain.stats["loop_token_iterations"]
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_rejected_slots_are_never_read(tiny_spec, tree):
+@pytest.mark.parametrize("tree,staged", [(False, False), (True, False), (False, True), (True, True)])
+def test_rejected_slots_are_never_read(tiny_spec, staged_spec, tree, staged):
     """After every verify, poison every cache slot at or past the first undecided position in
-    every layer (rejected drafts, side branches, stale nodes): the output must not change.
+    every layer (rejected drafts, side branches, stale nodes, and on TreeStages the pads and
+    the nodes a draft depth ran before they were drafted): the output must not change.
     K = 0 keeps a poisoned key in the softmax if read, V = 1e3 then dominates the output."""
-    m, prompt = tiny_spec, PROMPTS[0]
+    m, prompt = (staged_spec if staged else tiny_spec), PROMPTS[0]
     cache = m.engine.cache
     name = "_tree_round" if tree else "_chain_round"
     real = getattr(spec_mod, name)
@@ -224,16 +247,17 @@ def test_tree_mask_of_a_chain_equals_the_causal_chunk(tiny_spec):
 
 
 def test_chain_verify_stages_equal_the_eager_verify(tiny_spec):
-    """speculative.ChainVerify (the stages the verify graphs capture, run eagerly here): a chunk
-    of drafted residuals at any position, padded to its bucket, gives the logits of the eager
-    chain verify at every chunk position, counts the chunk's iterations as it does, and reads
-    its position from the buffers `load` sets (the same object at two positions); a chunk
-    that does not fit is refused."""
+    """speculative.TreeStages.verify_chain (the stages the verify graphs capture, run eagerly
+    here): a chunk of drafted residuals at any position, padded to its bucket, gives the logits
+    of the eager chain verify at every chunk position, counts the chunk's iterations as it does,
+    and reads
+    its position from the buffers `load_chain` sets (the same object at two positions); a
+    chunk that does not fit is refused."""
     m, e = tiny_spec, tiny_spec.engine
     Ld, Lv = 2, 6
     prompt = PROMPTS[1]
     e.forward(torch.tensor([prompt]), e.make_pass(slice(0, 1), torch.arange(len(prompt))[None], len(prompt)), Lv)
-    verify = spec_mod.ChainVerify(e, 0, 5)
+    verify = spec_mod.TreeStages(e, 0, 5).verify_chain
     for pos, chunk in ((len(prompt), [9, 250, 3]), (len(prompt) + 3, [77, 31, 4, 4, 120])):
         xs = []
         for i, t in enumerate(chunk):  # the drafts: iterations [0, Ld) and their K/V
@@ -255,6 +279,33 @@ def test_chain_verify_stages_equal_the_eager_verify(tiny_spec):
         verify(torch.cat([x, x], 1), len(prompt), Ld, Lv)
     assert spec_mod.verify_bucket(2) == spec_mod.verify_bucket(5) == 5 and spec_mod.verify_bucket(6) == 17
     assert spec_mod.verify_bucket(spec_mod.MAX_DRAFT_AHEAD + 2) is None
+
+
+def test_tree_rounds_on_the_stages_equal_the_eager_rounds(tiny_spec, staged_spec, monkeypatch):
+    """Tree rounds on TreeStages (what the GPU replays; eager here): each draft depth runs the
+    whole bucket, pads and undrafted nodes included, and the verify continues from the last
+    depth's residuals. Tokens, acceptance and loop counters equal the eager rounds', greedy
+    and sampled, for trees of several shapes (the last rounds' shorter trees too); a tree past
+    the largest bucket (4 x 5 + 1 = 21 nodes) runs eagerly, the shorter trees of its last
+    rounds on the stages."""
+    ref, m = tiny_spec, staged_spec
+    staged = []
+    real = spec_mod._staged_tree
+    monkeypatch.setattr(spec_mod, "_staged_tree", lambda *a: (staged.append(a[5:7]), real(*a))[1])
+    accepted = 0
+    for prompt in PROMPTS:
+        for K, k in ((2, 4), (3, 5), (1, 3), (4, 5)):
+            for sampled in ({}, dict(temperature=0.9, seed=11)):
+                kw = dict(max_tokens=N_TOKENS, draft_loops=2, verify_loops=6, draft_ahead=k, K_branches=K, **sampled)
+                staged.clear()
+                a, b = m.generate_tree_speculative(prompt, **kw), ref.generate_tree_speculative(prompt, **kw)
+                assert a == b and a.stats == b.stats, (prompt, K, k, sampled)
+                assert a == _want(ref, prompt, 6, **sampled)
+                assert all(1 + KK * kk <= 17 for kk, KK in staged)
+                rounds = a.stats["verify_steps"]
+                assert len(staged) == rounds if 1 + K * k <= 17 else len(staged) < rounds
+                accepted += a.stats["accepted_tokens"]
+    assert accepted > 20  # accepted paths moved their K / V: the walk ran past the root
 
 
 def test_tree_layout():
