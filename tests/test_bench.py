@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,6 +125,31 @@ def test_batch_bench_cpu(tmp_path):
     assert [row["streams"] for row in r["rows"]] == [1, 3]
     for row in r["rows"]:
         assert row["eager"]["streams_equal_alone"] == row["streams"] and row["eager"]["tokens_per_s"] > 0
+
+
+def test_service_bench_cpu(tmp_path):
+    """bench/service.py end to end, in a subprocess (it starts and stops its own Ray). In fp32 the
+    speculative streams equal the plain greedy ones, in-process and through the service, and the
+    service's usage is the in-process stream's."""
+    pytest.importorskip("ray")
+    out = tmp_path / "service-cpu.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.service", "--preset", "tiny", "--loops", "4",
+                           "--prompt-tokens", "8", "--max-tokens", "12", "--reps", "1", "--concurrency", "1", "2",
+                           "--out", str(out)], cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["in_process"]["tokens_per_s"] > 0 and r["service"]["per_token_ms"] > 0
+    assert sorted(r["service"]["throughput"]) == ["1", "2"] and "per_token_ratio" in r["overhead"]
+    s = r["speculative"]
+    assert (s["mode"], s["draft_loops"], s["verify_loops"], s["draft_ahead"]) == ("chain", 2, 4, 4)
+    for row in (s["in_process"], s["service"]):
+        assert row["greedy_parity"] and row["diverged_at"] is None
+        assert row["ttft_ms"] > 0 and row["per_token_ms"] > 0 and row["generate"]["tokens_per_s"] > 0
+        assert row["speedup_vs_generate"] == pytest.approx(row["tokens_per_s"] / row["generate"]["tokens_per_s"])
+        assert 0 < row["accepted_per_verify"] <= 4 and 0 < row["acceptance_rate"] <= 1
+    for k in ("accepted_per_verify", "acceptance_rate"):
+        assert s["service"][k] == pytest.approx(s["in_process"][k], rel=1e-6)
 
 
 DECODE_ARGS = ["--device", "cpu", "--preset", "tiny", "--loops", "1", "8", "--context", "8", "--steps", "3",
