@@ -65,6 +65,23 @@ def test_speculative_replays_its_drafts_and_verifies(pair):
     assert graph.next_position == -1 and verify.prefix.item() >= len(PROMPTS[0])
 
 
+def test_tree_speculation_replays_the_stages(pair):
+    """Tree rounds (K = 2, 4 at draft_ahead 4: trees of 9 and 17 nodes, bucket 17) replay the
+    captured stages for every draft depth and the verify: the tokens of plain generate at
+    verify_loops and the eager tree rounds' acceptance and loop work (the torch reference has
+    no graphs), greedy and sampled."""
+    fast, ref = pair
+    stages = fast.engine.graphs.verify.chunks[(0, 17)]
+    for p in PROMPTS:
+        for K, extra in ((2, {}), (4, {}), (3, dict(temperature=0.8, seed=5))):
+            kw = dict(max_tokens=20, draft_loops=2, verify_loops=6, draft_ahead=4, K_branches=K, **extra)
+            stages.prefix.zero_()
+            a, b = fast.generate_tree_speculative(p, **kw), ref.generate_tree_speculative(p, **kw)
+            assert a == b == ref.generate(p, loops=6, max_tokens=20, **extra)
+            assert a.stats == b.stats
+            assert stages.prefix.item() >= len(p)  # replayed
+
+
 def test_every_lane_replays_its_own_graph(pair):
     from tinyloop.worker.api import drain
     fast, ref = pair
