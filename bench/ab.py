@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                     if cuda:
                         torch.cuda.synchronize(dev)
                         torch.cuda.empty_cache()
-                if cuda:  # the projections' autotuned tiles (once per process and shape; not TILES')
-                    tuned = importlib.import_module("tinyloop.kernels.gemv")._gemv_tuned
-                    result["gemv_tiles"] = {repr(k[:7]): str(v) for k, v in tuned.cache.items()}
+                gemv = importlib.import_module("tinyloop.kernels.gemv")
+                if cuda and gemv.autotuning():  # the autotuned tiles (TINYLOOP_AUTOTUNE=1: per process)
+                    result["gemv_tiles"] = {repr(k[:7]): str(v) for k, v in gemv._gemv_tuned.cache.items()}
                 tqdm.write(f"round {r} {name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in row["ms"].items()))
                 result["rounds"].append(row)
                 write(f"{args.name}-{dev.type}", result, args.out_dir)

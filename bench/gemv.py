@@ -6,8 +6,8 @@ projections for M = 4, 8, 16 rows (a batched decode step's lanes) on gemv's batc
 
 A decode step is these projections plus a few small kernels, so this is where its distance to
 the bandwidth floor is decided. Each row: weight MB, ms and GB/s of the weight read for
-torch.nn.functional.linear and for kernels/gemv.py with each fusion the layer uses there, plus
-the autotuned config. Back-to-back calls in one graph, as in a decode step; the +pdl column
+torch.nn.functional.linear and for kernels/gemv.py with each fusion the layer uses there.
+Back-to-back calls in one graph, as in a decode step; the +pdl column
 launches each call with programmatic dependent launch (TINYLOOP_PDL), so a call's weight
 loads overlap the previous call's tail.
 
@@ -15,18 +15,22 @@ loads overlap the previous call's tail.
 weight read by F.linear on the (M, 1, K) input, by the model's unfused ops for that fusion
 (kernels.rms_norm before F.linear, F.silu(gate) * up after it, + residual), and by gemv's
 M-row kernel plain, fused, and fused with PDL; GB/s count the weight read alone (x and y are
-a few KB). "autotuned_batched" holds that kernel's configs per (N, K, M bucket, flags)."""
+a few KB). "tiles" holds the tile of each call; with TINYLOOP_AUTOTUNE=1 "autotuned" and
+"autotuned_batched" hold the autotuners' picks per key."""
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import hardware, write
 from bench.decode import ceilings, device_ms
-from tinyloop.kernels.gemv import _gemv_rows_tuned, _gemv_tuned, gemv
+from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
+
+gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 
 # (name, N, K, fusion): the projections of one bench-285m layer, its head, the Ouro-1.4B head
 SHAPES = [
@@ -112,11 +116,18 @@ def main() -> None:
                 "gemv_fused_GBps": mb / fused_ms, "gemv_fused_pdl_GBps": mb / pdl_ms if pdl_ms else None}
 
     def save():
-        payload = {"hardware": hardware(dev), "ceilings": c, "rows": rows,
-                   "autotuned": {str(k): str(v) for k, v in _gemv_tuned.cache.items()}}
+        payload = {"hardware": hardware(dev), "ceilings": c, "rows": rows, "tiles": {}}
+        for name, N, K, fusion in SHAPES:  # the fixed tiles the calls ran (or null: autotuned)
+            n, flags = (N // 2 if "swiglu" in fusion else N), [f in fusion for f in ("norm", "swiglu", "residual")]
+            for pdl in (False, True):
+                payload["tiles"][f"{name} pdl={pdl}"] = gemv_mod.tile(dev, n, K, *flags, pdl)
+                for M in ms:
+                    payload["tiles"][f"{name} M={M} pdl={pdl}"] = gemv_mod.rows_tile(dev, n, K, M, *flags, pdl)
+        if gemv_mod.autotuning():
+            payload["autotuned"] = {str(k): str(v) for k, v in gemv_mod._gemv_tuned.cache.items()}
+            payload["autotuned_batched"] = {str(k): str(v) for k, v in gemv_mod._gemv_rows_tuned.cache.items()}
         if ms:
             payload["batched_rows"] = batched_rows
-            payload["autotuned_batched"] = {str(k): str(v) for k, v in _gemv_rows_tuned.cache.items()}
         write("gemv-cuda", payload, args.out_dir)
 
     rows, batched_rows = [], []

@@ -47,6 +47,7 @@ pipeliner and applies the first chunk after it.
 """
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -190,14 +191,17 @@ _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
 # Fixed M = 1 tiles, by device name, then (N, K, NORM, SWIGLU, RESIDUAL, PDL): (BLOCK_N, BLOCK_K,
-# num_warps, num_stages), launched without the autotuner; other shapes and devices autotune.
-# Autotuning picks a tile per process from standalone timings, and close races go either way:
+# num_warps, num_stages). Every launch takes a fixed tile: this table's, else `default_tile`'s.
+# A tile sets the order each row is summed in, so fixed tiles make every worker process (every
+# replica of a deployment) round the same logits the same way, near ties included. The
+# autotuner picks a tile per process from standalone timings, where close races go either way:
 # on the H200 one process picked (8, 256, 4, 1) for bench-285m's gate|up and its L = 8 step read
 # 0.454 ms, 6.4 % slower than with (8, 512, 4, 1) on the same machine
-# (bench/results/tiles-ab-cuda-e7c005b.json, `first`); a fixed tile also keeps the logits'
-# summation order, hence the tokens of near ties, the same in every worker process. These are
-# bench-285m's projections with PDL: the best set of `second` in that file, where single-tile
-# changes from it were 0.3-5.4 % slower in the step.
+# (bench/results/tiles-ab-cuda-e7c005b.json, `first`). It runs only with TINYLOOP_AUTOTUNE=1,
+# for shapes this table does not hold; `bench/tiles.py` sweeps a model's tiles in its decode
+# step instead and prints the entries to add here. bench-285m's projections with PDL: the best
+# set of `second` in that file, where single-tile changes from it were 0.3-5.4 % slower in the
+# step.
 TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
     "NVIDIA H200": {
         (6144, 2048, True, False, False, True): (16, 512, 4, 1),    # q|k|v (+norm)
@@ -207,6 +211,47 @@ TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
         (32000, 2048, True, False, False, True): (2, 1024, 4, 3),   # head (+norm)
     },
 }
+
+
+def default_tile(K: int) -> tuple[int, int, int, int]:
+    """The M = 1 tile of a shape TILES does not hold: (2, BLOCK_K, 4, 3), BLOCK_K the padded K
+    up to 1024, the tile that won three of bench-285m's five projections on the H200 (TILES)."""
+    return 2, min(1024, triton.next_power_of_2(max(K, 16))), 4, 3
+
+
+# Fixed M = 2..16 tiles, keyed like TILES with the M bucket (`_m_bucket`) after K; none yet:
+# every shape takes `default_rows_tile`.
+ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {}
+
+
+def default_rows_tile(N: int) -> tuple[int, int, int, int]:
+    """The M = 2..16 tile of a shape ROWS_TILES does not hold, by _ROWS_CONFIGS' reasoning: a
+    BLOCK_N that gives the grid (N / BLOCK_N programs) a program per SM or more, 256-wide K
+    tiles in four stages (clean of spills with every option)."""
+    if N <= 4096:
+        return 8, 256, 4, 4
+    return (16, 256, 4, 4) if N <= 16384 else (64, 256, 8, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def autotuning() -> bool:
+    """TINYLOOP_AUTOTUNE=1: shapes without a fixed tile autotune, per process (read once)."""
+    return os.environ.get("TINYLOOP_AUTOTUNE", "0") == "1"
+
+
+def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
+         pdl: bool) -> tuple[int, int, int, int] | None:
+    """The M = 1 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages) on a CUDA device: TILES',
+    else the default; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a shape TILES lacks)."""
+    t = TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, pdl))
+    return t or (None if autotuning() else default_tile(K))
+
+
+def rows_tile(device: torch.device, N: int, K: int, M: int, norm: bool, swiglu: bool, residual: bool,
+              pdl: bool) -> tuple[int, int, int, int] | None:
+    """`tile` for M = 2..16 rows: ROWS_TILES', else the default; None: the autotuner picks."""
+    t = ROWS_TILES.get(_device_name(device), {}).get((N, K, _m_bucket(M), norm, swiglu, residual, pdl))
+    return t or (None if autotuning() else default_rows_tile(N))
 
 
 @triton.jit
@@ -432,14 +477,14 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
-    tile = TILES.get(_device_name(x.device), {}).get((N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl))
-    if tile is not None:
-        bn, bk, warps, stages = tile
-        _gemv_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-                                            num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
+    if t is None:
+        _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
+                      **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
-    _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
-                  **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
+    bn, bk, warps, stages = t
+    _gemv_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
+                                        num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 
@@ -488,11 +533,17 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     if interpreting():
         _gemv_rows_kernel[(triton.cdiv(N, 16),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False,
                                                  BLOCK_N=16, BLOCK_K=64)
-    else:
-        pdl = use_pdl(x.device) if pdl is None else pdl
+        return y
+    pdl = use_pdl(x.device) if pdl is None else pdl
+    t = rows_tile(x.device, N, K, M, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
+    if t is None:
         _launch_tuned(_gemv_rows_tuned, N, args, y, x.dtype,
                       (N, K, weight.stride(0), x.device, pdl, _m_bucket(M), *flags.values()),
                       **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
+        return y
+    bn, bk, warps, stages = t
+    _gemv_rows_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
+                                             num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 

@@ -279,3 +279,20 @@ def test_ab_bench_rejects_bad_arguments(tmp_path, argv, match):
     with pytest.raises(ValueError, match=match):
         ab.main(["--device", "cpu", "--preset", "tiny", "--rounds", "1", "--steps", "2", "--best-of", "1",
                  "--max-seq-len", "64", "--out-dir", str(tmp_path), *argv])
+
+
+def test_tiles_sweep_candidates_and_refusals():
+    """bench/tiles.py: a projection's candidates are the kernel's configs and its default tile
+    whose K tile fits the padded K; without a GPU, or with an unknown model, it refuses."""
+    from bench import tiles
+    from tinyloop.kernels.gemv import default_tile
+    for K in (320, 704, 2048, 5632):
+        c = tiles.candidates(K)
+        assert default_tile(K) in c and len(c) == len(set(c)) >= 4
+        assert all(bk <= max(16, 2 ** (K - 1).bit_length()) for _, bk, _, _ in c)
+    assert (2, 1024, 4, 3) not in tiles.candidates(320) and (2, 1024, 4, 3) in tiles.candidates(2048)
+    with pytest.raises(SystemExit):
+        tiles.main(["--model", "no-such-model"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            tiles.main(["--model", "tiny"])

@@ -134,20 +134,48 @@ def test_gemv_argmax_key_keeps_a_larger_key():
     assert argmax_of(key, 8) == 7
 
 
+def _launchable(tile, K):
+    bn, bk, warps, stages = tile
+    return (all(v > 0 and v & (v - 1) == 0 for v in (bn, bk)) and bk <= max(16, 2 ** (K - 1).bit_length())
+            and warps in (1, 2, 4, 8, 16, 32) and stages >= 1)
+
+
 def test_fixed_tiles_are_launchable():
-    """kernels.gemv.TILES (the M = 1 tiles fixed per device and shape, launched without the
-    autotuner): each key names a shape and its options, each tile is one the kernel compiles
-    (power-of-two blocks no wider than the padded K, a warp count Triton takes)."""
-    from tinyloop.kernels.gemv import TILES
+    """kernels.gemv.TILES and ROWS_TILES (the tiles fixed per device and shape) and the default
+    tiles of the shapes they do not hold: each key names a shape and its options, each tile is
+    one the kernel compiles (power-of-two blocks no wider than the padded K, a warp count
+    Triton takes)."""
+    from tinyloop.kernels.gemv import ROWS_TILES, TILES, default_rows_tile, default_tile
     assert TILES, "no fixed tiles"
-    for device, table in TILES.items():
-        assert isinstance(device, str) and table, device
-        for key, tile in table.items():
-            assert len(key) == 6 and all(isinstance(v, int) and v > 0 for v in key[:2]), key
-            assert all(isinstance(v, bool) for v in key[2:]), key
-            bn, bk, warps, stages = tile
-            assert all(v & (v - 1) == 0 for v in (bn, bk)) and bk <= 2 ** (key[1] - 1).bit_length(), tile
-            assert warps in (1, 2, 4, 8, 16, 32) and stages >= 1, tile
+    for rows, tables in ((False, TILES), (True, ROWS_TILES)):
+        for device, table in tables.items():
+            assert isinstance(device, str) and table, device
+            for key, tile in table.items():
+                assert len(key) == 6 + rows and all(isinstance(v, int) and v > 0 for v in key[:2 + rows]), key
+                assert all(isinstance(v, bool) for v in key[2 + rows:]), key
+                assert _launchable(tile, key[1]), (key, tile)
+    for K in (1, 64, 320, 704, 2048, 5632):
+        assert _launchable(default_tile(K), K), K
+    for N in (256, 2048, 4096, 6144, 32000):
+        assert _launchable(default_rows_tile(N), 2048) and N / default_rows_tile(N)[0] >= 32, N
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_untabled_shapes_take_a_fixed_tile_not_the_autotuner():
+    """Without TINYLOOP_AUTOTUNE a shape no table holds runs its default tile, never the
+    autotuner (whose pick is per process): the autotuners' caches stay empty, and the result is
+    the reference's."""
+    import importlib
+    gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
+    assert not gemv_mod.autotuning()
+    torch.manual_seed(0)
+    for M in (1, 3, 12):
+        x = torch.randn(M, 1, 320, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(448, 320, device="cuda") / 320 ** 0.5).to(torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(320, device="cuda")).to(torch.bfloat16)
+        assert_close(gemv(x, w, norm_weight=nw), gemv_ref(x, w, norm_weight=nw), "projection")
+    assert not gemv_mod._gemv_tuned.cache and not gemv_mod._gemv_rows_tuned.cache
 
 
 def test_gemv_argmax_key_rejects_bad_inputs():

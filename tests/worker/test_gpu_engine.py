@@ -319,3 +319,26 @@ def test_close_frees_the_graphs_without_a_collection(tiny_path):
         assert [r() for r in refs] == [None] * 3
     finally:
         gc.enable()
+
+
+def test_two_processes_give_bitwise_equal_logits(tmp_path):
+    """Every projection runs a fixed tile (kernels/gemv.py TILES, else its default; the
+    autotuner only with TINYLOOP_AUTOTUNE=1), so two worker processes of the embedded default
+    model (bf16) give bitwise-equal logits and tokens: replicas round near ties alike."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from tinyloop.worker import Model\n"
+            "from tinyloop.worker.generate import prefill\n"
+            "m = Model(None, max_seq_len=256, device='cuda', n_slots=1)\n"
+            "prompt = list(range(3, 200, 3))\n"
+            "logits, _ = prefill(m.engine, 0, prompt, 8, 0)\n"
+            "g = m.generate(prompt, loops=8, max_tokens=24)\n"
+            "torch.save({'logits': logits.cpu(), 'tokens': list(g)}, sys.argv[1])\n")
+    outs = []
+    for i in range(2):
+        path = tmp_path / f"run{i}.pt"
+        proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(torch.load(path))
+    assert torch.equal(outs[0]["logits"], outs[1]["logits"]) and outs[0]["tokens"] == outs[1]["tokens"]
