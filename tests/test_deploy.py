@@ -57,6 +57,25 @@ def test_manifests_and_chart_are_valid_yaml():
         assert docs, path
 
 
+def test_gateway_probes_wait_for_the_workers_start_up():
+    """The gateway listens only after its workers captured their graphs (Gateway.start awaits
+    their info), which takes minutes on a large model: a startup probe on the gRPC port gives
+    it 10 minutes or more, and liveness (which it gates) has no start-up delay of its own
+    that could be shorter. Both the manifest and the chart."""
+    for doc in yaml.safe_load_all((DEPLOY / "k8s/gateway.yaml").read_text()):
+        for c in _containers(doc):
+            if c["name"] == "gateway":
+                start = c["startupProbe"]
+                assert start["grpc"]["port"] == 50051
+                assert start["periodSeconds"] * start["failureThreshold"] >= 600
+                assert "initialDelaySeconds" not in c["livenessProbe"]
+    chart = (DEPLOY / "helm/tinyloop/templates/gateway.yaml").read_text()
+    assert "startupProbe:" in chart and "failureThreshold: {{ div .Values.gateway.startupTimeoutS 10 }}" in chart
+    assert "initialDelaySeconds" not in chart
+    values = yaml.safe_load((DEPLOY / "helm/tinyloop/values.yaml").read_text())
+    assert values["gateway"]["startupTimeoutS"] >= 600
+
+
 def test_serve_rejects_a_negative_coalescing_window(capsys):
     """Checked before Ray starts: the error names the flag."""
     from tinyloop.cli import main
