@@ -296,3 +296,18 @@ def test_tiles_sweep_candidates_and_refusals():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             tiles.main(["--model", "tiny"])
+
+
+def test_startup_bench_cpu(tmp_path):
+    """bench/startup.py on CPU (a smoke run: nothing is captured there): one record per lane
+    count with the model's start-up parts, and its refusals."""
+    from bench import startup
+    startup.main(["--model", "tiny", "--lanes", "1", "2", "--max-seq-len", "64", "--device", "cpu",
+                  "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "startup-tiny-cpu.json").read_text())
+    assert [run["lanes"] for run in r["runs"]] == [1, 2] and [run["cache_lanes"] for run in r["runs"]] == [2, 3]
+    for run in r["runs"]:
+        assert run["wall_s"] >= run["load_s"] > 0 and run["graphs"] == 0
+    for bad in (["--model", "nope"], ["--lanes", "0"]):
+        with pytest.raises(SystemExit):
+            startup.main(bad + ["--device", "cpu"])

@@ -26,9 +26,12 @@ import asyncio
 import collections
 import concurrent.futures
 import heapq
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LANES = 4
 DEFAULT_HANDLE_BUDGET_BYTES = 1 << 30
@@ -115,6 +118,9 @@ class WorkerActor:
         self.coalesce_s = coalesce_s
         self._sweeper: asyncio.Task | None = None
         self._device = str(self.model.device)
+        s = self.model.startup
+        log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s", self.worker_id, s["load_s"],
+                 s["graphs"], sum(v for k, v in s.items() if k.endswith("_graphs_s")))
 
     # -- introspection ------------------------------------------------------------------
     async def info(self) -> dict:
@@ -123,7 +129,7 @@ class WorkerActor:
                 "device": self._device, "lanes": self.lanes, "model_path": self.model.path,
                 "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "default_loops": cfg.default_loops,
                 "max_loops": cfg.max_loops, "max_seq_len": self.model.max_seq_len, "eos_id": cfg.eos_id,
-                "config": _config_dict(cfg), **(await self.stats())}
+                "config": _config_dict(cfg), "startup": self.model.startup, **(await self.stats())}
 
     async def stats(self) -> dict:
         """Worker-side counts the tests use to prove nothing leaks."""

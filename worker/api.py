@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import time
 from typing import Iterable
 
 import numpy as np
@@ -64,6 +65,7 @@ class Model:
         if prefill_graph_len < 0:
             raise ValueError(f"prefill_graph_len must be >= 0, got {prefill_graph_len}")
         self.prefill_graph_len = prefill_graph_len
+        t0 = time.perf_counter()
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = _dtype(dtype, self.device)
@@ -80,6 +82,8 @@ class Model:
             model.use_fast_path(ops.rms_norm, ops.gemv, ops.gemv_rows, ops.swiglu)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
+        # seconds by part and graph count: what a worker's start-up cost (the actor logs it)
+        self.startup = {"load_s": time.perf_counter() - t0, "graphs": 0}
         if cuda_graphs:
             self.capture_graphs(range(1, self.config.max_loops + 1))
         self._lock = threading.RLock()
@@ -95,15 +99,22 @@ class Model:
         from tinyloop.worker.graphs import DecodeGraphs
         if self.engine.graphs is None:
             self.engine.graphs = DecodeGraphs(self.engine, self.prefill_graph_len)
+        g = self.engine.graphs
         loops = [self._loops(L) for L in loops]
+
+        def timed(part: str, capture, *args) -> None:
+            t = time.perf_counter()
+            capture(*args)
+            self.startup[part] = self.startup.get(part, 0.0) + time.perf_counter() - t
         for lane in range(self.engine.cache.n_slots) if lanes is None else lanes:
             for L in loops:
-                self.engine.graphs.capture(L, lane)
+                timed("decode_graphs_s", g.capture, L, lane)
             if loops:
-                self.engine.graphs.prefill.capture(lane, max(loops))
-                self.engine.graphs.verify.capture(lane, max(loops))
+                timed("prefill_graphs_s", g.prefill.capture, lane, max(loops))
+                timed("verify_graphs_s", g.verify.capture, lane, max(loops))
         if loops:
-            self.engine.graphs.batch.capture(max(loops))
+            timed("batch_graphs_s", g.batch.capture, max(loops))
+        self.startup["graphs"] = sum(len(d) for d in (g.graphs, g.prefill.graphs, g.verify.graphs, g.batch.graphs))
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

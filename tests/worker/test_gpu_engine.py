@@ -342,3 +342,13 @@ def test_two_processes_give_bitwise_equal_logits(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs.append(torch.load(path))
     assert torch.equal(outs[0]["logits"], outs[1]["logits"]) and outs[0]["tokens"] == outs[1]["tokens"]
+
+
+def test_startup_records_the_capture(pair):
+    """Model.startup (what the worker logs and reports in its info): the load and each part of
+    the capture timed, and the graph count equal to the graphs held."""
+    fast, ref = pair
+    s, g = fast.startup, fast.engine.graphs
+    assert s["graphs"] == len(g.graphs) + len(g.prefill.graphs) + len(g.verify.graphs) + len(g.batch.graphs) > 0
+    assert all(s[k] > 0 for k in ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs_s", "batch_graphs_s"))
+    assert ref.startup["graphs"] == 0 and ref.startup["load_s"] > 0
