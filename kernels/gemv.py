@@ -215,19 +215,23 @@ TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
 
 def default_tile(K: int) -> tuple[int, int, int, int]:
     """The M = 1 tile of a shape TILES does not hold: (2, BLOCK_K, 4, 3), BLOCK_K the padded K
-    up to 1024, the tile that won three of bench-285m's five projections on the H200 (TILES)."""
+    up to 1024: bench-285m's w2 and head tile in TILES (its wo's differs only in stages). On the
+    H200 it was within 0.2 % of the best tile a sweep of each projection found, in the steps of
+    the default model and the Ouro-1.4B shapes (bench/results/tiles-*-cuda.json)."""
     return 2, min(1024, triton.next_power_of_2(max(K, 16))), 4, 3
 
 
 # Fixed M = 2..16 tiles, keyed like TILES with the M bucket (`_m_bucket`) after K; none yet:
-# every shape takes `default_rows_tile`.
+# every shape takes `default_rows_tile`. (The engine runs M > 1 only where the model's fast path
+# was given gemv_rows > 1; worker/ops.py keeps cuBLAS for batched steps.)
 ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {}
 
 
 def default_rows_tile(N: int) -> tuple[int, int, int, int]:
-    """The M = 2..16 tile of a shape ROWS_TILES does not hold, by _ROWS_CONFIGS' reasoning: a
-    BLOCK_N that gives the grid (N / BLOCK_N programs) a program per SM or more, 256-wide K
-    tiles in four stages (clean of spills with every option)."""
+    """The M = 2..16 tile of a shape ROWS_TILES does not hold, by _ROWS_CONFIGS' reasoning:
+    BLOCK_N 8 up to 4096 rows (so a 2048-row projection's grid of N / BLOCK_N programs covers
+    the 132 SMs), 16 up to 16384, 64 beyond (the heads); 256-wide K tiles in four stages (three
+    for the widest), clean of spills with every option."""
     if N <= 4096:
         return 8, 256, 4, 4
     return (16, 256, 4, 4) if N <= 16384 else (64, 256, 8, 3)

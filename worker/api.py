@@ -49,7 +49,8 @@ class Model:
     lane-count bucket, and the prefill stages of prompts padded to length buckets of up to
     prefill_graph_len tokens (0: prefill stays eager). A call
     holds the model's lock, so one Model is safe to share between threads; the Ray actor
-    instead runs requests on separate lanes, batching their decode steps (worker/batcher.py)."""
+    instead runs requests on separate lanes, batching their decode steps (worker/batcher.py).
+    `startup`: seconds spent loading and capturing, by part, and the graph count."""
 
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
