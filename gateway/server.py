@@ -73,6 +73,9 @@ class _Worker:
         self.inflight = 0
         self.label = info["worker_id"]
         self.healthy = True
+        for key, seconds in info.get("startup", {}).items():  # worker/api.py Model.startup
+            if key.endswith("_s"):
+                metrics.STARTUP.labels(self.label, key[:-2]).set(seconds)
 
 
 class TinyLoopServicer(pb_grpc.TinyLoopServicer):

@@ -457,3 +457,6 @@ def test_prometheus_metrics_are_served_and_count(client):
     assert tokens == len(ids) == 7
     assert value(after, "tinyloop_errors_total", 'method="Generate",reason="INVALID_ARGUMENT"') >= 1
     assert "tinyloop_time_to_first_token_seconds_count" in after
+    # each worker's start-up (Model.startup; on CPU the load alone: nothing is captured)
+    loads = re.findall(r'^tinyloop_worker_startup_seconds\{part="load",worker="[^"]+"\} ([0-9.e+-]+)$', after, re.M)
+    assert loads and all(float(v) > 0 for v in loads), after
