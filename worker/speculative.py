@@ -419,7 +419,7 @@ def _tree_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, 
     if engine.graphs is not None:
         staged = engine.graphs.verify.runner(lane, 1 + K * k, pos, TreeStages.stages(0, spec.verify_loops, True))
     tokens, logits, targets = (_eager_tree(engine, lane, spec, t, pos, k, K) if staged is None
-                               else _staged_tree(engine, lane, spec, chooser, t, pos, k, K, *staged))
+                               else _staged_tree(engine, spec, chooser, t, pos, k, K, *staged))
     out, path, cur = [], [], 0
     for i in range(1, k + 1):
         y = targets[cur] if targets is not None else chooser.target(logits[cur], pos + i)
@@ -463,24 +463,18 @@ def _eager_tree(engine: Engine, lane: int, spec: SpecParams, t: int, pos: int, k
     return tokens.tolist(), logits, None
 
 
-def _staged_tree(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int, k: int,
-                 K: int, ts: TreeStages, run) -> tuple[list[int], torch.Tensor, list[int] | None]:
+def _staged_tree(engine: Engine, spec: SpecParams, chooser: _Chooser, t: int, pos: int, k: int, K: int,
+                 ts: TreeStages, run) -> tuple[list[int], torch.Tensor, list[int] | None]:
     """The tree's passes on TreeStages (run(stage): a replay of the lane's captured stage, or
-    the stage eagerly), each draft depth over every node; the root's draft (depth 0, one node)
-    replays the lane's decode step at draft_loops where there is one (the next depth's pass
-    rewrites what it leaves in the cache). The tokens move on the device only; a greedy round
-    reads them and the verifier's argmax in one transfer. The counters count what the eager
-    passes run: each draft depth's nodes, not the whole bucket.
+    the stage eagerly), each draft depth over every node. The tokens move on the device only; a
+    greedy round reads them and the verifier's argmax in one transfer. The counters count what
+    the eager passes run: each draft depth's nodes, not the whole bucket.
     -> (the nodes' tokens, their verifier logits (N, V), greedy: the verifier's tokens, else None)."""
     Ld, Lv = spec.draft_loops, spec.verify_loops
     N = 1 + K * k
     ts.load_tree(t, pos, K, k)
     before = engine.counters.snapshot()
-    root = engine.graphs.get(Ld, lane) if k else None  # k = 0: the verify needs the root's pass
     for i in range(k + 1):
-        if i == 0 and root is not None:
-            _draft_depth(root.step(t, pos), ts.tokens[0], 0, K)
-            continue
         for stage in ("prelude", *range(Ld)):
             run(stage)
         if i < k:

@@ -72,16 +72,14 @@ def test_tree_speculation_replays_the_stages(pair):
     no graphs), greedy and sampled."""
     fast, ref = pair
     stages = fast.engine.graphs.verify.chunks[(0, 17)]
-    root = fast.engine.graphs.get(2, 0)  # the roots' drafts: the decode step at draft_loops
     for p in PROMPTS:
         for K, extra in ((2, {}), (4, {}), (3, dict(temperature=0.8, seed=5))):
             kw = dict(max_tokens=20, draft_loops=2, verify_loops=6, draft_ahead=4, K_branches=K, **extra)
             stages.prefix.zero_()
-            root.next_position = -1
             a, b = fast.generate_tree_speculative(p, **kw), ref.generate_tree_speculative(p, **kw)
             assert a == b == ref.generate(p, loops=6, max_tokens=20, **extra)
             assert a.stats == b.stats
-            assert stages.prefix.item() >= len(p) and root.next_position > len(p)  # both replayed
+            assert stages.prefix.item() >= len(p)  # replayed
 
 
 def test_every_lane_replays_its_own_graph(pair):
