@@ -2,7 +2,8 @@
 # Every GPU check and benchmark of the fast path in one command, from the repository root on
 # the H200 (offline image: the project is mapped by bench/gpu_env.sh, not pip-installed):
 #
-#   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart (default: all)
+#   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
+#                                          #   speculative startup (default: all); tiles on demand
 #
 # Pass TINYLOOP_COMMIT=<commit> from the calling side when the host's copy of .git may be stale:
 # the JSONs record it. PACK_LOGS=1 packs the logs into logs.tgz at the end (fewer files to fetch).
@@ -15,7 +16,7 @@ mkdir -p "$OUT"
 source bench/gpu_env.sh
 export PYTHONUNBUFFERED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests gemv profile decode batch prefill warmstart)
+[ ${#steps[@]} -eq 0 ] && steps=(tests gemv profile decode batch prefill warmstart speculative startup)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 run() {  # run NAME SECONDS CMD...: time-limited, logged, never aborts the script
@@ -37,6 +38,9 @@ for s in "${steps[@]}"; do
         batch) run batch "${BATCH_S:-120}" python -m bench.batch --out-dir "$OUT" ;;
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 --out-dir "$OUT" ;;
+        speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
+        startup) run startup 150 python -m bench.startup --model bench-285m --lanes 1 4 --max-seq-len 4096 --out-dir "$OUT" ;;
+        tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done
