@@ -22,6 +22,7 @@ import argparse
 
 from bench.common import hardware, run_timed, write
 from tinyloop.worker import Model
+from tinyloop.worker.scoring import first_divergence
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv=None):\n    ",
@@ -82,7 +83,7 @@ def main() -> None:
                                                                      draft_ahead=ahead, K_branches=K, **kw)
                         s, out = run_timed(fn, dev, args.repeat, warmup=1)
                         if out != ref:
-                            diff = next(i for i, (a, b) in enumerate(zip(out + [None], ref + [None])) if a != b)
+                            diff = first_divergence(out, ref)
                             diverged.append(diff - len(p))
                             print(f"PARITY: Ld={Ld} ahead={ahead} K={K}: greedy output differs from generate "
                                   f"at generated token {diff - len(p)}")
