@@ -92,6 +92,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,46 +100,67 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
 
-    if NORM:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_rows = w_rows
     if SWIGLU:
         up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PREFETCH:
-        # Each iteration loads the next chunk's weights ahead of its own FMAs. With PDL
-        # (programmatic dependent launch) this kernel may start while the previous one drains:
-        # the weights never depend on it, so the first chunk's load goes out before the wait,
-        # and x, the residual and everything after wait for the previous kernel's writes.
+    if ONE_CHUNK:
+        # The program's rows are one tile: every weight it reads goes out at once, before the
+        # PDL wait, and each row is reduced straight from the products (no accumulator tile,
+        # and the same sums as the loop's single iteration).
         w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        k_mask = k < K
-        xv = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        k_mask = cols < K
+        xv = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         if NORM:
-            ss += xv * xv
-            xv = xv * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        xv = xv[None, :]
-        if not PREFETCH:
-            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
-        acc += w.to(tl.float32) * xv
+            ss = xv * xv
+            xv = xv * tl.load(nw_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
         if SWIGLU:
-            acc_up += up.to(tl.float32) * xv
+            y_up = tl.sum(up.to(tl.float32) * xv[None, :], axis=1)
+    else:
+        if NORM:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if SWIGLU:
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
-            w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
+            # Each iteration loads the next chunk's weights ahead of its own FMAs. With PDL
+            # (programmatic dependent launch) this kernel may start while the previous one
+            # drains: the weights never depend on it, so the first chunk's load goes out before
+            # the wait, and x, the residual and everything after wait for the previous kernel's
+            # writes.
+            w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+                tl.extra.cuda.gdc_wait()
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + cols
+            k_mask = k < K
+            xv = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            if NORM:
+                ss += xv * xv
+                xv = xv * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            xv = xv[None, :]
+            if not PREFETCH:
+                w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
+            acc += w.to(tl.float32) * xv
+            if SWIGLU:
+                acc_up += up.to(tl.float32) * xv
+            if PREFETCH:
+                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
+        y = tl.sum(acc, axis=1)
+        if SWIGLU:
+            y_up = tl.sum(acc_up, axis=1)
 
-    y = tl.sum(acc, axis=1)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         y *= inv_rms
     y = y.to(dtype).to(tl.float32)
     if SWIGLU:
-        up = tl.sum(acc_up, axis=1)
+        up = y_up
         if NORM:
             up *= inv_rms
         up = up.to(dtype).to(tl.float32)
@@ -168,6 +190,10 @@ def _argmax_key_max(key_ptr, y, rows, row_mask, N):
     tl.atomic_max(key_ptr, best, mask=best > seen, sem="relaxed")
 
 
+# Every M = 1 launch goes through this: a tile as wide as K takes the one-chunk path.
+_gemv = triton.heuristics({"ONE_CHUNK": lambda args: args["BLOCK_K"] >= args["K"]})(_gemv_kernel)
+
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the configs that won the autotuning of every
 # projection of bench-285m and the Ouro-1.4B head on the H200, with and without PDL, out of
 # 48 tiles of 1K to 8K weights (bench/results/gemv-cuda.json). Fewer configs keep a cold
@@ -181,7 +207,7 @@ _CONFIGS = [
 _gemv_tuned = triton.autotune(
     configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "PDL"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
-)(_gemv_kernel)
+)(_gemv)
 
 
 # gemv's tile for a float32 y or the argmax epilogue, by kernel, shape and options: the one
@@ -478,7 +504,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                 N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
     if interpreting():
-        _gemv_kernel[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
+        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
     t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
@@ -487,8 +513,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                       **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
-    _gemv_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    _gemv[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
+                                 num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 
