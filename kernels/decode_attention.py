@@ -85,6 +85,11 @@ MAX_SPLITS = 64
 # the H200, 1 or 2 stages made the L = 8 step at 128 tokens of context 0.450-0.461 ms against
 # 0.424 with 3 (bench/results/split-stages-ab-cuda.json).
 SPLIT_STAGES = 3
+# rope_decode_attention's shortest split of a lane's cached slots (a lane takes as many splits of
+# at least this many slots as it has, up to one wave of programs: `_lane_splits`).
+LANE_SPLIT_LEN = MIN_SPLIT_LEN
+# K / V slots a tile of the split kernels' loop on CUDA (`_block_n`).
+SPLIT_BLOCK_N = 128
 
 
 @triton.jit
@@ -374,7 +379,7 @@ def _block_n(block_d: int) -> int:
     # session (bench/results/decode-attention-tile-ab-cuda.json): fewer dependent round trips.
     if interpreting():
         return 16
-    return 128 if block_d <= 128 else 32
+    return SPLIT_BLOCK_N if block_d <= 128 else 32
 
 
 def _split_len(B: int, Hkv: int, S: int, device: torch.device, block_n: int) -> int:
@@ -443,13 +448,13 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None):
+                     max_active=None, lane_split_len=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd).
     positions: rope_decode_attention's, whose split kernel also takes o (after acc) and
     max_active (after qk_scale; default num_splits), and writes its lanes' active splits only
-    (_lane_splits).
+    (_lane_splits of lane_split_len slots at least, default split_len <= it).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
@@ -458,6 +463,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     BLOCK_D = _block_d(hd)
     num_splits = triton.cdiv(max(S, 1), split_len)
     max_active = min(max_active or num_splits, num_splits)
+    lane_split_len = split_len if lane_split_len is None else lane_split_len
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
@@ -465,7 +471,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     rope = positions is not None
     split_kernel[(B, Hkv, num_splits)](
         *inputs, m, l, acc, *((o,) if rope else ()), *strides,
-        H, S, hd, H // Hkv, num_splits, split_len,
+        H, S, hd, H // Hkv, num_splits, lane_split_len if rope else split_len,
         float(scale) * LOG2E,
         *((max_active,) if rope else ()),
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
@@ -480,7 +486,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     )
     _decode_attention_merge_kernel[(B * H,)](
         m, l, acc, o, positions if rope else o, positions.stride(0) if rope else 0,
-        H, S, hd, num_splits, split_len, max_active,
+        H, S, hd, num_splits, lane_split_len if rope else split_len, max_active,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         BLOCK_D=BLOCK_D,
         PDL=pdl,
@@ -509,7 +515,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale):
                              _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
 
 
-def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None):
+def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
+                          lane_split_len=None):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
     and longer ones than split_len."""
@@ -519,7 +526,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (q, k, v, cos, sin, positions, k_cache, v_cache),
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len, positions, max_active)
+                            q, Hkv, S, scale, split_len, positions, max_active, lane_split_len)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
@@ -542,7 +549,7 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale)
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
-                                  _one_wave(B, Hkv, q.device))
+                                  _one_wave(B, Hkv, q.device), min(split_len, LANE_SPLIT_LEN))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
