@@ -105,7 +105,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
-    STAGED: tl.constexpr,  # PREFETCH only: the loop after the first chunk left to the pipeliner
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,31 +143,16 @@ def _gemv_kernel(
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
                 tl.extra.cuda.gdc_wait()
-        if STAGED:
-            # The chunks after the first in a plain loop, which Triton's software pipeliner
-            # stages through shared memory (num_stages - 1 chunks in flight, no registers held
-            # across iterations); the first chunk, loaded before the wait, is applied after it.
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                xv, ss = _x_chunk(x_ptr, nw_ptr, k0 + cols, K, ss, NORM)
-                wk, upk = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU)
-                acc += wk.to(tl.float32) * xv
-                if SWIGLU:
-                    acc_up += upk.to(tl.float32) * xv
-            xv, ss = _x_chunk(x_ptr, nw_ptr, cols, K, ss, NORM)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + cols
+            xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM)
+            if not PREFETCH:
+                w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
             acc += w.to(tl.float32) * xv
             if SWIGLU:
                 acc_up += up.to(tl.float32) * xv
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + cols
-                xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM)
-                if not PREFETCH:
-                    w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
-                acc += w.to(tl.float32) * xv
-                if SWIGLU:
-                    acc_up += up.to(tl.float32) * xv
-                if PREFETCH:
-                    w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
+            if PREFETCH:
+                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
         y = tl.sum(acc, axis=1)
         if SWIGLU:
             y_up = tl.sum(acc_up, axis=1)
@@ -231,10 +215,6 @@ _gemv_tuned = triton.autotune(
 # gemv's tile for a float32 y or the argmax epilogue, by kernel, shape and options: the one
 # tuned for the plain call (`_launch_tuned`)
 _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
-
-# M = 1 with PDL and a tile of 2+ stages: the chunks after the first in a loop that Triton's
-# pipeliner stages through shared memory, rather than one chunk ahead in registers (experiment).
-STAGED_LOOP = False
 
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
@@ -526,18 +506,16 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                 N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
     if interpreting():
-        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64,
-                                    STAGED=bool(pdl) and STAGED_LOOP)
+        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
     t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
-                      **flags, PREFETCH=pdl, PDL=pdl, STAGED=False, launch_pdl=pdl)
+                      **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
     _gemv[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-                                 STAGED=pdl and STAGED_LOOP and stages > 1,
                                  num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
@@ -593,7 +571,7 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     if t is None:
         _launch_tuned(_gemv_rows_tuned, N, args, y, x.dtype,
                       (N, K, weight.stride(0), x.device, pdl, _m_bucket(M), *flags.values()),
-                      **flags, PREFETCH=pdl, PDL=pdl, STAGED=False, launch_pdl=pdl)
+                      **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
     _gemv_rows_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
