@@ -86,8 +86,11 @@ MAX_SPLITS = 64
 # 0.424 with 3 (bench/results/split-stages-ab-cuda.json).
 SPLIT_STAGES = 3
 # rope_decode_attention's shortest split of a lane's cached slots (a lane takes as many splits of
-# at least this many slots as it has, up to one wave of programs: `_lane_splits`).
-LANE_SPLIT_LEN = MIN_SPLIT_LEN
+# at least this many slots as it has, up to one wave of programs: `_lane_splits`). On the H200 a
+# lane at 1024 tokens with 8 splits (64 or 32 slots a split at least) ran the L = 8 step 2.7-2.8 %
+# faster than with 4 of 256; at 128 tokens two or four splits were no faster than one, and at
+# 3072 every setting reaches the one-wave cap (bench/results/lane-ab-cuda.json).
+LANE_SPLIT_LEN = 128
 # K / V slots a tile of the split kernels' loop on CUDA (`_block_n`).
 SPLIT_BLOCK_N = 128
 

@@ -227,25 +227,29 @@ MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kerne
 # 0.454 ms, 6.4 % slower than with (8, 512, 4, 1) on the same machine
 # (bench/results/tiles-ab-cuda-e7c005b.json, `first`). It runs only with TINYLOOP_AUTOTUNE=1,
 # for shapes this table does not hold; `bench/tiles.py` sweeps a model's tiles in its decode
-# step instead and prints the entries to add here. bench-285m's projections with PDL: the best
-# set of `second` in that file, where single-tile changes from it were 0.3-5.4 % slower in the
-# step.
+# step instead and prints the entries to add here. bench-285m's projections with PDL: q|k|v and
+# gate|up the best set of `second` in that file, where single-tile changes from it were 0.3-5.4 %
+# slower in the step; wo, w2 and the head one-chunk tiles (BLOCK_K >= K: every weight of a
+# program loaded before its PDL wait), which took the L = 8 step at 128 tokens from 0.4186-0.4190
+# to 0.4140-0.4144 ms in interleaved rounds on one H200 (bench/results/tilevar-ab-cuda.json;
+# one-chunk q|k|v and gate|up tiles were 0.3-12 % slower: onechunk-ab-cuda.json).
 TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
     "NVIDIA H200": {
         (6144, 2048, True, False, False, True): (16, 512, 4, 1),    # q|k|v (+norm)
-        (2048, 2048, False, False, True, True): (2, 1024, 4, 1),    # wo (+residual)
+        (2048, 2048, False, False, True, True): (4, 2048, 4, 1),    # wo (+residual)
         (5632, 2048, True, True, False, True): (8, 512, 4, 1),      # gate|up (+norm, SwiGLU)
-        (2048, 5632, False, False, True, True): (2, 1024, 4, 3),    # w2 (+residual)
-        (32000, 2048, True, False, False, True): (2, 1024, 4, 3),   # head (+norm)
+        (2048, 5632, False, False, True, True): (1, 8192, 4, 1),    # w2 (+residual)
+        (32000, 2048, True, False, False, True): (4, 2048, 4, 1),   # head (+norm)
     },
 }
 
 
 def default_tile(K: int) -> tuple[int, int, int, int]:
     """The M = 1 tile of a shape TILES does not hold: (2, BLOCK_K, 4, 3), BLOCK_K the padded K
-    up to 1024: bench-285m's w2 and head tile in TILES (its wo's differs only in stages). On the
-    H200 it was within 0.2 % of the best tile a sweep of each projection found, in the steps of
-    the default model and the Ouro-1.4B shapes (bench/results/tiles-*-cuda.json)."""
+    up to 1024 (one chunk for K <= 1024): bench-285m's w2 and head tile in TILES before their
+    one-chunk tiles. On the H200 it was within 0.2 % of the best tile a sweep of each projection
+    found, in the steps of the default model and the Ouro-1.4B shapes
+    (bench/results/tiles-*-cuda.json, before the one-chunk path)."""
     return 2, min(1024, triton.next_power_of_2(max(K, 16))), 4, 3
 
 
