@@ -59,6 +59,13 @@ class RMSNorm(nn.Module):
         h = x + residual
         return self(h), h
 
+    def added_to(self, skip: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """skip + norm(x), a sandwich-norm layer's post-norm and residual add: with the kernel,
+        one launch (bitwise the kernel's norm, then the add)."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, skip=skip)
+        return skip + self(x)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: LoopedConfig):
@@ -147,7 +154,7 @@ class Block(nn.Module):
         h, x = self.ffn_norm.add(a, x)  # x + a and its norm
         f = self.feed_forward(h)
         if self.sandwich:
-            f = self.post_ffn_norm(f)
+            return self.post_ffn_norm.added_to(x, f)
         return x + f
 
     def token_step(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -155,18 +162,18 @@ class Block(nn.Module):
         batched one) in four fused projections, each reading its weight once for all lanes:
         the input norms ride in the
         (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
-        adds in the epilogues of wo and w2 (sandwich norm keeps its post-norms apart: they
-        need the whole projected row before the add)."""
+        adds in the epilogues of wo and w2 (sandwich norm's post-norms need the whole projected
+        row before the add: one launch each after the projection, the add fused in)."""
         att, ffn, gemv = self.attention, self.feed_forward, self.gemv
         qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
         out = att.attend(*qkv.split(att._sizes(), -1), attend)
         if self.sandwich:
-            x = x + self.post_attention_norm(gemv(out, att.wo.weight))
+            x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight))
         else:
             x = gemv(out, att.wo.weight, residual=x)
         h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True)
         if self.sandwich:
-            return x + self.post_ffn_norm(gemv(h, ffn.w2.weight))
+            return self.post_ffn_norm.added_to(x, gemv(h, ffn.w2.weight))
         return gemv(h, ffn.w2.weight, residual=x)
 
 
