@@ -26,17 +26,19 @@ into the projection that reads its input or writes its output, row by row:
 
 Layout, M = 1 (``_gemv_kernel``): one program per BLOCK_N output rows, looping over K in
 BLOCK_K chunks and accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the
-end. No split-K: a program owns its rows, which keeps the epilogues (silu, the residual) free
-of atomics; the row block is small enough that even the 2048-row projections launch a few
-hundred programs. The block sizes are autotuned per (N, K) on CUDA; under the interpreter one
-config runs.
+end; a tile with BLOCK_K >= K takes a one-chunk path instead, every weight of the program
+loaded at once (before the PDL wait) and each row reduced straight from the products. No
+split-K: a program owns its rows, which keeps the epilogues (silu, the residual) free of
+atomics; the row block is small enough that even the 2048-row projections launch a few hundred
+programs. The tiles are fixed per device and shape (`TILES`, else `default_tile`); under the
+interpreter one tile runs.
 
 Layout, 2 <= M <= 16 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
 weight tile is loaded once and applied to all M rows by a tl.dot with the (16, BLOCK_K) x tile
 (rows >= M masked to zero; fp32 accumulation on the tensor cores, operands in x's dtype, fp32
 x with exact "ieee" products), accumulating a (16, BLOCK_N) tile of y. The weights are read
 once per call whatever M, so a batched decode step's projections stay near the cost of a
-batch-1 step's. Autotuned per (N, K, M bucket 2-4 / 5-8 / 9-16, options) on CUDA.
+batch-1 step's. Fixed tiles per device and shape (`ROWS_TILES`, else `default_rows_tile`).
 
 ``pdl`` (on by default on Hopper and later; TINYLOOP_PDL=0 turns it off): programmatic
 dependent launch, so a projection starts while the previous kernel drains, with its first
