@@ -29,7 +29,8 @@ of kernels/rope.py, a launch of its own per layer) into the split kernel. With p
 
 which is rope_cache_write then decode_attention(seq_lens = p_b + 1) for a live lane, with cos /
 sin gathered from the tables at row p_b. The lane's p_b cached slots are spread evenly over its
-active splits: as many as splits of SPLIT_LEN slots would need, but no more than MAX_ACTIVE,
+active splits: as many as splits of SPLIT_LEN slots would need (the launcher's LANE_SPLIT_LEN, at
+most the grid's split length), but no more than MAX_ACTIVE,
 which the launcher sets to what one wave of programs holds (a long context takes longer splits
 rather than a second wave; the grid keeps a full cache's splits); split 0 is always active (it
 holds the new key). A program of any other split exits at once, before the PDL wait, writing

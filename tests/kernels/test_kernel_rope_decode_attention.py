@@ -113,21 +113,26 @@ def test_rope_decode_attention_many_splits(H, Hkv, S, split_len):
     assert torch.equal(_rope_decode_attention(*got[:8], 0.2, split_len), out)
 
 
-@pytest.mark.parametrize("max_active", [1, 2, 3])
-def test_rope_decode_attention_capped_splits(max_active):
+@pytest.mark.parametrize("split_len, max_active, lane_split_len", [
+    (16, 1, None), (16, 2, None), (16, 3, None), (48, 3, 16), (48, 3, 5), (144, 1, 16)])
+def test_rope_decode_attention_capped_splits(split_len, max_active, lane_split_len):
     """Fewer active splits a lane than a full cache's (the launcher's one-wave cap): a lane
     needing more spreads its slots evenly over max_active longer splits, whose ends fall inside
     tiles (pos 129 in 3 splits: 43 slots each; pos 100 in 2: 50), and one split writes o itself.
-    Checked against the reference, then the slots >= pos poisoned as below: none is read."""
+    A lane split length below the grid's (the launcher's LANE_SPLIT_LEN) splits a lane more
+    finely than the grid's split length would (pos 33 in 3 splits of 5 slots at least: 11 each;
+    in splits of 16: 3 of 11, where the grid's 48 would give one). Checked against the
+    reference, then the slots >= pos poisoned as below: none is read."""
     S, hd = 130, 24
     positions = [129, 100, 33, 17, 16, 0, S]
-    out, got = run_both(lambda *a: _rope_decode_attention(*a, 16, max_active), 7, 4, 2, hd, S, F32,
-                        positions, seed=max_active, scale=0.3)
+    args = (split_len, max_active, lane_split_len)
+    out, got = run_both(lambda *a: _rope_decode_attention(*a, *args), 7, 4, 2, hd, S, F32,
+                        positions, seed=max_active + split_len, scale=0.3)
     for b, p in enumerate(positions):
         first_unread = p + 1 if p < S else 0  # slot p now holds the new key
         got.k_cache[b, :, first_unread:] = float("nan")
         got.v_cache[b, :, first_unread:] = float("inf")
-    assert torch.equal(_rope_decode_attention(*got[:8], 0.3, 16, max_active), out)
+    assert torch.equal(_rope_decode_attention(*got[:8], 0.3, *args), out)
 
 
 @pytest.mark.parametrize("split_len", [16, 144])
