@@ -8,7 +8,10 @@ the same L = 8 step on the H200s of one session: docs/performance.md), more than
 move it, so two commits' full runs do not compare them. This runs every variant on one model,
 alternating base / variant / base / variant, and records each config's figure per round:
 `bench/decode.py`'s `decode_rate` (ms per token of the captured step fed its own greedy token,
-min of `--best-of` runs) at L loops with CTX tokens in the cache.
+min of `--best-of` runs) at L loops with CTX tokens in the cache. `--warmup-rounds` rounds (1 by
+default) run first and are not recorded: on the H200 the first round read about 1 % slower
+than the next ones for the first variants (e.g. 0.424 then 0.419 and 0.4186 ms,
+bench/results/tilevar-ab-cuda.json, recorded before this option).
 
 A variant is `NAME` or `NAME:module.attr=value[;module.attr=value...]`: the module-level
 settings it runs with (values are Python literals), restored after it. Between variants the
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="NAME or NAME:module.attr=value[;...] (repeat; two or more)")
     ap.add_argument("--configs", nargs="+", default=["8x128"], help="LOOPSxCONTEXT, e.g. 8x128 8x3072")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds first")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
     ap.add_argument("--best-of", type=int, default=3, help="timed runs per figure (the minimum)")
     ap.add_argument("--preset", default="bench-285m")
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = [parse_config(c) for c in args.configs]
     if args.rounds < 1 or args.best_of < 1 or args.steps < 1:
         raise ValueError("--rounds, --best-of and --steps must be >= 1")
+    if args.warmup_rounds < 0:
+        raise ValueError("--warmup-rounds must be >= 0")
     for L, ctx in configs:
         if ctx + args.steps + 1 > args.max_seq_len:
             raise ValueError(f"config {L}x{ctx}: {ctx} + {args.steps} steps pass --max-seq-len {args.max_seq_len}")
@@ -117,12 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     cuda = dev.type == "cuda"
     result = {"hardware": hardware(dev), "model": f"{args.preset} (random init)",
               "variants": {n: [f"{m}.{a}={v!r}" for m, a, v in s] for n, s in variants},
-              "configs": [f"{L}x{ctx}" for L, ctx in configs], "rounds": [], "ceilings": ceilings(dev)}
+              "configs": [f"{L}x{ctx}" for L, ctx in configs], "warmup_rounds": args.warmup_rounds,
+              "rounds": [], "ceilings": ceilings(dev)}
     path = random_checkpoint(args.preset, PRESETS[args.preset])
     with Model(path, max_seq_len=args.max_seq_len, device=dev, dtype="bfloat16" if cuda else "float32",
                cuda_graphs=False) as m:
-        bar = tqdm(total=args.rounds * len(variants) * len(configs), desc="a/b", unit="figure")
-        for r in range(args.rounds):
+        bar = tqdm(total=(args.warmup_rounds + args.rounds) * len(variants) * len(configs), desc="a/b",
+                   unit="figure")
+        for r in range(-args.warmup_rounds, args.rounds):  # r < 0: warm-up, not recorded
             for name, sets in variants:
                 row = {"round": r, "variant": name, "ms": {}}
                 with Settings(sets):
@@ -140,9 +148,11 @@ def main(argv: list[str] | None = None) -> None:
                 gemv = importlib.import_module("tinyloop.kernels.gemv")
                 if cuda and gemv.autotuning():  # the autotuned tiles (TINYLOOP_AUTOTUNE=1: per process)
                     result["gemv_tiles"] = {repr(k[:7]): str(v) for k, v in gemv._gemv_tuned.cache.items()}
-                tqdm.write(f"round {r} {name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in row["ms"].items()))
-                result["rounds"].append(row)
-                write(f"{args.name}-{dev.type}", result, args.out_dir)
+                label = f"round {r}" if r >= 0 else "warm-up"
+                tqdm.write(f"{label} {name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in row["ms"].items()))
+                if r >= 0:
+                    result["rounds"].append(row)
+                    write(f"{args.name}-{dev.type}", result, args.out_dir)
         bar.close()
     best = {n: {c: min(row["ms"][c] for row in result["rounds"] if row["variant"] == n) for c in result["configs"]}
             for n, _ in variants}

@@ -253,6 +253,7 @@ def test_ab_bench_cpu(tmp_path):
              "--variant", "one_stage:tinyloop.kernels.decode_attention.SPLIT_STAGES=1;"
                           "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=(128)"])
     r = json.loads((tmp_path / "decode-ab-cpu.json").read_text())
+    assert r["warmup_rounds"] == 1  # the default: one round of each variant first, not recorded
     assert [(row["round"], row["variant"]) for row in r["rounds"]] == [
         (0, "base"), (0, "one_stage"), (1, "base"), (1, "one_stage")]
     assert r["variants"]["one_stage"] == ["tinyloop.kernels.decode_attention.SPLIT_STAGES=1",
@@ -273,6 +274,7 @@ def test_ab_bench_cpu(tmp_path):
     (["--variant", "a", "--variant", "b:tinyloop.kernels.decode_attention.SPLIT_STAGES=one"], "not a Python literal"),
     (["--variant", "a", "--variant", "b", "--configs", "8by128"], "expected LOOPSxCONTEXT"),
     (["--variant", "a", "--variant", "b", "--configs", "8x62"], "pass --max-seq-len 64"),
+    (["--variant", "a", "--variant", "b", "--warmup-rounds", "-1"], "--warmup-rounds must be >= 0"),
 ])
 def test_ab_bench_rejects_bad_arguments(tmp_path, argv, match):
     from bench import ab
