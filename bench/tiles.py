@@ -7,8 +7,8 @@ kernels/gemv.py `TILES` for this device.
 --model: `default` (the embedded default model) or a preset of worker/config.py (random
 weights). The step's projections are found by recording the tiles its launches ask for
 (`gemv.tile`: shape and options). Each starts from the tile it runs with now (TILES', else
-`default_tile`'s). One projection at a time, every candidate (`_CONFIGS` and the default tile,
-K tile no wider than the padded K) takes its place in a freshly captured step, and the step's
+`default_tile`'s). One projection at a time, every candidate (`candidates`: `_CONFIGS`, the
+default tile and one-chunk tiles, K tile no wider than the padded K) takes its place in a freshly captured step, and the step's
 ms per token (`bench.decode.decode_rate`, min of --best-of runs at --context tokens) decides;
 the winner stays for the projections after it. Then three sets run interleaved for --rounds
 rounds: the tiles before the sweep, the swept tiles, and per-process autotuning
@@ -61,9 +61,21 @@ def projections(m: Model, loops: int, context: int) -> list[tuple]:
     return keys
 
 
+# One-chunk tiles (BLOCK_K = the padded K, every weight of a program loaded before its PDL wait):
+# the row blocks tried for each K up to ONE_CHUNK_MAX_K, keeping a program's tile of each weight
+# matrix (BLOCK_N x the padded K, bf16; SwiGLU loads two) within 32 KB. On the H200 they won bench-285m's wo, w2 and head
+# (kernels/gemv.py TILES), which no 1024-wide config of _CONFIGS reaches at K = 2048 or 5632.
+ONE_CHUNK_MAX_K = 8192
+ONE_CHUNK_ROWS = (1, 2, 4, 8)
+
+
 def candidates(K: int) -> list[tuple[int, int, int, int]]:
+    """The tiles the sweep tries for a projection of K columns: _CONFIGS' and the default tile
+    whose K tile fits the padded K, and the one-chunk tiles (4 warps, one stage) of that K."""
     padded = triton.next_power_of_2(max(K, 16))
     tiles = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in gemv_mod._CONFIGS]
+    if padded <= ONE_CHUNK_MAX_K:
+        tiles += [(bn, padded, 4, 1) for bn in ONE_CHUNK_ROWS if bn * padded * 2 <= 32768]
     return sorted({t for t in tiles + [gemv_mod.default_tile(K)] if t[1] <= padded})
 
 

@@ -284,8 +284,9 @@ def test_ab_bench_rejects_bad_arguments(tmp_path, argv, match):
 
 
 def test_tiles_sweep_candidates_and_refusals():
-    """bench/tiles.py: a projection's candidates are the kernel's configs and its default tile
-    whose K tile fits the padded K; without a GPU, or with an unknown model, it refuses."""
+    """bench/tiles.py: a projection's candidates are the kernel's configs, its default tile and
+    its one-chunk tiles whose K tile fits the padded K; without a GPU, or with an unknown model,
+    it refuses."""
     from bench import tiles
     from tinyloop.kernels.gemv import default_tile
     for K in (320, 704, 2048, 5632):
@@ -293,6 +294,10 @@ def test_tiles_sweep_candidates_and_refusals():
         assert default_tile(K) in c and len(c) == len(set(c)) >= 4
         assert all(bk <= max(16, 2 ** (K - 1).bit_length()) for _, bk, _, _ in c)
     assert (2, 1024, 4, 3) not in tiles.candidates(320) and (2, 1024, 4, 3) in tiles.candidates(2048)
+    # one-chunk tiles: bench-285m's wo / head and w2 picks among them, none past 32 KB a matrix
+    assert (4, 2048, 4, 1) in tiles.candidates(2048) and (1, 8192, 4, 1) in tiles.candidates(5632)
+    assert (4, 8192, 4, 1) not in tiles.candidates(5632)
+    assert all(bn * bk * 2 <= 32768 for K in (2048, 5632) for bn, bk, _, _ in tiles.candidates(K) if bk >= K)
     with pytest.raises(SystemExit):
         tiles.main(["--model", "no-such-model"])
     if not torch.cuda.is_available():
