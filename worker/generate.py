@@ -102,7 +102,28 @@ def prefill_buckets(max_seq_len: int, max_len: int) -> list[int]:
     return buckets + [top] if top >= 16 and top not in buckets else buckets
 
 
-class PaddedPrefill:
+class StagedPass:
+    """A pass as stages over static buffers (the engine, its Pass p, tokens, the residual x and
+    the logits, set by the subclass): "prelude" embeds the tokens and runs the prelude into x,
+    iteration i runs in place on x, "coda" runs the coda and writes `coda_logits` of its output.
+    Each stage is what one CUDA graph captures (worker/graphs.py)."""
+
+    @torch.no_grad()
+    def run(self, stage) -> None:
+        """One stage, eagerly (what a graph captures)."""
+        e, p = self.engine, self.p
+        if stage == "prelude":
+            self.x.copy_(e.embed_prelude(self.tokens, p))
+        elif stage == "coda":
+            self.logits.copy_(self.coda_logits(e.coda(self.x, p)))
+        else:
+            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1))
+
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PaddedPrefill(StagedPass):
     """The prefill of a fresh prompt (positions 0..T-1, full cache, no norm tracking) padded to
     `bucket` tokens on `lane`, as stages over static buffers, so that each stage is captured
     once as a CUDA graph (worker/graphs.py) and replayed for any prompt of up to `bucket`
@@ -130,16 +151,9 @@ class PaddedPrefill:
     def stages(loops: int) -> list:
         return ["prelude", *range(loops), "coda"]
 
-    @torch.no_grad()
-    def run(self, stage) -> None:
-        """One stage, eagerly (what a graph captures)."""
-        e, p = self.engine, self.p
-        if stage == "prelude":
-            self.x.copy_(e.embed_prelude(self.tokens, p))
-        elif stage == "coda":
-            self.logits.copy_(e.logits(e.coda(self.x, p).index_select(1, self.last))[:, -1])
-        else:
-            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1))
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The coda stage's logits: the last real token's, (1, V)."""
+        return self.engine.logits(h.index_select(1, self.last))[:, -1]
 
     def __call__(self, tokens: list[int], loops: int, run=None) -> torch.Tensor:
         """Prefill `tokens` (1 <= T <= bucket) at `loops`: the last logits (1, V). run(stage)

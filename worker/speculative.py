@@ -45,7 +45,8 @@ import torch
 
 from tinyloop.kernels.tree_attention import MAX_NODES, ancestors_from_parents
 from tinyloop.worker.engine import Engine, Pass, Tree
-from tinyloop.worker.generate import FINISH_LENGTH, FINISH_STOP, Finish, Request, TokenStream, prefill
+from tinyloop.worker.generate import (FINISH_LENGTH, FINISH_STOP, Finish, Request, StagedPass, TokenStream,
+                                      prefill)
 from tinyloop.worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
                                       draw, probs, uniform)
 
@@ -281,7 +282,7 @@ def verify_bucket(n: int) -> int | None:
     return next((b for b in VERIFY_BUCKETS if b >= n), None)
 
 
-class TreeStages:
+class TreeStages(StagedPass):
     """Tree-mode passes (engine.Tree) over a bucket of nodes on `lane` as stages over static
     buffers, so that each stage is captured once as a CUDA graph (worker/graphs.py) and
     replayed for any tree of up to `bucket` nodes at any position and depths. The same stages
@@ -334,16 +335,9 @@ class TreeStages:
     def fits(self, pos: int) -> bool:
         return pos + self.bucket <= self.engine.cache.max_seq_len
 
-    @torch.no_grad()
-    def run(self, stage) -> None:
-        """One stage, eagerly (what a graph captures)."""
-        e, p = self.engine, self.p
-        if stage == "prelude":
-            self.x.copy_(e.embed_prelude(self.tokens, p))
-        elif stage == "coda":
-            self.logits.copy_(e.logits(e.coda(self.x, p), p)[0])
-        else:
-            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1))
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The coda stage's logits: every node's, (bucket, V)."""
+        return self.engine.logits(h, self.p)[0]
 
     def _place(self, pos: int, ancestors: torch.Tensor, depths: torch.Tensor | None) -> None:
         torch.add(self.offsets, pos, out=self.slots)
