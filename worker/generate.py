@@ -105,8 +105,11 @@ def prefill_buckets(max_seq_len: int, max_len: int) -> list[int]:
 class StagedPass:
     """A pass as stages over static buffers (the engine, its Pass p, tokens, the residual x and
     the logits, set by the subclass): "prelude" embeds the tokens and runs the prelude into x,
-    iteration i runs in place on x, "coda" runs the coda and writes `coda_logits` of its output.
-    Each stage is what one CUDA graph captures (worker/graphs.py)."""
+    iteration i runs in place on x (with per-lane `depth`, a mixed-depth batch), "coda" runs the
+    coda and writes `coda_logits` of its output. Each stage is what one CUDA graph captures
+    (worker/graphs.py)."""
+
+    depth: torch.Tensor | None = None
 
     @torch.no_grad()
     def run(self, stage) -> None:
@@ -117,7 +120,7 @@ class StagedPass:
         elif stage == "coda":
             self.logits.copy_(self.coda_logits(e.coda(self.x, p)))
         else:
-            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1))
+            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1, depth=self.depth))
 
     def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -208,7 +211,7 @@ def prefill_buffers(engine: Engine, bucket: int) -> tuple:
             torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=device))
 
 
-class BatchStep:
+class BatchStep(StagedPass):
     """One decode step of lanes [0, bucket), as stages over static buffers, so that each stage
     is captured once as a CUDA graph (worker/graphs.py) and any mix of per-lane depths replays
     from a few graphs. The same stages run eagerly anywhere.
@@ -234,16 +237,9 @@ class BatchStep:
 
     stages = staticmethod(PaddedPrefill.stages)  # the same stage names: prelude, each iteration, coda
 
-    @torch.no_grad()
-    def run(self, stage) -> None:
-        """One stage, eagerly (what a graph captures)."""
-        e, p = self.engine, self.p
-        if stage == "prelude":
-            self.x.copy_(e.embed_prelude(self.tokens, p))
-        elif stage == "coda":
-            self.logits.copy_(e.logits(e.coda(self.x, p))[:, -1])
-        else:
-            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1, depth=self.depth))
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The coda stage's logits: each lane's, (bucket, V)."""
+        return self.engine.logits(h)[:, -1]
 
     def __call__(self, tokens: list[int], positions: list[int], depths: list[int], run=None,
                  on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
