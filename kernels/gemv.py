@@ -64,13 +64,14 @@ _KEY_NONE = tl.constexpr(ARGMAX_KEY_NONE)
 
 
 @triton.jit
-def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr):
-    """The (BLOCK_N, BLOCK_K) weight tile at columns k (and its up-projection tile)."""
+def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr, EVICT: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) weight tile at columns k (and its up-projection tile), loaded with
+    L2 eviction policy EVICT."""
     m = row_mask[:, None] & (k < K)[None, :]
-    w = tl.load(w_rows + k[None, :], mask=m, other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=m, other=0.0, eviction_policy=EVICT)
     up = w
     if SWIGLU:
-        up = tl.load(up_rows + k[None, :], mask=m, other=0.0)
+        up = tl.load(up_rows + k[None, :], mask=m, other=0.0, eviction_policy=EVICT)
     return w, up
 
 
@@ -102,6 +103,7 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
     ARGMAX: tl.constexpr,
+    EVICT: tl.constexpr,  # the weight loads' L2 eviction policy: "", "evict_first", "evict_last"
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -122,7 +124,7 @@ def _gemv_kernel(
         # The program's rows are one tile: every weight it reads goes out at once, before the
         # PDL wait, and each row is reduced straight from the products (no accumulator tile,
         # and the same sums as the loop's single iteration).
-        w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
+        w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -141,7 +143,7 @@ def _gemv_kernel(
             # drains: the weights never depend on it, so the first chunk's load goes out before
             # the wait, and x, the residual and everything after wait for the previous kernel's
             # writes.
-            w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
+            w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
                 tl.extra.cuda.gdc_wait()
@@ -149,12 +151,12 @@ def _gemv_kernel(
             k = k0 + cols
             xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM)
             if not PREFETCH:
-                w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU)
+                w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
             acc += w.to(tl.float32) * xv
             if SWIGLU:
                 acc_up += up.to(tl.float32) * xv
             if PREFETCH:
-                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU)
+                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU, EVICT)
         y = tl.sum(acc, axis=1)
         if SWIGLU:
             y_up = tl.sum(acc_up, axis=1)
@@ -217,6 +219,8 @@ _gemv_tuned = triton.autotune(
 # gemv's tile for a float32 y or the argmax epilogue, by kernel, shape and options: the one
 # tuned for the plain call (`_launch_tuned`)
 _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
+
+EVICTION_POLICIES = ("", "evict_first", "evict_last")  # gemv's eviction_policy (tl.load's)
 
 MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
 
@@ -335,6 +339,7 @@ def _gemv_rows_kernel(
     NORM: tl.constexpr,
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    EVICT: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -370,14 +375,14 @@ def _gemv_rows_kernel(
         # pipeliner from staging the weight loads through shared memory (num_stages - 1 tiles in
         # flight) and spilled registers at these tile sizes; this way the loop stays pipelined
         # and its first loads go out right after the wait, while the first tile is landing.
-        w0, up0 = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU)
+        w0, up0 = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         xv, ss = _rows_x(x_rows, nw_ptr, k0 + cols, m_mask, K, ss, NORM)
-        w, up = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU)
+        w, up = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU, EVICT)
         acc = _dot_wt(xv, w, acc, DOT_F32)
         if SWIGLU:
             acc_up = _dot_wt(xv, up, acc_up, DOT_F32)
@@ -440,7 +445,7 @@ def _m_bucket(m: int) -> int:
 
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
-         argmax_key=None):
+         argmax_key=None, eviction_policy=""):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -456,7 +461,11 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     key of its largest entry of y (`argmax_key_ref`), so after the call it holds y's argmax if
     it held `ARGMAX_KEY_NONE` before (the decode step's greedy token, with no kernel reading
     the logits back: kernels.sampling.greedy_feed reads the key and sets it back). y is the
-    y of the call without it (the plain call's tile)."""
+    y of the call without it (the plain call's tile).
+    eviction_policy: the L2 eviction policy of the weight loads, as tl.load's: "" (the
+    default), "evict_first" (a weight read once and streamed past) or "evict_last" (a weight
+    read again soon: a looped model's shared block, read L times a token). y does not depend
+    on it."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if argmax_key is not None:
@@ -503,8 +512,11 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
             raise ValueError(f"{op}: argmax_key takes one row of x (M = 1), got M = {M}")
         check_shape(op, "argmax_key", argmax_key, (1,))
         check_dtype(op, "argmax_key", argmax_key, (torch.int64,))
+    if eviction_policy not in EVICTION_POLICIES:
+        raise ValueError(f"{op}: eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
     y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
-    flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None)
+    flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
+                 EVICT=eviction_policy)
     if M > 1:
         return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
                           flags)
@@ -602,9 +614,10 @@ def argmax_key_ref(y):
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
-             out_dtype=None, argmax_key=None):
+             out_dtype=None, argmax_key=None, eviction_policy=""):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
-    row by row over x's leading dims (the norm statistics are per row)."""
+    row by row over x's leading dims (the norm statistics are per row). (pdl and
+    eviction_policy change how the kernel reads, not what it computes.)"""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

@@ -18,6 +18,14 @@ from tinyloop.kernels.gemv import argmax_key_ref
 from tinyloop.kernels.rope import apply_rope_ref
 from tinyloop.worker.config import LoopedConfig
 
+# The L2 eviction policy of the decode step's weight reads (kernels.gemv's eviction_policy), read
+# at each call, so at each graph capture. A token reads the shared block's weights L times and
+# every other weight once: the loop block's projections named in L2_KEEP ("wqkv", "wo", "w13",
+# "w2") load "evict_last", to stay in L2 from one iteration to the next; every other weight
+# (the prelude's, the coda's, the head's and the loop's others) loads with L2_STREAM.
+L2_KEEP: tuple[str, ...] = ()
+L2_STREAM = ""
+
 # attend(q (B,T,H,hd), k (B,T,Hkv,hd), v (B,T,Hkv,hd)) -> (B,H,T,hd). It receives the raw
 # projections and applies RoPE itself, so that the GPU path can fuse RoPE with the cache write.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -144,6 +152,11 @@ class Block(nn.Module):
 
     gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
     gemv_rows = 0
+    in_loop = False  # one of the shared block's layers (LoopedTransformer sets it)
+
+    def eviction(self, name: str) -> str:
+        """The L2 eviction policy of projection `name`'s weight in a decode step (L2_KEEP)."""
+        return "evict_last" if self.in_loop and name in L2_KEEP else L2_STREAM
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
@@ -164,17 +177,19 @@ class Block(nn.Module):
         (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
         adds in the epilogues of wo and w2 (sandwich norm's post-norms need the whole projected
         row before the add: one launch each after the projection, the add fused in)."""
-        att, ffn, gemv = self.attention, self.feed_forward, self.gemv
-        qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps)
+        att, ffn, gemv, ev = self.attention, self.feed_forward, self.gemv, self.eviction
+        qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
+                   eviction_policy=ev("wqkv"))
         out = att.attend(*qkv.split(att._sizes(), -1), attend)
         if self.sandwich:
-            x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight))
+            x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight, eviction_policy=ev("wo")))
         else:
-            x = gemv(out, att.wo.weight, residual=x)
-        h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True)
+            x = gemv(out, att.wo.weight, residual=x, eviction_policy=ev("wo"))
+        h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True,
+                 eviction_policy=ev("w13"))
         if self.sandwich:
-            return self.post_ffn_norm.added_to(x, gemv(h, ffn.w2.weight))
-        return gemv(h, ffn.w2.weight, residual=x)
+            return self.post_ffn_norm.added_to(x, gemv(h, ffn.w2.weight, eviction_policy=ev("w2")))
+        return gemv(h, ffn.w2.weight, residual=x, eviction_policy=ev("w2"))
 
 
 class LoopedTransformer(nn.Module):
@@ -184,6 +199,8 @@ class LoopedTransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
         self.loop = nn.ModuleList(Block(cfg) for _ in range(cfg.n_loop_layers))
+        for layer in self.loop:
+            layer.in_loop = True
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
         self.loop_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.loop_final_norm else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -270,7 +287,7 @@ class LoopedTransformer(nn.Module):
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
             return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=dtype,
-                             argmax_key=argmax_key)
+                             argmax_key=argmax_key, eviction_policy=L2_STREAM)
         y = linear(self.norm(x), head)
         if argmax_key is not None:
             if x.shape[:2] != (1, 1):
