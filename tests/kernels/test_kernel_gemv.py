@@ -64,6 +64,23 @@ def test_gemv_rejects_bad_inputs():
         gemv(x, w, norm_weight=torch.ones(8, device=DEVICE))
     with pytest.raises(ValueError, match="residual must have shape"):
         gemv(x, w, residual=torch.ones(1, 9, device=DEVICE))
+    with pytest.raises(ValueError, match=r"eviction_policy must be one of .*got 'evict_normal'"):
+        gemv(x, w, eviction_policy="evict_normal")
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("policy", ["evict_first", "evict_last"])
+def test_gemv_eviction_policy_leaves_y_unchanged(policy, M):
+    """The weight loads' L2 policy changes how they are cached, never what is computed: y is
+    bitwise the default call's, and matches the reference."""
+    g = torch.Generator().manual_seed(7)
+    N, K = 24, 96
+    x = torch.randn(M, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(2 * N, K, generator=g) / K ** 0.5).to(DEVICE, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, torch.bfloat16)
+    y = gemv(x, w, norm_weight=nw, swiglu=True, eviction_policy=policy)
+    assert torch.equal(y, gemv(x, w, norm_weight=nw, swiglu=True))
+    assert_close(y, gemv_ref(x, w, norm_weight=nw, swiglu=True), "projection")
 
 
 
@@ -201,6 +218,24 @@ def test_gemv_gpu_bf16_shapes(N, K, swiglu, pdl):
     r = torch.randn(1, 1, out_n, device="cuda", dtype=torch.bfloat16)
     for kw in ({}, {"norm_weight": nw}, {"residual": r}, {"norm_weight": nw, "residual": r}):
         assert_close(gemv(x, w, swiglu=swiglu, pdl=pdl, **kw), gemv_ref(x, w, swiglu=swiglu, **kw), "projection")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES)
+def test_gemv_gpu_eviction_policies_are_bitwise_equal(N, K, swiglu, M):
+    """Each L2 policy of the weight loads, on bench-285m's shapes with the decode step's fused
+    options and its tiles (PDL on): the same bits as the call without one."""
+    torch.manual_seed(2)
+    x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    out_n = N // 2 if swiglu else N
+    kw = ({"norm_weight": (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)} if K == 2048 and N != 2048
+          else {"residual": torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)})
+    y = gemv(x, w, swiglu=swiglu, **kw)
+    for policy in ("evict_first", "evict_last"):
+        assert torch.equal(gemv(x, w, swiglu=swiglu, eviction_policy=policy, **kw), y), policy
 
 
 @pytest.mark.gpu
