@@ -24,10 +24,11 @@ from tinyloop.worker.config import LoopedConfig
 # every other weight once. The loop block's projections that `l2_keep` picks for a budget of
 # L2_KEEP_FRACTION of the device's L2 load "evict_last", to stay in L2 from one iteration to the
 # next; every other weight (the prelude's, the coda's, the head's, the loop's others) loads with
-# L2_STREAM, so that it passes through without evicting them. On the H200 (50 MiB of L2),
+# L2_STREAM, so that it passes through without evicting them. On the H200 (60 MiB of L2),
 # bench-285m's q|k|v and wo (33.6 MB) kept took the L = 8 step from 0.412 to 0.385 ms (-6.6 %)
-# in interleaved rounds, where wo and w2 (31.5 MB) gave -5.2 %, q|k|v and w2 (48.2 MB) -1.0 %
-# and the streaming policy alone -1.9 % (bench/results/l2-ab-cuda.json).
+# in interleaved rounds, where wo and w2 (31.5 MB) gave -5.2 %, q|k|v and w2 (48.2 MB) -1.0 %,
+# keeping without streaming +0.6 % and streaming alone -1.9 % (bench/results/l2-ab-cuda.json);
+# a budget of half the L2 (q|k|v alone) was 0.8-1.8 % slower than 0.7 (l2-plan-ab-cuda.json).
 L2_KEEP_FRACTION = 0.7
 L2_STREAM = "evict_first"
 
