@@ -76,20 +76,6 @@ def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr, EVICT: tl.con
 
 
 @triton.jit
-def _load_w_kept(w_rows, up_rows, k, row_mask, K, kept, SWIGLU: tl.constexpr, EVICT: tl.constexpr,
-                 KEEP_ROWS: tl.constexpr):
-    """_load_w, with "evict_last" instead of EVICT where `kept` (a program of gemv's keep_rows)."""
-    if KEEP_ROWS > 0:
-        if kept:
-            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, "evict_last")
-        else:
-            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
-    else:
-        w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
-    return w, up
-
-
-@triton.jit
 def _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM: tl.constexpr):
     """x's chunk at columns k as a (1, BLOCK_K) fp32 row (times the norm weight with NORM), and
     ss plus its squares."""
@@ -118,7 +104,6 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,
     ARGMAX: tl.constexpr,
     EVICT: tl.constexpr,  # the weight loads' L2 eviction policy: "", "evict_first", "evict_last"
-    KEEP_ROWS: tl.constexpr,  # programs starting below this row load "evict_last" (gemv's keep_rows)
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,7 +111,6 @@ def _gemv_kernel(
     ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
 ):
     pid = tl.program_id(0)
-    kept = pid * BLOCK_N < KEEP_ROWS
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -140,7 +124,7 @@ def _gemv_kernel(
         # The program's rows are one tile: every weight it reads goes out at once, before the
         # PDL wait, and each row is reduced straight from the products (no accumulator tile,
         # and the same sums as the loop's single iteration).
-        w, up = _load_w_kept(w_rows, up_rows, cols, row_mask, K, kept, SWIGLU, EVICT, KEEP_ROWS)
+        w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -159,7 +143,7 @@ def _gemv_kernel(
             # drains: the weights never depend on it, so the first chunk's load goes out before
             # the wait, and x, the residual and everything after wait for the previous kernel's
             # writes.
-            w, up = _load_w_kept(w_rows, up_rows, cols, row_mask, K, kept, SWIGLU, EVICT, KEEP_ROWS)
+            w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
                 tl.extra.cuda.gdc_wait()
@@ -167,13 +151,12 @@ def _gemv_kernel(
             k = k0 + cols
             xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM)
             if not PREFETCH:
-                w, up = _load_w_kept(w_rows, up_rows, k, row_mask, K, kept, SWIGLU, EVICT, KEEP_ROWS)
+                w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
             acc += w.to(tl.float32) * xv
             if SWIGLU:
                 acc_up += up.to(tl.float32) * xv
             if PREFETCH:
-                w, up = _load_w_kept(w_rows, up_rows, k + BLOCK_K, row_mask, K, kept, SWIGLU, EVICT,
-                                     KEEP_ROWS)
+                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU, EVICT)
         y = tl.sum(acc, axis=1)
         if SWIGLU:
             y_up = tl.sum(acc_up, axis=1)
@@ -357,7 +340,6 @@ def _gemv_rows_kernel(
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
     EVICT: tl.constexpr,
-    KEEP_ROWS: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -369,7 +351,6 @@ def _gemv_rows_kernel(
     to every row by one tl.dot of the (BLOCK_M, BLOCK_K) x tile (rows >= M zero) with its
     transpose, accumulating y's (BLOCK_M, BLOCK_N) tile in fp32."""
     pid = tl.program_id(0)
-    kept = pid * BLOCK_N < KEEP_ROWS
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n = rows of W
     row_mask = rows < N
     ms = tl.arange(0, BLOCK_M)  # rows of x and y
@@ -394,14 +375,14 @@ def _gemv_rows_kernel(
         # pipeliner from staging the weight loads through shared memory (num_stages - 1 tiles in
         # flight) and spilled registers at these tile sizes; this way the loop stays pipelined
         # and its first loads go out right after the wait, while the first tile is landing.
-        w0, up0 = _load_w_kept(w_rows, up_rows, cols, row_mask, K, kept, SWIGLU, EVICT, KEEP_ROWS)
+        w0, up0 = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         xv, ss = _rows_x(x_rows, nw_ptr, k0 + cols, m_mask, K, ss, NORM)
-        w, up = _load_w_kept(w_rows, up_rows, k0 + cols, row_mask, K, kept, SWIGLU, EVICT, KEEP_ROWS)
+        w, up = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU, EVICT)
         acc = _dot_wt(xv, w, acc, DOT_F32)
         if SWIGLU:
             acc_up = _dot_wt(xv, up, acc_up, DOT_F32)
@@ -464,7 +445,7 @@ def _m_bucket(m: int) -> int:
 
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
-         argmax_key=None, eviction_policy="", keep_rows=0):
+         argmax_key=None, eviction_policy=""):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -483,10 +464,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     y of the call without it (the plain call's tile).
     eviction_policy: the L2 eviction policy of the weight loads, as tl.load's: "" (the
     default), "evict_first" (a weight read once and streamed past) or "evict_last" (a weight
-    read again soon: a looped model's shared block, read L times a token). keep_rows: y's
-    first rows (at least; whole row blocks of the tile) load "evict_last" whatever
-    eviction_policy says -- part of a weight kept in L2 (with swiglu, those rows of gate and of
-    up). y depends on neither."""
+    read again soon: a looped model's shared block, read L times a token). y does not depend
+    on it."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if argmax_key is not None:
@@ -535,11 +514,9 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         check_dtype(op, "argmax_key", argmax_key, (torch.int64,))
     if eviction_policy not in EVICTION_POLICIES:
         raise ValueError(f"{op}: eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
-    if not 0 <= keep_rows <= N:
-        raise ValueError(f"{op}: keep_rows must be in [0, {N}] (y's rows), got {keep_rows}")
     y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
-                 EVICT=eviction_policy, KEEP_ROWS=int(keep_rows))
+                 EVICT=eviction_policy)
     if M > 1:
         return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
                           flags)
@@ -637,10 +614,10 @@ def argmax_key_ref(y):
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
-             out_dtype=None, argmax_key=None, eviction_policy="", keep_rows=0):
+             out_dtype=None, argmax_key=None, eviction_policy=""):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
-    row by row over x's leading dims (the norm statistics are per row). (pdl,
-    eviction_policy and keep_rows change how the kernel reads, not what it computes.)"""
+    row by row over x's leading dims (the norm statistics are per row). (pdl and
+    eviction_policy change how the kernel reads, not what it computes.)"""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

@@ -31,24 +31,17 @@ from tinyloop.worker.config import LoopedConfig
 # a budget of half the L2 (q|k|v alone) was 0.8-1.8 % slower than 0.7 (l2-plan-ab-cuda.json).
 L2_KEEP_FRACTION = 0.7
 L2_STREAM = "evict_first"
-L2_PARTIAL = True  # the budget left after the whole projections keeps the first rows of the next
 
 
-def l2_keep(nbytes: dict[str, int], budget: float, partial: bool = False) -> dict[str, float]:
-    """The share of each of the loop block's projections kept in L2, given each one's weight
-    bytes summed over the block's layers: the largest first, each one that still fits the
-    budget whole (share 1); with `partial`, the budget left then keeps that share of the
-    largest projection left. Projections kept not at all are left out."""
-    keep, total = {}, 0
+def l2_keep(nbytes: dict[str, int], budget: float) -> frozenset[str]:
+    """The loop block's projections kept in L2, given each one's weight bytes summed over the
+    block's layers: the largest first, each one that still fits the budget."""
+    keep, total = set(), 0
     for name, n in sorted(nbytes.items(), key=lambda item: -item[1]):
         if total + n <= budget:
-            keep[name] = 1.0
+            keep.add(name)
             total += n
-    rest = [(n, name) for name, n in nbytes.items() if name not in keep and n > 0]
-    if partial and rest and budget > total:
-        n, name = max(rest)
-        keep[name] = (budget - total) / n
-    return keep
+    return frozenset(keep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,20 +182,16 @@ class Block(nn.Module):
         att, ffn = self.attention, self.feed_forward
         return {"wqkv": att.wqkv, "wo": att.wo.weight, "w13": ffn.w13, "w2": ffn.w2.weight}
 
-    def l2_hints(self, name: str) -> dict:
-        """gemv's L2 arguments for projection `name`'s weight in a decode step: "evict_last" for
-        the shared block's projections `l2_keep` keeps whole, the first rows of one it keeps in
-        part (keep_rows), L2_STREAM for the rest."""
-        share = 0.0
+    def eviction(self, name: str) -> str:
+        """The L2 eviction policy of projection `name`'s weight in a decode step: "evict_last"
+        for the shared block's projections `l2_keep` picks, L2_STREAM for the rest."""
         if self.loop_layers:
             weights = self.projections()
             budget = L2_KEEP_FRACTION * l2_bytes(weights[name].device)
             nbytes = {n: w.numel() * w.element_size() * self.loop_layers for n, w in weights.items()}
-            share = l2_keep(nbytes, budget, L2_PARTIAL).get(name, 0.0)
-        if share >= 1:
-            return {"eviction_policy": "evict_last"}
-        rows = self.projections()[name].shape[0] // (2 if name == "w13" else 1)  # y's rows
-        return {"eviction_policy": L2_STREAM, "keep_rows": int(share * rows)}
+            if name in l2_keep(nbytes, budget):
+                return "evict_last"
+        return L2_STREAM
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
@@ -223,19 +212,19 @@ class Block(nn.Module):
         (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
         adds in the epilogues of wo and w2 (sandwich norm's post-norms need the whole projected
         row before the add: one launch each after the projection, the add fused in)."""
-        att, ffn, gemv, l2 = self.attention, self.feed_forward, self.gemv, self.l2_hints
+        att, ffn, gemv, ev = self.attention, self.feed_forward, self.gemv, self.eviction
         qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
-                   **l2("wqkv"))
+                   eviction_policy=ev("wqkv"))
         out = att.attend(*qkv.split(att._sizes(), -1), attend)
         if self.sandwich:
-            x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight, **l2("wo")))
+            x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight, eviction_policy=ev("wo")))
         else:
-            x = gemv(out, att.wo.weight, residual=x, **l2("wo"))
+            x = gemv(out, att.wo.weight, residual=x, eviction_policy=ev("wo"))
         h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True,
-                 **l2("w13"))
+                 eviction_policy=ev("w13"))
         if self.sandwich:
-            return self.post_ffn_norm.added_to(x, gemv(h, ffn.w2.weight, **l2("w2")))
-        return gemv(h, ffn.w2.weight, residual=x, **l2("w2"))
+            return self.post_ffn_norm.added_to(x, gemv(h, ffn.w2.weight, eviction_policy=ev("w2")))
+        return gemv(h, ffn.w2.weight, residual=x, eviction_policy=ev("w2"))
 
 
 class LoopedTransformer(nn.Module):

@@ -1,7 +1,6 @@
-"""Which decode-step weights stay in L2 (worker/model.py: l2_keep, Block.l2_hints): the shared
-block's largest projections that fit L2_KEEP_FRACTION of the L2 whole, loaded "evict_last", the
-first rows of the next with the budget left; every other weight L2_STREAM. Logits do not depend
-on it (tests/kernels/test_kernel_gemv.py)."""
+"""Which decode-step weights stay in L2 (worker/model.py: l2_keep, Block.eviction): the shared
+block's largest projections that fit L2_KEEP_FRACTION of the L2, loaded "evict_last"; every
+other weight L2_STREAM. Logits do not depend on it (tests/kernels/test_kernel_gemv.py)."""
 import pytest
 import torch
 
@@ -23,31 +22,22 @@ def block_bytes(cfg: LoopedConfig, dtype_bytes: int = 2) -> dict[str, int]:
     return {n: v * dtype_bytes * cfg.n_loop_layers for n, v in per_layer.items()}
 
 
-def test_l2_keep_takes_the_largest_that_fit_then_a_share_of_the_next():
+def test_l2_keep_takes_the_largest_that_fit():
     nbytes = {"a": 30, "b": 25, "c": 10, "d": 8}
-    assert l2_keep(nbytes, 40) == {"a": 1.0, "c": 1.0}  # b would overflow after a; d after a + c
-    assert l2_keep(nbytes, 48) == {"a": 1.0, "c": 1.0, "d": 1.0}
-    assert l2_keep(nbytes, 9) == {"d": 1.0}
-    assert l2_keep(nbytes, 0) == {}
-    assert l2_keep(nbytes, 40, partial=True) == {"a": 1.0, "c": 1.0}  # nothing left over
-    assert l2_keep(nbytes, 45, partial=True) == {"a": 1.0, "c": 1.0, "b": 0.2}  # 5 of b's 25
-    assert l2_keep(nbytes, 6, partial=True) == {"a": 0.2}
-    assert l2_keep(nbytes, 100, partial=True) == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}
+    assert l2_keep(nbytes, 40) == {"a", "c"}  # b would overflow after a; d after a + c
+    assert l2_keep(nbytes, 45) == {"a", "c"}
+    assert l2_keep(nbytes, 48) == {"a", "c", "d"}
+    assert l2_keep(nbytes, 9) == {"d"}
+    assert l2_keep(nbytes, 0) == frozenset()
 
 
 def test_l2_plan_of_the_timing_models_on_the_h200s_l2():
-    """bench-285m's one-layer block keeps q|k|v and wo whole (33.6 MB: the best pair measured on
-    the H200, whose L2 CUDA reports as 60 MiB) and the first rows of gate|up with the rest; the
-    Ouro-1.4B shapes' 24-layer block keeps a share of its gate|up alone."""
+    """bench-285m's one-layer block keeps q|k|v and wo (33.6 MB: the best pair measured on the
+    H200, whose L2 CUDA reports as 60 MiB); the Ouro-1.4B shapes' 24-layer block cannot keep
+    even one projection."""
     budget = model_mod.L2_KEEP_FRACTION * 60 * MIB
-    nbytes = block_bytes(PRESETS["bench-285m"])
-    assert l2_keep(nbytes, budget) == {"wqkv": 1.0, "wo": 1.0}
-    plan = l2_keep(nbytes, budget, partial=True)
-    assert set(plan) == {"wqkv", "wo", "w13"}
-    assert plan["w13"] == pytest.approx((budget - nbytes["wqkv"] - nbytes["wo"]) / nbytes["w13"])
-    ouro = block_bytes(PRESETS["ouro-1.4b"])
-    assert l2_keep(ouro, budget) == {}
-    assert l2_keep(ouro, budget, partial=True) == {"w13": pytest.approx(budget / ouro["w13"])}
+    assert l2_keep(block_bytes(PRESETS["bench-285m"]), budget) == {"wqkv", "wo"}
+    assert l2_keep(block_bytes(PRESETS["ouro-1.4b"]), budget) == frozenset()
 
 
 def test_only_the_shared_block_keeps_and_not_off_cuda():
@@ -59,30 +49,24 @@ def test_only_the_shared_block_keeps_and_not_off_cuda():
     assert [b.loop_layers for b in m.coda] == [0]
     # on CPU there is no L2 to keep a weight in: every weight streams
     for block in (*m.prelude, *m.loop, *m.coda):
-        for n in block.projections():
-            assert block.l2_hints(n) == {"eviction_policy": model_mod.L2_STREAM, "keep_rows": 0}
+        assert {block.eviction(n) for n in block.projections()} == {model_mod.L2_STREAM}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_l2_plan_on_the_gpu():
     """bench-285m on the GPU: the shared block's loads follow l2_keep for this device's L2 (on
-    the H200: q|k|v and wo evict_last, the first rows of gate|up), the prelude's all stream."""
+    the H200: q|k|v and wo evict_last), the prelude's all stream."""
     with torch.device("cuda"):
         m = LoopedTransformer(PRESETS["bench-285m"]).to(torch.bfloat16)
     m.use_fast_path(rms_norm, gemv)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    plan = l2_keep(block_bytes(PRESETS["bench-285m"]), model_mod.L2_KEEP_FRACTION * l2, model_mod.L2_PARTIAL)
+    kept = l2_keep(block_bytes(PRESETS["bench-285m"]), model_mod.L2_KEEP_FRACTION * l2)
     if torch.cuda.get_device_name(0) == "NVIDIA H200":
-        assert {n for n, share in plan.items() if share >= 1} == {"wqkv", "wo"}
-        assert 0 < plan["w13"] < 1
+        assert kept == {"wqkv", "wo"}
     loop, = m.loop
-    for n, w in loop.projections().items():
-        share = plan.get(n, 0.0)
-        want = ({"eviction_policy": "evict_last"} if share >= 1 else
-                {"eviction_policy": model_mod.L2_STREAM,
-                 "keep_rows": int(share * (w.shape[0] // (2 if n == "w13" else 1)))})
-        assert loop.l2_hints(n) == want, n
+    assert {n for n in loop.projections() if loop.eviction(n) == "evict_last"} == kept
+    assert {n: loop.eviction(n) for n in loop.projections() if n not in kept} == \
+        {n: model_mod.L2_STREAM for n in loop.projections() if n not in kept}
     for block in m.prelude:
-        for n in block.projections():
-            assert block.l2_hints(n) == {"eviction_policy": model_mod.L2_STREAM, "keep_rows": 0}
+        assert {block.eviction(n) for n in block.projections()} == {model_mod.L2_STREAM}
