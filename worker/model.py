@@ -182,16 +182,20 @@ class Block(nn.Module):
         att, ffn = self.attention, self.feed_forward
         return {"wqkv": att.wqkv, "wo": att.wo.weight, "w13": ffn.w13, "w2": ffn.w2.weight}
 
+    _l2_kept: tuple[float, frozenset[str]] | None = None  # (L2_KEEP_FRACTION, l2_keep's pick)
+
     def eviction(self, name: str) -> str:
         """The L2 eviction policy of projection `name`'s weight in a decode step: "evict_last"
-        for the shared block's projections `l2_keep` picks, L2_STREAM for the rest."""
-        if self.loop_layers:
+        for the shared block's projections `l2_keep` picks, L2_STREAM for the rest. The pick is
+        worked out once per L2_KEEP_FRACTION (an eager step asks four times a layer)."""
+        if not self.loop_layers:
+            return L2_STREAM
+        if self._l2_kept is None or self._l2_kept[0] != L2_KEEP_FRACTION:
             weights = self.projections()
-            budget = L2_KEEP_FRACTION * l2_bytes(weights[name].device)
+            budget = L2_KEEP_FRACTION * l2_bytes(weights["wo"].device)
             nbytes = {n: w.numel() * w.element_size() * self.loop_layers for n, w in weights.items()}
-            if name in l2_keep(nbytes, budget):
-                return "evict_last"
-        return L2_STREAM
+            self._l2_kept = (L2_KEEP_FRACTION, l2_keep(nbytes, budget))
+        return "evict_last" if name in self._l2_kept[1] else L2_STREAM
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:

@@ -54,7 +54,7 @@ def test_only_the_shared_block_keeps_and_not_off_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_l2_plan_on_the_gpu():
+def test_l2_plan_on_the_gpu(monkeypatch):
     """bench-285m on the GPU: the shared block's loads follow l2_keep for this device's L2 (on
     the H200: q|k|v and wo evict_last), the prelude's all stream."""
     with torch.device("cuda"):
@@ -70,3 +70,8 @@ def test_l2_plan_on_the_gpu():
         {n: model_mod.L2_STREAM for n in loop.projections() if n not in kept}
     for block in m.prelude:
         assert {block.eviction(n) for n in block.projections()} == {model_mod.L2_STREAM}
+    # the pick follows L2_KEEP_FRACTION (bench/ab.py varies it between captures)
+    monkeypatch.setattr(model_mod, "L2_KEEP_FRACTION", 0.0)
+    assert {loop.eviction(n) for n in loop.projections()} == {model_mod.L2_STREAM}
+    monkeypatch.undo()
+    assert {n for n in loop.projections() if loop.eviction(n) == "evict_last"} == kept
