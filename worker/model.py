@@ -20,7 +20,7 @@ from tinyloop.kernels.rope import apply_rope_ref
 from tinyloop.worker.config import LoopedConfig
 
 # The L2 eviction policy of the decode step's weight reads (kernels.gemv's eviction_policy), read
-# at each call, so at each graph capture. A token reads the shared block's weights L times and
+# at each call (Block.eviction), so at each graph capture. A token reads the shared block's weights L times and
 # every other weight once. The loop block's projections that `l2_keep` picks for a budget of
 # L2_KEEP_FRACTION of the device's L2 load "evict_last", to stay in L2 from one iteration to the
 # next; every other weight (the prelude's, the coda's, the head's, the loop's others) loads with
@@ -176,13 +176,12 @@ class Block(nn.Module):
     gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
     gemv_rows = 0
     loop_layers = 0  # in the shared block: its layer count (LoopedTransformer sets it); 0 elsewhere
+    _l2_kept: tuple[float, frozenset[str]] | None = None  # (L2_KEEP_FRACTION, l2_keep's pick)
 
     def projections(self) -> dict[str, torch.Tensor]:
         """The decode step's four projection weights (after fuse()), by name."""
         att, ffn = self.attention, self.feed_forward
         return {"wqkv": att.wqkv, "wo": att.wo.weight, "w13": ffn.w13, "w2": ffn.w2.weight}
-
-    _l2_kept: tuple[float, frozenset[str]] | None = None  # (L2_KEEP_FRACTION, l2_keep's pick)
 
     def eviction(self, name: str) -> str:
         """The L2 eviction policy of projection `name`'s weight in a decode step: "evict_last"
