@@ -12,7 +12,10 @@ Sections. Each is written to the JSON as it completes, so a partial run still re
                                      simple generator runs it)
                engine_torch_ops_ms   the engine through its torch reference ops, with no graphs
              Also the achieved GB/s, and the ratio to the floor. The floor is the weight bytes
-             plus the K/V bytes read per token, divided by the copy bandwidth.
+             plus the K/V bytes read per token, divided by the copy bandwidth. The step keeps
+             part of the shared block in L2 between iterations (worker/model.py's l2_keep):
+             `l2_kept` names it, and hbm_floor_ms is the floor less those bytes in every
+             iteration but the first (what the step must still read from HBM).
   generate   fresh generate (prefix 128, decode 16, L = 8) for the same three, and the
              engine's prefill alone (the prompt's stages and the state that decides the
              first token: graphs_prefill_ms).
@@ -97,13 +100,27 @@ def layer_bytes(cfg: LoopedConfig, elem: int) -> int:
 
 
 def bytes_per_token(cfg: LoopedConfig, loops: int, context: int, elem: int = 2) -> dict:
-    """The fewest bytes one decode token must read: every weight it uses once per use (the
-    shared block once per iteration: at these sizes it does not stay in L2), the embedding
-    row, the head, and the K/V of `context` positions in every cache layer it attends to."""
+    """The bytes one decode token reads: every weight it uses once per use (the shared block
+    once per iteration), the embedding row, the head, and the K/V of `context` positions in
+    every cache layer it attends to."""
     layers = cfg.n_prelude + loops * cfg.n_loop_layers + cfg.n_coda
     weights = layers * layer_bytes(cfg, elem) + cfg.vocab_size * cfg.d_model * elem + 2 * cfg.d_model * elem
     kv = layers * 2 * cfg.n_kv_heads * cfg.head_dim * context * elem
     return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def l2_kept(model: Model) -> dict:
+    """The shared block's projections the engine's decode step keeps in L2 (Block.eviction:
+    "evict_last") and their bytes over the block's layers, read from HBM once rather than once
+    per iteration; none off CUDA."""
+    net, names, nbytes = model._module, set(), 0
+    if model.device.type == "cuda":
+        for block in net.loop:
+            for name, w in block.projections().items():
+                if block.eviction(name) == "evict_last":
+                    names.add(name)
+                    nbytes += w.numel() * w.element_size()
+    return {"projections": sorted(names), "bytes_per_iteration": nbytes}
 
 
 def random_checkpoint(name: str, cfg: LoopedConfig) -> str:
@@ -257,18 +274,22 @@ def main(argv: list[str] | None = None) -> None:
         fast.capture_graphs(args.loops)
         result["graph_capture_s"] = time.perf_counter() - t
 
+    result["l2_kept"] = kept = l2_kept(fast)
     rows = {}
     for L in tqdm(args.loops, desc="decode"):
         b = bytes_per_token(cfg, L, args.context, dtype.itemsize)
         floor_ms = b["total"] / (c["copy_GBps"] * 1e6)
+        hbm_floor_ms = (b["total"] - (L - 1) * kept["bytes_per_iteration"]) / (c["copy_GBps"] * 1e6)
         graph_ms = decode_rate(fast, L, args.context, args.steps, args.repeat)
         eager_ms = plain_rate(PlainDecoder(weights, cache_len, L), args.context, args.eager_steps, True, args.repeat)
         ops_ms = engine_torch_ops_rate(torch_ops, L, args.context, args.eager_steps, min(args.repeat, 3))
         rows[L] = {"loops": L, "context": args.context, "bytes_per_token": b, "floor_ms": floor_ms,
                    "graph_ms": graph_ms, "eager_torch_ms": eager_ms, "engine_torch_ops_ms": ops_ms,
                    "graph_GBps": b["total"] / graph_ms / 1e6, "graph_vs_floor": graph_ms / floor_ms,
+                   "hbm_floor_ms": hbm_floor_ms, "graph_vs_hbm_floor": graph_ms / hbm_floor_ms,
                    "speedup_vs_eager": eager_ms / graph_ms, "speedup_vs_engine_torch_ops": ops_ms / graph_ms}
-        print(f"L={L}: floor {floor_ms:.3f} ms, engine {graph_ms:.3f} ms ({graph_ms / floor_ms:.2f}x floor), "
+        print(f"L={L}: floor {floor_ms:.3f} ms (HBM {hbm_floor_ms:.3f}), engine {graph_ms:.3f} ms "
+              f"({graph_ms / floor_ms:.2f}x floor, {graph_ms / hbm_floor_ms:.2f}x HBM floor), "
               f"eager torch {eager_ms:.2f} ms ({eager_ms / graph_ms:.1f}x), "
               f"engine torch ops {ops_ms:.2f} ms ({ops_ms / graph_ms:.1f}x)")
         result["decode"] = list(rows.values())

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from bench import batch, decode, prefill
 from bench.baselines import PlainDecoder, greedy
 from tinyloop.worker import Model, checkpoint
+from tinyloop.worker.config import PRESETS
 from tinyloop.worker.generate import prefill as engine_prefill
 
 PROMPT = [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]
@@ -172,6 +173,8 @@ def test_decode_bench_cpu(tmp_path, monkeypatch):
         for k in ("floor_ms", "graph_ms", "eager_torch_ms", "engine_torch_ops_ms"):
             assert row[k] > 0
         assert row["speedup_vs_eager"] == pytest.approx(row["eager_torch_ms"] / row["graph_ms"])
+        assert row["hbm_floor_ms"] == row["floor_ms"]  # no L2 plan off CUDA
+    assert r["l2_kept"] == {"projections": [], "bytes_per_iteration": 0}
     assert [c["mode"] for c in calls] == list(decode.COMPILE_MODES)
     assert "compiled" not in rows[1]
     row = rows[8]
@@ -186,6 +189,23 @@ def test_decode_bench_cpu(tmp_path, monkeypatch):
     runs = [v for k, v in gen.items() if isinstance(v, dict) and "tokens" in v and k != "graphs"]
     assert len(runs) == 2 + len(decode.COMPILE_MODES) and all(v["same_tokens_as_graphs"] for v in runs)
     assert r["compiled"][0]["loops"] == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_l2_kept_names_the_plan_of_the_engine_on_cuda():
+    """bench-285m on the GPU: the projections the decode bench counts as kept in L2 are those
+    the step loads evict_last, with their bytes (on the H200: q|k|v and wo, 33.6 MB)."""
+    cfg = PRESETS["bench-285m"]
+    with Model(decode.random_checkpoint("bench-285m", cfg), max_seq_len=256, device="cuda",
+               dtype="bfloat16", cuda_graphs=False) as m:
+        kept = decode.l2_kept(m)
+        block, = m._module.loop
+        want = sorted(n for n in block.projections() if block.eviction(n) == "evict_last")
+        assert kept["projections"] == want
+        assert kept["bytes_per_iteration"] == sum(block.projections()[n].nbytes for n in want)
+        if torch.cuda.get_device_name(0) == "NVIDIA H200":
+            assert kept == {"projections": ["wo", "wqkv"], "bytes_per_iteration": 33554432}
 
 
 def test_decode_bench_records_a_failed_compile(tmp_path, monkeypatch):
