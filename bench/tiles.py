@@ -8,14 +8,15 @@ kernels/gemv.py `TILES` for this device.
 weights). The step's projections are found by recording the tiles its launches ask for
 (`gemv.tile`: shape and options). Each starts from the tile it runs with now (TILES', else
 `default_tile`'s). One projection at a time, every candidate (`candidates`: `_CONFIGS`, the
-default tile and one-chunk tiles, K tile no wider than the padded K) takes its place in a freshly captured step, and the step's
-ms per token (`bench.decode.decode_rate`, min of --best-of runs at --context tokens) decides;
-the winner stays for the projections after it. Then three sets run interleaved for --rounds
-rounds: the tiles before the sweep, the swept tiles, and per-process autotuning
-(TINYLOOP_AUTOTUNE=1, what untabled shapes ran with before fixed tiles). The JSON holds every
-candidate's time, the chosen tiles, and each set's step time per round; the swept tiles are
-printed as TILES entries. A tile fixed in TILES is what makes every worker process sum each
-row the same way (kernels/gemv.py), so the sweep runs offline, once per device and model.
+default tile and one-chunk tiles, K tile no wider than the padded K) takes its place in a
+freshly captured step, and the step's ms per token (`bench.decode.decode_rate`, min of
+--best-of runs at --context tokens) decides; the winner stays for the projections after it.
+Then three sets run interleaved for --rounds rounds: the tiles before the sweep, the swept
+tiles, and per-process autotuning (TINYLOOP_AUTOTUNE=1, what untabled shapes ran with before
+fixed tiles). The JSON holds every candidate's time, the chosen tiles, and each set's step time
+per round; the swept tiles are printed as TILES entries. A tile fixed in TILES is what makes
+every worker process sum each row the same way (kernels/gemv.py), so the sweep runs offline,
+once per device and model.
 """
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ def projections(m: Model, loops: int, context: int) -> list[tuple]:
 
 # One-chunk tiles (BLOCK_K = the padded K, every weight of a program loaded before its PDL wait):
 # the row blocks tried for each K up to ONE_CHUNK_MAX_K, keeping a program's tile of each weight
-# matrix (BLOCK_N x the padded K, bf16; SwiGLU loads two) within 32 KB. On the H200 they won bench-285m's wo, w2 and head
-# (kernels/gemv.py TILES), which no 1024-wide config of _CONFIGS reaches at K = 2048 or 5632.
+# matrix (BLOCK_N x the padded K, bf16; SwiGLU loads two) within 32 KB. On the H200 they won
+# bench-285m's wo, w2 and head (kernels/gemv.py TILES), which no 1024-wide config of _CONFIGS
+# reaches at K = 2048 or 5632.
 ONE_CHUNK_MAX_K = 8192
 ONE_CHUNK_ROWS = (1, 2, 4, 8)
 
