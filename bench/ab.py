@@ -31,7 +31,7 @@ from tqdm import tqdm
 from bench.common import hardware, write
 from bench.decode import ceilings, decode_rate, random_checkpoint
 from tinyloop.worker import Model
-from tinyloop.worker.config import PRESETS
+from tinyloop.worker.model.config import PRESETS
 
 
 def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"round": r, "variant": name, "ms": {}}
                 with Settings(sets):
                     if cuda:
-                        from tinyloop.worker.graphs import DecodeGraphs
+                        from tinyloop.worker.runner.graphs import DecodeGraphs
                         m.engine.graphs = DecodeGraphs(m.engine, m.prefill_graph_len)
                     for L, ctx in configs:
                         row["ms"][f"{L}x{ctx}"] = min(decode_rate(m, L, ctx, args.steps, repeat=3)

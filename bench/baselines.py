@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.kernels.rope import apply_rope_ref
-from tinyloop.worker.model import LoopedTransformer
+from tinyloop.worker.model.modules import LoopedTransformer
 
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:

@@ -25,9 +25,9 @@ from tqdm import tqdm
 from bench.common import hardware, write
 from bench.decode import random_checkpoint, sync
 from tinyloop.worker import Model
-from tinyloop.worker.batcher import Batcher
-from tinyloop.worker.config import PRESETS
-from tinyloop.worker.generate import decode_steps
+from tinyloop.worker.generation.batcher import Batcher
+from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.generation.decode import decode_steps
 
 
 def prompts(n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -46,8 +46,8 @@ from tqdm import tqdm
 from bench.baselines import PlainDecoder, greedy
 from bench.common import hardware, write
 from tinyloop.worker import Model, checkpoint
-from tinyloop.worker.config import PRESETS, LoopedConfig
-from tinyloop.worker.generate import prefill
+from tinyloop.worker.model.config import PRESETS, LoopedConfig
+from tinyloop.worker.generation.decode import prefill
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 GEN_PREFIX, GEN_DECODE, GEN_LOOPS = 128, 16, 8

@@ -19,8 +19,8 @@ from bench.baselines import PlainDecoder
 from bench.common import hardware, write
 from bench.decode import ceilings, device_ms, layer_bytes, random_checkpoint
 from tinyloop.worker import Model
-from tinyloop.worker.config import PRESETS, LoopedConfig
-from tinyloop.worker.generate import prefill
+from tinyloop.worker.model.config import PRESETS, LoopedConfig
+from tinyloop.worker.generation.decode import prefill
 
 
 def prefill_flops(cfg: LoopedConfig, loops: int, T: int) -> float:

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import hardware, run_timed, timed, write
 from bench.decode import bytes_per_token, ceilings, decode_rate, random_checkpoint
 from tinyloop.worker import Model
-from tinyloop.worker.config import PRESETS
-from tinyloop.worker.generate import PaddedPrefill, prefill
+from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.generation.decode import PaddedPrefill, prefill
 
 
 def main() -> None:
@@ -215,7 +215,7 @@ def prefill_one_graph(m: Model, prompt: list[int], L: int, repeat: int = 20) -> 
     """Wall ms (median) of the prompt's prefill on lane 0 as the served path runs it (one
     replay per stage) against all its stages captured as one graph (an experiment: the engine
     captures stages, so that any depth composes from few graphs)."""
-    from tinyloop.worker.graphs import _capture
+    from tinyloop.worker.runner.graphs import _capture
     e = m.engine
     pg = e.graphs.prefill
     pre = pg.prefills[(0, pg.bucket(len(prompt)))]
@@ -240,8 +240,8 @@ def first_token(m: Model, prompt: list[int], L: int, repeat: int = 7) -> dict:
     ahead, the token on the host); on the device, when the prefill and that step finish."""
     import statistics
     import time
-    from tinyloop.worker.engine import Counters
-    from tinyloop.worker.generate import DecodeState
+    from tinyloop.worker.runner.engine import Counters
+    from tinyloop.worker.generation.decode import DecodeState
     e = m.engine
     host, gpu = defaultdict(list), defaultdict(list)
     for _ in range(repeat + 2):
@@ -290,7 +290,7 @@ def host_phases(m: Model, prompt: list[int], L: int, tokens: int = 48) -> dict:
     call that syncs shows as one that takes a step's time."""
     import statistics
     import time
-    from tinyloop.worker.generate import start
+    from tinyloop.worker.generation.decode import start
     clock = time.perf_counter
     st = start(m.engine, 0, m.make_request(prompt, loops=L, max_tokens=tokens + 1, stop_token_ids=[]))
     phases = defaultdict(list)

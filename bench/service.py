@@ -35,8 +35,8 @@ DRAFT_AHEAD = 4
 def make_model(preset: str, path: str) -> None:
     import torch
 
-    from tinyloop.worker import checkpoint
-    from tinyloop.worker.config import PRESETS
+    from tinyloop.worker.model import checkpoint
+    from tinyloop.worker.model.config import PRESETS
     checkpoint.save(checkpoint.init_model(PRESETS[preset], 0, std=0.3), path, dtype=torch.float32)
 
 
@@ -50,7 +50,7 @@ def timing(runs) -> dict:
 
 def spec_row(plain, spec) -> dict:
     """Speculative streams against the plain greedy ones at verify_loops, on the same path."""
-    from tinyloop.worker.scoring import first_divergence
+    from tinyloop.worker.generation.scoring import first_divergence
     gen, row, usage = timing(plain), timing(spec), spec[-1][4]
     d = first_divergence(spec[-1][3], plain[-1][3])
     return {**row, "speedup_vs_generate": row["tokens_per_s"] / gen["tokens_per_s"],

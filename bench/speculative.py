@@ -22,7 +22,7 @@ import argparse
 
 from bench.common import hardware, run_timed, write
 from tinyloop.worker import Model
-from tinyloop.worker.scoring import first_divergence
+from tinyloop.worker.generation.scoring import first_divergence
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv=None):\n    ",

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from bench.common import hardware, write
 from bench.decode import random_checkpoint
 from tinyloop.worker import Model
-from tinyloop.worker.config import PRESETS
+from tinyloop.worker.model.config import PRESETS
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,8 +31,8 @@ from tqdm import tqdm
 from bench.common import hardware, write
 from bench.decode import ceilings, decode_rate, random_checkpoint
 from tinyloop.worker import Model
-from tinyloop.worker.config import PRESETS
-from tinyloop.worker.graphs import DecodeGraphs
+from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.runner.graphs import DecodeGraphs
 
 gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from bench.common import hardware, timed, write
 from tinyloop.worker import Model, checkpoint
-from tinyloop.worker.config import PRESETS
+from tinyloop.worker.model.config import PRESETS
 
 
 def model_path(args) -> str | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import ray
 
-from tinyloop.worker.actor import WorkerActor  # imports no torch at module level
+from tinyloop.worker.serving.actor import WorkerActor  # imports no torch at module level
 
 NAMESPACE = "tinyloop"
 

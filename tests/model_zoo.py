@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from tinyloop.worker import checkpoint
-from tinyloop.worker.config import PRESETS, LoopedConfig
+from tinyloop.worker.model import checkpoint
+from tinyloop.worker.model.config import PRESETS, LoopedConfig
 
 TINY = PRESETS["tiny"]
 

@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 from bench import batch, decode, prefill
 from bench.baselines import PlainDecoder, greedy
 from tinyloop.worker import Model, checkpoint
-from tinyloop.worker.config import PRESETS
-from tinyloop.worker.generate import prefill as engine_prefill
+from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.generation.decode import prefill as engine_prefill
 
 PROMPT = [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]
 FED = [5, 77, 140, 2, 19, 33]

@@ -77,7 +77,7 @@ def _train(args) -> int:
     import torch
 
     from tinyloop.train import corpus, evaluate, trainer
-    from tinyloop.worker import checkpoint
+    from tinyloop.worker.model import checkpoint
     t_start = time.time()
     device = _device(args.device)
     corp = corpus.build(args.corpus_dir, root=args.corpus_root, max_bytes=int(args.corpus_mb * 1e6),

@@ -59,7 +59,7 @@ def eval_checkpoint(path: str, loops_list: list[int], n_windows: int = 256, seq_
     """Bits per byte of a `.tinyloop` file on the held-out split of the stdlib at `root` (default:
     this interpreter's), fp32 math."""
     from tinyloop.train import corpus
-    from tinyloop.worker import checkpoint
+    from tinyloop.worker.model import checkpoint
     model, meta = checkpoint.load(path, device, torch.float32)
     for L in loops_list:
         if not 1 <= L <= model.config.max_loops:

@@ -6,8 +6,8 @@ with L drawn uniformly from [1, 12] per step and runs at any L up to max_loops =
 """
 from __future__ import annotations
 
-from tinyloop.worker.config import PRESETS as WORKER_PRESETS
-from tinyloop.worker.config import LoopedConfig
+from tinyloop.worker.model.config import PRESETS as WORKER_PRESETS
+from tinyloop.worker.model.config import LoopedConfig
 
 TRAIN_PRESETS: dict[str, LoopedConfig] = {
     "default": LoopedConfig(vocab_size=256, d_model=320, n_heads=5, n_kv_heads=1, d_ff=704,

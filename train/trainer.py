@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.train import evaluate
-from tinyloop.worker.config import LoopedConfig
-from tinyloop.worker.model import LoopedTransformer
+from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.model.modules import LoopedTransformer
 
 
 @dataclass

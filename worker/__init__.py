@@ -1,17 +1,17 @@
 """The engine side of TinyLoop Serve: model, cache, generation, the in-process `Model` API
-and (in `tinyloop.worker.actor`) the Ray actor that serves it.
+and (in `tinyloop.worker.serving.actor`) the Ray actor that serves it.
 
 Names load lazily so that `tinyloop.worker.cli` can be imported without torch."""
 import importlib
 
 _EXPORTS = {
     "Model": "tinyloop.worker.api",
-    "LoopedConfig": "tinyloop.worker.config",
-    "PRESETS": "tinyloop.worker.config",
-    "Generation": "tinyloop.worker.generate",
-    "FINISH_LENGTH": "tinyloop.worker.generate",
-    "FINISH_STOP": "tinyloop.worker.generate",
-    "FINISH_SAFETY": "tinyloop.worker.generate",
+    "LoopedConfig": "tinyloop.worker.model.config",
+    "PRESETS": "tinyloop.worker.model.config",
+    "Generation": "tinyloop.worker.generation.decode",
+    "FINISH_LENGTH": "tinyloop.worker.generation.decode",
+    "FINISH_STOP": "tinyloop.worker.generation.decode",
+    "FINISH_SAFETY": "tinyloop.worker.generation.decode",
 }
 __all__ = list(_EXPORTS)
 

@@ -14,17 +14,17 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from tinyloop.worker import checkpoint
-from tinyloop.worker.cache import KVCache
-from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import DecodeState, Generation, Request, batch, start, stream
-from tinyloop.worker.ops import select_ops
-from tinyloop.worker import resume as resume_mod
-from tinyloop.worker import scoring
-from tinyloop.worker.resume import ResumeHandle
-from tinyloop.worker.sampling import SamplingParams
-from tinyloop.worker.speculative import SpecParams, stream_speculative
-from tinyloop.worker.tokenizer import from_metadata
+from tinyloop.worker.model import checkpoint
+from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.runner.engine import Engine
+from tinyloop.worker.generation.decode import DecodeState, Generation, Request, batch, start, stream
+from tinyloop.worker.model.ops import select_ops
+from tinyloop.worker.generation import resume as resume_mod
+from tinyloop.worker.generation import scoring
+from tinyloop.worker.generation.resume import ResumeHandle
+from tinyloop.worker.generation.sampling import SamplingParams
+from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
+from tinyloop.worker.model.tokenizer import from_metadata
 
 DEFAULT_SAFETY_NORM_THRESHOLD = 1.0e4
 
@@ -57,7 +57,7 @@ class Model:
                  n_slots: int = 1, backend: str | None = None, cuda_graphs: bool | None = None,
                  prefill_graph_len: int = 2048):
         if path is None:
-            from tinyloop.worker.default_model import default_model_path
+            from tinyloop.worker.model.default_model import default_model_path
             path = default_model_path()
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
@@ -97,7 +97,7 @@ class Model:
         lane-count bucket for depths up to the deepest; generate, resume, speculation, batches
         and the actor's batcher then replay them. Done at start-up,
         before a worker reports healthy: capturing writes into the lanes' caches."""
-        from tinyloop.worker.graphs import DecodeGraphs
+        from tinyloop.worker.runner.graphs import DecodeGraphs
         if self.engine.graphs is None:
             self.engine.graphs = DecodeGraphs(self.engine, self.prefill_graph_len)
         g = self.engine.graphs

@@ -57,8 +57,8 @@ def _generate(args) -> int:
 def _init_model(args) -> int:
     import torch
 
-    from tinyloop.worker import checkpoint
-    from tinyloop.worker.config import PRESETS
+    from tinyloop.worker.model import checkpoint
+    from tinyloop.worker.model.config import PRESETS
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}: choose from {sorted(PRESETS)}")
     cfg = PRESETS[args.preset]

@@ -12,8 +12,8 @@ from service_helpers import MAX_SEQ_LEN, start_service
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory):
-    from tinyloop.worker import checkpoint
-    from tinyloop.worker.config import PRESETS
+    from tinyloop.worker.model import checkpoint
+    from tinyloop.worker.model.config import PRESETS
     path = tmp_path_factory.mktemp("model") / "tiny.tinyloop"
     checkpoint.save(checkpoint.init_model(PRESETS["tiny"], 0, std=0.3), path, dtype=torch.float32)
     return str(path)

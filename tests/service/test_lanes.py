@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from tinyloop.worker.actor import WorkerActor, _StreamState
+from tinyloop.worker.serving.actor import WorkerActor, _StreamState
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not ASSET.exists(),
 
 @pytest.fixture(scope="module")
 def model():
-    from tinyloop.worker import checkpoint
+    from tinyloop.worker.model import checkpoint
     m, _ = checkpoint.load(ASSET, "cpu", torch.float32)
     return m
 

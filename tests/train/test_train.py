@@ -10,8 +10,8 @@ import torch
 
 from tinyloop.train import corpus, evaluate, trainer
 from tinyloop.train.card import render
-from tinyloop.worker import checkpoint
-from tinyloop.worker.config import PRESETS
+from tinyloop.worker.model import checkpoint
+from tinyloop.worker.model.config import PRESETS
 
 
 def test_split_is_stable_and_disjoint():

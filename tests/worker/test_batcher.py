@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.batcher import Batcher
-from tinyloop.worker.generate import DecodeState, decode_steps
+from tinyloop.worker.generation.batcher import Batcher
+from tinyloop.worker.generation.decode import DecodeState, decode_steps
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3)

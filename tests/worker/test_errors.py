@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from tinyloop.worker import Model, checkpoint
-from tinyloop.worker.checkpoint import CheckpointError
-from tinyloop.worker.config import PRESETS, LoopedConfig
+from tinyloop.worker.model.checkpoint import CheckpointError
+from tinyloop.worker.model.config import PRESETS, LoopedConfig
 
 P = [1, 2, 3]
 

@@ -10,7 +10,7 @@ from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
 from tinyloop.kernels.swiglu import swiglu
 from tinyloop.worker import Model
-from tinyloop.worker.generate import prefill
+from tinyloop.worker.generation.decode import prefill
 
 PROMPT = [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +53,7 @@ def test_fused_batched_step_matches_unfused(config_path):
     """A batched decode step (the Batcher's lanes [0, bucket), idle lanes included) through the
     fused projections of up to 16 rows: each stream's greedy tokens are its unfused stream's,
     and every step's logits agree to 1e-4."""
-    from tinyloop.worker.batcher import Batcher
+    from tinyloop.worker.generation.batcher import Batcher
     with model(config_path, n_slots=4) as ref, model(config_path, n_slots=4) as fused:
         fused._module.use_fast_path(rms_norm, gemv, gemv_rows=16)
         rows = []
@@ -89,7 +89,7 @@ def test_decode_step_feeds_its_greedy_token_embedded(config_path, loops=2):
     logits of the unfused step at every position, leave the key NONE between steps, keep
     host[p % 2] the token at p, and return the residual the coda and head start from."""
     from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
-    from tinyloop.worker.graphs import decode_step
+    from tinyloop.worker.runner.graphs import decode_step
     with model(config_path) as ref, model(config_path) as fused:
         fused._module.use_fast_path(rms_norm, gemv)
         toks = ref.generate(PROMPT, loops=loops, max_tokens=5)

@@ -92,7 +92,7 @@ def test_every_lane_replays_its_own_graph(pair):
 
 def _decode(model, req, pipelined):
     from tinyloop.worker.api import drain
-    from tinyloop.worker.generate import decode_steps
+    from tinyloop.worker.generation.decode import decode_steps
     st = model.start(req)
     return drain(req.prompt, decode_steps(st, pipelined)), st
 
@@ -147,7 +147,7 @@ def test_prefill_graphs_are_captured_outside_the_counters(prefill_pair):
 
 @pytest.mark.parametrize("loops", [1, 4, 8])
 def test_graph_prefill_equals_eager_prefill(prefill_pair, loops):
-    from tinyloop.worker.generate import prefill
+    from tinyloop.worker.generation.decode import prefill
     g, e = prefill_pair
     for T in (1, 15, 16, 17, 64, 100, 128, 129, 200):
         toks = _prompt(T, T)
@@ -162,7 +162,7 @@ def test_graph_prefill_equals_eager_prefill(prefill_pair, loops):
 
 def test_graph_prefill_in_bf16(tiny_path):
     """bf16 graph prefill against the bf16 eager prefill, both measured from the fp32 one."""
-    from tinyloop.worker.generate import prefill
+    from tinyloop.worker.generation.decode import prefill
     kw = dict(max_seq_len=128, device="cuda", n_slots=1)
     with Model(tiny_path, dtype="bfloat16", prefill_graph_len=128, **kw) as g, \
             Model(tiny_path, dtype="bfloat16", prefill_graph_len=0, **kw) as e, \
@@ -213,7 +213,7 @@ def batch_pair(tiny_path):
 
 
 def test_batch_graphs_are_captured_at_load(batch_pair):
-    from tinyloop.worker.generate import BatchStep
+    from tinyloop.worker.generation.decode import BatchStep
     bg = batch_pair[0].engine.graphs.batch
     L = batch_pair[0].config.max_loops
     assert bg.buckets == [2, 4, 5]
@@ -224,7 +224,7 @@ def test_batcher_on_graphs_equals_reference(batch_pair):
     """Streams at mixed depths on lanes 1, 2 and 4 (a hole at 3), joining and finishing at
     different steps, replayed through the bucket graphs: each stream's greedy tokens are its
     reference stream's; the logits match to fp32 GEMM rounding."""
-    from tinyloop.worker.batcher import Batcher
+    from tinyloop.worker.generation.batcher import Batcher
     fast, ref = batch_pair
     b = Batcher(fast.engine)
     jobs = {1: (PROMPTS[0], 3, 12), 2: (PROMPTS[1], 8, 20), 4: ([9, 8, 7, 6], 5, 16)}
@@ -253,7 +253,7 @@ def test_generate_batch_on_graphs_equals_reference(batch_pair):
 def test_idle_lanes_keep_their_cache_on_gpu(batch_pair):
     """Replayed idle lanes write and read nothing: lanes 0 and 3 hold random K/V that one
     stream on lane 4 and one on lane 1 step beside (bucket 5) without changing."""
-    from tinyloop.worker.batcher import Batcher
+    from tinyloop.worker.generation.batcher import Batcher
     fast, _ = batch_pair
     e = fast.engine
     b = Batcher(e)
@@ -291,7 +291,7 @@ def test_a_capture_runs_with_the_collector_paused(pair):
     on (as it was) afterwards; a capture that raises leaves it on too."""
     import gc
 
-    from tinyloop.worker.graphs import _capture
+    from tinyloop.worker.runner.graphs import _capture
     fast, _ = pair
     e = fast.engine
     x = torch.zeros(4, device="cuda")
@@ -329,7 +329,7 @@ def test_two_processes_give_bitwise_equal_logits(tmp_path):
     import sys
     code = ("import sys, torch\n"
             "from tinyloop.worker import Model\n"
-            "from tinyloop.worker.generate import prefill\n"
+            "from tinyloop.worker.generation.decode import prefill\n"
             "m = Model(None, max_seq_len=256, device='cuda', n_slots=1)\n"
             "prompt = list(range(3, 200, 3))\n"
             "logits, _ = prefill(m.engine, 0, prompt, 8, 0)\n"

@@ -6,9 +6,9 @@ import torch
 
 from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
-from tinyloop.worker import model as model_mod
-from tinyloop.worker.config import PRESETS, LoopedConfig
-from tinyloop.worker.model import LoopedTransformer, l2_keep
+from tinyloop.worker.model import modules as model_mod
+from tinyloop.worker.model.config import PRESETS, LoopedConfig
+from tinyloop.worker.model.modules import LoopedTransformer, l2_keep
 
 MIB = 2**20
 

@@ -33,7 +33,7 @@ def test_incremental_decode_equals_full_recompute(config_path, loops):
 @pytest.mark.parametrize("loops", [1, 3, 8])
 def test_decode_logits_match_full_recompute(config_path, loops):
     """Last-position logits of every decode step against the no-cache forward."""
-    from tinyloop.worker.generate import prefill
+    from tinyloop.worker.generation.decode import prefill
     with Model(config_path, max_seq_len=128) as m:
         e = m.engine
         toks = PROMPTS[1] + [5, 77, 140, 2]
@@ -105,7 +105,7 @@ def test_stop_token_ends_generation(tiny_model):
 def test_causal_attention_is_the_masked_attention_of_a_fresh_prompt():
     """The engine's fresh-prompt attention (is_causal, no mask) against the masked attention
     with every key's position, GQA included."""
-    from tinyloop.worker.ops import causal_attention, masked_attention
+    from tinyloop.worker.model.ops import causal_attention, masked_attention
     torch.manual_seed(0)
     T = 13
     q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, T, 8), torch.randn(2, 2, T, 8)

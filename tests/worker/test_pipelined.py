@@ -7,7 +7,7 @@ import torch
 
 from tinyloop.worker import Model
 from tinyloop.worker.api import drain
-from tinyloop.worker.generate import decode_steps
+from tinyloop.worker.generation.decode import decode_steps
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]]
 GREEDY = dict(temperature=0.0)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.generate import (DecodeState, PaddedPrefill, decode_steps, prefill, prefill_buckets,
+from tinyloop.worker.generation.decode import (DecodeState, PaddedPrefill, decode_steps, prefill, prefill_buckets,
                                       prefill_buffers, prefill_padded)
-from tinyloop.worker.graphs import BatchGraphs, PrefillGraphs, VerifyGraphs
+from tinyloop.worker.runner.graphs import BatchGraphs, PrefillGraphs, VerifyGraphs
 
 MAX_SEQ = 96  # buckets 16, 32, 64, 96
 

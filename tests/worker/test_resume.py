@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.config import LoopedConfig
-from tinyloop.worker.resume import handle_nbytes
+from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.generation.resume import handle_nbytes
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]]
 

@@ -6,11 +6,11 @@ import torch
 
 from model_zoo import CONFIGS
 from tinyloop.worker import Model
-from tinyloop.worker.cache import KVCache
-from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import BatchStep
-from tinyloop.worker.model import LoopedTransformer
-from tinyloop.worker.ops import Ops
+from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.runner.engine import Engine
+from tinyloop.worker.generation.decode import BatchStep
+from tinyloop.worker.model.modules import LoopedTransformer
+from tinyloop.worker.model.ops import Ops
 
 # torch's CPU cos / sin may differ by an ulp between its vectorized and scalar loops, so the
 # same angle computed in another tensor shape is only guaranteed within that

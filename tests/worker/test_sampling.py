@@ -1,7 +1,7 @@
 """Seeded sampling: reproducible, seed-dependent, and never outside top-k / top-p."""
 import torch
 
-from tinyloop.worker.sampling import SamplingParams, probs, sample, uniform
+from tinyloop.worker.generation.sampling import SamplingParams, probs, sample, uniform
 
 PROMPT = [3, 17, 42, 99, 7]
 

@@ -7,10 +7,10 @@ import torch
 from model_zoo import CONFIGS
 from tinyloop.kernels.tree_attention import ancestors_from_parents
 from tinyloop.worker import Model, checkpoint
-from tinyloop.worker import speculative as spec_mod
-from tinyloop.worker.engine import Tree
-from tinyloop.worker.graphs import PrefillGraphs, VerifyGraphs
-from tinyloop.worker.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
+from tinyloop.worker.generation import speculative as spec_mod
+from tinyloop.worker.runner.engine import Tree
+from tinyloop.worker.runner.graphs import PrefillGraphs, VerifyGraphs
+from tinyloop.worker.generation.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
 N_TOKENS = 14

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import DecodeState, Finish, device_tensor
-from tinyloop.worker.graphs import BatchGraphs
-from tinyloop.worker.sampling import sample
+from tinyloop.worker.runner.engine import Engine
+from tinyloop.worker.generation.decode import DecodeState, Finish, device_tensor
+from tinyloop.worker.runner.graphs import BatchGraphs
+from tinyloop.worker.generation.sampling import sample
 
 Update = tuple[list[int], Finish | None]  # new token ids, and the Finish once the stream ends
 

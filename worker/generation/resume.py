@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyloop.worker.config import LoopedConfig
-from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import DecodeState, Request, TokenStream, decode_steps
+from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.runner.engine import Engine
+from tinyloop.worker.generation.decode import DecodeState, Request, TokenStream, decode_steps
 
 _ids = itertools.count(1)
 

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from tinyloop.worker.cache import KVCache
-from tinyloop.worker.model import Attend, LoopedTransformer
-from tinyloop.worker.ops import Ops, causal_attention, masked_attention
+from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.modules import Attend, LoopedTransformer
+from tinyloop.worker.model.ops import Ops, causal_attention, masked_attention
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ASSET = Path(__file__).parent / "assets" / "default.tinyloop"
+ASSET = Path(__file__).parent.parent / "assets" / "default.tinyloop"
 FALLBACK_SEED = 0
 
 
@@ -15,8 +15,8 @@ def default_model_path() -> str:
     cache = Path(os.environ.get("TINYLOOP_CACHE", Path.home() / ".cache" / "tinyloop"))
     path = cache / f"default-tiny-seed{FALLBACK_SEED}.tinyloop"
     if not path.exists():
-        from tinyloop.worker import checkpoint
-        from tinyloop.worker.config import PRESETS
+        from tinyloop.worker.model import checkpoint
+        from tinyloop.worker.model.config import PRESETS
         cache.mkdir(parents=True, exist_ok=True)
         checkpoint.save(checkpoint.init_model(PRESETS["tiny"], FALLBACK_SEED), path)
     return str(path)

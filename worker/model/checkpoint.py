@@ -14,8 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from tinyloop.worker.config import LoopedConfig
-from tinyloop.worker.model import LoopedTransformer
+from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.model.modules import LoopedTransformer
 
 FORMAT_VERSION = "1"
 SUPPORTED_VERSIONS = ("1",)

@@ -24,10 +24,10 @@ import torch
 
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
 from tinyloop.kernels.sampling import greedy_feed
-from tinyloop.worker.engine import Engine
-from tinyloop.worker.generate import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
+from tinyloop.worker.runner.engine import Engine
+from tinyloop.worker.generation.decode import (BatchStep, PaddedPrefill, batch_buckets, batch_buffers, prefill_buckets,
                                       prefill_buffers)
-from tinyloop.worker.speculative import VERIFY_BUCKETS, TreeStages, verify_bucket
+from tinyloop.worker.generation.speculative import VERIFY_BUCKETS, TreeStages, verify_bucket
 
 
 @dataclass

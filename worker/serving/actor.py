@@ -92,7 +92,7 @@ class WorkerActor:
         import torch
 
         from tinyloop.worker.api import Model
-        from tinyloop.worker.batcher import Batcher
+        from tinyloop.worker.generation.batcher import Batcher
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = index
@@ -282,7 +282,7 @@ class WorkerActor:
     def _begin(self, start, lane: int):
         """On the step thread: prefill. -> (first update, None) for a stream that joined the
         batcher (or ended at its first token), or (None, generator) to step alone."""
-        from tinyloop.worker.generate import DecodeState, decode_steps  # torch: not at import time
+        from tinyloop.worker.generation.decode import DecodeState, decode_steps  # torch: not at import time
         st = start(lane)
         if not isinstance(st, DecodeState):
             return None, st

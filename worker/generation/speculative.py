@@ -44,10 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.kernels.tree_attention import MAX_NODES, ancestors_from_parents
-from tinyloop.worker.engine import Engine, Pass, Tree
-from tinyloop.worker.generate import (FINISH_LENGTH, FINISH_STOP, Finish, Request, StagedPass, TokenStream,
+from tinyloop.worker.runner.engine import Engine, Pass, Tree
+from tinyloop.worker.generation.decode import (FINISH_LENGTH, FINISH_STOP, Finish, Request, StagedPass, TokenStream,
                                       prefill)
-from tinyloop.worker.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
+from tinyloop.worker.generation.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
                                       draw, probs, uniform)
 
 MAX_DRAFT_AHEAD = 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.worker.engine import Engine
+from tinyloop.worker.runner.engine import Engine
 
 
 def uncertainty(engine: Engine, lane: int, prompt: list[int], L_lo: int, L_hi: int):

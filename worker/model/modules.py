@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tinyloop.kernels.gemv import argmax_key_ref
 from tinyloop.kernels.rope import apply_rope_ref
-from tinyloop.worker.config import LoopedConfig
+from tinyloop.worker.model.config import LoopedConfig
 
 # The L2 eviction policy of the decode step's weight reads (kernels.gemv's eviction_policy), read
 # at each call (Block.eviction), so at each graph capture. A token reads the shared block's weights L times and

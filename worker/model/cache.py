@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.worker.config import LoopedConfig
+from tinyloop.worker.model.config import LoopedConfig
 
 
 class KVCache:

@@ -12,8 +12,8 @@ from typing import Generator
 
 import torch
 
-from tinyloop.worker.engine import Counters, Engine, Pass
-from tinyloop.worker.sampling import SamplingParams, sample
+from tinyloop.worker.runner.engine import Counters, Engine, Pass
+from tinyloop.worker.generation.sampling import SamplingParams, sample
 
 # Finish reasons (documented in docs/api.md).
 FINISH_LENGTH = "length"      # max_tokens reached
