@@ -13,7 +13,9 @@ def register(sub) -> None:
     s.add_argument("--workers", type=int, default=None, help="worker actors (default: one per GPU, else 1)")
     s.add_argument("--attach", action="store_true",
                    help="attach to the --workers N workers another gateway created (extra replicas)")
-    s.add_argument("--lanes", type=int, default=4, help="concurrent streams per worker")
+    s.add_argument("--lanes", type=int, default=None,
+                   help="cache lanes (concurrent streams) per worker; default: 64 on a GPU, 8 on the CPU, "
+                        "within half the free device memory")
     s.add_argument("--max-seq-len", type=int, default=2048)
     s.add_argument("--device", default=None, help="cpu | cuda (default: cuda when the cluster has GPUs)")
     s.add_argument("--dtype", default=None)

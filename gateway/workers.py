@@ -16,7 +16,7 @@ NAMESPACE = "tinyloop"
 @dataclass
 class WorkerOptions:
     model_path: str | None = None
-    lanes: int = 4
+    lanes: int | None = None  # None: the worker's default (Model: 64 on a GPU, 8 on the CPU)
     max_seq_len: int = 2048
     device: str | None = None
     dtype: str | None = None

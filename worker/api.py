@@ -5,6 +5,7 @@ Argument checks live here, so every path (in-process, Ray actor, CLI) raises the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
@@ -14,17 +15,18 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from tinyloop.worker.model import checkpoint
-from tinyloop.worker.model.cache import KVCache
-from tinyloop.worker.runner.engine import Engine
-from tinyloop.worker.generation.decode import DecodeState, Generation, Request, batch, start, stream
-from tinyloop.worker.model.ops import select_ops
 from tinyloop.worker.generation import resume as resume_mod
 from tinyloop.worker.generation import scoring
+from tinyloop.worker.generation.batcher import Batcher
+from tinyloop.worker.generation.decode import DecodeState, Finish, Generation, Request, decode_steps, start, stream
 from tinyloop.worker.generation.resume import ResumeHandle
 from tinyloop.worker.generation.sampling import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
+from tinyloop.worker.model import checkpoint
+from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.ops import select_ops
 from tinyloop.worker.model.tokenizer import from_metadata
+from tinyloop.worker.runner.runner import Runner, RunnerSettings
 
 DEFAULT_SAFETY_NORM_THRESHOLD = 1.0e4
 
@@ -41,30 +43,47 @@ def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+DEFAULT_LANES = {"cuda": 64, "cpu": 8}  # cache lanes when n_slots is not given, within the budget
+
+
+def default_cache_budget(device: torch.device) -> int:
+    """Bytes the cache may take when the caller sets no budget: half the free memory of a CUDA
+    device (after the weights), 2 GiB on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return 2 << 30
+
+
 class Model:
     """A looped transformer loaded from a `.tinyloop` file, with its own static cache.
 
-    n_slots: cache lanes (concurrent requests, batch lanes). cuda_graphs (default: on CUDA)
-    captures at load the decode step of every depth, the batched decode stages of every
-    lane-count bucket, and the prefill stages of prompts padded to length buckets of up to
-    prefill_graph_len tokens (0: prefill stays eager). A call
-    holds the model's lock, so one Model is safe to share between threads; the Ray actor
-    instead runs requests on separate lanes, batching their decode steps (worker/batcher.py).
-    `startup`: seconds spent loading and capturing, by part, and the graph count."""
+    n_slots: cache lanes (concurrent requests, batch lanes); None: 64 on CUDA, 8 on the CPU, as
+    many as fit `cache_budget_bytes` (default: half the free device memory; 2 GiB on the CPU).
+    cuda_graphs (default: on CUDA) captures at load every graph the runner replays: the decode
+    step of every depth, the batched decode stages of every lane-count bucket, the verify
+    stages and the prefill stages of prompts padded to length buckets of up to
+    prefill_graph_len tokens (0: prefill stays eager). No graph depends on the lane count's
+    lanes, only on the buckets. A call holds the model's lock, so one Model is safe to share
+    between threads; the Ray actor instead runs requests on separate lanes, batching their
+    decode steps (generation/batcher.py). `startup`: seconds spent loading and capturing, by
+    part, the graph count and the graph pool's bytes."""
 
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 n_slots: int = 1, backend: str | None = None, cuda_graphs: bool | None = None,
-                 prefill_graph_len: int = 2048):
+                 n_slots: int | None = None, backend: str | None = None, cuda_graphs: bool | None = None,
+                 prefill_graph_len: int = 2048, cache_budget_bytes: int | None = None):
         if path is None:
             from tinyloop.worker.model.default_model import default_model_path
             path = default_model_path()
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-        if n_slots < 1:
+        if n_slots is not None and n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         if prefill_graph_len < 0:
             raise ValueError(f"prefill_graph_len must be >= 0, got {prefill_graph_len}")
+        if cache_budget_bytes is not None and cache_budget_bytes < 1:
+            raise ValueError(f"cache_budget_bytes must be >= 1, got {cache_budget_bytes}")
         self.prefill_graph_len = prefill_graph_len
         t0 = time.perf_counter()
         self.device = torch.device(device) if device is not None else torch.device(
@@ -76,56 +95,49 @@ class Model:
         self.max_seq_len = min(max_seq_len, self.config.max_seq_len)
         self.tokenizer = from_metadata(meta)
         self._module = model
-        self.engine = Engine(model, KVCache(self.config, n_slots, self.max_seq_len, self.config.max_loops,
-                                            self.device, self.dtype), select_ops(self.device, backend))
-        if self.engine.ops.name == "triton":
-            ops = self.engine.ops
+        if n_slots is None:
+            n_slots = self._lanes_within(cache_budget_bytes)
+        ops = select_ops(self.device, backend)
+        if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, ops.gemv_rows, ops.swiglu)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
+        cache = KVCache(self.config, n_slots, self.max_seq_len, self.config.max_loops, self.device, self.dtype)
+        self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), prefill_graph_len))
+        self.n_slots = n_slots
         # seconds by part and graph count: what a worker's start-up cost (the actor logs it)
-        self.startup = {"load_s": time.perf_counter() - t0, "graphs": 0}
+        self.startup = self.runner.startup
+        self.startup["load_s"] = time.perf_counter() - t0
+        self.startup["lanes"] = n_slots
         if cuda_graphs:
             self.capture_graphs(range(1, self.config.max_loops + 1))
         self._lock = threading.RLock()
         self._closed = False
 
-    def capture_graphs(self, loops, lanes=None) -> None:
-        """Capture the batch-1 decode step for each depth in `loops` on each cache lane in
-        `lanes` (default: all; CUDA only), the prefill stages of every length bucket, the
-        speculative verify stages of every chunk bucket and the batched decode stages of every
-        lane-count bucket for depths up to the deepest; generate, resume, speculation, batches
-        and the actor's batcher then replay them. Done at start-up,
-        before a worker reports healthy: capturing writes into the lanes' caches."""
-        from tinyloop.worker.runner.graphs import DecodeGraphs
-        if self.engine.graphs is None:
-            self.engine.graphs = DecodeGraphs(self.engine, self.prefill_graph_len)
-        g = self.engine.graphs
-        loops = [self._loops(L) for L in loops]
+    def _lanes_within(self, budget: int | None) -> int:
+        cfg = self.config
+        per_lane = 2 * cfg.n_cache_layers(cfg.max_loops) * cfg.n_kv_heads * cfg.head_dim * self.max_seq_len \
+            * torch.empty((), dtype=self.dtype).element_size()
+        budget = default_cache_budget(self.device) if budget is None else budget
+        fit = budget // per_lane
+        if fit < 1:
+            raise ValueError(f"one cache lane ({per_lane} bytes at max_seq_len {self.max_seq_len}) exceeds "
+                             f"the cache budget of {budget} bytes")
+        return int(min(DEFAULT_LANES.get(self.device.type, 8), fit))
 
-        def timed(part: str, capture, *args) -> None:
-            t = time.perf_counter()
-            capture(*args)
-            self.startup[part] = self.startup.get(part, 0.0) + time.perf_counter() - t
-        for lane in range(self.engine.cache.n_slots) if lanes is None else lanes:
-            for L in loops:
-                timed("decode_graphs_s", g.capture, L, lane)
-            if loops:
-                timed("prefill_graphs_s", g.prefill.capture, lane, max(loops))
-                timed("verify_graphs_s", g.verify.capture, lane, max(loops))
-        if loops:
-            timed("batch_graphs_s", g.batch.capture, max(loops))
-        self.startup["graphs"] = sum(len(d) for d in (g.graphs, g.prefill.graphs, g.verify.graphs, g.batch.graphs))
+    def capture_graphs(self, loops) -> None:
+        """Capture the runner's graphs for the depths in `loops` (CUDA graphs on only). Done at
+        start-up, before a worker reports healthy: capturing writes into lane 0's cache."""
+        if self.runner.graphs is None:
+            raise ValueError("this Model was built with cuda_graphs=False")
+        self.runner.capture([self._loops(L) for L in loops])
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                # The graphs and the engine refer to each other: break the cycle, so the graphs'
-                # memory goes now rather than at some later collection (see graphs._gc_paused).
-                self.engine.graphs = None
-                self.engine = None
+                self.runner = None
                 self._module = None
 
     @property
@@ -144,7 +156,7 @@ class Model:
 
     @property
     def counters(self):
-        return self.engine.counters
+        return self.runner.counters
 
     # -- argument checks ----------------------------------------------------------------
     def _prompt(self, prompt, name: str = "prompt") -> list[int]:
@@ -253,12 +265,12 @@ class Model:
 
     # -- generation ---------------------------------------------------------------------
     def stream(self, request: Request, lane: int = 0):
-        """A generator of token-id lists for a validated request on one cache lane; its
-        return value (StopIteration.value) is the `Finish`."""
+        """A generator of token-id lists for a validated request on one cache lane, which the
+        caller holds (`runner.lanes`); its return value (StopIteration.value) is the `Finish`."""
         self._check_open()
         if request.speculative is not None:
-            return stream_speculative(self.engine, lane, request, self._spec_params(request.speculative))
-        return stream(self.engine, lane, request)
+            return stream_speculative(self.runner, lane, request, self._spec_params(request.speculative))
+        return stream(self.runner, lane, request)
 
     def start(self, request: Request, lane: int = 0) -> DecodeState:
         """Prefill a validated, non-speculative request into a cache lane: its `DecodeState`,
@@ -267,7 +279,7 @@ class Model:
         self._check_open()
         if request.speculative is not None:
             raise ValueError("a speculative request streams through Model.stream")
-        return start(self.engine, lane, request)
+        return start(self.runner, lane, request)
 
     def generate(self, prompt, loops=None, max_tokens=128, temperature=0.0, top_k=50, top_p=1.0,
                  repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,
@@ -278,9 +290,8 @@ class Model:
         req = self.make_request(prompt, loops, max_tokens, temperature, top_k, top_p, repetition_penalty,
                                 seed, cache_window, l_warmup_tokens, l_warmup_L, safety_check,
                                 safety_norm_threshold, stop_token_ids)
-        with self._lock:
-            self._check_open()
-            return drain(req.prompt, stream(self.engine, 0, req))
+        with self._lock, self._lane() as lane:
+            return drain(req.prompt, stream(self.runner, lane, req))
 
     def generate_batch(self, prompts, per_lane_loops=None, max_tokens=128, temperature=0.0, top_k=50,
                        top_p=1.0, repetition_penalty=1.0, seed=None, cache_window=0,
@@ -292,8 +303,6 @@ class Model:
             raise ValueError("prompts must be a non-empty list of prompts")
         ids = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         B = len(ids)
-        if B > self.engine.cache.n_slots:
-            raise ValueError(f"{B} lanes exceed the model's n_slots={self.engine.cache.n_slots}")
         loops = per_lane_loops if per_lane_loops is not None else [None] * B
         if len(loops) != B:
             raise ValueError(f"per_lane_loops has {len(loops)} entries for {B} prompts")
@@ -306,20 +315,59 @@ class Model:
             raise ValueError(f"seed has {len(seeds)} entries for {B} prompts")
         seeds = [self._seed(s) for s in seeds]
         window, stops = self._window(cache_window), self._stop_ids(stop_token_ids)
-        order = sorted(range(B), key=lambda i: -loops[i])  # deepest lanes first
+        reqs = [Request(ids[i], loops[i], int(max_tokens), sp, seeds[i], window, stop_ids=stops) for i in range(B)]
         with self._lock:
             self._check_open()
-            out, reasons = batch(self.engine, [ids[i] for i in order], [loops[i] for i in order],
-                                 int(max_tokens), sp, [seeds[i] for i in order], window, stops)
-        result: list[Generation | None] = [None] * B
-        for slot, i in enumerate(order):
-            result[i] = Generation(ids[i] + out[slot], reasons[slot],
-                                   {"prompt_tokens": len(ids[i]), "completion_tokens": len(out[slot])})
-        return result
+            finishes = self._batch(reqs)
+        return [Generation(ids[i] + out, f.reason, f.stats) for i, (out, f) in enumerate(finishes)]
 
+    def _batch(self, reqs: list[Request]) -> list[tuple[list[int], "Finish"]]:
+        """Streams on as many free lanes as there are (in waves when there are more requests),
+        their decode steps batched (generation/batcher.py); a stream that cannot join a batch
+        (a windowed cache) decodes alone. -> (generated ids, Finish) per request."""
+        results: list = [None] * len(reqs)
+        pending = list(range(len(reqs)))
+        batcher = Batcher(self.runner)
+        while pending:
+            held = []
+            try:
+                while pending and (lane := self.runner.lanes.acquire()) is not None:
+                    held.append((pending.pop(0), lane))
+                if not held:
+                    raise RuntimeError(f"all {self.n_slots} cache lanes are in use")
+                lane_of = {}
+                for i, lane in held:
+                    st = start(self.runner, lane, reqs[i])
+                    if batcher.eligible(st):
+                        new, finish = batcher.join(st)
+                        results[i] = (new, finish)
+                        lane_of[lane] = i
+                    else:
+                        g = drain([], decode_steps(st))
+                        results[i] = (list(g), Finish(g.finish_reason, g.stats))
+                while batcher:
+                    for lane, (new, finish) in batcher.step().items():
+                        got = results[lane_of[lane]]
+                        results[lane_of[lane]] = (got[0] + new, finish)
+            finally:
+                for lane in list(batcher.states):
+                    batcher.leave(lane)
+                for _, lane in held:
+                    self.runner.lanes.release(lane)
+        return results
+
+    def _lane(self, lane: int | None = None):
+        """The cache lane of one call: `lane`, which the caller holds, or a free lane held for
+        the call (RuntimeError when every lane is in use)."""
+        self._check_open()
+        if lane is None:
+            return self.runner.lanes.hold()
+        if not 0 <= lane < self.n_slots:
+            raise ValueError(f"lane {lane} outside [0, n_slots={self.n_slots})")
+        return contextlib.nullcontext(lane)
 
     # -- warm-start resume --------------------------------------------------------------
-    def build_resume_handle(self, prompt, L_used=8, max_loops=32, cache_window=0) -> ResumeHandle:
+    def build_resume_handle(self, prompt, L_used=8, max_loops=32, cache_window=0, lane=None) -> ResumeHandle:
         """Prefill once at L_used; the handle can then resume at any new_L in [L_used, max_loops]."""
         self._check_open()
         ids = self._prompt(prompt)
@@ -337,7 +385,8 @@ class Model:
         with self._lock:
             self._check_open()
             try:
-                return resume_mod.build(self.engine, 0, ids, int(L_used), int(max_loops), window)
+                with self._lane(lane) as lane:
+                    return resume_mod.build(self.runner, lane, ids, int(L_used), int(max_loops), window)
             except torch.OutOfMemoryError as e:
                 raise RuntimeError(f"out of memory allocating the resume handle: {e}") from None
 
@@ -348,7 +397,7 @@ class Model:
         self._check_open()
         if not isinstance(handle, ResumeHandle):
             raise ValueError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
-        if handle.owner != id(self.engine):
+        if self.runner is None or handle.owner != id(self.runner):
             raise RuntimeError("handle belongs to a different (or closed) Model")
         if handle.freed:
             raise RuntimeError("handle has been freed")
@@ -373,7 +422,7 @@ class Model:
         handle, new_L, req = resume_request
         if handle.freed:
             raise RuntimeError("handle has been freed")
-        return resume_mod.resume(self.engine, lane, handle, new_L, req)
+        return resume_mod.resume(self.runner, lane, handle, new_L, req)
 
     def start_resume(self, resume_request, lane: int = 0) -> DecodeState:
         """`start` for a validated `make_resume_request` result: the handle cloned into the lane
@@ -382,18 +431,17 @@ class Model:
         handle, new_L, req = resume_request
         if handle.freed:
             raise RuntimeError("handle has been freed")
-        return resume_mod.start(self.engine, lane, handle, new_L, req)
+        return resume_mod.start(self.runner, lane, handle, new_L, req)
 
     def resume_generate(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
                         top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,
-                        stop_token_ids=None) -> Generation:
+                        stop_token_ids=None, lane=None) -> Generation:
         """Extend the handle to new_L (iterations [L_used, new_L) only) and decode. The handle is
         not modified; many resumes on one handle never disturb each other."""
         rr = self.make_resume_request(handle, new_L, max_tokens, temperature, top_k, top_p, cache_window,
                                       repetition_penalty, seed, stop_token_ids)
-        with self._lock:
-            self._check_open()
-            return drain(handle.prompt, self.stream_resume(rr))
+        with self._lock, self._lane(lane) as lane:
+            return drain(handle.prompt, self.stream_resume(rr, lane))
 
     def free_resume_handle(self, handle: ResumeHandle) -> None:
         """Release the handle's memory now (idempotent)."""
@@ -402,22 +450,22 @@ class Model:
         handle.free()
 
     # -- scoring ------------------------------------------------------------------------
-    def score_with_consistency(self, prompt, loops_a, loops_b, max_tokens=32) -> dict:
+    def score_with_consistency(self, prompt, loops_a, loops_b, max_tokens=32, lane=None) -> dict:
         """Greedy answers at two depths from one shared prefill of the shallower depth."""
         ids = self._prompt(prompt)
         La, Lb = self._loops(loops_a, "loops_a"), self._loops(loops_b, "loops_b")
         self._fit(len(ids), max_tokens)
         lo = min(La, Lb)
-        handle = self.build_resume_handle(ids, L_used=lo, max_loops=max(La, Lb))
+        handle = self.build_resume_handle(ids, L_used=lo, max_loops=max(La, Lb), lane=lane)
         try:
-            a = self.resume_generate(handle, La, max_tokens=max_tokens)[len(ids):]
-            b = self.resume_generate(handle, Lb, max_tokens=max_tokens)[len(ids):]
+            a = self.resume_generate(handle, La, max_tokens=max_tokens, lane=lane)[len(ids):]
+            b = self.resume_generate(handle, Lb, max_tokens=max_tokens, lane=lane)[len(ids):]
         finally:
             self.free_resume_handle(handle)
         d = scoring.first_divergence(a, b)
         return {"agree": d == -1, "answer_a": a, "answer_b": b, "first_divergence": d}
 
-    def score_with_uncertainty(self, prompt, L_lo, L_hi):
+    def score_with_uncertainty(self, prompt, L_lo, L_hi, lane=None):
         """-> (next-token logits at L_hi as float32 (V,), KL(p_hi || p_lo)), sharing the first
         L_lo iterations between the two depths."""
         self._check_open()
@@ -426,20 +474,18 @@ class Model:
         if lo > hi:
             raise ValueError(f"L_lo={lo} must be <= L_hi={hi}")
         self._fit(len(ids), 1)
-        with self._lock:
-            self._check_open()
-            logits, kl = scoring.uncertainty(self.engine, 0, ids, lo, hi)
+        with self._lock, self._lane(lane) as lane:
+            logits, kl = scoring.uncertainty(self.runner, lane, ids, lo, hi)
         return logits.cpu().numpy().astype(np.float32), kl
 
-    def score_trajectory(self, tokens, n_loops) -> dict:
+    def score_trajectory(self, tokens, n_loops, lane=None) -> dict:
         """-> {"labels": [...], "hidden": float32 (n_stages, d_model)} for the last position."""
         self._check_open()
         ids = self._prompt(tokens, "tokens")
         L = self._loops(n_loops, "n_loops")
         self._fit(len(ids), 1, "tokens")
-        with self._lock:
-            self._check_open()
-            labels, hidden = scoring.trajectory(self.engine, 0, ids, L)
+        with self._lock, self._lane(lane) as lane:
+            labels, hidden = scoring.trajectory(self.runner, lane, ids, L)
         return {"labels": labels, "hidden": hidden.cpu().numpy().astype(np.float32)}
 
     # -- self-speculative decoding ------------------------------------------------------
@@ -468,9 +514,8 @@ class Model:
                               speculative: dict) -> Generation:
         req = self.make_request(prompt, None, max_tokens, temperature, top_k, top_p, seed=seed,
                                 stop_token_ids=stop_token_ids, speculative=speculative)
-        with self._lock:
-            self._check_open()
-            return drain(req.prompt, self.stream(req))
+        with self._lock, self._lane() as lane:
+            return drain(req.prompt, self.stream(req, lane))
 
     def _spec_params(self, speculative: dict) -> SpecParams:
         s = speculative

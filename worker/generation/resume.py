@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyloop.worker.model.config import LoopedConfig
-from tinyloop.worker.runner.engine import Engine
 from tinyloop.worker.generation.decode import DecodeState, Request, TokenStream, decode_steps
+from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.runner.runner import Runner
 
 _ids = itertools.count(1)
 
@@ -33,7 +33,7 @@ def handle_nbytes(cfg: LoopedConfig, seq_len: int, max_loops: int, cache_window:
 
 @dataclass(eq=False)
 class ResumeHandle:
-    owner: int                 # id of the engine that built it
+    owner: int                 # id of the runner that built it
     prompt: list[int]
     _loops_used: int
     _max_loops: int
@@ -68,56 +68,38 @@ class ResumeHandle:
         self.k = self.v = self.residual = None
 
 
-def build(engine: Engine, lane: int, prompt: list[int], L_used: int, max_loops: int,
+def build(runner: Runner, lane: int, prompt: list[int], L_used: int, max_loops: int,
           cache_window: int) -> ResumeHandle:
     """Prefill once at L_used through `lane` and keep what a deeper resume needs."""
-    cfg, cache = engine.config, engine.cache
-    device = cache.k.device
+    cfg, cache = runner.config, runner.cache
     T = len(prompt)
     positions = min(T, cache_window) if cache_window else T
     n_layers = cfg.n_prelude + max_loops * cfg.n_loop_layers
     used = cfg.n_prelude + L_used * cfg.n_loop_layers
     shape = (n_layers, cfg.n_kv_heads, positions, cfg.head_dim)
-    k = torch.empty(shape, dtype=cache.k.dtype, device=device)
-    v = torch.empty(shape, dtype=cache.v.dtype, device=device)
-    x = None
-    if engine.graphs is not None and not cache_window:
-        x = engine.graphs.prefill.build(lane, list(prompt), L_used)  # captured stages, if they cover it
-    if x is None:
-        p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, cache_window)
-        x = engine.embed_prelude(torch.tensor([prompt], dtype=torch.long, device=device), p)
-        x = engine.run_loops(x, p, 0, L_used)
+    k = torch.empty(shape, dtype=cache.k.dtype, device=runner.device)
+    v = torch.empty(shape, dtype=cache.v.dtype, device=runner.device)
+    x = runner.build(lane, list(prompt), L_used, cache_window).residual
     k[:used] = cache.k[:used, lane, :, :positions]
     v[:used] = cache.v[:used, lane, :, :positions]
-    return ResumeHandle(id(engine), list(prompt), L_used, max_loops, cache_window, k, v, x.clone())
+    return ResumeHandle(id(runner), list(prompt), L_used, max_loops, cache_window, k, v, x)
 
 
-def resume(engine: Engine, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> TokenStream:
+def resume(runner: Runner, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> TokenStream:
     """Clone the handle into `lane`, run iterations [L_used, new_L) over the prompt, decode."""
-    return (yield from decode_steps(start(engine, lane, handle, new_L, req)))
+    return (yield from decode_steps(start(runner, lane, handle, new_L, req)))
 
 
-def start(engine: Engine, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> DecodeState:
+def start(runner: Runner, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> DecodeState:
     """Clone the handle into `lane` and run iterations [L_used, new_L) over the prompt: the
     state that decides the first token."""
-    cfg, cache = engine.config, engine.cache
-    before = engine.counters.snapshot()
-    T = handle.seq_len()
+    cfg, cache = runner.config, runner.cache
     used = cfg.n_prelude + handle.loops_used() * cfg.n_loop_layers
     n_pos = handle.k.shape[2]
     cache.k[:used, lane, :, :n_pos] = handle.k[:used]
     cache.v[:used, lane, :, :n_pos] = handle.v[:used]
-    device = cache.k.device
-    logits = norm = None
-    if engine.graphs is not None and not req.window and req.safety_threshold is None:
-        logits = engine.graphs.prefill.resume(lane, handle.residual, handle.loops_used(), new_L)
-    if logits is None:
-        p = engine.make_pass(slice(lane, lane + 1), torch.arange(T, device=device)[None], T, req.window,
-                             req.safety_threshold is not None)
-        x = engine.run_loops(handle.residual.clone(), p, handle.loops_used(), new_L)
-        logits = engine.logits(engine.coda(x, p)[:, -1:])[:, -1]
-        norm = p.norm_max
-    prompt_work = engine.counters.since(before)
-    st = DecodeState(engine, lane, req, logits, norm, prompt_work)
-    st.extra_stats["prompt_loop_iterations"] = prompt_work.loop_iterations
+    out = runner.extend(lane, handle.residual, handle.loops_used(), new_L, 0, req.window,
+                        req.safety_threshold is not None)
+    st = DecodeState(runner, lane, req, out.logits, out.norm, out.work)
+    st.extra_stats["prompt_loop_iterations"] = out.work.loop_iterations
     return st

@@ -43,12 +43,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyloop.kernels.tree_attention import MAX_NODES, ancestors_from_parents
-from tinyloop.worker.runner.engine import Engine, Pass, Tree
-from tinyloop.worker.generation.decode import (FINISH_LENGTH, FINISH_STOP, Finish, Request, StagedPass, TokenStream,
-                                      prefill)
+from tinyloop.kernels.tree_attention import MAX_NODES
+from tinyloop.worker.generation.decode import FINISH_LENGTH, FINISH_STOP, Finish, Request, TokenStream
 from tinyloop.worker.generation.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
-                                      draw, probs, uniform)
+                                                 draw, probs, uniform)
+from tinyloop.worker.runner.engine import Counters
+from tinyloop.worker.runner.runner import Runner, StepOut
+from tinyloop.worker.runner.stages import TreeStages
 
 MAX_DRAFT_AHEAD = 16
 MAX_BRANCHES = 8
@@ -162,14 +163,14 @@ class _Emitter:
 
 
 # -- the generators ------------------------------------------------------------------------
-def stream_speculative(engine: Engine, lane: int, req: Request, spec: SpecParams) -> TokenStream:
+def stream_speculative(runner: Runner, lane: int, req: Request, spec: SpecParams) -> TokenStream:
     """Prefill at verify_loops, then chain or tree rounds; yields each verify's tokens."""
-    before = engine.counters.snapshot()
-    chooser = _Chooser(req.sampling, req.seed, engine.cache.k.device)
+    chooser = _Chooser(req.sampling, req.seed, runner.device)
     emit = _Emitter(req)
     T = len(req.prompt)
-    logits, _ = prefill(engine, lane, req.prompt, spec.verify_loops, 0)
-    t = chooser.target(logits[0], T)
+    first = runner.prefill(lane, req.prompt, spec.verify_loops)
+    work = first.work
+    t = chooser.target(first.logits[0], T)
     yield emit.take([t])
     rounds = drafted = accepted = 0
     pos = T  # position of t: decided, not yet fed
@@ -177,18 +178,17 @@ def stream_speculative(engine: Engine, lane: int, req: Request, spec: SpecParams
         # never draft past what max_tokens can still use: a round emits at most k + 1 tokens
         k = min(spec.draft_ahead, req.max_tokens - emit.generated - 1)
         if spec.tree:  # side branches sit past the linear positions: keep every node inside the cache
-            k = min(k, (engine.cache.max_seq_len - pos - 1) // spec.k_branches)
-        if spec.tree:
-            toks, n_acc = _tree_round(engine, lane, spec, chooser, t, pos, k)
+            k = min(k, (runner.cache.max_seq_len - pos - 1) // spec.k_branches)
+            toks, n_acc, w = _tree_round(runner, lane, spec, chooser, t, pos, k)
         else:
-            toks, n_acc = _chain_round(engine, lane, spec, chooser, t, pos, k)
+            toks, n_acc, w = _chain_round(runner, lane, spec, chooser, t, pos, k)
+        work = work.plus(w)
         rounds += 1
         drafted += k
         accepted += n_acc
         pos += len(toks)
         t = toks[-1]
         yield emit.take(toks)
-    work = engine.counters.since(before)
     return Finish(emit.reason, {
         "prompt_tokens": T, "completion_tokens": emit.generated,
         "loop_iterations": work.loop_iterations,
@@ -202,218 +202,88 @@ def stream_speculative(engine: Engine, lane: int, req: Request, spec: SpecParams
     })
 
 
-def _chain_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
-                 k: int) -> tuple[list[int], int]:
-    """Draft k tokens after t (at pos), verify [t, d_1 .. d_k] from the draft's residuals.
-    -> (tokens decided this round, number of drafts accepted)."""
-    device = engine.cache.k.device
+def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
+                 k: int) -> tuple[list[int], int, Counters]:
+    """Draft k tokens after t (at pos) with k + 1 decode steps at draft_loops, each fed the
+    draft before it, then verify [t, d_1 .. d_k] from the draft steps' residuals.
+    -> (tokens decided this round, number of drafts accepted, the round's work).
+
+    Greedy drafts stay on the device (each step's own argmax is the next step's token) until
+    the round's one read, with the verifier's tokens. The last step's coda and head are not
+    needed (only its residual is), and the verify overwrites its coda layers' K / V."""
     Ld, Lv = spec.draft_loops, spec.verify_loops
-    lanes = slice(lane, lane + 1)
-    graph = engine.graphs.get(Ld, lane) if engine.graphs is not None and chooser.greedy else None
-    drafts = None  # the graph drafts' tokens, on the device until the round's one read
-    if graph is not None:
-        drafts, x = _graph_drafts(engine, graph, t, pos, k)
-    else:
-        chunk, xs, qs = [t], [], []
-        for i in range(k + 1):
-            p = engine.make_pass(lanes, torch.tensor([[pos + i]], device=device), pos + i + 1)
-            x = engine.run_loops(engine.embed_prelude(torch.tensor([[chunk[i]]], device=device), p), p, 0, Ld)
-            xs.append(x)
-            if i < k:  # the last drafted token needs only its residual, not a draft of its own
-                d, q = chooser.draft(engine.logits(engine.coda(x, p))[0, -1], pos + i + 1)
-                chunk.append(d)
+    work = Counters()
+    out: StepOut | None = None
+    residuals = drafts = None
+    chunk, qs = [t], []
+    tok = t
+    for i in range(k + 1):
+        out = runner.decode([lane], [tok], [pos + i], [Ld], prev=out)
+        work = work.plus(out.work)
+        if residuals is None:
+            residuals = out.residual.new_empty(1, k + 1, out.residual.shape[-1])
+            drafts = out.greedy.new_empty(k)
+        residuals[:, i] = out.residual[:, 0]
+        if i < k:
+            if chooser.greedy:
+                drafts[i:i + 1] = out.greedy
+                tok = out.greedy
+            else:
+                tok, q = chooser.draft(out.logits[0], pos + i + 1)
+                chunk.append(tok)
                 qs.append(q)
-        x = torch.cat(xs, 1)
-    n = k + 1
-    logits = engine.graphs.verify.run(lane, x, pos, Ld, Lv) if engine.graphs is not None else None
-    if logits is None:  # no captured stages cover it: eagerly
-        p = engine.make_pass(lanes, torch.arange(pos, pos + n, device=device)[None], pos + n)
-        logits = engine.logits(engine.coda(engine.run_loops(x, p, Ld, Lv), p))[0]  # (n, V)
+    ver = runner.verify(lane, residuals, pos, Ld, Lv)
+    work = work.plus(ver.work)
+    logits = ver.logits  # (k + 1, V)
     if chooser.greedy:
-        # the verifier's tokens (and the graph drafts) in one read: accept while they agree
-        targets = logits.argmax(-1)
-        if drafts is not None:
-            both = torch.cat([drafts, targets]).tolist()
-            chunk, targets = [t, *both[:k]], both[k:]
-        else:
-            targets = targets.tolist()
+        # the verifier's tokens and the drafts in one read: accept while they agree
+        both = torch.cat([drafts, logits.argmax(-1)]).tolist()
+        chunk, targets = [t, *both[:k]], both[k:]
         n_acc = next((i for i in range(k) if targets[i] != chunk[i + 1]), k)
-        return targets[:n_acc + 1], n_acc  # the first mismatch, or the bonus after a full chunk
-    out = []
+        return targets[:n_acc + 1], n_acc, work  # the first mismatch, or the bonus after a full chunk
+    out_toks = []
     for i in range(k):
         ok, tok = chooser.verify(logits[i], qs[i], chunk[i + 1], pos + i + 1)
-        out.append(tok)
+        out_toks.append(tok)
         if not ok:
-            return out, i
-    out.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
-    return out, k
+            return out_toks, i, work
+    out_toks.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
+    return out_toks, k, work
 
 
-def _graph_drafts(engine: Engine, graph, t: int, pos: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A greedy chain's drafts by replaying the lane's captured decode step at draft_loops
-    (worker/graphs.py): k + 1 replays from t at pos, each fed its own greedy token on the device,
-    so the drafts run with no launch from Python and no host sync (the round reads the drafted
-    tokens with the verifier's). -> (d_1 .. d_k (k,) on the device, the residuals after the
-    draft's iterations (1, k + 1, D)). The cache gets what the eager drafts write (every replay
-    also runs the coda and head of its token, which the eager path skips for d_k: the verify
-    overwrites those coda layers' K / V at the chunk's positions)."""
-    residuals = graph.residual.new_empty(1, k + 1, graph.residual.shape[-1])
-    drafts = graph.greedy.new_empty(k)
-    for i in range(k + 1):
-        graph.step(t if i == 0 else graph.greedy, pos + i)
-        residuals[:, i] = graph.residual[:, 0]
-        if i < k:
-            drafts[i:i + 1] = graph.greedy
-        engine.counters.loop_iterations += graph.loops
-        engine.counters.loop_token_iterations += graph.loops
-    return drafts, residuals
-
-
-# Node counts TreeStages is built for: a chain round of the default draft_ahead (4), and the
-# longest chain (trees of up to 17 nodes: K_branches x draft_ahead <= 16; larger trees run
-# eagerly). Two, not more: each is a graph per lane and depth captured at start-up (with four,
-# 1.5 s a lane on bench-285m against 0.8), and a pass's pads cost little (its projections are
-# bound by the weight read).
-VERIFY_BUCKETS = (5, MAX_DRAFT_AHEAD + 1)
-
-
-def verify_bucket(n: int) -> int | None:
-    """The smallest verify bucket that holds a chunk of n tokens (None: none does)."""
-    return next((b for b in VERIFY_BUCKETS if b >= n), None)
-
-
-class TreeStages(StagedPass):
-    """Tree-mode passes (engine.Tree) over a bucket of nodes on `lane` as stages over static
-    buffers, so that each stage is captured once as a CUDA graph (worker/graphs.py) and
-    replayed for any tree of up to `bucket` nodes at any position and depths. The same stages
-    run eagerly anywhere.
-
-    Stages: "prelude" (the nodes' tokens embedded, the prelude), iteration i (in place on the
-    residual buffer), "coda" (the coda, then the logits of every node). Node u sits at slot
-    pos + u and attends to the prefix (its length a device-side buffer: the tree-attention
-    kernel bounds its reads by it) and to its ancestors. The slots, positions, prefix length,
-    ancestor masks and RoPE rows are buffers that `load_chain` or `load_tree` sets, so nothing
-    in a stage depends on the position on the host.
-
-    A chain round's verify (`verify_chain`) is a tree pass over a chain: the drafted residuals,
-    iterations [L_d, L_v), the coda. A tree round (`_tree_round` on stages) runs, for each draft
-    depth, the prelude and iterations [0, L_d) over every node with the tokens drafted so far,
-    then the coda for that depth's logits; the verify continues from the last depth's residuals
-    with iterations [L_d, L_v) and the coda. A node not drafted yet holds token 0 and writes
-    K / V that nothing reads (a node attends to its ancestors only, all drafted at shallower
-    depths) and the next depth rewrites.
-
-    Pads (nodes past the tree) sit at the slots after it, at positions equal to their slots,
-    attend to themselves only, and write K/V there, in the layers the stages run. That is
-    harmless for the reason rejected drafts are (module docstring, Rollback): nothing reads a
-    position before a later round or step writes it, and no real node has a pad as an ancestor.
-    A tree runs only where its pads stay inside the cache (`fits`)."""
-
-    def __init__(self, engine: Engine, lane: int, bucket: int):
-        cfg, device = engine.config, engine.cache.k.device
-        dtype = engine.model.tok_embeddings.weight.dtype
-        self.engine, self.bucket = engine, bucket
-        self.tokens = torch.zeros(1, bucket, dtype=torch.long, device=device)
-        self.x = torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device)
-        self.logits = torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device)
-        self.offsets = torch.arange(bucket, device=device)[None]
-        self.slots = self.offsets.clone()       # (1, bucket): pos + node
-        self.positions = self.offsets.clone()   # (1, bucket): pos + the node's depth (a pad's: its slot)
-        self.prefix = torch.zeros(1, dtype=torch.long, device=device)
-        self.chain = ancestors_from_parents(torch.arange(-1, bucket - 1, device=device)[None])
-        self.ancestors = self.chain.clone()
-        self.trees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (K, k): tree_layout's, padded
-        S = engine.cache.max_seq_len
-        self.p = engine.make_pass(slice(lane, lane + 1), self.positions, S)
-        self.p.tree = Tree(self.slots, self.prefix, self.ancestors)
-        self.p.rope_rows()  # gathered now, into buffers the loads refresh (see Pass)
-
-    @staticmethod
-    def stages(start: int, stop: int, prelude: bool = False) -> list:
-        return [*(["prelude"] if prelude else []), *range(start, stop), "coda"]
-
-    def fits(self, pos: int) -> bool:
-        return pos + self.bucket <= self.engine.cache.max_seq_len
-
-    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The coda stage's logits: every node's, (bucket, V)."""
-        return self.engine.logits(h, self.p)[0]
-
-    def _place(self, pos: int, ancestors: torch.Tensor, depths: torch.Tensor | None) -> None:
-        torch.add(self.offsets, pos, out=self.slots)
-        if depths is None:
-            self.positions.copy_(self.slots)
-        else:
-            torch.add(depths, pos, out=self.positions)
-        self.prefix.fill_(pos)
-        self.ancestors.copy_(ancestors)
-        m = self.engine.model
-        for table, rows in zip((m.rope_cos, m.rope_sin), self.p.rows):
-            torch.index_select(table, 0, self.positions.view(-1), out=rows.view(self.bucket, -1))
-
-    @torch.no_grad()
-    def load_chain(self, residual: torch.Tensor, pos: int) -> None:
-        """Set the buffers for the chain (1, n, D) of residuals whose first token sits at pos."""
-        n = residual.shape[1]
-        self.x[:, :n].copy_(residual)
-        self.x[:, n:].zero_()  # pads: any finite value does
-        self._place(pos, self.chain, None)
-
-    @torch.no_grad()
-    def load_tree(self, t: int, pos: int, K: int, k: int) -> None:
-        """Set the buffers for a round's tree (`tree_layout(K, k)`) rooted at token t at pos: the
-        root's token, every other node's 0 until drafted."""
-        if (K, k) not in self.trees:
-            parents, depths = tree_layout(K, k, self.offsets.device)
-            pad = torch.arange(parents.shape[0], self.bucket, device=parents.device)
-            self.trees[(K, k)] = (ancestors_from_parents(torch.cat([parents, torch.full_like(pad, -1)])[None]),
-                                  torch.cat([depths, pad])[None])
-        ancestors, depths = self.trees[(K, k)]
-        self.tokens.zero_()
-        self.tokens[:, :1].fill_(t)
-        self._place(pos, ancestors, depths)
-
-    def verify_chain(self, residual: torch.Tensor, pos: int, start: int, stop: int, run=None) -> torch.Tensor:
-        """The verify of the chain (1, n, D) of residuals at pos from iteration `start` to `stop`:
-        its logits (n, V), a view of the buffer the next pass overwrites. run(stage) runs a
-        stage: `self.run` (eager) or a captured graph's replay."""
-        n = residual.shape[1]
-        if not self.fits(pos) or n > self.bucket:
-            raise ValueError(f"a chunk of {n} tokens at {pos} does not fit bucket {self.bucket} "
-                             f"of a {self.engine.cache.max_seq_len}-position cache")
-        e = self.engine
-        self.load_chain(residual, pos)
-        before = e.counters.snapshot()
-        for stage in self.stages(start, stop):
-            (run or self.run)(stage)
-        # count what the chunk needs, as the eager verify does (a replay counts nothing)
-        e.counters.loop_iterations = before.loop_iterations + stop - start
-        e.counters.loop_token_iterations = before.loop_token_iterations + (stop - start) * n
-        return self.logits[:n]
-
-
-def tree_layout(K: int, depth: int, device=None):
-    """The breadth-first draft tree: node 0 the root, node 1 + (i - 1)·K + b the depth-i node of
-    branch b. -> (parents (N,) int64, node depths (N,) int64)."""
-    N = 1 + K * depth
-    node = torch.arange(N, device=device)
-    depths = torch.where(node == 0, 0, (node - 1) // K + 1)
-    parents = torch.where(node == 0, -1, torch.where(depths == 1, 0, node - K))
-    return parents, depths
-
-
-def _tree_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
-                k: int) -> tuple[list[int], int]:
+def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
+                k: int) -> tuple[list[int], int, Counters]:
     """Draft a K-branch tree of depth k below t (at pos), verify all nodes in one tree pass,
-    move the accepted path to its linear slots. -> (tokens decided, drafts accepted). The
-    passes replay the lane's captured tree stages where they cover the tree (`_staged_tree`),
-    else run eagerly (`_eager_tree`)."""
-    K = min(spec.k_branches, engine.config.vocab_size) if k else 1
-    staged = None
-    if engine.graphs is not None:
-        staged = engine.graphs.verify.runner(lane, 1 + K * k, pos, TreeStages.stages(0, spec.verify_loops, True))
-    tokens, logits, targets = (_eager_tree(engine, lane, spec, t, pos, k, K) if staged is None
-                               else _staged_tree(engine, spec, chooser, t, pos, k, K, *staged))
+    move the accepted path to its linear slots. -> (tokens decided, drafts accepted, work).
+
+    Each draft depth runs the prelude and iterations [0, L_d) over every node with the tokens
+    drafted so far, then the coda for that depth's logits; the verify continues from the last
+    depth's residuals with iterations [L_d, L_v) and the coda. A node not drafted yet holds
+    token 0 and writes K / V that nothing reads (a node attends to its ancestors only, all
+    drafted at shallower depths) and the next depth rewrites. The tokens move on the device
+    only; a greedy round reads them and the verifier's argmax in one transfer. An iteration
+    counts the nodes it drafts (each depth's), then every node for the verify."""
+    K = min(spec.k_branches, runner.config.vocab_size) if k else 1
+    Ld, Lv = spec.draft_loops, spec.verify_loops
+    N = 1 + K * k
+    tr = runner.tree(lane, N, pos, TreeStages.span(0, Lv, prelude=True))
+    tr.load_tree(t, pos, K, k)
+    for i in range(k + 1):
+        fresh = K if i else 1  # the nodes drafted at depth i
+        for stage in ("prelude", *range(Ld)):
+            tr.run(stage, fresh)
+        if i < k:
+            tr.run("coda")
+            first = 1 + (i - 1) * K if i else 0
+            _draft_depth(tr.logits[first:first + fresh], tr.tokens[0], i, K)
+    for stage in (*range(Ld, Lv), "coda"):
+        tr.run(stage)
+    logits = tr.logits[:N]
+    if chooser.greedy:
+        both = torch.cat([tr.tokens[0, :N], logits.argmax(-1)]).tolist()
+        tokens, targets = both[:N], both[N:]
+    else:
+        tokens, targets = tr.tokens[0, :N].tolist(), None
     out, path, cur = [], [], 0
     for i in range(1, k + 1):
         y = targets[cur] if targets is not None else chooser.target(logits[cur], pos + i)
@@ -426,64 +296,8 @@ def _tree_round(engine: Engine, lane: int, spec: SpecParams, chooser: _Chooser, 
         cur = nxt
     else:  # bonus after a full branch
         out.append(targets[cur] if targets is not None else chooser.target(logits[cur], pos + k + 1))
-    _move_path(engine, lane, pos, path, spec.verify_loops)
-    return out, len(path)
-
-
-def _eager_tree(engine: Engine, lane: int, spec: SpecParams, t: int, pos: int, k: int,
-                K: int) -> tuple[list[int], torch.Tensor, None]:
-    """The tree's passes run eagerly, each draft depth over that depth's nodes only.
-    -> (the nodes' tokens, their verifier logits (N, V), None)."""
-    device = engine.cache.k.device
-    Ld, Lv = spec.draft_loops, spec.verify_loops
-    lanes = slice(lane, lane + 1)
-    parents, depths = tree_layout(K, k, device)
-    N = parents.shape[0]
-    anc = ancestors_from_parents(parents[None])                       # (1, N)
-    prefix = torch.tensor([pos], device=device)
-    tokens = torch.empty(N, dtype=torch.long, device=device)
-    tokens[0] = t
-    xs = []
-    for i in range(k + 1):
-        n_written = 1 + i * K  # breadth first: the nodes up to depth i fill slots [pos, pos + n_written)
-        nodes = torch.arange(n_written - (K if i else 1), n_written, device=device)
-        p = _tree_pass(engine, lanes, pos, depths, nodes, prefix, anc[:, :n_written])
-        x = engine.run_loops(engine.embed_prelude(tokens[nodes][None], p), p, 0, Ld)
-        xs.append(x)
-        if i < k:
-            _draft_depth(engine.logits(engine.coda(x, p))[0], tokens, i, K)
-    p = _tree_pass(engine, lanes, pos, depths, None, prefix, anc)
-    logits = engine.logits(engine.coda(engine.run_loops(torch.cat(xs, 1), p, Ld, Lv), p))[0]  # (N, V)
-    return tokens.tolist(), logits, None
-
-
-def _staged_tree(engine: Engine, spec: SpecParams, chooser: _Chooser, t: int, pos: int, k: int, K: int,
-                 ts: TreeStages, run) -> tuple[list[int], torch.Tensor, list[int] | None]:
-    """The tree's passes on TreeStages (run(stage): a replay of the lane's captured stage, or
-    the stage eagerly), each draft depth over every node. The tokens move on the device only; a
-    greedy round reads them and the verifier's argmax in one transfer. The counters count what
-    the eager passes run: each draft depth's nodes, not the whole bucket.
-    -> (the nodes' tokens, their verifier logits (N, V), greedy: the verifier's tokens, else None)."""
-    Ld, Lv = spec.draft_loops, spec.verify_loops
-    N = 1 + K * k
-    ts.load_tree(t, pos, K, k)
-    before = engine.counters.snapshot()
-    for i in range(k + 1):
-        for stage in ("prelude", *range(Ld)):
-            run(stage)
-        if i < k:
-            run("coda")
-            first = 1 + (i - 1) * K if i else 0
-            _draft_depth(ts.logits[first:first + (K if i else 1)], ts.tokens[0], i, K)
-    for stage in (*range(Ld, Lv), "coda"):
-        run(stage)
-    engine.counters.loop_iterations = before.loop_iterations + (k + 1) * Ld + Lv - Ld
-    engine.counters.loop_token_iterations = before.loop_token_iterations + Lv * N
-    logits = ts.logits[:N]
-    if not chooser.greedy:
-        return ts.tokens[0, :N].tolist(), logits, None
-    both = torch.cat([ts.tokens[0, :N], logits.argmax(-1)]).tolist()
-    return both[:N], logits, both[N:]
+    _move_path(runner, lane, pos, path, Lv)
+    return out, len(path), tr.work
 
 
 def _draft_depth(logits: torch.Tensor, tokens: torch.Tensor, i: int, K: int) -> None:
@@ -492,23 +306,13 @@ def _draft_depth(logits: torch.Tensor, tokens: torch.Tensor, i: int, K: int) -> 
     tokens[1 + i * K:1 + (i + 1) * K] = logits[0].topk(K).indices if i == 0 else logits.argmax(-1)
 
 
-def _tree_pass(engine: Engine, lanes: slice, pos: int, depths: torch.Tensor, nodes: torch.Tensor | None,
-               prefix: torch.Tensor, anc: torch.Tensor) -> Pass:
-    """A tree-mode pass over `nodes` (None: all of anc's nodes) of the tree rooted at slot pos."""
-    N = anc.shape[1]
-    q_nodes = torch.arange(N, device=prefix.device) if nodes is None else nodes
-    p = engine.make_pass(lanes, (pos + depths[q_nodes])[None], pos + N)
-    p.tree = Tree((pos + q_nodes)[None], prefix, anc, nodes)
-    return p
-
-
-def _move_path(engine: Engine, lane: int, pos: int, path: list[int], loops: int) -> None:
+def _move_path(runner: Runner, lane: int, pos: int, path: list[int], loops: int) -> None:
     """Accepted nodes at depth 1..j: K / V from slot pos + node to pos + depth, in every cache
     layer a call at `loops` uses (prelude, iterations [0, loops), coda)."""
     moves = [(pos + node, pos + d) for d, node in enumerate(path, 1) if node != d]
     if not moves:
         return
-    cache = engine.cache
+    cache = runner.cache
     device = cache.k.device
     layers = torch.tensor(cache.layers_for(loops), device=device)[:, None]   # (layers, 1)
     src = torch.tensor([s for s, _ in moves], device=device)[None]           # (1, moves)

@@ -1,13 +1,13 @@
-"""The engine: the model's stages run against the static cache, on a pluggable backend.
+"""The eager stages of the model against the static cache, on a pluggable ops backend.
 
-The stages are the building blocks every generation path composes (generate, resume,
-speculative verify, mixed-depth batches, scoring):
+The stages every generation path composes (through `runner.Runner`):
 
     embed_prelude -> run_loops(start, stop) -> coda -> logits
 
-A `Pass` says where a chunk of tokens sits: its cache lanes, its absolute positions and the
-sliding window. Nothing in a stage reads a device value on the host, so a decode step can be
-captured in a CUDA graph.
+A `Pass` says where a chunk of tokens sits: its cache slots (a device tensor, so a captured
+stage serves any lane), its absolute positions and the sliding window. Nothing in a stage
+reads a device value on the host, so a stage can be captured in a CUDA graph. This module
+counts nothing and knows nothing of graphs: the runner does both.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Pass:
     lane itself. A pass whose stages are captured as separate graphs must gather them before
     the first capture (PaddedPrefill does), or a replay of a later stage would read rows that
     only the first stage's replay writes."""
-    lanes: slice                 # cache slots of the B lanes, contiguous
+    slots: torch.Tensor          # (B,) int64 on the device: the cache slot (lane) of each row
     positions: torch.Tensor      # (B, T) int64 absolute positions; outside tree mode, T > 1
                                  # are consecutive and end at kv_len - 1 (a prompt, a chunk)
     kv_len: int                  # host-side bound: every position in the pass is < kv_len
@@ -64,9 +64,8 @@ class Pass:
         return self.rows
 
     def narrow(self, n: int) -> "Pass":
-        """The first n lanes (mixed-depth batches keep the deepest lanes first)."""
-        start = self.lanes.start
-        return Pass(slice(start, start + n), self.positions[:n], self.kv_len, self.window, self.rope,
+        """The first n rows (mixed-depth passes keep the deepest lanes first)."""
+        return Pass(self.slots[:n], self.positions[:n], self.kv_len, self.window, self.rope,
                     None if self.norm_max is None else self.norm_max[:n], None,
                     seq_lens=None if self.seq_lens is None else self.seq_lens[:n],
                     rows=None if self.rows is None else (self.rows[0][:n], self.rows[1][:n]))
@@ -89,14 +88,18 @@ class Counters:
         return Counters(self.loop_iterations + other.loop_iterations,
                         self.loop_token_iterations + other.loop_token_iterations)
 
+    def add(self, iterations: int, token_iterations: int) -> "Counters":
+        """Count in place; returns what was added, as a Counters (a stage's own work)."""
+        self.loop_iterations += iterations
+        self.loop_token_iterations += token_iterations
+        return Counters(iterations, token_iterations)
+
 
 @dataclass
 class Engine:
     model: LoopedTransformer
     cache: KVCache
     ops: Ops
-    counters: Counters = field(default_factory=Counters)
-    graphs: "DecodeGraphs | None" = None  # captured decode steps (CUDA), see worker/graphs.py
 
     def __post_init__(self):
         self.config = self.model.config
@@ -106,13 +109,13 @@ class Engine:
                              f"the model has {self.model.rope_cos.shape[0]} (its max_seq_len)")
 
     # -- passes --------------------------------------------------------------------------
-    def make_pass(self, lanes: slice, positions: torch.Tensor, kv_len: int, window: int = 0,
+    def make_pass(self, slots: torch.Tensor, positions: torch.Tensor, kv_len: int, window: int = 0,
                   track_norm: bool = False, trace: list | None = None) -> Pass:
         B = positions.shape[0]
         norm_max = torch.zeros(B, device=positions.device) if track_norm else None
         # a ring-window decode step reads p.seq_lens in every layer: computed once per pass
         seq_lens = positions[:, -1] + 1 if positions.shape[1] == 1 and window else None
-        return Pass(lanes, positions, kv_len, window, self.model.rope_rows, norm_max, trace, seq_lens=seq_lens)
+        return Pass(slots, positions, kv_len, window, self.model.rope_rows, norm_max, trace, seq_lens=seq_lens)
 
     # -- stages --------------------------------------------------------------------------
     @torch.no_grad()
@@ -155,8 +158,6 @@ class Engine:
             if depth is not None:
                 y = torch.where((depth > i)[:, None, None], y, x)
             x = y if n == x.shape[0] else torch.cat([y, x[n:]], 0)
-            self.counters.loop_iterations += 1
-            self.counters.loop_token_iterations += n * x.shape[1]
             if p.norm_max is not None:
                 # per-iteration safety check: the residual norm of every token, kept on device
                 p.norm_max[:n] = torch.maximum(p.norm_max[:n], y.float().norm(dim=-1).amax(-1))
@@ -188,9 +189,9 @@ class Engine:
 
     # -- attention against the cache -----------------------------------------------------
     def _attend(self, layer: int, p: Pass) -> Attend:
-        kc = self.cache.k[layer, p.lanes]  # (B, Hkv, S, hd) view
-        vc = self.cache.v[layer, p.lanes]
-        ops, scale, W, model = self.ops, self.scale, p.window, self.model
+        kc = self.cache.k[layer]  # (n_slots, Hkv, S, hd): rows pick their slot (p.slots)
+        vc = self.cache.v[layer]
+        ops, scale, W, model, slots = self.ops, self.scale, p.window, self.model, p.slots
 
         def attend(q, k, v):
             T = q.shape[1]
@@ -201,22 +202,21 @@ class Engine:
                 # cache write and attention in one op; a position outside the cache (an idle
                 # lane of a batched step) writes and reads nothing
                 return ops.rope_decode_attention(q, k, v, model.rope_cos, model.rope_sin, p.positions[:, 0],
-                                                 kc, vc, scale)[:, :, None]
+                                                 kc, vc, scale, slots=slots)[:, :, None]
             if W == 0 or T == 1:
                 # write first, then read: a single new token cannot evict a key it needs
                 write_idx = p.positions if W == 0 else p.positions % W
-                qr = ops.rope_cache_write(q, k, v, *p.rope_rows(), write_idx, kc, vc)  # (B, H, T, hd)
+                qr = ops.rope_cache_write(q, k, v, *p.rope_rows(), write_idx, kc, vc, slots=slots)  # (B, H, T, hd)
                 if T == 1:
-                    kv = slice(None) if W == 0 else slice(0, W)
-                    return ops.decode_attention(qr[:, :, 0], kc[:, :, kv], vc[:, :, kv],
-                                                p.seq_lens, scale)[:, :, None]
+                    return ops.decode_attention(qr[:, :, 0], kc[:, :, :W], vc[:, :, :W],
+                                                p.seq_lens, scale, slots=slots)[:, :, None]
+                keys, vals = _rows(kc, slots, p.kv_len), _rows(vc, slots, p.kv_len)
                 if T == p.kv_len:
                     # a fresh prompt (positions 0..T-1, see Pass): plain causal attention, no
                     # mask to build, the fused SDPA kernels
-                    return causal_attention(qr, kc[:, :, :T], vc[:, :, :T], scale)
+                    return causal_attention(qr, keys, vals, scale)
                 k_pos = torch.arange(p.kv_len, device=q.device)
-                return masked_attention(qr, kc[:, :, :p.kv_len], vc[:, :, :p.kv_len],
-                                        p.positions, k_pos, 0, scale)
+                return masked_attention(qr, keys, vals, p.positions, k_pos, 0, scale)
             return self._attend_ring_chunk(q, k, v, p, kc, vc)
 
         return attend
@@ -234,21 +234,23 @@ class Engine:
         last = p.positions[:, :1] - 1                              # (B, 1) newest position in the ring
         slot = torch.arange(W, device=q.device)
         ring_pos = last - (last - slot).remainder(W)               # (B, W); < 0 means empty
-        keys = torch.cat([kc[:, :, :W].to(kr.dtype), kr], 2)
-        vals = torch.cat([vc[:, :, :W].to(vt.dtype), vt], 2)
+        keys = torch.cat([_rows(kc, p.slots, W).to(kr.dtype), kr], 2)
+        vals = torch.cat([_rows(vc, p.slots, W).to(vt.dtype), vt], 2)
         out = masked_attention(qr, keys, vals, p.positions, torch.cat([ring_pos, p.positions], 1),
                                W, self.scale)
         tail = slice(max(0, T - W), T)
-        idx = (p.positions[:, tail] % W)[:, None, :, None].expand(-1, kr.shape[1], -1, kr.shape[3])
-        kc.scatter_(2, idx, kr[:, :, tail].to(kc.dtype))
-        vc.scatter_(2, idx, vt[:, :, tail].to(vc.dtype))
+        idx = (p.positions[:, tail] % W)[:, None, :]               # (B, 1, t)
+        lane = p.slots[:, None, None]                              # (B, 1, 1)
+        head = torch.arange(kr.shape[1], device=q.device)[None, :, None]  # (1, Hkv, 1)
+        kc.index_put_((lane, head, idx), kr[:, :, tail].to(kc.dtype))
+        vc.index_put_((lane, head, idx), vt[:, :, tail].to(vc.dtype))
         return out
 
     def _attend_tree(self, q, k, v, p: Pass, kc, vc):
         """Write the nodes' K / V at their slots, then attend with the ancestor bitmask. Keys
         past kv_len (nodes not written yet, stale entries) are never part of the read."""
         t = p.tree
-        qr = self.ops.rope_cache_write(q, k, v, *p.rope_rows(), t.slots, kc, vc)  # (B, H, T, hd)
+        qr = self.ops.rope_cache_write(q, k, v, *p.rope_rows(), t.slots, kc, vc, slots=p.slots)  # (B, H, T, hd)
         if t.query_nodes is not None:
             # a subset of the nodes asks (one depth of a tree being drafted): the op's query
             # t is node t, so place the queries at their nodes and read those rows back
@@ -256,7 +258,7 @@ class Engine:
             full = qr.new_zeros(B, H, t.ancestors.shape[1], hd)  # (B, H, N, hd)
             qr = full.index_copy(2, t.query_nodes, qr)
         out = self.ops.tree_attention(qr, kc[:, :, :p.kv_len], vc[:, :, :p.kv_len], t.prefix_lens,
-                                      t.ancestors, self.scale)
+                                      t.ancestors, self.scale, slots=p.slots)
         return out if t.query_nodes is None else out.index_select(2, t.query_nodes)
 
     @staticmethod
@@ -264,3 +266,9 @@ class Engine:
         if p.trace is not None:
             p.trace.append((label, x[:, -1].float().clone()))
 
+
+
+def _rows(cache: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n positions of the slots' lanes of one cache layer (B, Hkv, n, hd): a gather
+    of what the read needs, never of the whole lane."""
+    return cache[:, :, :n].index_select(0, slots)

@@ -13,8 +13,8 @@ windowed cache) step their own generator one decode step at a time; the
 executor interleaves those steps with the batched ones. A cancelled stream stops before its
 next step.
 
-Lanes. The Model gets `lanes + 1` cache slots: slot 0 is reserved for the calls that use
-slot 0 internally (building handles, scoring); streams get slots 1..lanes.
+Lanes. The Model's runner owns the cache lanes (`runner.lanes`); a stream, a handle build and
+a scoring call each hold one while they run, and wait in one queue when none is free.
 
 Errors never cross Ray as exceptions: a call returns (or a stream yields) a dict
 `{"error": {"code", "reason", "message"}}` whose `code` names a gRPC status code; the gateway
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import heapq
 import logging
 import secrets
 import time
@@ -33,7 +32,6 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LANES = 4
 DEFAULT_HANDLE_BUDGET_BYTES = 1 << 30
 DEFAULT_HANDLE_TTL_S = 600.0
 DEFAULT_MAX_HANDLES = 4096
@@ -63,6 +61,10 @@ class _Cancelled(Exception):
     pass
 
 
+class _NoLane(Exception):
+    """No lane and no room in the queue: args[0] is the error dict to answer."""
+
+
 @dataclass
 class _Entry:
     handle: object
@@ -83,7 +85,7 @@ class _StreamState:
 class WorkerActor:
     """Create with `ray.remote(WorkerActor).options(...)` (see tinyloop.gateway.workers)."""
 
-    def __init__(self, index: int, model_path: str | None = None, lanes: int = DEFAULT_LANES,
+    def __init__(self, index: int, model_path: str | None = None, lanes: int | None = None,
                  max_seq_len: int = 2048, device: str | None = None, dtype: str | None = None,
                  handle_budget_bytes: int = DEFAULT_HANDLE_BUDGET_BYTES,
                  handle_ttl_s: float = DEFAULT_HANDLE_TTL_S, max_handles: int = DEFAULT_MAX_HANDLES,
@@ -98,11 +100,10 @@ class WorkerActor:
         self.index = index
         self.worker_id = f"worker-{index}"
         self.epoch = _next_epoch(index)
-        self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                           n_slots=lanes + 1)
-        self.lanes = lanes
-        self._free_lanes = list(range(1, lanes + 1))  # a heap: the lowest lane first keeps batches compact
-        self.batcher = Batcher(self.model.engine)
+        self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes)
+        self.lanes = self.model.n_slots
+        self._pool_lanes = self.model.runner.lanes
+        self.batcher = Batcher(self.model.runner)
         self._joined: dict[int, asyncio.Queue] = {}  # lane -> queue of a stream in the batcher
         self._batch_task: asyncio.Task | None = None
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
@@ -134,7 +135,7 @@ class WorkerActor:
     async def stats(self) -> dict:
         """Worker-side counts the tests use to prove nothing leaks."""
         self._sweep()
-        return {"epoch": self.epoch, "active_lanes": self.lanes - len(self._free_lanes),
+        return {"epoch": self.epoch, "active_lanes": self.lanes - self._pool_lanes.free,
                 "queued": len(self._waiters), "streams": len(self._streams),
                 "handles": len(self._handles), "handle_bytes": self._handle_bytes,
                 "batched_steps": self.batcher.steps, "batched_lane_steps": self.batcher.lane_steps}
@@ -319,8 +320,10 @@ class WorkerActor:
             self._batch_task = None
 
     async def _acquire_lane(self, state: _StreamState) -> int | None:
-        if self._free_lanes and not self._waiters:
-            return heapq.heappop(self._free_lanes)
+        if not self._waiters:
+            lane = self._pool_lanes.acquire()
+            if lane is not None:
+                return lane
         if len(self._waiters) >= self.max_queue:
             return None
         state.waiter = waiter = asyncio.get_running_loop().create_future()
@@ -338,13 +341,25 @@ class WorkerActor:
                 self._waiters.remove(waiter)
             state.waiter = None
 
+    async def _on_lane(self, fn):
+        """fn(lane) on the step thread, holding a lane (queued like a stream); _NoLane with the
+        error dict when the queue is full."""
+        lane = await self._acquire_lane(_StreamState())
+        if lane is None:
+            raise _NoLane(error("RESOURCE_EXHAUSTED", "QUEUE_FULL",
+                                f"{self.worker_id}: {len(self._waiters)} requests already wait for a lane"))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, lane)
+        finally:
+            self._release_lane(lane)
+
     def _release_lane(self, lane: int) -> None:
         while self._waiters:
             w = self._waiters.popleft()
             if not w.done():
                 w.set_result(lane)
                 return
-        heapq.heappush(self._free_lanes, lane)
+        self._pool_lanes.release(lane)
 
     # -- handles ------------------------------------------------------------------------
     async def build_handle(self, caller: str, p: dict) -> dict:
@@ -360,13 +375,14 @@ class WorkerActor:
         if len(self._handles) >= self.max_handles and not self._evict(0, count=True):
             return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
                          f"{self.worker_id} holds {len(self._handles)} handles (max {self.max_handles})")
-        loop = asyncio.get_running_loop()
         try:
-            handle = await loop.run_in_executor(
-                self._pool, lambda: self.model.build_resume_handle(ids, L_used=l_used, max_loops=max_loops,
-                                                                   cache_window=window))
+            handle = await self._on_lane(lambda lane: self.model.build_resume_handle(
+                ids, L_used=l_used, max_loops=max_loops, cache_window=window, lane=lane))
         except (ValueError, RuntimeError) as e:
             return _value_error(e)
+        except _NoLane as e:
+            return e.args[0]
+        loop = asyncio.get_running_loop()
         nbytes = int(handle.nbytes())
         if not self._evict(nbytes):
             await loop.run_in_executor(self._pool, self.model.free_resume_handle, handle)
@@ -463,29 +479,31 @@ class WorkerActor:
     async def score(self, p: dict) -> dict:
         try:
             ids = self._prompt_ids(p["prompt"])
-            loop = asyncio.get_running_loop()
             if "consistency" in p:
                 c = p["consistency"]
-                r = await loop.run_in_executor(self._pool, lambda: self.model.score_with_consistency(
-                    ids, c["loops_a"], c["loops_b"], max_tokens=c.get("max_tokens", 32)))
+                r = await self._on_lane(lambda lane: self.model.score_with_consistency(
+                    ids, c["loops_a"], c["loops_b"], max_tokens=c.get("max_tokens", 32), lane=lane))
                 return {"worker_id": self.worker_id, "consistency": {
                     "agree": bool(r["agree"]), "answer_a": [int(t) for t in r["answer_a"]],
                     "answer_b": [int(t) for t in r["answer_b"]], "first_divergence": int(r["first_divergence"])}}
             u = p["uncertainty"]
-            logits, kl = await loop.run_in_executor(
-                self._pool, lambda: self.model.score_with_uncertainty(ids, u["l_lo"], u["l_hi"]))
+            logits, kl = await self._on_lane(
+                lambda lane: self.model.score_with_uncertainty(ids, u["l_lo"], u["l_hi"], lane=lane))
             return {"worker_id": self.worker_id, "uncertainty": {
                 "kl": float(kl), "logits": logits.tobytes() if u.get("return_logits") else b""}}
         except (ValueError, RuntimeError) as e:
             return _value_error(e)
+        except _NoLane as e:
+            return e.args[0]
 
     async def trajectory(self, p: dict) -> dict:
         try:
             ids = self._prompt_ids(p["prompt"])
-            r = await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: self.model.score_trajectory(ids, p["n_loops"]))
+            r = await self._on_lane(lambda lane: self.model.score_trajectory(ids, p["n_loops"], lane=lane))
         except (ValueError, RuntimeError) as e:
             return _value_error(e)
+        except _NoLane as e:
+            return e.args[0]
         hidden = r["hidden"]
         return {"worker_id": self.worker_id, "labels": list(r["labels"]), "d_model": int(hidden.shape[1]),
                 "hidden": hidden.tobytes()}

@@ -1,0 +1,443 @@
+"""The runner: the one owner of the GPU work of a model.
+
+Generation, resume, speculative decoding, batching and scoring are written once against its
+stages:
+
+    prefill(lane, tokens, loops)            a fresh prompt -> its last logits
+    build(lane, tokens, loops)              a prompt's prelude and first iterations -> the residual
+    extend(lane, residual, start, stop)     iterations [start, stop) and the coda over a chunk's residual
+    decode(lanes, tokens, positions, depths) one decode step of B lanes, each at its own depth
+    verify(lane, residual, pos, start, stop) a draft chain's iterations [start, stop) -> every logit
+    tree(lane, nodes, pos)                  a draft tree's stages (drafting depth by depth, verify)
+    trace(lane, tokens, loops)              every stage's last-position residual (scoring)
+
+Behind each stage the runner decides alone whether a captured CUDA graph replays or the same
+stages run eagerly (a CPU engine, a shape no bucket covers, a sliding window, a tracked
+norm), and it counts the loop-block work each call needs, once, whichever ran. It also owns
+the cache lanes (`lanes`).
+
+Static outputs. A graph writes its outputs into buffers that its next replay overwrites, and
+a stream may hold a step's output across a yield (its step launched ahead). So a `StepOut`
+that views a graph's buffers is the buffers' owner until its stream's next call (`prev`);
+a call for anyone else on the same buffers first gives the owner copies of its own
+(`StepOut.detach`), queued before the replay on the same stream.
+"""
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.modules import LoopedTransformer
+from tinyloop.worker.model.ops import Ops
+from tinyloop.worker.runner.engine import Counters, Engine
+from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages, batch_buckets, batch_buffers,
+                                           prefill_buckets, prefill_buffers)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """cuda_graphs: capture at start-up (CUDA only). prefill_graph_len: the longest prompt the
+    prefill graphs cover (0: prefill stays eager). verify_buckets: the node counts the verify
+    graphs are built for (a chain of the default draft_ahead 4, and the longest tree)."""
+    cuda_graphs: bool = False
+    prefill_graph_len: int = 2048
+    verify_buckets: tuple[int, ...] = (5, 17)
+
+
+class LanePool:
+    """The cache lanes (slots) of a runner: the lowest free lane first, which keeps the rows of
+    a batched step on few lanes. Thread-safe."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._free = list(range(n))
+        self._lock = threading.Lock()
+
+    def acquire(self) -> int | None:
+        with self._lock:
+            return heapq.heappop(self._free) if self._free else None
+
+    def release(self, lane: int) -> None:
+        if not 0 <= lane < self.n:
+            raise ValueError(f"lane {lane} outside [0, {self.n})")
+        with self._lock:
+            if lane in self._free:
+                raise ValueError(f"lane {lane} is free already")
+            heapq.heappush(self._free, lane)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def hold(self) -> "_Held":
+        return _Held(self)
+
+
+class _Held:
+    def __init__(self, pool: LanePool):
+        self.pool = pool
+        self.lane: int | None = None
+
+    def __enter__(self) -> int:
+        self.lane = self.pool.acquire()
+        if self.lane is None:
+            raise RuntimeError(f"all {self.pool.n} cache lanes are in use")
+        return self.lane
+
+    def __exit__(self, *exc) -> None:
+        self.pool.release(self.lane)
+
+
+@dataclass(eq=False)
+class StepOut:
+    """A decode step's outputs for its B lanes. `greedy` is the argmax of `logits`; `host`, when
+    set, is (pinned host tensor, index) where the replay itself wrote greedy[0] for the host
+    (no copy to launch). `residual` (B, 1, D): after the loop iterations. `norm` (B,): the
+    largest residual norm of the step, when tracked. `work`: what the step counted."""
+    logits: torch.Tensor
+    greedy: torch.Tensor
+    residual: torch.Tensor | None
+    norm: torch.Tensor | None
+    work: Counters
+    host: tuple[torch.Tensor, int] | None = None
+    depths: list[int] = field(default_factory=list)
+
+    def detach(self) -> None:
+        """Own copies of the outputs (the buffers they view are about to be overwritten)."""
+        self.logits, self.greedy = self.logits.clone(), self.greedy.clone()
+        if self.residual is not None:
+            self.residual = self.residual.clone()
+        self.host = None
+
+    def row(self, i: int) -> "StepOut":
+        """Lane i's outputs alone (views)."""
+        L = self.depths[i] if self.depths else self.work.loop_iterations
+        return StepOut(self.logits[i:i + 1], self.greedy[i:i + 1],
+                       None if self.residual is None else self.residual[i:i + 1],
+                       None if self.norm is None else self.norm[i:i + 1], Counters(L, L),
+                       self.host if i == 0 else None, [L])
+
+
+@dataclass(eq=False)
+class ChunkOut:
+    """A chunk stage's outputs: last logits (1, V) (None where the stage runs no coda), the
+    residual entering the next iteration (1, T, D) (build only), the largest residual norm
+    (1,) when tracked, and what it counted."""
+    logits: torch.Tensor | None
+    work: Counters
+    residual: torch.Tensor | None = None
+    norm: torch.Tensor | None = None
+
+
+class TreeRun:
+    """A draft tree's (or chain's) stages on one lane (stages.TreeStages), replayed where a
+    verify bucket's graphs cover them, else run eagerly. `tokens` (1, nodes) and `logits`
+    (nodes, V) are the stage set's buffers (valid until the next tree or verify call)."""
+
+    def __init__(self, runner: "Runner", stages: TreeStages, graphed: bool, lane: int, nodes: int):
+        self.runner, self.ts, self.graphed, self.lane, self.nodes = runner, stages, graphed, lane, nodes
+        self.work = Counters()
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.ts.tokens
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.ts.logits
+
+    def load_tree(self, t: int, pos: int, K: int, k: int) -> None:
+        self.ts.load_tree(self.lane, t, pos, K, k)
+
+    def load_chain(self, residual: torch.Tensor, pos: int) -> None:
+        self.ts.load_chain(self.lane, residual, pos)
+
+    def run(self, stage, nodes: int | None = None) -> None:
+        """One stage; an iteration counts `nodes` tokens (default: the whole tree): the nodes
+        the caller needs it for, not the bucket's pads."""
+        if self.graphed:
+            self.runner.graphs.replay("verify", self.ts.bucket, stage)
+        else:
+            self.ts.run(stage)
+        if isinstance(stage, int):
+            w = self.runner.counters.add(1, self.nodes if nodes is None else nodes)
+            self.work = self.work.plus(w)
+
+
+class Runner:
+    def __init__(self, model: LoopedTransformer, cache: KVCache, ops: Ops, settings: RunnerSettings):
+        self.engine = Engine(model, cache, ops)
+        self.model, self.cache, self.ops, self.settings = model, cache, ops, settings
+        self.config = model.config
+        self.device = cache.k.device
+        self.counters = Counters()
+        self.lanes = LanePool(cache.n_slots)
+        self.graphs = None
+        S = cache.max_seq_len
+        self._prefill_buckets = prefill_buckets(S, settings.prefill_graph_len) if settings.cuda_graphs else []
+        self._batch_buckets = batch_buckets(cache.n_slots) if settings.cuda_graphs else []
+        self._verify_buckets = [b for b in settings.verify_buckets if b <= S] if settings.cuda_graphs else []
+        self._prefill: dict[int, PaddedPrefill] = {}
+        self._batch: dict[int, BatchStep] = {}
+        self._trees: dict[int, TreeStages] = {}
+        self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
+        self._prefill_shared = None
+        self._batch_shared = None
+        self.startup = {"graphs": 0, "graph_bytes": 0}
+        if settings.cuda_graphs:
+            from tinyloop.worker.runner.graphs import Graphs
+            self.graphs = Graphs(self.engine)
+
+    # -- start-up --------------------------------------------------------------------------
+    def capture(self, loops: list[int], progress=None) -> dict:
+        """Capture every graph for depths up to max(loops): the batch-1 decode step of each
+        depth in `loops`, and for depths up to the deepest, the prefill stages of every length
+        bucket, the verify stages of every node bucket and the batched decode stages of every
+        lane-count bucket. Writes the first positions of lane 0: capture before serving.
+        -> seconds by part, graph count and the graph pool's bytes (also in `startup`)."""
+        if self.graphs is None or not loops:
+            return self.startup
+        g, top = self.graphs, max(loops)
+        mem0 = torch.cuda.memory_reserved(self.device)
+        parts = [("decode_graphs_s", lambda L=L: g.capture_decode(L)) for L in loops]
+        for b in self._prefill_buckets:
+            pre = self._prefill_stages(b)
+            pre.load_tokens(0, [0] * b)
+            parts += [("prefill_graphs_s", lambda b=b, s=s, pre=pre: g.capture_stage("prefill", b, s,
+                                                                                  lambda: pre.run(s)))
+                      for s in PaddedPrefill.stages(top)]
+        for b in self._verify_buckets:
+            ts = self._tree_stages(b)
+            ts.load_chain(0, ts.x[:, :1], 0)
+            parts += [("verify_graphs_s", lambda b=b, s=s, ts=ts: g.capture_stage("verify", b, s,
+                                                                                lambda: ts.run(s)))
+                      for s in TreeStages.span(0, top, prelude=True)]
+        for b in self._batch_buckets:
+            step = self._batch_stage(b)
+            step.load([], [], [], [])  # idle rows: the warm-up and capture write no lane
+            parts += [("batch_graphs_s", lambda b=b, s=s, step=step: g.capture_stage("batch", b, s,
+                                                                                  lambda: step.run(s)))
+                      for s in BatchStep.stages(top)]
+        for part, capture in (progress(parts) if progress else parts):
+            t = time.perf_counter()
+            capture()
+            self.startup[part] = self.startup.get(part, 0.0) + time.perf_counter() - t
+        torch.cuda.synchronize(self.device)
+        self.startup["graphs"] = len(g)
+        self.startup["graph_bytes"] += torch.cuda.memory_reserved(self.device) - mem0
+        return self.startup
+
+    # -- chunk stages ----------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, lane: int, tokens: list[int], loops: int, window: int = 0,
+                track_norm: bool = False) -> ChunkOut:
+        """A fresh prompt at depth `loops` into `lane`: its last logits (1, V)."""
+        T = len(tokens)
+        work = self.counters.add(loops, loops * T)
+        pre = self._padded(T, ["prelude", *range(loops), "coda"], window, track_norm)
+        if pre is not None:
+            pre.load_tokens(lane, tokens)
+            self._run_padded(pre, ["prelude", *range(loops), "coda"])
+            return ChunkOut(pre.logits.clone(), work)  # the buffer is the next prefill's
+        e = self.engine
+        p = e.make_pass(self._slots([lane]), self._arange(0, T), T, window, track_norm)
+        logits = e.forward(self._tokens([tokens]), p, loops)[:, -1]
+        return ChunkOut(logits, work, norm=p.norm_max)
+
+    @torch.no_grad()
+    def build(self, lane: int, tokens: list[int], loops: int, window: int = 0) -> ChunkOut:
+        """The prelude and iterations [0, loops) of a fresh prompt into `lane`: the residual
+        entering iteration `loops` (1, T, D), no coda."""
+        T = len(tokens)
+        work = self.counters.add(loops, loops * T)
+        pre = self._padded(T, ["prelude", *range(loops)], window, False)
+        if pre is not None:
+            pre.load_tokens(lane, tokens)
+            self._run_padded(pre, ["prelude", *range(loops)])
+            return ChunkOut(None, work, residual=pre.x[:, :T].clone())
+        e = self.engine
+        p = e.make_pass(self._slots([lane]), self._arange(0, T), T, window)
+        x = e.run_loops(e.embed_prelude(self._tokens([tokens]), p), p, 0, loops)
+        return ChunkOut(None, work, residual=x)
+
+    @torch.no_grad()
+    def extend(self, lane: int, residual: torch.Tensor, start: int, stop: int, first_pos: int = 0,
+               window: int = 0, track_norm: bool = False) -> ChunkOut:
+        """Iterations [start, stop) and the coda over a chunk's residual (1, T, D) entering
+        iteration `start`, at positions [first_pos, first_pos + T) of `lane` (whose cache
+        layers below `start` hold the chunk's K/V): the last logits (1, V). `residual` is read,
+        not written."""
+        T = residual.shape[1]
+        work = self.counters.add(stop - start, (stop - start) * T)
+        stages = [*range(start, stop), "coda"]
+        pre = self._padded(T, stages, window, track_norm) if first_pos == 0 else None
+        if pre is not None:
+            pre.load_residual(lane, residual)
+            self._run_padded(pre, stages)
+            return ChunkOut(pre.logits.clone(), work)
+        e = self.engine
+        end = first_pos + T
+        p = e.make_pass(self._slots([lane]), self._arange(first_pos, end), end, window, track_norm)
+        x = e.run_loops(residual.clone(), p, start, stop)
+        return ChunkOut(e.logits(e.coda(x, p)[:, -1:])[:, -1], work, norm=p.norm_max)
+
+    @torch.no_grad()
+    def trace(self, lane: int, tokens: list[int], loops: int) -> tuple[list[str], torch.Tensor]:
+        """Every stage's residual at the last position of a fresh prompt: (labels, (n, D) fp32)."""
+        T = len(tokens)
+        self.counters.add(loops, loops * T)
+        trace: list = []
+        e = self.engine
+        p = e.make_pass(self._slots([lane]), self._arange(0, T), T, trace=trace)
+        e.forward(self._tokens([tokens]), p, loops)
+        return [label for label, _ in trace], torch.cat([h for _, h in trace], 0)
+
+    # -- decode ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, lanes: list[int], tokens: list, positions: list[int], depths: list[int], window: int = 0,
+               track_norm: bool = False, on_device: dict[int, torch.Tensor] | None = None,
+               prev: StepOut | None = None) -> StepOut:
+        """One decode step: row i runs tokens[i] at positions[i] on lanes[i] at depth depths[i].
+        A token is a host int or a one-element device tensor (sampled, not read yet); on_device
+        {row: tensor} replaces rows' tokens the same way. prev: the caller's last StepOut,
+        which it lets go (its buffers may be reused without a copy)."""
+        B = len(lanes)
+        on_device = dict(on_device or {})
+        for i, t in enumerate(tokens):
+            if isinstance(t, torch.Tensor):
+                on_device[i] = t
+        work = self.counters.add(max(depths), sum(depths))
+        if window == 0 and not track_norm:
+            if B == 1 and self.graphs is not None and depths[0] in self.graphs.decode:
+                return self._decode_graph(lanes[0], on_device.get(0, tokens[0]), positions[0], depths[0],
+                                          work, prev)
+            if B > 1:
+                return self._decode_batched(lanes, tokens, positions, depths, on_device, work, prev)
+        e = self.engine
+        tok = self._device_tokens([0 if isinstance(t, torch.Tensor) else t for t in tokens], on_device)
+        pos = self._slots(positions)
+        kv_len = max(positions) + 1
+        p = e.make_pass(self._slots(lanes), pos[:, None], kv_len, window, track_norm)
+        depth = None if len(set(depths)) == 1 else self._slots(depths)
+        x = e.run_loops(e.embed_prelude(tok[:, None], p), p, 0, max(depths), depth=depth)
+        logits = e.logits(e.coda(x, p))[:, -1]
+        return StepOut(logits, logits.argmax(-1), x, p.norm_max, work, depths=list(depths))
+
+    def _decode_graph(self, lane, token, position, loops, work, prev) -> StepOut:
+        g = self.graphs.decode[loops]
+        self._claim(g, prev)
+        g.load(lane, token, position)
+        g.replay(lane, position)
+        out = StepOut(g.logits, g.greedy, g.residual, None, work, (g.host, (position + 1) % 2), [loops])
+        self._owners[g] = out
+        return out
+
+    def _decode_batched(self, lanes, tokens, positions, depths, on_device, work, prev) -> StepOut:
+        B = len(lanes)
+        b = next((b for b in self._batch_buckets if b >= B), None)
+        graphed = b is not None and self.graphs.covers("batch", b, BatchStep.stages(max(depths)))
+        step = self._batch_stage(b if graphed else B)
+        self._claim("batch", prev)
+        host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
+        dev = None
+        if on_device:
+            rows = list(on_device)
+            dev = (self._slots(rows), torch.stack([on_device[r].view(()) for r in rows]))
+        step.load(list(lanes), host, list(positions), list(depths), dev)
+        for stage in BatchStep.stages(max(depths)):
+            self.graphs.replay("batch", b, stage) if graphed else step.run(stage)
+        logits = step.logits[:B]
+        out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=list(depths))
+        self._owners["batch"] = out
+        return out
+
+    def _claim(self, buffers, prev: StepOut | None) -> None:
+        owner = self._owners.pop(buffers, None)
+        if owner is not None and owner is not prev:
+            owner.detach()
+
+    # -- speculative verify ------------------------------------------------------------------
+    @torch.no_grad()
+    def verify(self, lane: int, residual: torch.Tensor, pos: int, start: int, stop: int) -> ChunkOut:
+        """A draft chain's verify: the chunk of residuals (1, n, D) entering iteration `start`,
+        first token at pos, through iterations [start, stop) and the coda: every position's
+        logits (n, V) (a view the next verify or tree call overwrites)."""
+        n = residual.shape[1]
+        tr = self.tree(lane, n, pos, TreeStages.span(start, stop))
+        tr.load_chain(residual, pos)
+        for stage in TreeStages.span(start, stop):
+            tr.run(stage)
+        return ChunkOut(tr.logits[:n], tr.work)
+
+    def tree(self, lane: int, nodes: int, pos: int, stages: list | None = None) -> TreeRun:
+        """The tree stages for `nodes` nodes rooted at pos on `lane`: a verify bucket's graphs
+        when they cover `stages` and its pads stay inside the cache, else eager stages of
+        exactly `nodes` nodes."""
+        for b in self._verify_buckets:
+            if b >= nodes:
+                ts = self._tree_stages(b)
+                if ts.fits(pos) and (stages is None or self.graphs.covers("verify", b, stages)):
+                    return TreeRun(self, ts, True, lane, nodes)
+                break
+        if pos + nodes > self.cache.max_seq_len:
+            raise ValueError(f"a tree of {nodes} nodes at {pos} passes the cache's {self.cache.max_seq_len} positions")
+        return TreeRun(self, self._tree_stages(nodes, graphed=False), False, lane, nodes)
+
+    # -- stage sets and helpers ----------------------------------------------------------------
+    def _padded(self, T: int, stages: list, window: int, track_norm: bool) -> PaddedPrefill | None:
+        if window or track_norm:
+            return None
+        b = next((b for b in self._prefill_buckets if b >= T), None)
+        if b is None or not self.graphs.covers("prefill", b, stages):
+            return None
+        return self._prefill_stages(b)
+
+    def _run_padded(self, pre: PaddedPrefill, stages: list) -> None:
+        for stage in stages:
+            self.graphs.replay("prefill", pre.bucket, stage)
+
+    def _prefill_stages(self, b: int) -> PaddedPrefill:
+        if b not in self._prefill:
+            if self._prefill_shared is None:
+                self._prefill_shared = prefill_buffers(self.engine, self._prefill_buckets[-1])
+            self._prefill[b] = PaddedPrefill(self.engine, b, self._prefill_shared)
+        return self._prefill[b]
+
+    def _batch_stage(self, b: int) -> BatchStep:
+        if b not in self._batch:
+            if self._batch_buckets and b <= self._batch_buckets[-1]:
+                if self._batch_shared is None:
+                    self._batch_shared = batch_buffers(self.engine, self._batch_buckets[-1])
+                self._batch[b] = BatchStep(self.engine, b, self._batch_shared)
+            else:
+                self._batch[b] = BatchStep(self.engine, b)
+        return self._batch[b]
+
+    def _tree_stages(self, b: int, graphed: bool = True) -> TreeStages:
+        key = b if graphed else -b
+        if key not in self._trees:
+            self._trees[key] = TreeStages(self.engine, b)
+        return self._trees[key]
+
+    def _slots(self, lanes: list[int]) -> torch.Tensor:
+        """A small int64 host list on the device with no host sync (pinned on CUDA)."""
+        t = torch.tensor(lanes, dtype=torch.long)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+    def _tokens(self, rows: list[list[int]]) -> torch.Tensor:
+        return self._slots(rows)
+
+    def _arange(self, start: int, stop: int) -> torch.Tensor:
+        return torch.arange(start, stop, device=self.device)[None]
+
+    def _device_tokens(self, host: list[int], on_device: dict[int, torch.Tensor]) -> torch.Tensor:
+        tok = self._slots(host)
+        if on_device:
+            rows = list(on_device)
+            tok = tok.index_copy(0, self._slots(rows), torch.stack([on_device[r].view(()) for r in rows]))
+        return tok

@@ -1,0 +1,253 @@
+"""Stage sets over static buffers: what one CUDA graph captures, and what runs eagerly in the
+same order where nothing is captured (a CPU engine, a bucket with no graph).
+
+A stage set is a pass split into stages: "prelude" embeds the tokens and runs the prelude into
+the residual buffer x, iteration i runs in place on x, "coda" runs the coda and writes the
+logits. So any depth composes from few graphs. Every input that changes from one call to the
+next (tokens, positions, cache slots, depths, tree masks) lives in a device buffer that the
+call loads before running the stages; nothing in a stage depends on a host value, so a graph
+captured once serves every lane, position and depth mix.
+
+Only `runner.Runner` builds and runs these; nothing here counts work.
+"""
+from __future__ import annotations
+
+import torch
+
+from tinyloop.kernels.tree_attention import ancestors_from_parents
+from tinyloop.worker.runner.engine import Engine, Pass, Tree
+
+PAD_ID = 0  # pads a prompt to its bucket: any id does, no real token sees a pad
+
+
+def prefill_buckets(max_seq_len: int, max_len: int) -> list[int]:
+    """The prompt lengths a padded prefill is built for: powers of two from 16, and the top
+    (the smaller of max_seq_len and max_len) when that is not one."""
+    top = min(max_seq_len, max_len)
+    buckets = [1 << k for k in range(4, top.bit_length()) if 1 << k <= top]
+    return buckets + [top] if top >= 16 and top not in buckets else buckets
+
+
+def batch_buckets(n_slots: int) -> list[int]:
+    """The lane counts a batched decode step is built for: powers of two from 2 up to
+    n_slots, and n_slots itself."""
+    buckets = [1 << k for k in range(1, n_slots.bit_length()) if 1 << k < n_slots]
+    return buckets + [n_slots] if n_slots > 1 else []
+
+
+def _pinned(data: list, like: torch.Tensor) -> torch.Tensor:
+    """A host tensor to copy into `like` without a host sync (pinned on CUDA)."""
+    t = torch.tensor(data, dtype=like.dtype)
+    return t.pin_memory() if like.is_cuda else t
+
+
+class StagedPass:
+    """A pass as stages over static buffers (the engine, its Pass p, tokens, the residual x and
+    the logits, set by the subclass)."""
+
+    depth: torch.Tensor | None = None
+
+    @staticmethod
+    def stages(loops: int) -> list:
+        return ["prelude", *range(loops), "coda"]
+
+    @torch.no_grad()
+    def run(self, stage) -> None:
+        """One stage, eagerly (what a graph captures)."""
+        e, p = self.engine, self.p
+        if stage == "prelude":
+            self.x.copy_(e.embed_prelude(self.tokens, p))
+        elif stage == "coda":
+            self.logits.copy_(self.coda_logits(e.coda(self.x, p)))
+        else:
+            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1, depth=self.depth))
+
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PaddedPrefill(StagedPass):
+    """A chunk of a fresh prompt (positions 0..T-1, full cache, no norm tracking) padded to
+    `bucket` tokens, on the cache slot in `slots`: "coda" gives the last real token's logits,
+    read through a device index.
+
+    Pads sit at positions T..bucket-1 and write K/V there. That is harmless: attention is
+    causal, so no real token sees them, and every later step writes a position before it
+    attends to it. The buffers may be views of larger ones shared by every bucket
+    (`prefill_buffers`): their stages never run at once."""
+
+    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
+        tokens, last, slot, x, logits = buffers if buffers is not None else prefill_buffers(engine, bucket)
+        device = engine.cache.k.device
+        self.engine, self.bucket = engine, bucket
+        self.tokens, self.x = tokens[:, :bucket], x[:, :bucket]   # (1, bucket), (1, bucket, D)
+        self.last, self.slot, self.logits = last, slot, logits    # (1,) index T-1, (1,) slot, (1, V)
+        self.p = engine.make_pass(slot, torch.arange(bucket, device=device)[None], bucket)
+        self.p.rope_rows()  # now, outside any capture: every stage's graph reads them (see Pass)
+
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.engine.logits(h.index_select(1, self.last))[:, -1]
+
+    def load_tokens(self, lane: int, tokens: list[int]) -> None:
+        self.tokens.copy_(_pinned([tokens + [PAD_ID] * (self.bucket - len(tokens))], self.tokens),
+                          non_blocking=True)
+        self._load(lane, len(tokens))
+
+    def load_residual(self, lane: int, residual: torch.Tensor) -> None:
+        T = residual.shape[1]
+        self.x[:, :T].copy_(residual)
+        self.x[:, T:].zero_()  # pads: any finite value does
+        self._load(lane, T)
+
+    def _load(self, lane: int, T: int) -> None:
+        self.last.fill_(T - 1)
+        self.slot.fill_(lane)
+
+
+def prefill_buffers(engine: Engine, bucket: int) -> tuple:
+    """Static buffers of a padded prefill of up to `bucket` tokens: tokens, last index, slot,
+    residual, logits."""
+    cfg, device = engine.config, engine.cache.k.device
+    dtype = engine.model.tok_embeddings.weight.dtype
+    return (torch.zeros(1, bucket, dtype=torch.long, device=device),
+            torch.zeros(1, dtype=torch.long, device=device),
+            torch.zeros(1, dtype=torch.long, device=device),
+            torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device),
+            torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=device))
+
+
+class BatchStep(StagedPass):
+    """One decode step of `bucket` rows: per row a token, its position, its depth
+    (`Engine.run_loops(depth=...)`) and its cache slot, all in one (4, bucket) int64 buffer.
+
+    A row that takes no part is idle: token 0, position `max_seq_len` (outside the cache:
+    `rope_decode_attention` neither writes nor reads its cache), depth 0, slot 0. No stage
+    computes RoPE rows: each attention gathers its rows' rows of the model's tables at the
+    positions in the buffer. The buffers may be views of larger ones shared by every bucket
+    (`batch_buffers`): their stages never run at once."""
+
+    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
+        ctl, x, logits = buffers if buffers is not None else batch_buffers(engine, bucket)
+        self.engine, self.bucket = engine, bucket
+        self.ctl = ctl[:, :bucket]                       # (4, bucket): tokens, positions, depths, slots
+        self.tokens, self.depth = self.ctl[0, :, None], self.ctl[2]
+        self.x, self.logits = x[:bucket], logits[:bucket]  # (bucket, 1, D), (bucket, V)
+        S = engine.cache.max_seq_len
+        # no rope: rows kept in this pass would go stale, its positions change every step
+        self.p = Pass(self.ctl[3], self.ctl[1, :, None], S + 1)
+
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.engine.logits(h)[:, -1]
+
+    def load(self, lanes: list[int], tokens: list[int], positions: list[int], depths: list[int],
+             on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Rows [0, len(lanes)) from the lists, the rest idle. on_device (row indices, tokens),
+        both device tensors: those rows' tokens, sampled on the device and not read on the
+        host yet; they replace the host list's entries."""
+        pad = self.bucket - len(lanes)
+        S = self.engine.cache.max_seq_len
+        self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad,
+                                lanes + [0] * pad], self.ctl), non_blocking=True)
+        if on_device is not None:
+            self.ctl[0].index_copy_(0, *on_device)
+
+
+def batch_buffers(engine: Engine, bucket: int) -> tuple:
+    """Static buffers of a batched decode step of up to `bucket` rows: (tokens, positions,
+    depths, slots), residual, logits."""
+    cfg, device = engine.config, engine.cache.k.device
+    dtype = engine.model.tok_embeddings.weight.dtype
+    return (torch.zeros(4, bucket, dtype=torch.long, device=device),
+            torch.zeros(bucket, 1, cfg.d_model, dtype=dtype, device=device),
+            torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device))
+
+
+def tree_layout(K: int, depth: int, device=None):
+    """The breadth-first draft tree: node 0 the root, node 1 + (i - 1)·K + b the depth-i node of
+    branch b. -> (parents (N,) int64, node depths (N,) int64)."""
+    N = 1 + K * depth
+    node = torch.arange(N, device=device)
+    depths = torch.where(node == 0, 0, (node - 1) // K + 1)
+    parents = torch.where(node == 0, -1, torch.where(depths == 1, 0, node - K))
+    return parents, depths
+
+
+class TreeStages(StagedPass):
+    """Tree-mode passes (engine.Tree) over a bucket of nodes of one lane.
+
+    "prelude" embeds the nodes' tokens, iteration i runs in place on the residual buffer,
+    "coda" gives the logits of every node. Node u sits at cache position pos + u and attends to
+    the prefix (its length a device buffer: the tree-attention kernel bounds its reads by it)
+    and to its ancestors. The slot, cache positions, RoPE positions, prefix length, ancestor
+    masks and RoPE rows are buffers that `load_chain` or `load_tree` sets.
+
+    A chain verify is a tree pass over a chain (each node's ancestors: the nodes before it).
+    Pads (nodes past the tree) sit at the positions after it, at RoPE positions equal to their
+    slots, attend to themselves only, and write K/V there: harmless, since nothing reads a
+    position before a later round or step writes it, and no real node has a pad as an
+    ancestor. A tree runs only where its pads stay inside the cache (`fits`)."""
+
+    def __init__(self, engine: Engine, bucket: int):
+        cfg, device = engine.config, engine.cache.k.device
+        dtype = engine.model.tok_embeddings.weight.dtype
+        self.engine, self.bucket = engine, bucket
+        self.tokens = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        self.x = torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device)
+        self.logits = torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device)
+        self.offsets = torch.arange(bucket, device=device)[None]
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.slots = self.offsets.clone()       # (1, bucket): pos + node
+        self.positions = self.offsets.clone()   # (1, bucket): pos + the node's depth (a pad's: its slot)
+        self.prefix = torch.zeros(1, dtype=torch.long, device=device)
+        self.chain = ancestors_from_parents(torch.arange(-1, bucket - 1, device=device)[None])
+        self.ancestors = self.chain.clone()
+        self.trees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (K, k): tree_layout's, padded
+        S = engine.cache.max_seq_len
+        self.p = engine.make_pass(self.slot, self.positions, S)
+        self.p.tree = Tree(self.slots, self.prefix, self.ancestors)
+        self.p.rope_rows()  # gathered now, into buffers the loads refresh (see Pass)
+
+    @staticmethod
+    def span(start: int, stop: int, prelude: bool = False) -> list:
+        return [*(["prelude"] if prelude else []), *range(start, stop), "coda"]
+
+    def fits(self, pos: int) -> bool:
+        return pos + self.bucket <= self.engine.cache.max_seq_len
+
+    def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.engine.logits(h, self.p)[0]
+
+    def _place(self, lane: int, pos: int, ancestors: torch.Tensor, depths: torch.Tensor | None) -> None:
+        self.slot.fill_(lane)
+        torch.add(self.offsets, pos, out=self.slots)
+        if depths is None:
+            self.positions.copy_(self.slots)
+        else:
+            torch.add(depths, pos, out=self.positions)
+        self.prefix.fill_(pos)
+        self.ancestors.copy_(ancestors)
+        m = self.engine.model
+        for table, rows in zip((m.rope_cos, m.rope_sin), self.p.rows):
+            torch.index_select(table, 0, self.positions.view(-1), out=rows.view(self.bucket, -1))
+
+    @torch.no_grad()
+    def load_chain(self, lane: int, residual: torch.Tensor, pos: int) -> None:
+        """The chain (1, n, D) of residuals whose first token sits at pos."""
+        n = residual.shape[1]
+        self.x[:, :n].copy_(residual)
+        self.x[:, n:].zero_()  # pads: any finite value does
+        self._place(lane, pos, self.chain, None)
+
+    @torch.no_grad()
+    def load_tree(self, lane: int, t: int, pos: int, K: int, k: int) -> None:
+        """A round's tree (`tree_layout(K, k)`) rooted at token t at pos: the root's token,
+        every other node's 0 until drafted."""
+        if (K, k) not in self.trees:
+            parents, depths = tree_layout(K, k, self.offsets.device)
+            pad = torch.arange(parents.shape[0], self.bucket, device=parents.device)
+            self.trees[(K, k)] = (ancestors_from_parents(torch.cat([parents, torch.full_like(pad, -1)])[None]),
+                                  torch.cat([depths, pad])[None])
+        ancestors, depths = self.trees[(K, k)]
+        self.tokens.zero_()
+        self.tokens[:, :1].fill_(t)
+        self._place(lane, pos, ancestors, depths)
