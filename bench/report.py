@@ -1,0 +1,760 @@
+"""docs/performance.md, generated from the newest result file of each benchmark in bench/results/.
+
+    python -m bench.report            # rewrite docs/performance.md
+    python -m bench.report --check    # exit 1, with a diff summary, when the doc is not what this writes
+
+Every figure in the doc is read from a JSON file here, so none can drift from its file. The hand-
+written parts (what the benchmarks measure, how to run them) are the templates below; the rest is
+tables. A file's benchmark is its name's prefix before the device (`decode-cuda-l8-b3ebbfe.json`:
+`decode` on `cuda`; `startup-bench-285m-cuda.json`: `startup-bench-285m`); which file of a benchmark
+is the newest is decided from what the file records, never from its name: the run's `date`
+(bench/common.py's provenance stamps every result with it), else the commit time of the file's last
+change in git (`git log -1 --format=%ct -- FILE`); ties go to the later git time, then the name. A
+field a table wants that the newest file lacks prints as "—". Files of other prefixes (same-host
+A/Bs, sweeps) and files that call themselves an `experiment` are listed under "Experiments on file".
+Standard library only: the report runs where torch is not installed.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "performance.md"
+PLOT = ROOT / "docs" / "decode-vs-L.png"
+DASH = "—"
+DEVICES = ("cuda", "gpu", "cpu")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # bench/decode.py's
+
+# -- reading the files ------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    path: Path
+    data: dict
+    run_ts: float | None  # the run's `date`, seconds since the epoch (UTC)
+    git_ts: float | None  # the commit time of the file's last change
+    prefix: str = ""
+    device: str = ""
+    older: list = field(default_factory=list)  # the benchmark's other files, newest first
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def commit(self) -> str | None:
+        return self.data.get("commit") if isinstance(self.data.get("commit"), str) else None
+
+    def sort_key(self) -> tuple:
+        ts = self.run_ts if self.run_ts is not None else self.git_ts
+        return (ts if ts is not None else float("-inf"),
+                self.git_ts if self.git_ts is not None else float("-inf"), self.name)
+
+
+def parse_date(value) -> float | None:
+    """'2026-11-30T01:49:04Z' or '2026-11-29' (UTC) -> seconds since the epoch; None otherwise."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        d = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if d.tzinfo is None:
+        d = d.replace(tzinfo=timezone.utc)
+    return d.timestamp()
+
+
+def git_time(path: Path) -> float | None:
+    """The commit time of path's last change in git, or None (no git, not tracked)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%ct", "--", path.name], cwd=path.parent,
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    s = out.stdout.strip()
+    return float(s) if out.returncode == 0 and s.isdigit() else None
+
+
+def split_name(stem: str) -> tuple[str, str] | None:
+    """'decode-cuda-l8-b3ebbfe' -> ('decode', 'cuda'); None when no part names a device."""
+    parts = stem.split("-")
+    for i, p in enumerate(parts):
+        if i and p in DEVICES:
+            return "-".join(parts[:i]), p
+    return None
+
+
+def load(results: Path) -> list[Result]:
+    out = []
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            out.append(Result(path, data, parse_date(data.get("date")), git_time(path)))
+    return out
+
+
+# The current benchmarks, (name prefix, device): every other file is an experiment. startup-* is one
+# benchmark per model preset (startup-bench-285m-cuda.json, ...), shown in one table.
+CURRENT = [
+    ("decode", "cuda"), ("profile-decode", "cuda"), ("gemv", "cuda"), ("batch", "cuda"),
+    ("prefill", "cuda"), ("warmstart", "cuda"), ("speculative", "cuda"), ("service", "gpu"),
+    ("startup-*", "cuda"), ("service", "cpu"), ("speculative", "cpu"), ("warmstart", "cpu"),
+]
+
+
+def is_current(prefix: str, device: str) -> bool:
+    return any((p == prefix or (p.endswith("*") and prefix.startswith(p[:-1]))) and d == device
+               for p, d in CURRENT)
+
+
+def classify(results: list[Result]) -> tuple[dict[tuple[str, str], Result], list[Result]]:
+    """(the newest file of each current benchmark, with .older set; the experiment files)."""
+    groups: dict[tuple[str, str], list[Result]] = {}
+    experiments = []
+    for r in results:
+        split = split_name(r.path.stem)
+        if split and is_current(*split) and "experiment" not in r.data:
+            r.prefix, r.device = split
+            groups.setdefault(split, []).append(r)
+        else:
+            experiments.append(r)
+    newest = {}
+    for key, rs in groups.items():
+        rs.sort(key=Result.sort_key, reverse=True)
+        rs[0].older = rs[1:]
+        newest[key] = rs[0]
+    return newest, sorted(experiments, key=lambda r: r.name)
+
+
+# -- formatting -------------------------------------------------------------------------------------
+
+
+def get(d, *keys):
+    """d[k0][k1]...; None where a level is missing."""
+    for k in keys:
+        if isinstance(d, dict) and k in d:
+            d = d[k]
+        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
+            d = d[k]
+        else:
+            return None
+    return d
+
+
+def isnum(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def num(x, fmt: str = ".3f", unit: str = "", scale: float = 1.0) -> str:
+    if not isnum(x):
+        return DASH
+    s = format(x * scale, fmt) + unit
+    return s.replace("-", "−", 1) if s.startswith("-") else s
+
+
+def ms(x, nd: int = 3) -> str:
+    return num(x, f",.{nd}f", " ms")
+
+
+def us(x_ms) -> str:  # milliseconds in, microseconds out
+    return num(x_ms, ".1f", " µs", 1e3)
+
+
+def times(x, nd: int = 2) -> str:
+    return num(x, f".{nd}f", "×")
+
+
+def pct(x, nd: int = 1) -> str:
+    if not isnum(x):
+        return DASH
+    s = format(x, f"+.{nd}f") + " %"
+    return "−" + s[1:] if s.startswith("-") else s
+
+
+def count(x) -> str:
+    return num(x, ",.0f")
+
+
+def yesno(x) -> str:
+    return DASH if not isinstance(x, bool) else ("yes" if x else "no")
+
+
+def text(x) -> str:
+    if x is None or x == "":
+        return DASH
+    if isinstance(x, bool):
+        return yesno(x)
+    if isinstance(x, list):
+        return ", ".join(text(v) for v in x) if x else "none"
+    return str(x)
+
+
+def code(x) -> str:
+    return DASH if x is None or x == "" else f"`{x}`"
+
+
+def model_name(x) -> str:
+    """A model path as its file name; a preset name as it is."""
+    return DASH if not isinstance(x, str) or not x else f"`{x.rsplit('/', 1)[-1]}`"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    esc = lambda c: str(c).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(esc(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def iso(ts: float | None) -> str:
+    return DASH if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def hardware(h) -> str:
+    if not isinstance(h, dict) or not h:
+        return DASH
+    parts = []
+    if h.get("gpu"):
+        parts.append(str(h["gpu"]))
+    elif h.get("device") in ("cuda", "gpu"):
+        parts.append(f"{h['device']} (GPU model not recorded)")
+    cpu = h.get("cpu") or h.get("processor") or h.get("machine")
+    cores = h.get("cores") or h.get("cpu_count")
+    if not h.get("gpu") and cpu:
+        parts.append(f"CPU {cpu}" + (f", {cores} cores" if cores else ""))
+    for k, label in (("torch", "torch"), ("triton", "triton"), ("python", "Python")):
+        if h.get(k):
+            parts.append(f"{label} {h[k]}")
+    if "torch_threads" in h:
+        parts.append(f"torch threads {h['torch_threads']}")
+    if "TINYLOOP_PDL" in h:
+        parts.append(f"TINYLOOP_PDL={h['TINYLOOP_PDL']}")
+    return ", ".join(parts)
+
+
+def provenance(r: Result, extra: list[str] = ()) -> str:
+    d = r.data
+    when = d.get("date") if r.run_ts is not None else f"{DASH} (not recorded; committed to git {iso(r.git_ts)})"
+    lines = [f"- File `{r.name}`, commit {code(r.commit)}, run {when}",
+             f"- Command: {code(d.get('command'))}",
+             f"- Hardware: {hardware(d.get('hardware'))}"]
+    c = d.get("ceilings")
+    if isinstance(c, dict):
+        lines.append(f"- Ceilings measured in the same run: copy {num(c.get('copy_GBps'), ',.0f', ' GB/s')} "
+                     f"(device to device, bytes read plus written), bf16 matmul "
+                     f"{num(c.get('bf16_matmul_TFLOPs'), ',.0f', ' TFLOP/s')}")
+    lines += [f"- {e}" for e in extra]
+    return "\n".join(lines)
+
+
+def older(r: Result) -> str:
+    if not r.older:
+        return ""
+    names = ", ".join(f"`{o.name}` ({code(o.commit)})" for o in r.older)
+    return f"\nOther runs on file, newest first: {names}.\n"
+
+
+def section(title: str, intro: str, r: Result | None, body, extra=lambda r: [], after: str = "") -> str:
+    head = f"## {title}\n\n{intro.strip()}\n\n"
+    if r is None:
+        return head + "No result file on record.\n"
+    return head + provenance(r, extra(r)) + "\n\n" + body(r).strip() + "\n" + after + older(r)
+
+
+# -- the benchmarks ---------------------------------------------------------------------------------
+
+
+def row_at(rows, loops: int):
+    for row in rows or []:
+        if isinstance(row, dict) and row.get("loops") == loops:
+            return row
+    return None
+
+
+def decode_extra(r: Result) -> list[str]:
+    d = r.data
+    out = [f"Model: {text(d.get('model'))}; baseline: {text(d.get('baseline'))}"]
+    kept = d.get("l2_kept")
+    if isinstance(kept, dict):
+        out.append(f"Kept in L2 from one iteration to the next: {text(kept.get('projections'))} "
+                   f"({num(kept.get('bytes_per_iteration'), '.1f', ' MB', 1e-6)} an iteration); the HBM "
+                   "floor is the floor less those bytes in every iteration but the first")
+    else:
+        out.append(f"Kept in L2 from one iteration to the next: {DASH} (not recorded)")
+    return out
+
+
+def compiled_cell(row, mode: str) -> str:
+    m = get(row, "compiled", mode)
+    if isinstance(m, dict) and "error" in m and "ms" not in m:
+        return "failed"
+    if not isinstance(m, dict):
+        return DASH
+    return f"{ms(m.get('ms'))} ({times(m.get('speedup'), 1)})"
+
+
+def decode_body(r: Result) -> str:
+    d = r.data
+    rows = [row for row in d.get("decode") or [] if isinstance(row, dict)]
+    floor = table(
+        ["L", "context", "floor", "HBM floor", "TinyLoop Serve", "× floor", "× HBM floor", "achieved"],
+        [[text(row.get("loops")), text(row.get("context")), ms(row.get("floor_ms")), ms(row.get("hbm_floor_ms")),
+          ms(row.get("graph_ms")), times(row.get("graph_vs_floor")), times(row.get("graph_vs_hbm_floor")),
+          num(row.get("graph_GBps"), ",.0f", " GB/s")] for row in rows] or [[DASH] * 8])
+    base = table(
+        ["L", "TinyLoop Serve", "eager torch", "engine, torch ops"] + [f"torch.compile {m}" for m in COMPILE_MODES],
+        [[text(row.get("loops")), ms(row.get("graph_ms")),
+          f"{ms(row.get('eager_torch_ms'), 2)} ({times(row.get('speedup_vs_eager'), 1)})",
+          f"{ms(row.get('engine_torch_ops_ms'), 2)} ({times(row.get('speedup_vs_engine_torch_ops'), 1)})"]
+         + [compiled_cell(row, m) for m in COMPILE_MODES] for row in rows] or [[DASH] * 7])
+    gen = d.get("generate_prefix128_decode16_L8")
+    g = gen if isinstance(gen, dict) else {}
+
+    def gen_row(label, key):
+        v = g.get(key)
+        v = v if isinstance(v, dict) else {}
+        return [label, ms(v.get("ms"), 2), times(v.get("speedup"), 1), yesno(v.get("same_tokens_as_graphs"))]
+
+    gen_rows = [["TinyLoop Serve (CUDA graphs)", ms(get(g, "graphs", "ms"), 2), DASH, DASH],
+                ["its prefill alone (128 tokens)", ms(g.get("graphs_prefill_ms"), 2), DASH, DASH],
+                gen_row("eager torch", "eager_torch"), gen_row("engine, torch ops", "engine_torch_ops")]
+    gen_rows += [gen_row(f"torch.compile {m}", f"compiled_{m}") for m in COMPILE_MODES]
+    ref = g.get("reference_runtime_ms") if isinstance(g.get("reference_runtime_ms"), dict) else {}
+    gen_rows.append([f"reference runtime, not measured here ({text(ref.get('source'))})", ms(ref.get("ms"), 1),
+                     DASH, DASH])
+    gen_t = table(["fresh generate, prefix 128, decode 16, L = 8", "wall", "TinyLoop Serve × faster",
+                   "same tokens as TinyLoop Serve"], gen_rows)
+    o = d.get("ouro_1.4b_shapes") if isinstance(d.get("ouro_1.4b_shapes"), dict) else {}
+    ouro = table(["Ouro-1.4B shapes (24-layer block, random bf16)", "L", "floor", "TinyLoop Serve", "× floor"],
+                 [["decode step", text(o.get("loops")), ms(o.get("floor_ms")),
+                   ms(o.get("graph_ms")), times(o.get("graph_vs_floor"))]])
+    return (f"Batch-1 decode, ms per token:\n\n{floor}\n\nThe same steps against the same run's baselines "
+            f"(ms per token; in brackets how many times faster TinyLoop Serve is):\n\n{base}\n\n{gen_t}\n\n{ouro}\n")
+
+
+def decode_plot(results: list[Result]) -> str:
+    """The plot of ms/token vs L, where docs/ has it (bench/plot_decode.py draws it)."""
+    if not PLOT.exists():
+        return ""
+    src = next((r for r in results if r.name == "decode-cuda.json"), None)
+    return ("\n![ms/token vs L](decode-vs-L.png)\n\n`python -m bench.plot_decode [RESULT]` draws "
+            "`docs/decode-vs-L.png` from a decode result, by default `decode-cuda.json` "
+            f"(commit {code(src.commit if src else None)}).\n")
+
+
+def profile_body(r: Result) -> str:
+    d = r.data
+    tl = d.get("replay_timeline") if isinstance(d.get("replay_timeline"), dict) else {}
+    summary = table(["L", "context", "floor", "replayed step (graph)", "replayed step (timeline)", "kernels a step",
+                     "gap between steps", "kernels' sum, run op by op"],
+                    [[text(d.get("loops")), text(d.get("context")), ms(d.get("floor_ms")), ms(d.get("graph_ms")),
+                      num(tl.get("step_us"), ".1f", " µs"), text(tl.get("kernels_per_step")),
+                      num(tl.get("gap_between_steps_us"), ".1f", " µs"), ms(d.get("kernel_sum_ms"))]])
+    cp = tl.get("critical_path_us") if isinstance(tl.get("critical_path_us"), dict) else {}
+    crit = table(["kernel", "adds to the step (all its launches)"],
+                 [[code(k), num(v, ".1f", " µs")] for k, v in cp.items()] or [[DASH, DASH]])
+    pl = get(tl, "per_layer", "adds_us")
+    pl = pl if isinstance(pl, dict) else {}
+    layer = table(["offset from the attention split", "kernel", "adds per layer"],
+                  [[k.split(" ", 1)[0].replace("-", "−"), code(k.split(" ", 1)[-1]), num(v, ".1f", " µs")]
+                   for k, v in pl.items()] or [[DASH, DASH, DASH]])
+    wall = get(d, "generate", "wall_by_tokens")
+    wall_t = table(["generate, max tokens", "wall"],
+                   [[text(w.get("tokens")), ms(w.get("ms"), 2)] for w in wall if isinstance(w, dict)]
+                   if isinstance(wall, list) and wall else [[DASH, DASH]])
+    return (f"{summary}\n\nWhat each kernel adds to the replayed step's end (its end minus the latest end "
+            f"before it; with PDL a kernel starts before the one ahead of it ends), summed per kernel:\n\n{crit}\n\n"
+            f"The same per layer, averaged over the step's {text(get(tl, 'per_layer', 'layers'))} layers "
+            f"(offset −1 is the q|k|v projection before the attention):\n\n{layer}\n\n"
+            f"Fresh generate at the same L and context, by max_tokens:\n\n{wall_t}\n")
+
+
+def gemv_body(r: Result) -> str:
+    rows = [row for row in r.data.get("rows") or [] if isinstance(row, dict)]
+    return table(["projection", "N × K", "fused", "MB", "floor", "torch (cuBLAS)", "GEMV", "GEMV + fusion",
+                  "GEMV + fusion + PDL"],
+                 [[code(row.get("name")), f"{text(row.get('N'))} × {text(row.get('K'))}", text(row.get("fusion")),
+                   num(row.get("weight_MB"), ".1f"), us(row.get("floor_ms")), us(row.get("torch_linear_ms")),
+                   us(row.get("gemv_ms")), us(row.get("gemv_fused_ms")), us(row.get("gemv_fused_pdl_ms"))]
+                  for row in rows] or [[DASH] * 9]) + "\n"
+
+
+def batch_extra(r: Result) -> list[str]:
+    d = r.data
+    return [f"Model: {text(d.get('model'))}; L = {text(d.get('loops'))}, {text(d.get('context'))} tokens of "
+            f"context, {text(d.get('steps'))} steps, {text(d.get('lanes'))} lanes, batch buckets "
+            f"{text(d.get('batch_buckets'))} (captured in {num(d.get('graph_capture_s'), '.1f', ' s')})"]
+
+
+def batch_body(r: Result) -> str:
+    d = r.data
+    alone = d.get("alone_ms_per_token")
+    alone_rate = 1e3 / alone if isnum(alone) and alone else None
+    rows = [["one stream alone (pipelined batch-1 decode)", ms(alone), count(alone_rate), "1.00×", DASH, DASH, DASH]]
+    for row in d.get("rows") or []:
+        if not isinstance(row, dict):
+            continue
+        gr, ea = row.get("graphs") or {}, row.get("eager") or {}
+        rows.append([text(row.get("streams")), ms(gr.get("ms_per_step")), count(gr.get("tokens_per_s")),
+                     times(row.get("speedup_vs_alone")), text(gr.get("streams_equal_alone")),
+                     ms(ea.get("ms_per_step"), 2), count(ea.get("tokens_per_s"))])
+    return table(["streams", "ms per step", "tokens/s", "× one stream alone", "streams with the alone tokens",
+                  "eager: ms per step", "eager: tokens/s"], rows) + "\n"
+
+
+def prefill_extra(r: Result) -> list[str]:
+    d = r.data
+    return [f"Model: {text(d.get('model'))}; L = {text(d.get('loops'))}; captured prefill graphs: "
+            f"{yesno(d.get('engine_prefill_graphs'))}"]
+
+
+def prefill_body(r: Result) -> str:
+    rows = []
+    for row in r.data.get("prefill") or []:
+        if not isinstance(row, dict):
+            continue
+        e, t = row.get("engine") or {}, row.get("eager_torch") or {}
+        rows.append([text(row.get("tokens")), ms(e.get("ms"), 2), num(e.get("TFLOPs"), ".0f"),
+                     num(e.get("of_matmul_rate"), ".0f", " %", 100), ms(t.get("ms"), 2), num(t.get("TFLOPs"), ".0f"),
+                     times(row.get("speedup_vs_eager"), 1), yesno(row.get("same_argmax"))])
+    return table(["tokens", "TinyLoop Serve", "TFLOP/s", "of the matmul rate", "eager torch", "eager TFLOP/s",
+                  "× eager", "same argmax"], rows or [[DASH] * 8]) + "\n"
+
+
+def warmstart_extra(r: Result) -> list[str]:
+    d = r.data
+    return [f"Model: {model_name(d.get('model'))}, {text(d.get('dtype'))}, backend {text(d.get('backend'))}"]
+
+
+def warmstart_body(r: Result) -> str:
+    d = r.data
+    rows = [[text(row.get("prefix")), text(row.get("decode")), f"{text(row.get('L_mid'))} → {text(row.get('L_new'))}",
+             ms(row.get("fresh_ms"), 2), ms(row.get("build_ms"), 2), ms(row.get("resume_ms"), 2),
+             pct(row.get("resume_vs_fresh_pct")), num(row.get("handle_mb"), ",.1f", " MiB"),
+             yesno(row.get("greedy_parity"))]
+            for row in d.get("rows") or [] if isinstance(row, dict)]
+    t = table(["prefix", "decode", "L_mid → L_new", "fresh generate", "build resume handle", "resume generate",
+               "resume vs fresh", "handle", "same tokens"], rows or [[DASH] * 9])
+    ref = d.get("reference") if isinstance(d.get("reference"), dict) else {}
+    return (f"{t}\n\nThe reference runtime's figure (not measured here): resume vs fresh "
+            f"{pct(ref.get('resume_vs_fresh_pct'))}, "
+            f"build {ms(ref.get('build_ms'), 1)} ({text(ref.get('source'))}).\n")
+
+
+def speculative_extra(r: Result) -> list[str]:
+    d = r.data
+    return [f"Model: {model_name(d.get('model'))}, {text(d.get('dtype'))}, backend {text(d.get('backend'))}; "
+            f"{text(d.get('prompts'))} prompts, {text(d.get('max_tokens'))} tokens each, median of "
+            f"{text(d.get('repeat'))}"]
+
+
+def speculative_body(r: Result) -> str:
+    d = r.data
+    rows = []
+    for key, label in (("baseline", "plain generate"), ("baseline_after", "plain generate, again after")):
+        b = d.get(key) if isinstance(d.get(key), dict) else {}
+        rows.append([label, DASH, text(b.get("verify_loops")), DASH, DASH, count(b.get("tokens_per_s")),
+                     "1.00×" if key == "baseline" and b else DASH, DASH, DASH, DASH, DASH])
+    for x in d.get("results") or []:
+        if isinstance(x, dict):
+            rows.append([text(x.get("mode")), text(x.get("draft_loops")), text(x.get("verify_loops")),
+                         text(x.get("k_branches")), text(x.get("draft_ahead")), count(x.get("tokens_per_s")),
+                         times(x.get("speedup_vs_generate")), num(x.get("accepted_per_verify"), ".2f"),
+                         num(x.get("acceptance_rate"), ".2f"), yesno(x.get("greedy_parity")),
+                         text(x.get("diverged_at"))])
+    return table(["mode", "draft L", "verify L", "branches K", "draft ahead", "tokens/s", "vs plain generate",
+                  "accepted / verify", "acceptance", "greedy parity", "diverged at token"], rows) + "\n"
+
+
+def service_extra(r: Result) -> list[str]:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    return [f"Workload: preset {code(w.get('preset'))}, random weights, L = {text(w.get('loops'))}, prompt of "
+            f"{text(w.get('prompt_tokens'))} tokens, {text(w.get('max_tokens'))} tokens generated, greedy: "
+            f"{yesno(w.get('greedy'))}, {text(w.get('reps'))} repetitions"]
+
+
+def service_body(r: Result) -> str:
+    d = r.data
+    ip, sv, ov = (d.get(k) if isinstance(d.get(k), dict) else {} for k in ("in_process", "service", "overhead"))
+    one = table(["one stream", "first token", "per token", "tokens/s"],
+                [["in-process (`Model.stream`)", ms(ip.get("ttft_ms"), 2), ms(ip.get("per_token_ms")),
+                  count(ip.get("tokens_per_s"))],
+                 ["through the service (gRPC, gateway, Ray worker)", ms(sv.get("ttft_ms"), 2),
+                  ms(sv.get("per_token_ms")), DASH],
+                 ["the service's overhead", ms(ov.get("ttft_ms"), 2), f"{ms(ov.get('per_token_ms'))} "
+                  f"({times(ov.get('per_token_ratio'))})", DASH]])
+    thr = sv.get("throughput") if isinstance(sv.get("throughput"), dict) else {}
+    keys = sorted(thr, key=lambda k: (int(k) if str(k).isdigit() else 10**9, str(k)))
+    conc = table(["concurrent streams", "tokens", "wall", "tokens/s", "median first token"],
+                 [[text(get(thr, k, "streams")), count(get(thr, k, "tokens")), num(get(thr, k, "wall_s"), ".3f", " s"),
+                   count(get(thr, k, "tokens_per_s")), ms(get(thr, k, "median_ttft_ms"), 1)] for k in keys]
+                 or [[DASH] * 5])
+    out = f"{one}\n\nThrough the service, by concurrency:\n\n{conc}\n"
+    sp = d.get("speculative")
+    if isinstance(sp, dict):
+        rows = []
+        for path in ("in_process", "service"):
+            x = sp.get(path) if isinstance(sp.get(path), dict) else {}
+            rows.append([path.replace("_", "-"), count(x.get("tokens_per_s")),
+                         count(get(x, "generate", "tokens_per_s")), times(x.get("speedup_vs_generate")),
+                         num(x.get("accepted_per_verify"), ".2f"), num(x.get("acceptance_rate"), ".2f"),
+                         yesno(x.get("greedy_parity")), text(x.get("diverged_at"))])
+        out += (f"\nSelf-speculative decoding on the same path in the same run: {text(sp.get('mode'))}, draft at "
+                f"{text(sp.get('draft_loops'))}, verify at {text(sp.get('verify_loops'))}, draft_ahead "
+                f"{text(sp.get('draft_ahead'))}, against plain greedy generate:\n\n"
+                + table(["path", "tokens/s", "plain generate tokens/s", "vs plain generate", "accepted / verify",
+                         "acceptance", "greedy parity", "diverged at token"], rows) + "\n")
+    return out
+
+
+STARTUP_PARTS = ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs_s", "batch_graphs_s")
+
+
+def startup_section(rs: list[Result]) -> str:
+    head = ("## Worker start-up (`bench/startup.py`)\n\n"
+            "A worker reports healthy, and the gateway listens, once its model is loaded and every graph captured; "
+            "`Model.startup` times each part. Each run's model has one cache lane more than the worker's request "
+            "lanes, as the actor's does. One file per model preset, the newest of each:\n\n")
+    if not rs:
+        return head + "No result file on record.\n"
+    rows = []
+    for r in rs:
+        for run in r.data.get("runs") or []:
+            if isinstance(run, dict):
+                rows.append([code(r.data.get("model")), text(run.get("lanes")), text(run.get("cache_lanes")),
+                             text(r.data.get("max_seq_len")), num(run.get("wall_s"), ".1f", " s")]
+                            + [num(run.get(k), ".1f", " s") for k in STARTUP_PARTS]
+                            + [count(run.get("graphs")), num(run.get("memory_allocated_GB"), ".1f", " GB"),
+                               code(r.commit)])
+    t = table(["model", "lanes", "cache lanes", "max seq len", "wall", "load", "decode graphs", "prefill graphs",
+               "speculative (verify) graphs", "batched graphs", "graphs", "GPU memory allocated", "commit"],
+              rows or [[DASH] * 13])
+    prov = "\n\n".join(provenance(r) + older(r).rstrip() for r in rs)
+    return head + t + "\n\n" + prov + "\n"
+
+
+# -- experiments ------------------------------------------------------------------------------------
+
+
+def ab_headline(d: dict) -> tuple[str, str, str] | None:
+    """(what it compares, the first variant's figure, the best other variant's figure against the first) of
+    a bench/ab.py file (best_ms: variant -> config -> ms) or a bench/tiles.py one (variant -> ms)."""
+    best, configs, rel = d.get("best_ms"), d.get("configs"), d.get("vs_first_pct")
+    if not isinstance(best, dict) or len(best) < 2:
+        return None
+    variants = list(best)
+    if all(isnum(v) for v in best.values()):
+        cfg = f"{d['loops']}x{d['context']}" if isnum(d.get("loops")) and isnum(d.get("context")) else None
+        flat, rel_at = dict(best), {}
+    elif all(isinstance(v, dict) for v in best.values()):
+        cfg = configs[0] if isinstance(configs, list) and configs else next(iter(best[variants[0]]), None)
+        flat = {k: best[k].get(cfg) for k in variants}
+        rel_at = {k: get(rel, k, cfg) for k in variants}
+    else:
+        return None
+    first, others = variants[0], [k for k in variants[1:] if isnum(flat.get(k))]
+    if not isnum(flat.get(first)) or not others:
+        return None
+    other = min(others, key=lambda k: (flat[k], k))
+    r = rel_at.get(other)
+    r = r if isnum(r) else (flat[other] / flat[first] - 1) * 100
+    cfgs = configs if isinstance(configs, list) and configs else ([cfg] if cfg else [])
+    what = f"{len(variants)} variants at {', '.join(str(c) for c in cfgs) or DASH}"
+    at = f" at {cfg}" if cfg else ""
+    return what, f"`{first}` {ms(flat[first], 4)}{at}", f"`{other}` {ms(flat[other], 4)} ({pct(r)})"
+
+
+def experiments_section(exps: list[Result]) -> str:
+    rows, others = [], []
+    for r in exps:
+        h = ab_headline(r.data)
+        if h:
+            rows.append([f"`{r.name}`", code(r.commit), *h])
+        else:
+            others.append(f"`{r.name}` ({code(r.commit)})")
+    out = ("## Experiments on file\n\n"
+           "Same-host A/Bs and sweeps: variants interleaved round by round in one process (`bench/ab.py`, "
+           "`bench/tiles.py`), the only way two settings compare, since one GPU's step time moves between hosts "
+           "and minutes more than most changes move it. A config `8x128` is L = 8 with 128 tokens in the cache; "
+           "a figure is the variant's best round. Not current figures: each names its commit.\n\n")
+    out += table(["file", "commit", "compares", "first variant", "best of the others (vs the first)"],
+                 rows or [[DASH] * 5]) + "\n"
+    if others:
+        out += ("\nFree-form experiment files (their own `what`, `verdict` or `note` fields say what they "
+                "measured): " + ", ".join(others) + ".\n")
+    return out
+
+
+# -- the targets ------------------------------------------------------------------------------------
+
+
+def met(value, ok) -> str:
+    return DASH if not isnum(value) else ("yes" if ok(value) else "no")
+
+
+def targets_section(newest: dict) -> str:
+    dec = newest.get(("decode", "cuda"))
+    ws = newest.get(("warmstart", "cuda"))
+    row8 = row_at(dec.data.get("decode"), 8) if dec else None
+    src = f"`{dec.name}` ({code(dec.commit)})" if dec else DASH
+    vf, ve = get(row8, "graph_vs_floor"), get(row8, "speedup_vs_eager")
+    vc = get(row8, "compiled", "default", "speedup")
+    gen = get(dec.data, "generate_prefix128_decode16_L8", "graphs", "ms") if dec else None
+    ws_row = next((x for x in (ws.data.get("rows") or []) if isinstance(x, dict) and x.get("prefix") == 128),
+                  None) if ws else None
+    ref = get(ws.data, "reference", "resume_vs_fresh_pct") if ws else None
+    wv = get(ws_row, "resume_vs_fresh_pct")
+    rows = [
+        ["batch-1 decode, L = 8, ≤ 1.5× the floor", f"{ms(get(row8, 'graph_ms'))}, {times(vf)}",
+         met(vf, lambda v: v <= 1.5), src],
+        ["≥ 10× eager torch, same run", times(ve, 1), met(ve, lambda v: v >= 10), src],
+        ["≥ 5× torch.compile (default mode), same run", times(vc, 1), met(vc, lambda v: v >= 5), src],
+        ["fresh generate, prefix 128, decode 16, L = 8, ≤ 8 ms", ms(gen, 2), met(gen, lambda v: v <= 8), src],
+        [f"resume vs fresh at prefix 128 beats the reference's {pct(ref)}", pct(wv),
+         met(wv if isnum(ref) else None, lambda v: v < ref), f"`{ws.name}` ({code(ws.commit)})" if ws else DASH],
+    ]
+    return ("## Targets at a glance\n\nThe GPU fast path's targets against the newest files' figures (the "
+            "sections below have the rest):\n\n"
+            + table(["target", "figure", "met", "file"], rows) + "\n")
+
+
+# -- the document -----------------------------------------------------------------------------------
+
+HEAD = """\
+# Performance
+
+<!-- Generated by `python -m bench.report` from bench/results/*.json: do not edit by hand. The prose
+is the template in bench/report.py; `python -m bench.report --check` (tests/test_report.py) fails
+when docs/performance.md is not what the script writes. -->
+
+Every figure below is read from a JSON file in `bench/results/`, the newest of its benchmark. Each
+section names that file, the command that wrote it, its commit and its hardware; the baselines in a
+section come from the same file, measured in the same run. Other runs stay in `bench/results/` and
+in git history. A file's benchmark is its name's prefix before the device (`decode-cuda-….json`);
+the newest is the one whose run is latest by its recorded `date`, or, for a file without one, by the
+time of the newest git commit that changed it. "—" marks a figure the file does not record.
+
+What the benchmarks measure:
+
+- `bench/decode.py`: batch-1 decode, ms per token of the engine's captured CUDA-graph step fed its
+  own greedy token (no host sync in the timed loop), at several loop depths L, against the floor
+  (the bytes a token reads: each weight once per use, the shared block once per iteration, the head
+  and the context's K/V, over the measured copy bandwidth) and the HBM floor (the same less the bytes
+  the step keeps in L2 between iterations). Same-run baselines: `bench/baselines.py`'s
+  `PlainDecoder` (plain PyTorch on the same weights, static K/V cache, SDPA) eagerly and under
+  `torch.compile` in three modes, and the engine through its torch reference ops. Also a fresh
+  generate and the Ouro-1.4B shapes.
+- `bench/profile_decode.py`: where the decode step's time goes, from the replayed graph's kernel
+  timeline; and a fresh generate by max_tokens.
+- `bench/gemv.py`: each projection's GEMV alone, reading its weights from HBM, against the floor and
+  cuBLAS.
+- `bench/batch.py`: B streams stepped together by the worker's batcher against one stream alone.
+- `bench/prefill.py`: a prompt's prefill against the bf16 matmul rate and eager torch.
+- `bench/warmstart.py`: resuming from a handle built at a middle depth against a fresh generate.
+- `bench/speculative.py`: self-speculative decoding (chain and tree rounds) against plain generate
+  at the same L.
+- `bench/service.py`: the whole path (gRPC client, gateway, Ray worker) against in-process, per
+  concurrency.
+- `bench/startup.py`: a worker's start-up, load and graph capture by part.
+
+How to run them, from the repository root on the GPU host (offline image: `bench/gpu_env.sh` maps
+the project onto the `tinyloop.*` namespace instead of installing it):
+
+```sh
+bash bench/run_h200.sh                  # every GPU test and benchmark, each step time-limited and logged -> $OUT
+bash bench/run_h200.sh decode profile   # some of: tests gemv profile decode batch prefill warmstart speculative startup
+source bench/gpu_env.sh && python -m bench.decode --out-dir bench/results   # one benchmark by hand
+python -m bench.report                  # then docs/performance.md, from the newest results
+```
+
+`TINYLOOP_COMMIT=<commit>` stamps the results where the host's copy of `.git` may be stale. The
+service benchmark needs Ray and grpcio (its recorded command is in its section). Figures of two
+files compare only roughly: one GPU's step time moves between hosts, and the host-bound baselines
+(eager torch, torch.compile) move more; two settings compare in a same-host interleaved A/B
+(`bench/ab.py`, "Experiments on file").
+"""
+
+DECODE_INTRO = "`bench/decode.py` (sections `decode`, `generate_prefix128_decode16_L8`, `compiled`, `ouro`)."
+PROFILE_INTRO = ("`bench/profile_decode.py`: the replayed decode step's kernels, traced one by one (CUPTI); "
+                 "a kernel's cost is how far it moves the step's end.")
+GEMV_INTRO = ("`bench/gemv.py`: each projection of bench-285m at batch 1, back-to-back calls in one graph, weights "
+              "read from HBM.")
+BATCH_INTRO = ("`bench/batch.py`: B streams on lanes 1..B, each with its own random prompt, stepped together by the "
+               "worker's `Batcher` from captured batched stages, pipelined; the figure includes the sampling and "
+               "the host sync. \"Alone\" is one stream's pipelined batch-1 decode on the same model in the same run.")
+PREFILL_INTRO = ("`bench/prefill.py`: a prompt's prefill through captured stage graphs, against the eager "
+                 "`PlainDecoder`.")
+WARM_INTRO = ("`bench/warmstart.py`: greedy; `build_resume_handle` runs the prompt to L_mid, `resume_generate` goes on "
+              "to L_new from the handle's residual; fresh generate runs at L_new from scratch.")
+SPEC_INTRO = ("`bench/speculative.py`: drafts at the draft L, verified at the verify L; chain rounds draft one "
+              "token at a time, tree rounds K branches a position. Plain generate runs at the verify L in the "
+              "same run, before and after the speculative modes. `diverged at token`: where a prompt's tokens part "
+              "from plain generate's (bf16 near ties).")
+SERVICE_INTRO = ("`bench/service.py`: the same model file and thread count in-process and behind the service, "
+                 "in the same run.")
+
+
+def render(results: Path = RESULTS) -> str:
+    all_results = load(results)
+    newest, exps = classify(all_results)
+    n = newest.get
+    startups = sorted((r for (p, dev), r in newest.items() if p.startswith("startup-") and dev == "cuda"),
+                      key=lambda r: r.name)
+    parts = [
+        HEAD,
+        targets_section(newest),
+        section("Batch-1 decode vs the floor", DECODE_INTRO, n(("decode", "cuda")), decode_body, decode_extra,
+                decode_plot(all_results) if results.resolve() == RESULTS.resolve() else ""),
+        section("Where the decode step's time goes", PROFILE_INTRO, n(("profile-decode", "cuda")), profile_body),
+        section("The projections alone", GEMV_INTRO, n(("gemv", "cuda")), gemv_body),
+        section("Batched decode", BATCH_INTRO, n(("batch", "cuda")), batch_body, batch_extra),
+        section("Prefill", PREFILL_INTRO, n(("prefill", "cuda")), prefill_body, prefill_extra),
+        section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),
+        section("Self-speculative decoding", SPEC_INTRO, n(("speculative", "cuda")), speculative_body,
+                speculative_extra),
+        section("The service on the GPU", SERVICE_INTRO, n(("service", "gpu")), service_body, service_extra),
+        startup_section(startups),
+        section("The service on a CPU", SERVICE_INTRO, n(("service", "cpu")), service_body, service_extra),
+        section("Self-speculative decoding on a CPU", SPEC_INTRO, n(("speculative", "cpu")), speculative_body,
+                speculative_extra),
+        section("Warm-start resume vs fresh on a CPU", WARM_INTRO, n(("warmstart", "cpu")), warmstart_body,
+                warmstart_extra),
+        experiments_section(exps),
+    ]
+    return "\n".join(p.rstrip() + "\n" for p in parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 when the doc differs from what this would write")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSONs (default bench/results)")
+    ap.add_argument("--doc", type=Path, default=DOC,
+                    help="the document to write or check (default docs/performance.md)")
+    args = ap.parse_args(argv)
+    new = render(args.results)
+    if not args.check:
+        args.doc.write_text(new, encoding="utf-8")
+        print(f"wrote {args.doc}")
+        return 0
+    old = args.doc.read_text(encoding="utf-8") if args.doc.exists() else ""
+    if old == new:
+        print(f"{args.doc} is current")
+        return 0
+    diff = list(difflib.unified_diff(old.splitlines(), new.splitlines(), str(args.doc), "bench.report",
+                                     lineterm="", n=1))
+    changed = sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    print(f"{args.doc} is stale: {changed} lines differ from what `python -m bench.report` writes; run it.")
+    print("\n".join(diff[:60]) + ("\n..." if len(diff) > 60 else ""))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
