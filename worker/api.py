@@ -25,6 +25,7 @@ from tinyloop.worker.generation.speculative import SpecParams, stream_speculativ
 from tinyloop.worker.model import checkpoint
 from tinyloop.worker.model.cache import KVCache
 from tinyloop.worker.model.ops import select_ops
+from tinyloop.worker.model.settings import Settings
 from tinyloop.worker.model.tokenizer import from_metadata
 from tinyloop.worker.runner.runner import Runner, RunnerSettings
 
@@ -72,7 +73,8 @@ class Model:
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  n_slots: int | None = None, backend: str | None = None, cuda_graphs: bool | None = None,
-                 prefill_graph_len: int = 2048, cache_budget_bytes: int | None = None):
+                 prefill_graph_len: int | None = None, cache_budget_bytes: int | None = None,
+                 settings: Settings | None = None):
         if path is None:
             from tinyloop.worker.model.default_model import default_model_path
             path = default_model_path()
@@ -80,11 +82,13 @@ class Model:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         if n_slots is not None and n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
-        if prefill_graph_len < 0:
-            raise ValueError(f"prefill_graph_len must be >= 0, got {prefill_graph_len}")
         if cache_budget_bytes is not None and cache_budget_bytes < 1:
             raise ValueError(f"cache_budget_bytes must be >= 1, got {cache_budget_bytes}")
-        self.prefill_graph_len = prefill_graph_len
+        # explicit arguments win over `settings`, which defaults to the environment's
+        settings = (Settings.from_env() if settings is None else settings).replace(
+            backend=backend, cuda_graphs=cuda_graphs, prefill_graph_len=prefill_graph_len)
+        self.settings = settings
+        self.prefill_graph_len = settings.prefill_graph_len
         t0 = time.perf_counter()
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -97,13 +101,13 @@ class Model:
         self._module = model
         if n_slots is None:
             n_slots = self._lanes_within(cache_budget_bytes)
-        ops = select_ops(self.device, backend)
+        ops = select_ops(self.device, settings.backend)
         if ops.name == "triton":
-            model.use_fast_path(ops.rms_norm, ops.gemv, ops.gemv_rows, ops.swiglu)
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+            model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
+                                settings.l2_keep_fraction, settings.l2_stream)
+        cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
         cache = KVCache(self.config, n_slots, self.max_seq_len, self.config.max_loops, self.device, self.dtype)
-        self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), prefill_graph_len))
+        self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len))
         self.n_slots = n_slots
         # seconds by part and graph count: what a worker's start-up cost (the actor logs it)
         self.startup = self.runner.startup

@@ -19,20 +19,6 @@ from tinyloop.kernels.gemv import argmax_key_ref
 from tinyloop.kernels.rope import apply_rope_ref
 from tinyloop.worker.model.config import LoopedConfig
 
-# The L2 eviction policy of the decode step's weight reads (kernels.gemv's eviction_policy), read
-# at each call (Block.eviction), so at each graph capture. A token reads the shared block's weights L times and
-# every other weight once. The loop block's projections that `l2_keep` picks for a budget of
-# L2_KEEP_FRACTION of the device's L2 load "evict_last", to stay in L2 from one iteration to the
-# next; every other weight (the prelude's, the coda's, the head's, the loop's others) loads with
-# L2_STREAM, so that it passes through without evicting them. On the H200 (60 MiB of L2),
-# bench-285m's q|k|v and wo (33.6 MB) kept took the L = 8 step from 0.412 to 0.385 ms (-6.6 %)
-# in interleaved rounds, where wo and w2 (31.5 MB) gave -5.2 %, q|k|v and w2 (48.2 MB) -1.0 %,
-# keeping without streaming +0.6 % and streaming alone -1.9 % (bench/results/l2-ab-cuda.json);
-# a budget of half the L2 (q|k|v alone) was 0.8-1.8 % slower than 0.7 (l2-plan-ab-cuda.json).
-L2_KEEP_FRACTION = 0.7
-L2_STREAM = "evict_first"
-
-
 def l2_keep(nbytes: dict[str, int], budget: float) -> frozenset[str]:
     """The loop block's projections kept in L2, given each one's weight bytes summed over the
     block's layers: the largest first, each one that still fits the budget."""
@@ -176,7 +162,9 @@ class Block(nn.Module):
     gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
     gemv_rows = 0
     loop_layers = 0  # in the shared block: its layer count (LoopedTransformer sets it); 0 elsewhere
-    _l2_kept: tuple[float, frozenset[str]] | None = None  # (L2_KEEP_FRACTION, l2_keep's pick)
+    l2_keep_fraction = 0.0  # use_fast_path sets both (Settings); no fast path: nothing kept, nothing hinted
+    l2_stream = ""
+    _l2_kept: frozenset[str] | None = None  # l2_keep's pick
 
     def projections(self) -> dict[str, torch.Tensor]:
         """The decode step's four projection weights (after fuse()), by name."""
@@ -185,16 +173,17 @@ class Block(nn.Module):
 
     def eviction(self, name: str) -> str:
         """The L2 eviction policy of projection `name`'s weight in a decode step: "evict_last"
-        for the shared block's projections `l2_keep` picks, L2_STREAM for the rest. The pick is
-        worked out once per L2_KEEP_FRACTION (an eager step asks four times a layer)."""
+        for the shared block's projections `l2_keep` picks within l2_keep_fraction of the
+        device's L2, l2_stream for the rest. The pick is worked out once (an eager step asks
+        four times a layer)."""
         if not self.loop_layers:
-            return L2_STREAM
-        if self._l2_kept is None or self._l2_kept[0] != L2_KEEP_FRACTION:
+            return self.l2_stream
+        if self._l2_kept is None:
             weights = self.projections()
-            budget = L2_KEEP_FRACTION * l2_bytes(weights["wo"].device)
+            budget = self.l2_keep_fraction * l2_bytes(weights["wo"].device)
             nbytes = {n: w.numel() * w.element_size() * self.loop_layers for n, w in weights.items()}
-            self._l2_kept = (L2_KEEP_FRACTION, l2_keep(nbytes, budget))
-        return "evict_last" if name in self._l2_kept[1] else L2_STREAM
+            self._l2_kept = l2_keep(nbytes, budget)
+        return "evict_last" if name in self._l2_kept else self.l2_stream
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
@@ -264,12 +253,15 @@ class LoopedTransformer(nn.Module):
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
-    def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1, swiglu=None) -> None:
+    def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1, swiglu=None, l2_keep_fraction: float = 0.7,
+                      l2_stream: str = "evict_first") -> None:
         """Inference on CUDA: fused projections, a fused RMSNorm kernel (with the residual add
         before the feed-forward norm), a fused SwiGLU and, given `gemv`, decode steps of up to
         `gemv_rows` lanes in fused projections (fewer, larger launches: decode of a small model
-        is bound by launches as much as by weight reads)."""
+        is bound by launches as much as by weight reads), their weight loads hinted for L2 as
+        `Block.eviction` says (settings.Settings: l2_keep_fraction, l2_stream)."""
         self.gemv, self.gemv_rows = gemv, gemv_rows if gemv is not None else 0
+        self.l2_stream = l2_stream
         for m in self.modules():
             if isinstance(m, (Attention, FeedForward)):
                 m.fuse()
@@ -279,6 +271,7 @@ class LoopedTransformer(nn.Module):
                 m.kernel = rms_norm
             elif isinstance(m, Block):
                 m.gemv, m.gemv_rows = self.gemv, self.gemv_rows
+                m.l2_keep_fraction, m.l2_stream, m._l2_kept = l2_keep_fraction, l2_stream, None
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -315,6 +308,7 @@ class LoopedTransformer(nn.Module):
 
     gemv = None  # see Block.gemv
     gemv_rows = 0
+    l2_stream = ""
 
     def logits(self, x: torch.Tensor, dtype: torch.dtype | None = None,
                argmax_key: torch.Tensor | None = None) -> torch.Tensor:
@@ -325,7 +319,7 @@ class LoopedTransformer(nn.Module):
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
             return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=dtype,
-                             argmax_key=argmax_key, eviction_policy=L2_STREAM)
+                             argmax_key=argmax_key, eviction_policy=self.l2_stream)
         y = linear(self.norm(x), head)
         if argmax_key is not None:
             if x.shape[:2] != (1, 1):

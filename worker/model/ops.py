@@ -30,11 +30,8 @@ class TritonOps(Ops):
     def __init__(self):
         from tinyloop.kernels.decode_attention import decode_attention, rope_decode_attention
         from tinyloop.kernels.gemv import gemv
-        # Batched decode steps (B > 1 lanes) keep cuBLAS: on the H200 the fused projection of up
-        # to 16 rows (kernels/gemv.py, M > 1) passes its tests but made a 9-lane step slower,
-        # 1.75 against 1.24 ms (bench/results/batch-cuda-gemv-rows.json vs batch-cuda-a801900.json).
-        # Model(...)._module.use_fast_path(..., gemv_rows=16) engages it.
-        self.gemv, self.gemv_rows = gemv, 1
+        # the fused projection serves up to Settings.fused_rows lanes (Model passes it)
+        self.gemv = gemv
         from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
         from tinyloop.kernels.swiglu import swiglu

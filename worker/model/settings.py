@@ -1,0 +1,62 @@
+"""The engine's settings: one typed object, passed explicitly (`Model(settings=...)`), with the
+environment read here and nowhere else in the worker (`Settings.from_env`)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+EVICTION_POLICIES = ("evict_first", "evict_last", "")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """backend: "torch" (reference ops, any device) or "triton" (CUDA); None: triton on CUDA.
+    cuda_graphs: capture the runner's graphs at load; None: on CUDA. prefill_graph_len: the
+    longest prompt the prefill graphs cover (0: prefill stays eager). fused_rows: decode steps
+    of up to this many lanes run the fused Triton projections (more lanes: cuBLAS, which reads
+    a weight once for every lane). l2_keep_fraction: the share of the device's L2 that the
+    shared block's largest projections may keep between iterations ("evict_last"); every
+    other weight of a decode step loads with l2_stream, so that it passes through L2 without
+    evicting them (a token reads the shared block L times and every other weight once)."""
+    backend: str | None = None
+    cuda_graphs: bool | None = None
+    prefill_graph_len: int = 2048
+    fused_rows: int = 1
+    l2_keep_fraction: float = 0.7
+    l2_stream: str = "evict_first"
+
+    def __post_init__(self):
+        if self.backend not in (None, "torch", "triton"):
+            raise ValueError(f"backend must be 'torch' or 'triton', got {self.backend!r}")
+        if self.prefill_graph_len < 0:
+            raise ValueError(f"prefill_graph_len must be >= 0, got {self.prefill_graph_len}")
+        if not 1 <= self.fused_rows <= 16:
+            raise ValueError(f"fused_rows must be in [1, 16], got {self.fused_rows}")
+        if not 0.0 <= self.l2_keep_fraction <= 1.0:
+            raise ValueError(f"l2_keep_fraction must be in [0, 1], got {self.l2_keep_fraction}")
+        if self.l2_stream not in EVICTION_POLICIES:
+            raise ValueError(f"l2_stream must be one of {EVICTION_POLICIES}, got {self.l2_stream!r}")
+
+    def replace(self, **changes) -> "Settings":
+        """A copy with `changes`; None values keep the field as it is."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Defaults overridden by TINYLOOP_BACKEND, TINYLOOP_CUDA_GRAPHS (0/1),
+        TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION and
+        TINYLOOP_L2_STREAM."""
+        env = os.environ if environ is None else environ
+        kinds = {"backend": str, "cuda_graphs": lambda v: v not in ("0", "false", "no", ""),
+                 "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str}
+        values = {}
+        for name, parse in kinds.items():
+            raw = env.get(f"TINYLOOP_{name.upper()}")
+            if raw is not None:
+                try:
+                    values[name] = parse(raw)
+                except ValueError:
+                    raise ValueError(f"TINYLOOP_{name.upper()}={raw!r} is not a valid {name}") from None
+        return cls(**values)
