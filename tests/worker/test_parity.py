@@ -33,18 +33,15 @@ def test_incremental_decode_equals_full_recompute(config_path, loops):
 @pytest.mark.parametrize("loops", [1, 3, 8])
 def test_decode_logits_match_full_recompute(config_path, loops):
     """Last-position logits of every decode step against the no-cache forward."""
-    from tinyloop.worker.generation.decode import prefill
     with Model(config_path, max_seq_len=128) as m:
-        e = m.engine
+        r = m.runner
         toks = PROMPTS[1] + [5, 77, 140, 2]
         T0 = len(PROMPTS[1])
         with torch.no_grad():
             full = m._module(torch.tensor([toks]), loops)[0]
-        logits, _ = prefill(e, 0, toks[:T0], loops, 0)
-        steps = [logits[0]]
+        steps = [r.prefill(0, toks[:T0], loops).logits[0]]
         for pos in range(T0, len(toks)):
-            p = e.make_pass(slice(0, 1), torch.tensor([[pos]]), pos + 1)
-            steps.append(e.forward(torch.tensor([[toks[pos]]]), p, loops)[0, -1])
+            steps.append(r.decode([0], [toks[pos]], [pos], [loops]).logits[0])
         got, want = torch.stack(steps), full[T0 - 1:]
         # fp32: summation-order differences (decode vs prefill attention) grow through up to 8
         # iterations of a random block; 1e-3 relative still catches any wrong key or position
@@ -55,7 +52,7 @@ def test_decode_logits_match_full_recompute(config_path, loops):
 def test_layers_past_L_are_never_read(config_path, loops):
     with Model(config_path, max_seq_len=128) as m:
         want = m.generate(PROMPTS[0], loops=loops, max_tokens=8)
-        cfg, cache = m.config, m.engine.cache
+        cfg, cache = m.config, m.runner.cache
         first_unused = cfg.n_prelude + loops * cfg.n_loop_layers
         coda0 = cache.coda_layer(0)
         cache.k[first_unused:coda0] = math.nan

@@ -166,13 +166,22 @@ def test_sampled_batch_lanes_equal_standalone(tiny_model):
         assert o == tiny_model.generate(p, loops=L, max_tokens=8, temperature=0.8, seed=s)
 
 
+def test_batch_beyond_the_lanes_runs_in_waves(tiny_model):
+    """More prompts than lanes (n_slots=4): waves of four, each lane still its run alone."""
+    prompts = [[1 + i, 7, 3 * i + 2] for i in range(6)]
+    loops = [2, 8, 5, 3, 8, 1]
+    out = tiny_model.generate_batch(prompts, per_lane_loops=loops, max_tokens=5)
+    assert [o.stats["completion_tokens"] for o in out] == [5] * 6
+    for p, L, o in zip(prompts, loops, out):
+        assert o == tiny_model.generate(p, loops=L, max_tokens=5)
+    assert tiny_model.runner.lanes.free == 4  # every lane back
+
+
 def test_batch_errors(tiny_model):
     with pytest.raises(ValueError, match="per_lane_loops has 1 entries for 2 prompts"):
         tiny_model.generate_batch([[1], [2]], per_lane_loops=[3])
     with pytest.raises(ValueError, match=r"per_lane_loops\[1\]=0 out of range"):
         tiny_model.generate_batch([[1], [2]], per_lane_loops=[3, 0])
-    with pytest.raises(ValueError, match="5 lanes exceed the model's n_slots=4"):
-        tiny_model.generate_batch([[1]] * 5)
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         tiny_model.generate_batch([[1], []])
 
