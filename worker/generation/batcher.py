@@ -74,6 +74,8 @@ class Batcher:
         row dropped. The tokens, logits and stats are those of the plain loop."""
         if not self.states:
             self._ahead = None
+            self.runner.release(self._last)
+            self._last = None
             return {}
         try:
             if self._ahead is None:

@@ -157,7 +157,7 @@ class DecodeState:
         self._slot = 0                           # at this index
         self._buf: torch.Tensor | None = None    # a pinned buffer for tokens copied there
         self._copied: torch.cuda.Event | None = None
-        self._undo: tuple | None = None          # (norm, pos, work) before a speculative step
+        self._undo: tuple | None = None          # (out, pos, work) before a speculative step
 
     @property
     def logits(self) -> torch.Tensor:
@@ -228,6 +228,7 @@ class DecodeState:
         if the step never ran; the runner's counters keep it, since it ran. The step wrote
         K/V at `pos` of the lane's layers. That is harmless: whatever reads the lane later (a
         new prefill, a resume, a decode step) writes a position before it attends to it."""
+        self.runner.release(self.out)
         self.out, self.pos, self.work = self._undo
         self._undo = None
 
@@ -291,6 +292,7 @@ class DecodeState:
     def finish(self) -> Finish:
         """The stream is over: its finish reason and stats. The state lets go of its logits
         (a graph's buffer, or a row of a batched step's output) whichever path ran it."""
+        self.runner.release(self.out)
         self._logits = self._norm = self.out = None
         return Finish(self.reason, {"prompt_tokens": len(self.req.prompt), "completion_tokens": self.generated,
                                     "loop_iterations": self.work.loop_iterations,

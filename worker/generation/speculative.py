@@ -174,6 +174,7 @@ def stream_speculative(runner: Runner, lane: int, req: Request, spec: SpecParams
     yield emit.take([t])
     rounds = drafted = accepted = 0
     pos = T  # position of t: decided, not yet fed
+    last: StepOut | None = None  # the last draft step's outputs, let go at the next round
     while emit.reason is None:
         # never draft past what max_tokens can still use: a round emits at most k + 1 tokens
         k = min(spec.draft_ahead, req.max_tokens - emit.generated - 1)
@@ -181,7 +182,7 @@ def stream_speculative(runner: Runner, lane: int, req: Request, spec: SpecParams
             k = min(k, (runner.cache.max_seq_len - pos - 1) // spec.k_branches)
             toks, n_acc, w = _tree_round(runner, lane, spec, chooser, t, pos, k)
         else:
-            toks, n_acc, w = _chain_round(runner, lane, spec, chooser, t, pos, k)
+            toks, n_acc, w, last = _chain_round(runner, lane, spec, chooser, t, pos, k, last)
         work = work.plus(w)
         rounds += 1
         drafted += k
@@ -189,6 +190,7 @@ def stream_speculative(runner: Runner, lane: int, req: Request, spec: SpecParams
         pos += len(toks)
         t = toks[-1]
         yield emit.take(toks)
+    runner.release(last)
     return Finish(emit.reason, {
         "prompt_tokens": T, "completion_tokens": emit.generated,
         "loop_iterations": work.loop_iterations,
@@ -203,17 +205,18 @@ def stream_speculative(runner: Runner, lane: int, req: Request, spec: SpecParams
 
 
 def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
-                 k: int) -> tuple[list[int], int, Counters]:
+                 k: int, prev: StepOut | None) -> tuple[list[int], int, Counters, StepOut]:
     """Draft k tokens after t (at pos) with k + 1 decode steps at draft_loops, each fed the
     draft before it, then verify [t, d_1 .. d_k] from the draft steps' residuals.
-    -> (tokens decided this round, number of drafts accepted, the round's work).
+    prev: the last round's last draft step, let go. -> (tokens decided this round, number of
+    drafts accepted, the round's work, its last draft step's outputs).
 
     Greedy drafts stay on the device (each step's own argmax is the next step's token) until
     the round's one read, with the verifier's tokens. The last step's coda and head are not
     needed (only its residual is), and the verify overwrites its coda layers' K / V."""
     Ld, Lv = spec.draft_loops, spec.verify_loops
     work = Counters()
-    out: StepOut | None = None
+    out = prev
     residuals = drafts = None
     chunk, qs = [t], []
     tok = t
@@ -240,15 +243,15 @@ def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser,
         both = torch.cat([drafts, logits.argmax(-1)]).tolist()
         chunk, targets = [t, *both[:k]], both[k:]
         n_acc = next((i for i in range(k) if targets[i] != chunk[i + 1]), k)
-        return targets[:n_acc + 1], n_acc, work  # the first mismatch, or the bonus after a full chunk
+        return targets[:n_acc + 1], n_acc, work, out  # the first mismatch, or the bonus after a full chunk
     out_toks = []
     for i in range(k):
         ok, tok = chooser.verify(logits[i], qs[i], chunk[i + 1], pos + i + 1)
         out_toks.append(tok)
         if not ok:
-            return out_toks, i, work
+            return out_toks, i, work, out
     out_toks.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
-    return out_toks, k, work
+    return out_toks, k, work, out
 
 
 def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,

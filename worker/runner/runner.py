@@ -356,6 +356,12 @@ class Runner:
         self._owners["batch"] = out
         return out
 
+    def release(self, out: StepOut | None) -> None:
+        """The caller is done with `out`: its buffers may be reused without a copy."""
+        for key, owner in list(self._owners.items()):
+            if owner is out:
+                del self._owners[key]
+
     def _claim(self, buffers, prev: StepOut | None) -> None:
         owner = self._owners.pop(buffers, None)
         if owner is not None and owner is not prev:
