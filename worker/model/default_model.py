@@ -2,8 +2,9 @@
 otherwise a deterministic seeded tiny model written to the user cache on first use."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from tinyloop.worker.model.settings import cache_dir
 
 ASSET = Path(__file__).parent.parent / "assets" / "default.tinyloop"
 FALLBACK_SEED = 0
@@ -12,7 +13,7 @@ FALLBACK_SEED = 0
 def default_model_path() -> str:
     if ASSET.exists():
         return str(ASSET)
-    cache = Path(os.environ.get("TINYLOOP_CACHE", Path.home() / ".cache" / "tinyloop"))
+    cache = Path(cache_dir())
     path = cache / f"default-tiny-seed{FALLBACK_SEED}.tinyloop"
     if not path.exists():
         from tinyloop.worker.model import checkpoint

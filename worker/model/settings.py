@@ -60,3 +60,10 @@ class Settings:
                 except ValueError:
                     raise ValueError(f"TINYLOOP_{name.upper()}={raw!r} is not a valid {name}") from None
         return cls(**values)
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where the worker keeps files it makes itself (the seeded default model when no trained
+    one ships): TINYLOOP_CACHE, else ~/.cache/tinyloop."""
+    env = os.environ if environ is None else environ
+    return env.get("TINYLOOP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tinyloop")
