@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tinyloop.worker import Model, checkpoint
+from tinyloop.worker import Model
+from tinyloop.worker.model import checkpoint
 from tinyloop.worker.model.checkpoint import CheckpointError
 from tinyloop.worker.model.config import PRESETS, LoopedConfig
 
