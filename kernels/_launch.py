@@ -5,9 +5,10 @@ while the previous kernel in the stream drains; it must call ``gdc_wait`` before
 anything that kernel writes. The decode step's GEMVs (kernels/gemv.py) load their first weight
 chunk before the wait; the decode attention kernels (a split kernel, then the merge) let the
 next kernel launch at once and read nothing before the wait, except rope_decode_attention's
-kernels: its split kernel loads positions and its cos / sin rows first (and its programs
-holding no slot of their lane exit there), its merge kernel the positions. On the H200 it took batch-1
-decode at L = 8 from 0.539 to 0.510 ms (docs/performance.md).
+kernels: its split kernel loads positions, its cos / sin rows and its lane's cache slot (with
+`slots`) first (and its programs holding no slot of their lane exit there), its merge kernel the
+positions. Batch-1 decode launches many short kernels back to back, so each one's launch and
+ramp-up, hidden behind the previous kernel's tail, would otherwise be a visible part of the step.
 """
 import functools
 import os

@@ -14,10 +14,15 @@ into o. The grids depend only on B, H, Hkv and S, never on seq_lens, so the laun
 host sync and can be captured in a CUDA graph; splits past n_b write neutral partials
 (m = -inf, l = 0, acc = 0).
 
-Layouts: q (B, H, hd); k_cache, v_cache (B, Hkv, S, hd), any strides; seq_lens (B,) int32 /
-int64 on the device. Dtypes: q and caches share fp16 / bf16 / fp32; softmax and accumulation
-in fp32 (scores in the log2 domain, scale folded into log2(e)); output (B, H, hd) in q.dtype.
-hd need not be a power of two (masked to BLOCK_D).
+Layouts: q (B, H, hd); k_cache, v_cache (B, Hkv, S, hd), any strides, row b the cache of query
+row b; seq_lens (B,) int32 / int64 on the device. With ``slots`` (B,) int32 / int64 on the
+device, any stride, the caches are whole layers (n_slots, Hkv, S, hd), n_slots any size, and
+row b attends over cache row slots[b] (K[b] above is K[slots[b]]): the split kernel loads the
+slot in-kernel, so a captured graph serves whichever lanes the slots tensor names at replay.
+Rows may share a slot (the op only reads). Without slots the kernel takes the slot-less path
+it always had (a constexpr: no load). Dtypes: q and caches share fp16 / bf16 / fp32; softmax
+and accumulation in fp32 (scores in the log2 domain, scale folded into log2(e)); output
+(B, H, hd) in q.dtype. hd need not be a power of two (masked to BLOCK_D).
 
 ``rope_decode_attention`` fuses the RoPE / K-V cache write of the new token (``rope_cache_write``
 of kernels/rope.py, a launch of its own per layer) into the split kernel. With p_b = positions[b]:
@@ -53,19 +58,30 @@ then waits for the previous kernel's writes: the merge kernel launches while the
 runs (and waits for its partials), and the projection after the merge starts loading its
 weights while the merge drains. decode_attention's split and merge kernels read nothing
 before the wait. rope_decode_attention's split kernel loads positions[b] and its cos / sin rows
-before it (and a program with no slot of its lane exits there), and its merge kernel loads
-positions[b], since they never come from the projection launched just before (which writes
-q, k, v): the contract is that positions and the tables are not written by a kernel
-launched with PDL since the last ordinary launch in the stream (only such a kernel can still be
-running). The engine's tables never change, and it writes positions by a host copy or fill
-before the step (or, in a captured step, `greedy_feed` at the end of the step before, which
-lets no kernel launch before it completes).
+before it (and a program with no slot of its lane exits there), with ``slots`` its lane's
+cache slot too, and its merge kernel loads positions[b], since they never come from the
+projection launched just before (which writes q, k, v): the contract is that positions, slots
+and the tables are not written by a kernel launched with PDL since the last ordinary launch in
+the stream (only such a kernel can still be running). The engine's tables never change, and it
+writes positions (and slots) by a host copy or fill before the step (or, in a captured step,
+`greedy_feed` at the end of the step before, which lets no kernel launch before it completes).
 
 Layouts: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), any strides (views of one fused projection);
 cos, sin (P, hd // 2) fp32 tables, row p the angles of position p, P >= S (a row for every cache
-slot), any strides; positions (B,) int64; caches as above. q, k, v fp16 / bf16 / fp32, caches in
-q.dtype; the rotation is fp32, q_rot is rounded to q.dtype and the new k / v to the cache dtype
-before use, as the unfused pair does. hd even.
+slot), any strides; positions (B,) int64; caches as above, slots too: with ``slots`` row b
+writes slot p_b of cache row slots[b] and reads that row (K[b] above is K[slots[b]]), an idle
+row neither writes nor reads it. A cache row that a live row uses must be no other row's (rows
+run concurrently: two live rows on one cache row are the caller's error, not checked); idle rows
+may share any. q, k, v fp16 / bf16 / fp32, caches in q.dtype; the rotation is fp32, q_rot is
+rounded to q.dtype and the new k / v to the cache dtype before use, as the unfused pair does.
+hd even.
+
+Slots are checked for shape and dtype always, and for range ([0, n_slots), else ValueError)
+wherever that needs no host sync: on CPU tensors (the references, the interpreter). A CUDA launch
+never reads them on the host, so it stays capturable; there the range is the caller's. The
+references take the same ``slots`` and run each row alone on its cache row's one-row view
+(`_checks.by_slot`): bitwise the slot-less reference of that row, writes landing in the caller's
+cache.
 """
 import functools
 import math
@@ -74,7 +90,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_rank, check_shape, interpreting
+from ._checks import (
+    FLOAT_DTYPES,
+    by_slot,
+    cache_layout,
+    check_device,
+    check_dtype,
+    check_rank,
+    check_shape,
+    check_slots,
+    interpreting,
+    slots_arg,
+)
 from ._launch import use_pdl
 from .rope import rope_cache_write_ref
 
@@ -82,15 +109,16 @@ LOG2E = math.log2(math.e)
 # A split shorter than this costs more in partial traffic than it wins in parallelism.
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 64
-# Software-pipeline stages of the split kernels' K / V loop (Triton's default, made explicit): on
-# the H200, 1 or 2 stages made the L = 8 step at 128 tokens of context 0.450-0.461 ms against
-# 0.424 with 3 (bench/results/split-stages-ab-cuda.json).
+# Software-pipeline stages of the split kernels' K / V loop (Triton's default, made explicit):
+# three keep the next tiles' K / V loads in flight while one tile is consumed, which a split's
+# few iterations need to hide the memory latency; fewer stages leave it exposed.
 SPLIT_STAGES = 3
 # rope_decode_attention's shortest split of a lane's cached slots (a lane takes as many splits of
-# at least this many slots as it has, up to one wave of programs: `_lane_splits`). On the H200 a
-# lane at 1024 tokens with 8 splits (64 or 32 slots a split at least) ran the L = 8 step 2.7-2.8 %
-# faster than with 4 of 256; at 128 tokens two or four splits were no faster than one, and at
-# 3072 every setting reaches the one-wave cap (bench/results/lane-ab-cuda.json).
+# at least this many slots as it has, up to one wave of programs: `_lane_splits`). Short enough
+# that a lane of a thousand tokens spreads over several programs (a small batch leaves most SMs
+# idle otherwise), long enough that a short context stays in one split, where more splits would
+# add partial writes and a merge for no parallelism worth having; long contexts reach the
+# one-wave cap whatever this is.
 LANE_SPLIT_LEN = 128
 # K / V slots a tile of the split kernels' loop on CUDA (`_block_n`).
 SPLIT_BLOCK_N = 128
@@ -144,6 +172,16 @@ def _load_rotated(row_ptr, stride_d, offs_d, partner_d, mask, cos, sin_signed):
 
 
 @triton.jit
+def _cache_lane(slots_ptr, stride_slots, b, SLOTS: tl.constexpr):
+    """The cache row (first-dim index) that batch row b reads and writes: slots[b] with SLOTS,
+    else b itself (no load: the slot-less launch keeps the code it had before slots existed)."""
+    if SLOTS:
+        return tl.load(slots_ptr + b * stride_slots).to(tl.int64)
+    else:
+        return b
+
+
+@triton.jit
 def _pdl_enter(PDL: tl.constexpr):
     """Launched with programmatic dependent launch: let the next kernel launch now (the merge
     after a split kernel; the GEMV after the merge, which loads its first weights while this
@@ -157,15 +195,17 @@ def _pdl_enter(PDL: tl.constexpr):
 @triton.jit
 def _decode_attention_split_kernel(
     q_ptr,  # (B, H, hd)
-    k_cache_ptr,  # (B, Hkv, S, hd)
-    v_cache_ptr,  # (B, Hkv, S, hd)
+    k_cache_ptr,  # (B, Hkv, S, hd), or (n_slots, Hkv, S, hd) with SLOTS
+    v_cache_ptr,  # likewise
     seq_lens_ptr,  # (B,)
+    slots_ptr,  # (B,) int32 / int64 with SLOTS: row b's cache slot (else unused)
     m_ptr,  # (B, H, NUM_SPLITS) fp32
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
     stride_q_b, stride_q_h, stride_q_d,
     stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
     stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
+    stride_slots,
     H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
     qk_scale,
     BLOCK_G: tl.constexpr,
@@ -173,6 +213,7 @@ def _decode_attention_split_kernel(
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     _pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -189,8 +230,9 @@ def _decode_attention_split_kernel(
     mask_d = offs_d < HD
     q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
-    k_base = k_cache_ptr + b * stride_kc_b + kvh * stride_kc_h
-    v_base = v_cache_ptr + b * stride_vc_b + kvh * stride_vc_h
+    lane = _cache_lane(slots_ptr, stride_slots, b, SLOTS)
+    k_base = k_cache_ptr + lane * stride_kc_b + kvh * stride_kc_h
+    v_base = v_cache_ptr + lane * stride_vc_b + kvh * stride_vc_h
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -221,8 +263,9 @@ def _rope_decode_attention_split_kernel(
     cos_ptr,  # (P, hd // 2) fp32, P >= S
     sin_ptr,  # (P, hd // 2) fp32
     positions_ptr,  # (B,) int64
-    k_cache_ptr,  # (B, Hkv, S, hd)
-    v_cache_ptr,  # (B, Hkv, S, hd)
+    slots_ptr,  # (B,) int32 / int64 with SLOTS: row b's cache slot (else unused)
+    k_cache_ptr,  # (B, Hkv, S, hd), or (n_slots, Hkv, S, hd) with SLOTS
+    v_cache_ptr,  # likewise
     m_ptr,  # (B, H, NUM_SPLITS) fp32
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
@@ -232,7 +275,7 @@ def _rope_decode_attention_split_kernel(
     stride_v_b, stride_v_h, stride_v_d,
     stride_cos_p, stride_cos_d,
     stride_sin_p, stride_sin_d,
-    stride_pos,
+    stride_pos, stride_slots,
     stride_kc_b, stride_kc_h, stride_kc_s, stride_kc_d,
     stride_vc_b, stride_vc_h, stride_vc_s, stride_vc_d,
     H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
@@ -243,6 +286,7 @@ def _rope_decode_attention_split_kernel(
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -271,6 +315,8 @@ def _rope_decode_attention_split_kernel(
     cos = tl.load(cos_ptr + row * stride_cos_p + pair * stride_cos_d, mask=mask_d, other=0.0)
     sin = tl.load(sin_ptr + row * stride_sin_p + pair * stride_sin_d, mask=mask_d, other=0.0)
     sin = tl.where(first, -sin, sin)
+    # The row's cache slot, before the wait too: slots come from where positions do.
+    lane = _cache_lane(slots_ptr, stride_slots, b, SLOTS)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v: the projection launched just before writes them
 
@@ -281,8 +327,8 @@ def _rope_decode_attention_split_kernel(
     q = _load_rotated(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h, stride_q_d,
                       offs_d[None, :], partner[None, :], mask_g[:, None] & mask_d[None, :],
                       cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
-    k_base = k_cache_ptr + b * stride_kc_b + kvh * stride_kc_h
-    v_base = v_cache_ptr + b * stride_vc_b + kvh * stride_vc_h
+    k_base = k_cache_ptr + lane * stride_kc_b + kvh * stride_kc_h
+    v_base = v_cache_ptr + lane * stride_vc_b + kvh * stride_vc_h
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -378,9 +424,8 @@ def _block_d(hd: int) -> int:
 def _block_n(block_d: int) -> int:
     # The interpreter pays per tile, a GPU per register: small tiles on CPU keep tests exercising
     # the multi-tile loop on short caches.
-    # On the H200, 128 slots a tile (one K and one V load of 32 KB per iteration at hd 128) took
-    # the bench-285m step from 0.488 / 0.470 to 0.471 / 0.450 ms against 64 in two rounds of one
-    # session (bench/results/decode-attention-tile-ab-cuda.json): fewer dependent round trips.
+    # On CUDA, 128 slots a tile (one K and one V load of 32 KB per iteration at hd 128): half the
+    # loop iterations of 64, so fewer dependent round trips to memory per split.
     if interpreting():
         return 16
     return SPLIT_BLOCK_N if block_d <= 128 else 32
@@ -401,25 +446,29 @@ def _check_cache_dtypes(op, q, k_cache, v_cache):
             raise ValueError(f"{op}: {name} dtype {t.dtype} must equal q dtype {q.dtype}")
 
 
-def _check(op, q, k_cache, v_cache, seq_lens):
-    check_device(op, q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens)
+def _check(op, q, k_cache, v_cache, seq_lens, slots):
+    check_device(op, q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
+                 **({} if slots is None else {"slots": slots}))
     check_rank(op, "q", q, 3, "(B, H, hd)")
     B, H, hd = q.shape
-    check_rank(op, "k_cache", k_cache, 4, "(B, Hkv, S, hd)")
+    check_rank(op, "k_cache", k_cache, 4, cache_layout(slots))
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    check_shape(op, "k_cache", k_cache, (B, Hkv, S, hd))
-    check_shape(op, "v_cache", v_cache, (B, Hkv, S, hd))
+    rows = B if slots is None else k_cache.shape[0]
+    check_shape(op, "k_cache", k_cache, (rows, Hkv, S, hd))
+    check_shape(op, "v_cache", v_cache, (rows, Hkv, S, hd))
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"{op}: query heads {H} must be a multiple of kv heads {Hkv}")
+    if slots is not None:
+        check_slots(op, slots, B, rows)
     check_shape(op, "seq_lens", seq_lens, (B,))
     check_dtype(op, "seq_lens", seq_lens, (torch.int32, torch.int64))
     check_dtype(op, "q", q, FLOAT_DTYPES)
     _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
+def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots):
     check_device(op, q=q, k=k, v=v, cos=cos, sin=sin, positions=positions,
-                 k_cache=k_cache, v_cache=v_cache)
+                 k_cache=k_cache, v_cache=v_cache, **({} if slots is None else {"slots": slots}))
     check_rank(op, "q", q, 4, "(B, 1, H, hd)")
     B, T, H, hd = q.shape
     if T != 1:
@@ -434,15 +483,18 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"{op}: query heads {H} must be a multiple of kv heads {Hkv}")
     check_shape(op, "positions", positions, (B,))
-    check_rank(op, "k_cache", k_cache, 4, "(B, Hkv, S, hd)")
+    check_rank(op, "k_cache", k_cache, 4, cache_layout(slots))
     S = k_cache.shape[2]
+    rows = B if slots is None else k_cache.shape[0]
+    if slots is not None:
+        check_slots(op, slots, B, rows)
     check_rank(op, "cos", cos, 2, "(P, hd // 2)")
     if cos.shape[0] < S or cos.shape[1] != hd // 2:
         raise ValueError(f"{op}: cos must have shape (P, {hd // 2}) with P >= S = {S} (a row per "
                          f"cache slot), got {tuple(cos.shape)}")
     check_shape(op, "sin", sin, tuple(cos.shape))
-    check_shape(op, "k_cache", k_cache, (B, Hkv, S, hd))
-    check_shape(op, "v_cache", v_cache, (B, Hkv, S, hd))
+    check_shape(op, "k_cache", k_cache, (rows, Hkv, S, hd))
+    check_shape(op, "v_cache", v_cache, (rows, Hkv, S, hd))
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_dtype(op, name, t, FLOAT_DTYPES)
     check_dtype(op, "cos", cos, (torch.float32,))
@@ -452,10 +504,11 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache):
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None, lane_split_len=None):
+                     max_active=None, lane_split_len=None, has_slots=False):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
-    the merge: o (B, H, hd).
+    the merge: o (B, H, hd). has_slots: the SLOTS constexpr (inputs and strides then carry the
+    slots tensor and its stride; without, a stand-in the kernel never reads).
     positions: rope_decode_attention's, whose split kernel also takes o (after acc) and
     max_active (after qk_scale; default num_splits), and writes its lanes' active splits only
     (_lane_splits of lane_split_len slots at least, default split_len <= it).
@@ -484,6 +537,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
+        SLOTS=has_slots,
         num_warps=4,
         num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
@@ -501,59 +555,68 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     return o
 
 
-def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len):
+def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len, slots=None):
     """decode_attention with an explicit split length (slots per split); tests use it to
     force many splits on short caches."""
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    return _split_and_merge(_decode_attention_split_kernel, (q, k_cache, v_cache, seq_lens),
-                            (*q.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len)
+    slots_t, stride_slots = slots_arg(slots, seq_lens)
+    return _split_and_merge(_decode_attention_split_kernel, (q, k_cache, v_cache, seq_lens, slots_t),
+                            (*q.stride(), *k_cache.stride(), *v_cache.stride(), stride_slots),
+                            q, Hkv, S, scale, split_len, has_slots=slots is not None)
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, scale):
-    """q (B, H, hd), caches (B, Hkv, S, hd), seq_lens (B,) -> o (B, H, hd) in q.dtype."""
-    _check("decode_attention", q, k_cache, v_cache, seq_lens)
+def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None):
+    """q (B, H, hd), caches (B, Hkv, S, hd), seq_lens (B,) -> o (B, H, hd) in q.dtype.
+
+    slots (B,) int32 / int64 on the caches' device: the caches are whole layers (n_slots, Hkv,
+    S, hd) and row b attends over cache slot slots[b] (read only: rows may share a slot)."""
+    _check("decode_attention", q, k_cache, v_cache, seq_lens, slots)
     B, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _decode_attention(q, k_cache, v_cache, seq_lens, scale,
-                             _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))))
+                             _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))), slots)
 
 
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
-                          lane_split_len=None):
+                          lane_split_len=None, slots=None):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
     and longer ones than split_len."""
     q, k, v = q[:, 0], k[:, 0], v[:, 0]  # views: drop T = 1
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    slots_t, stride_slots = slots_arg(slots, positions)
     return _split_and_merge(_rope_decode_attention_split_kernel,
-                            (q, k, v, cos, sin, positions, k_cache, v_cache),
+                            (q, k, v, cos, sin, positions, slots_t, k_cache, v_cache),
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
-                             *positions.stride(), *k_cache.stride(), *v_cache.stride()),
-                            q, Hkv, S, scale, split_len, positions, max_active, lane_split_len)
+                             *positions.stride(), stride_slots, *k_cache.stride(), *v_cache.stride()),
+                            q, Hkv, S, scale, split_len, positions, max_active, lane_split_len,
+                            has_slots=slots is not None)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
     """rope_decode_attention's most active splits a lane on CUDA (None elsewhere: a full
     cache's): what one wave of split programs holds. With SPLIT_STAGES = 3 a program takes 139 KB
-    of shared memory at hd 128, so one runs per SM. On the H200 (B = 1, 16 kv heads: 8 splits at
-    most) this took the L = 8 step at 3072 tokens of context from 0.529 to 0.501 ms (12 splits of
-    256 slots, 192 programs in two waves, against 8 of 384) and at 4000 from 0.543 to 0.503;
-    contexts up to 2048 tokens need no more than 8 splits and keep theirs
-    (bench/results/split-stages-ab-cuda.json)."""
+    of shared memory at hd 128, so one runs per SM. A lane whose context would need more splits
+    takes longer ones instead: a second wave would run after the first, nearly doubling the split
+    kernel's latency, while longer splits in one wave only lengthen each program's loop. Shorter
+    contexts need fewer splits than the cap and keep theirs."""
     return max(_sm_count(device) // (B * Hkv), 1) if device.type == "cuda" else None
 
 
-def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
+def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None):
     """RoPE + cache write of one new token per lane + decode attention, in one split launch and
     the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered
-    at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype."""
-    _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache)
+    at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype.
+
+    slots (B,) int32 / int64 on the caches' device: the caches are whole layers (n_slots, Hkv,
+    S, hd) and row b writes and reads cache slot slots[b] (an idle row neither). A slot a live
+    row uses must be no other row's (the caller's error otherwise: the rows run concurrently)."""
+    _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
-                                  _one_wave(B, Hkv, q.device), min(split_len, LANE_SPLIT_LEN))
+                                  _one_wave(B, Hkv, q.device), min(split_len, LANE_SPLIT_LEN), slots)
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
@@ -570,18 +633,25 @@ def masked_attention_ref(q, k_cache, v_cache, mask, scale):
     return torch.einsum("bhts,bhsd->bhtd", p, v).to(q.dtype)
 
 
-def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale):
-    """The spec, in plain torch."""
+def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=None):
+    """The spec, in plain torch. With slots, each row alone on its cache slot's view."""
+    if slots is not None:
+        return by_slot("decode_attention_ref", slots, q.shape[0], k_cache, lambda b, s:
+                       decode_attention_ref(q[b], k_cache[s], v_cache[s], seq_lens[b], scale))
     S = k_cache.shape[2]
     valid = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
     return masked_attention_ref(q[:, :, None], k_cache, v_cache, valid[:, None], scale)[:, :, 0]
 
 
-def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
+def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None):
     """The spec, in plain torch: rope_cache_write at rows p_b of the tables then decode_attention
     over p_b + 1 slots for a live lane; an idle lane (p_b outside [0, S)) writes nothing and
     outputs its own v, rounded to the cache dtype as if it had gone through the cache. Writes the
-    caches in place."""
+    caches in place. With slots, each row alone on its cache slot's view (its writes land there)."""
+    if slots is not None:
+        return by_slot("rope_decode_attention_ref", slots, q.shape[0], k_cache, lambda b, s:
+                       rope_decode_attention_ref(q[b], k[b], v[b], cos, sin, positions[b], k_cache[s],
+                                                 v_cache[s], scale))
     S = k_cache.shape[2]
     live = (positions >= 0) & (positions < S)  # (B,)
     rows = torch.where(live, positions, 0)[:, None]  # (B, 1): row 0 for an idle lane, as the kernel

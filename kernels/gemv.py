@@ -42,10 +42,10 @@ batch-1 step's. Fixed tiles per device and shape (`ROWS_TILES`, else `default_ro
 
 ``pdl`` (on by default on Hopper and later; TINYLOOP_PDL=0 turns it off): programmatic
 dependent launch, so a projection starts while the previous kernel drains, with its first
-weight chunk loaded before it waits (bench/gemv.py times both launches; on the H200 it takes
-batch-1 decode at L = 8 from 0.539 to 0.510 ms). M = 1 then loads each next chunk one step
-ahead in registers; M > 1 leaves the loop over the other chunks to Triton's software
-pipeliner and applies the first chunk after it.
+weight chunk loaded before it waits (the weight read, nearly all of a projection's cost, then
+overlaps the previous kernel's tail; bench/gemv.py times both launches). M = 1 then loads each
+next chunk one step ahead in registers; M > 1 leaves the loop over the other chunks to
+Triton's software pipeliner and applies the first chunk after it.
 """
 import functools
 import math
@@ -191,7 +191,8 @@ def _argmax_key_max(key_ptr, y, rows, row_mask, N):
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
     keys = tl.where(row_mask, (ordered << 32) | (N - 1 - rows).to(tl.int64), _KEY_NONE)
     best = tl.max(keys, axis=0)
-    # (An atomic from every program instead: +0.3 % on the H200's step, tiles-ab-cuda-e7c005b.json.)
+    # (Reading the key first lets most programs skip the atomic: once a large key is in, few can
+    # raise it, where an atomic from every program would serialize them all on one address.)
     seen = tl.load(key_ptr, volatile=True)  # only ever lower than the key the atomics leave
     tl.atomic_max(key_ptr, best, mask=best > seen, sem="relaxed")
 
@@ -200,10 +201,9 @@ def _argmax_key_max(key_ptr, y, rows, row_mask, N):
 _gemv = triton.heuristics({"ONE_CHUNK": lambda args: args["BLOCK_K"] >= args["K"]})(_gemv_kernel)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): the configs that won the autotuning of every
-# projection of bench-285m and the Ouro-1.4B head on the H200, with and without PDL, out of
-# 48 tiles of 1K to 8K weights (bench/results/gemv-cuda.json). Fewer configs keep a cold
-# start's compile-and-benchmark pass to seconds.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the tiles that bench-285m's projections and the
+# Ouro-1.4B head pick on Hopper, with and without PDL, from a wider sweep of 1K to 8K weights a
+# program; a short list keeps a cold start's compile-and-benchmark pass to seconds.
 _CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bn, bk, w, st in [(2, 1024, 4, 1), (2, 1024, 4, 3), (2, 1024, 8, 3), (4, 256, 4, 3), (4, 256, 8, 1),
@@ -228,17 +228,15 @@ MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kerne
 # num_warps, num_stages). Every launch takes a fixed tile: this table's, else `default_tile`'s.
 # A tile sets the order each row is summed in, so fixed tiles make every worker process (every
 # replica of a deployment) round the same logits the same way, near ties included. The
-# autotuner picks a tile per process from standalone timings, where close races go either way:
-# on the H200 one process picked (8, 256, 4, 1) for bench-285m's gate|up and its L = 8 step read
-# 0.454 ms, 6.4 % slower than with (8, 512, 4, 1) on the same machine
-# (bench/results/tiles-ab-cuda-e7c005b.json, `first`). It runs only with TINYLOOP_AUTOTUNE=1,
-# for shapes this table does not hold; `bench/tiles.py` sweeps a model's tiles in its decode
-# step instead and prints the entries to add here. bench-285m's projections with PDL: q|k|v and
-# gate|up the best set of `second` in that file, where single-tile changes from it were 0.3-5.4 %
-# slower in the step; wo, w2 and the head one-chunk tiles (BLOCK_K >= K: every weight of a
-# program loaded before its PDL wait), which took the L = 8 step at 128 tokens from 0.4186-0.4190
-# to 0.4140-0.4144 ms in interleaved rounds on one H200 (bench/results/tilevar-ab-cuda.json;
-# one-chunk q|k|v and gate|up tiles were 0.3-12 % slower: onechunk-ab-cuda.json).
+# autotuner picks a tile per process from standalone timings, where close races go either way,
+# and a standalone winner need not be the best inside the decode step (its neighbours share the
+# L2 and overlap it through PDL). It runs only with TINYLOOP_AUTOTUNE=1, for shapes this table
+# does not hold; `bench/tiles.py` sweeps a model's tiles in its decode step instead and prints
+# the entries to add here. bench-285m's projections with PDL: q|k|v and gate|up the best tiles
+# of such a sweep in the step; wo, w2 and the head one-chunk tiles (BLOCK_K >= K: every weight
+# of a program loaded before its PDL wait, so the whole weight read overlaps the previous
+# kernel's tail). q|k|v and gate|up keep multi-chunk tiles: one chunk did not pay for them in
+# the step.
 TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
     "NVIDIA H200": {
         (6144, 2048, True, False, False, True): (16, 512, 4, 1),    # q|k|v (+norm)
@@ -247,8 +245,8 @@ TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
         (2048, 5632, False, False, True, True): (1, 8192, 4, 1),    # w2 (+residual)
         (32000, 2048, True, False, False, True): (4, 2048, 4, 1),   # head (+norm)
         # The Ouro-1.4B shapes' w2 (sandwich norm: no residual in the epilogue), one chunk as
-        # bench-285m's: the L = 4 step 3.887 -> 3.805 ms in interleaved rounds; their wo and head
-        # at one chunk moved it +0.4 / -0.1 % and keep the default (ouro-tiles-ab-cuda.json).
+        # bench-285m's, for the same overlap; their wo and head gain nothing from one chunk and
+        # keep the default.
         (2048, 5632, False, False, False, True): (1, 8192, 4, 1),
     },
 }
@@ -257,9 +255,8 @@ TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
 def default_tile(K: int) -> tuple[int, int, int, int]:
     """The M = 1 tile of a shape TILES does not hold: (2, BLOCK_K, 4, 3), BLOCK_K the padded K
     up to 1024 (one chunk for K <= 1024): bench-285m's w2 and head tile in TILES before their
-    one-chunk tiles. On the H200 it was within 0.2 % of the best tile a sweep of each projection
-    found, in the steps of the default model and the Ouro-1.4B shapes
-    (bench/results/tiles-*-cuda.json, before the one-chunk path)."""
+    one-chunk tiles, and as good as the best tile of a sweep of each projection of the default
+    model and the Ouro-1.4B shapes (multi-chunk tiles), so a shape without an entry loses little."""
     return 2, min(1024, triton.next_power_of_2(max(K, 16))), 4, 3
 
 
@@ -557,8 +554,8 @@ def _launch_tuned(tuned, N, args, y, dtype, key, **meta):
     the tile tuned for the plain call (y of x's dtype, no argmax key: `args(y, None)`), found
     once per key (shape and options): the autotuner keys on every argument's dtype, and a tile
     of its own would sum each row in another order, so the logits would depend on how they
-    were asked for (on the H200 the head's float32 logits differed from the bf16 ones widened,
-    and the Ouro head's logits with the argmax key from those without it)."""
+    were asked for (a float32 y would differ from the bf16 one widened, the logits with the
+    argmax key from those without it)."""
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     argmax = meta.get("ARGMAX", False)
     if y.dtype == dtype and not argmax:

@@ -147,9 +147,9 @@ def _check_logits(op, logits):
         raise ValueError(f"{op}: logits must have a non-empty vocab dim, got shape {tuple(logits.shape)}")
 
 
-# (BLOCK_V cap, num_warps at the cap): 32000 logits in one pass of 32 warps took the H200's
-# decode step 5-11 us under 8 passes of 4096 with 8 warps (bench/results/decode-ab-cuda-a723099.json,
-# split_exit_and_argmax_tile); 16384 x 16 / x 32 and 8192 x 16 fell in between.
+# (BLOCK_V cap, num_warps at the cap): a 32000-word vocabulary in one pass of 32 warps, so the
+# batch-1 argmax is one wide load and one reduction; smaller tiles loop over several passes, each
+# a dependent round trip to memory on the decode step's critical path.
 _ARGMAX_TILE = (32768, 32)
 
 
@@ -177,10 +177,10 @@ def greedy_feed(key, tokens, positions, host, table, x):
     `host` is a (2,) int64 ring in pinned host memory, which the kernel writes through its
     device mapping: a captured step leaves its token on the host with no copy launched after
     it, and a replay writes the slot of its own token only, so the host may read a token while
-    the next step (launched ahead) runs. No kernel reads the logits back: an argmax over the
-    vocabulary in one program and the embedding gather were 8 us of the H200's step
-    (bench/results/step-tail-ab-cuda-87ec7e6.json). With PDL (`use_pdl`) it launches while the
-    head runs and waits for it."""
+    the next step (launched ahead) runs. No kernel reads the logits back: an argmax pass over
+    the vocabulary would be one more serial kernel on the step's critical path, which the key the
+    head leaves makes unnecessary, and the embedding gather rides in this one. With PDL
+    (`use_pdl`) it launches while the head runs and waits for it."""
     op = "greedy_feed"
     check_device(op, key=key, tokens=tokens, positions=positions, table=table, x=x)
     check_shape(op, "key", key, (1,))

@@ -92,6 +92,67 @@ def test_decode_attention_rejects_bad_inputs():
         decode_attention(q, k_cache.half(), v_cache, seq_lens, 1.0)
 
 
+
+def make_slot_inputs(B, n_slots, H, Hkv, hd, S, dtype, seed):
+    """q (B, H, hd) and whole cache layers (n_slots, Hkv, S, hd), views as make_inputs'."""
+    q, k_cache, v_cache = make_inputs(n_slots, H, Hkv, hd, S, dtype, seed)
+    return q[:B], k_cache, v_cache
+
+
+# slots: a permuted subset of 5 cache slots (int64 / int32), or two rows sharing one (read only)
+@pytest.mark.parametrize("hd, dtype, slots, slots_dtype", [
+    (64, F32, [4, 0, 2], torch.int64), (24, F16, [4, 0, 2], torch.int32), (24, F32, [3, 3, 1], torch.int64),
+])
+def test_decode_attention_slots_matches_ref(hd, dtype, slots, slots_dtype):
+    """Rows on cache slots slots[b] of a whole layer (n_slots = 5 > B = 3, GQA 2, odd S): the
+    launcher equals the reference; the reference equals the slot-less one on the gathered rows
+    k_cache[slots] bitwise, and so does the launcher (only the addresses differ)."""
+    B, H, Hkv, S = 3, 4, 2, 19
+    q, k_cache, v_cache = make_slot_inputs(B, 5, H, Hkv, hd, S, dtype, seed=hd + len(set(slots)))
+    slots = torch.tensor(slots, dtype=slots_dtype, device=DEVICE)
+    seq_lens = torch.tensor([S, 7, 0], device=DEVICE)
+    scale = hd ** -0.5
+    out = decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=slots)
+    ref = decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=slots)
+    assert_close(out, ref, "attention")
+    k_rows, v_rows = k_cache[slots], v_cache[slots]  # (B, Hkv, S, hd) copies
+    assert torch.equal(ref, decode_attention_ref(q, k_rows, v_rows, seq_lens, scale))
+    assert torch.equal(out, decode_attention(q, k_rows, v_rows, seq_lens, scale))
+    assert torch.all(out[2] == 0)  # an empty sequence reads nothing
+
+
+def test_decode_attention_slots_many_splits():
+    """Slots through the split kernel's many splits and the merge (splits of 16 slots)."""
+    S = 33
+    q, k_cache, v_cache = make_slot_inputs(3, 5, 8, 2, 24, S, F32, seed=11)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    seq_lens = torch.tensor([S, 17, 1], device=DEVICE)
+    out = _decode_attention(q, k_cache, v_cache, seq_lens, 0.2, 16, slots)
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, seq_lens, 0.2, slots=slots), "attention")
+    assert torch.equal(out, _decode_attention(q, k_cache[slots], v_cache[slots], seq_lens, 0.2, 16))
+
+
+@pytest.mark.parametrize("op", [decode_attention, decode_attention_ref])
+def test_decode_attention_rejects_bad_slots(op):
+    q, k_cache, v_cache = make_slot_inputs(2, 4, 4, 2, 16, 8, F32, seed=0)
+    seq_lens = torch.tensor([8, 3], device=DEVICE)
+    name = op.__name__
+    with pytest.raises(ValueError, match=rf"{name}: slots\[1\] = 4 is outside \[0, 4\)"):
+        op(q, k_cache, v_cache, seq_lens, 1.0, slots=torch.tensor([0, 4], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots\[0\] = -1 is outside"):
+        op(q, k_cache, v_cache, seq_lens, 1.0, slots=torch.tensor([-1, 0], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(2, 1\)"):
+        op(q, k_cache, v_cache, seq_lens, 1.0, slots=torch.tensor([[0], [1]], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(3,\)"):
+        op(q, k_cache, v_cache, seq_lens, 1.0, slots=torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots dtype"):
+        op(q, k_cache, v_cache, seq_lens, 1.0, slots=torch.tensor([0., 1.], device=DEVICE))
+    if op is decode_attention:
+        with pytest.raises(ValueError, match=r"v_cache must have shape \(4, 2, 8, 16\)"):
+            op(q, k_cache, v_cache[:3], seq_lens, 1.0, slots=torch.tensor([0, 1], device=DEVICE))
+        with pytest.raises(ValueError, match=r"k_cache must have shape \(2, 2, 8, 16\)"):
+            op(q, k_cache, v_cache, seq_lens, 1.0)  # a whole layer needs slots
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B, H, Hkv, hd, S", [(1, 32, 8, 128, 8191), (16, 16, 16, 64, 1031), (4, 28, 4, 96, 4096)])
@@ -132,3 +193,37 @@ def test_decode_attention_gpu_split_merge_cuda_graph(Hkv, split_len):
         seq_lens.copy_(torch.tensor(lens))
         graph.replay()
         assert_close(out.clone(), decode_attention_ref(q, k_cache, v_cache, seq_lens, scale), "attention")
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_len", [None, 64])
+def test_decode_attention_gpu_slots_cuda_graph(split_len):
+    """One graph captured with a slots tensor serves any lanes: replayed at three sets of slots
+    (a permutation, a shared slot) and seq_lens, each equal to the reference with those slots."""
+    B, n_slots, H, Hkv, hd, S = 4, 7, 16, 4, 128, 2048
+    q, k_cache, v_cache = make_slot_inputs(B, n_slots, H, Hkv, hd, S, torch.bfloat16, seed=3)
+    slots = torch.tensor([6, 0, 3, 1], device="cuda")
+    seq_lens = torch.tensor([S, 1, 0, 1000], device="cuda")
+    scale = hd ** -0.5
+
+    def launch():
+        if split_len is None:
+            return decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=slots)
+        return _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len, slots)
+
+    first = launch()
+    assert_close(first, decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=slots), "attention")
+    assert torch.equal(first, decode_attention(q, k_cache[slots], v_cache[slots], seq_lens, scale)
+                       if split_len is None else _decode_attention(q, k_cache[slots], v_cache[slots],
+                                                                   seq_lens, scale, split_len))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch()
+    for lanes, lens in (([2, 5, 4, 6], [0, 127, S, 2047]), ([1, 1, 0, 3], [S, 0, 1, 300])):
+        slots.copy_(torch.tensor(lanes))
+        seq_lens.copy_(torch.tensor(lens))
+        graph.replay()
+        expected = decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=slots)
+        assert_close(out.clone(), expected, "attention")

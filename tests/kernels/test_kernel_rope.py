@@ -85,6 +85,60 @@ def test_rope_cache_write_rejects_bad_inputs():
         rope_cache_write(q, k, v, cos, sin, idx, k_cache, v_cache[:, :, :3])
 
 
+def make_slot_inputs(B, n_slots, T, H, Hkv, hd, S, dtype, seed):
+    """make_inputs' for B rows over whole cache layers (n_slots, Hkv, S, hd); row 1 is idle
+    (every write_idx -1 or S: it writes nothing)."""
+    q, k, v, cos, sin, idx, k_cache, v_cache = make_inputs(n_slots, T, H, Hkv, hd, S, dtype, seed)
+    idx = idx[:B].clone()
+    idx[1] = torch.tensor([-1, S] * T)[:T]
+    return q[:B], k[:B], v[:B], cos[:B], sin[:B], idx, k_cache, v_cache
+
+
+@pytest.mark.parametrize("hd, dtype, slots_dtype", [(64, torch.float32, torch.int64), (18, torch.float16, torch.int32)])
+def test_rope_cache_write_slots_matches_ref(hd, dtype, slots_dtype):
+    """Rows on cache slots slots[b] of whole layers (n_slots = 5 > B = 3, GQA 2, odd S): the
+    launcher equals the reference with slots, q_rot and caches; each row writes its own slot
+    only (the idle row and the two unused slots untouched bitwise); the reference and the
+    launcher equal their slot-less selves on the gathered rows k_cache[slots], writes included."""
+    B, n_slots, T, H, Hkv, S = 3, 5, 4, 4, 2, 19
+    slots = torch.tensor([4, 0, 2], dtype=slots_dtype, device=DEVICE)
+    got, ref, orig = (make_slot_inputs(B, n_slots, T, H, Hkv, hd, S, dtype, seed=hd) for _ in range(3))
+    q_rot = rope_cache_write(*got, slots=slots)
+    q_ref = rope_cache_write_ref(*ref, slots=slots)
+    assert q_rot.shape == (B, H, T, hd) and q_rot.is_contiguous() and q_ref.is_contiguous()
+    assert_close(q_rot, q_ref)
+    assert_close(got[6], ref[6])
+    assert torch.equal(got[7], ref[7])
+    for a in (got, ref):  # slot 0 (the idle row's) and the unused slots 1, 3: untouched
+        for s in (0, 1, 3):
+            assert torch.equal(a[6][s], orig[6][s]) and torch.equal(a[7][s], orig[7][s])
+        for s in (4, 2):
+            assert not torch.equal(a[6][s], orig[6][s])
+
+    for op, out, a in ((rope_cache_write_ref, q_ref, ref), (rope_cache_write, q_rot, got)):
+        gathered = orig[6][slots], orig[7][slots]  # (B, Hkv, S, hd) copies
+        assert torch.equal(out, op(*orig[:6], *gathered))
+        assert torch.equal(a[6][slots], gathered[0]) and torch.equal(a[7][slots], gathered[1])
+
+
+@pytest.mark.parametrize("op", [rope_cache_write, rope_cache_write_ref])
+def test_rope_cache_write_rejects_bad_slots(op):
+    args = make_slot_inputs(2, 4, 2, 2, 1, 16, 4, torch.float32, seed=0)
+    name = op.__name__
+    with pytest.raises(ValueError, match=rf"{name}: slots\[1\] = 4 is outside \[0, 4\)"):
+        op(*args, slots=torch.tensor([0, 4], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots\[0\] = -2 is outside"):
+        op(*args, slots=torch.tensor([-2, 0], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(3,\)"):
+        op(*args, slots=torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(\)"):
+        op(*args, slots=torch.tensor(0, device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots dtype"):
+        op(*args, slots=torch.tensor([0, 1], dtype=torch.uint8, device=DEVICE))
+    if op is rope_cache_write:
+        with pytest.raises(ValueError, match=r"v_cache must have shape \(4, 1, 4, 16\)"):
+            op(*args[:7], args[7][:2], slots=torch.tensor([0, 1], device=DEVICE))
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B, T, H, Hkv, hd, S", [(8, 1, 32, 8, 128, 4099), (2, 257, 16, 4, 64, 1031)])
@@ -95,3 +149,20 @@ def test_rope_cache_write_gpu_bf16(B, T, H, Hkv, hd, S):
     assert_close(q_rot, rope_cache_write_ref(q, k, v, cos, sin, idx, k_ref, v_ref))
     assert_close(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_cache_write_gpu_slots_bf16():
+    """Rows on a permuted subset of 9 cache slots: the reference's q_rot and caches, and the
+    slot-less launch on the gathered rows bitwise."""
+    B, n_slots, T, H, Hkv, hd, S = 4, 9, 17, 32, 8, 128, 1031
+    slots = torch.tensor([8, 0, 5, 2], device="cuda")
+    got, ref, orig = (make_slot_inputs(B, n_slots, T, H, Hkv, hd, S, torch.bfloat16, seed=2) for _ in range(3))
+    q_rot = rope_cache_write(*got, slots=slots)
+    assert_close(q_rot, rope_cache_write_ref(*ref, slots=slots))
+    assert_close(got[6], ref[6])
+    assert torch.equal(got[7], ref[7])
+    gathered = orig[6][slots], orig[7][slots]
+    assert torch.equal(q_rot, rope_cache_write(*orig[:6], *gathered))
+    assert torch.equal(got[6][slots], gathered[0]) and torch.equal(got[7][slots], gathered[1])

@@ -54,12 +54,13 @@ def lane_positions(S):
     return [0, S // 2, S - 1, S]
 
 
-def assert_caches(got, ref, orig, S):
+def assert_caches(got, ref, orig, S, slots=None):
     """Slot pos of every live lane holds the reference's rot(k) / v; every other element of the
-    whole buffer (other slots, idle lanes, other layers, the two slots past S) is untouched."""
+    whole buffer (other slots, idle lanes, other layers, the two slots past S) is untouched.
+    slots: lane b is cache slot slots[b] of the buffer (unused slots untouched too)."""
     live = (ref.positions >= 0) & (ref.positions < S)
-    written = torch.zeros(got.k_buf.shape[:3], dtype=torch.bool, device=DEVICE)  # (layers, B, S + 2)
-    lanes = torch.arange(len(live), device=DEVICE)[live]
+    written = torch.zeros(got.k_buf.shape[:3], dtype=torch.bool, device=DEVICE)  # (layers, n, S + 2)
+    lanes = (torch.arange(len(live), device=DEVICE) if slots is None else slots.to(DEVICE, torch.int64))[live]
     written[1, lanes, ref.positions[live]] = True
     for name in ("k_buf", "v_buf"):
         buf, buf_ref, buf_orig = getattr(got, name), getattr(ref, name), getattr(orig, name)
@@ -210,6 +211,108 @@ def test_rope_decode_attention_rejects_bad_inputs():
         call(v_cache=a.v_cache[:, :, :3])
 
 
+
+def make_slot_inputs(B, n_slots, H, Hkv, hd, S, dtype, positions, seed, rows=None):
+    """make_inputs' inputs for B lanes at positions over whole cache layers of n_slots slots:
+    the caches (n_slots, Hkv, S, hd) and buffers as make_inputs', q, k, v, positions of B rows."""
+    a = make_inputs(n_slots, H, Hkv, hd, S, dtype, list(positions) + [0] * (n_slots - B), seed, rows)
+    return a._replace(q=a.q[:B], k=a.k[:B], v=a.v[:B], positions=a.positions[:B])
+
+
+SLOT_POSITIONS = [0, 9, 18, 19, -1]  # S = 19: pos 0, a middle one, the last slot, two idle lanes
+SLOTS = [4, 0, 5, 2, 1]  # a permutation of 5 of the 6 cache slots (slot 3 unused)
+
+
+@pytest.mark.parametrize("hd, H, Hkv, dtype, slots_dtype, split_len", [
+    (64, 4, 2, F32, torch.int64, None), (24, 8, 2, F16, torch.int32, None), (24, 4, 1, F32, torch.int64, 16),
+])
+def test_rope_decode_attention_slots_matches_ref(hd, H, Hkv, dtype, slots_dtype, split_len):
+    """Lanes on cache slots slots[b] of whole layers (n_slots = 6 > B = 5, odd S, GQA; one case
+    through many splits and the merge): the launcher equals the reference with slots, output and
+    caches (slot pos of a live lane's own cache slot written, nothing else in the buffers); the
+    reference equals the slot-less one on the gathered rows k_cache[slots] bitwise, writes
+    included, and so does the launcher."""
+    B, n_slots, S = 5, 6, 19
+    scale = hd ** -0.5
+    slots = torch.tensor(SLOTS, dtype=slots_dtype, device=DEVICE)
+    got, ref, orig = (make_slot_inputs(B, n_slots, H, Hkv, hd, S, dtype, SLOT_POSITIONS, seed=hd + H)
+                      for _ in range(3))
+
+    def launch(a, k_cache, v_cache, **kw):
+        args = (a.q, a.k, a.v, a.cos, a.sin, a.positions, k_cache, v_cache, scale)
+        if split_len is None:
+            return rope_decode_attention(*args, **kw)
+        return _rope_decode_attention(*args, split_len, **kw)
+
+    out = launch(got, got.k_cache, got.v_cache, slots=slots)
+    out_ref = rope_decode_attention_ref(*ref[:8], scale, slots=slots)
+    assert_close(out, out_ref, "attention")
+    assert_caches(got, ref, orig, S, slots)
+    assert_caches(ref, ref, orig, S, slots)  # the reference too writes its lanes' slots alone
+    G = H // Hkv
+    for b in (3, 4):  # an idle lane attends to its new key alone: its own v, exactly
+        assert torch.equal(out[b], got.v[b, 0].repeat_interleave(G, dim=0))
+
+    # the slot-less ops on the gathered rows, from the untouched copy: same outputs, same writes
+    gathered = [orig.k_cache[slots], orig.v_cache[slots]]  # (B, Hkv, S, hd) copies
+    assert torch.equal(out_ref, rope_decode_attention_ref(*orig[:6], *gathered, scale))
+    assert torch.equal(ref.k_cache[slots], gathered[0]) and torch.equal(ref.v_cache[slots], gathered[1])
+    gathered = [orig.k_cache[slots], orig.v_cache[slots]]
+    assert torch.equal(out, launch(orig, *gathered))
+    assert torch.equal(got.k_cache[slots], gathered[0]) and torch.equal(got.v_cache[slots], gathered[1])
+
+
+@pytest.mark.parametrize("op", [rope_decode_attention, rope_decode_attention_ref])
+def test_rope_decode_attention_slots_idle_lanes_touch_nothing(op):
+    """Idle lanes (pos S, -1) with slots neither read nor write their cache slot: with it
+    poisoned (NaN keys, inf values) they output their own v and the slot stays as it was; the
+    live lanes match the reference on clean caches."""
+    B, n_slots, H, Hkv, hd, S = 4, 5, 4, 2, 24, 19
+    positions, slots = [S, 7, -1, 18], torch.tensor([2, 4, 0, 1], device=DEVICE)
+    got, ref = (make_slot_inputs(B, n_slots, H, Hkv, hd, S, F32, positions, seed=5) for _ in range(2))
+    for b in (0, 2):
+        got.k_cache[slots[b]] = float("nan")
+        got.v_cache[slots[b]] = float("inf")
+    before = got.k_buf.clone(), got.v_buf.clone()
+    out = op(*got[:8], hd ** -0.5, slots=slots)
+    G = H // Hkv
+    for b in (0, 2):
+        assert torch.equal(out[b], got.v[b, 0].repeat_interleave(G, dim=0))
+        s = slots[b]
+        assert torch.isnan(got.k_cache[s]).all() and torch.isinf(got.v_cache[s]).all()
+    live = torch.tensor([1, 3], device=DEVICE)
+    expected = rope_decode_attention_ref(*ref[:8], hd ** -0.5, slots=slots)
+    assert_close(out[live], expected[live], "attention")
+    for buf, old in zip((got.k_buf, got.v_buf), before):  # only the live lanes' slot pos changed
+        changed = (buf != old) & ~(buf.isnan() & old.isnan())
+        assert changed.any(dim=(-1, -2)).nonzero().tolist() == [[1, 1, 18], [1, 4, 7]]
+
+
+@pytest.mark.parametrize("op", [rope_decode_attention, rope_decode_attention_ref])
+def test_rope_decode_attention_rejects_bad_slots(op):
+    a = make_slot_inputs(2, 4, 4, 2, 16, 8, F32, [3, 8], seed=0)
+    name = op.__name__
+
+    def call(slots, **kw):
+        args = {**a._asdict(), **kw}
+        args.pop("k_buf"), args.pop("v_buf")
+        op(**args, scale=1.0, slots=slots)
+
+    with pytest.raises(ValueError, match=rf"{name}: slots\[1\] = 4 is outside \[0, 4\)"):
+        call(torch.tensor([0, 4], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots\[0\] = -1 is outside"):
+        call(torch.tensor([-1, 0], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(1,\)"):
+        call(torch.tensor([0], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(2, 1\)"):
+        call(torch.tensor([[0], [1]], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots dtype"):
+        call(torch.tensor([0, 1], dtype=torch.int16, device=DEVICE))
+    if op is rope_decode_attention:
+        with pytest.raises(ValueError, match=r"v_cache must have shape \(4, 2, 8, 16\)"):
+            call(torch.tensor([0, 1], device=DEVICE), v_cache=a.v_cache[:3])
+
+
 GPU_POSITIONS = [[0], [127], [2047], [2048], [0, 127, 2047, 2048]]  # 2048 = S: an idle lane
 
 
@@ -255,3 +358,38 @@ def test_rope_decode_attention_gpu_cuda_graph(split_len, max_active):
         graph.replay()
         assert_close(out.clone(), rope_decode_attention_ref(*ref[:8], hd ** -0.5), "attention")
         assert_caches(got, ref, new, S)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_len, max_active", [(None, None), (256, 3)])
+def test_rope_decode_attention_gpu_slots_cuda_graph(split_len, max_active):
+    """One graph captured with a slots tensor serves any lanes of a 7-slot cache: replayed at
+    three sets of slots and positions (idle lanes included), each equal to the reference with
+    those slots, output and caches (only the live lanes' slot pos written)."""
+    B, n_slots, H, Hkv, hd, S = 4, 7, 16, 4, 128, 2048
+    got = make_slot_inputs(B, n_slots, H, Hkv, hd, S, torch.bfloat16, [0, 1, 2, 3], seed=5, rows=4096)
+    static_pos, static_slots = got.positions.clone(), torch.tensor([0, 1, 2, 3], device="cuda")
+    args = (got.q, got.k, got.v, got.cos, got.sin, static_pos, got.k_cache, got.v_cache, hd ** -0.5)
+
+    def launch():
+        if split_len is None:
+            return rope_decode_attention(*args, slots=static_slots)
+        return _rope_decode_attention(*args, split_len, max_active, slots=static_slots)
+
+    launch()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch()
+    for lanes, positions in (([6, 0, 3, 1], [0, 127, 2047, 2048]), ([2, 5, 4, 0], [2048, 1000, 5, 2047]),
+                             ([1, 6, 0, 2], [64, 2048, 0, 1])):
+        slots = torch.tensor(lanes, device="cuda")
+        ref, new = (make_slot_inputs(B, n_slots, H, Hkv, hd, S, torch.bfloat16, positions, seed=5, rows=4096)
+                    for _ in range(2))
+        got.k_buf.copy_(new.k_buf)
+        got.v_buf.copy_(new.v_buf)
+        static_pos.copy_(new.positions)
+        static_slots.copy_(slots)
+        graph.replay()
+        assert_close(out.clone(), rope_decode_attention_ref(*ref[:8], hd ** -0.5, slots=slots), "attention")
+        assert_caches(got, ref, new, S, slots)

@@ -82,6 +82,50 @@ def test_tree_attention_rejects_bad_inputs():
         tree_attention(q[:, :3], k_cache, v_cache, prefix_lens, anc, 1.0)
 
 
+def make_slot_inputs(B, n_slots, H, Hkv, hd, T, S, dtype, seed):
+    """make_inputs' for B rows over whole cache layers (n_slots, Hkv, S, hd)."""
+    q, k_cache, v_cache, prefix_lens, parents = make_inputs(n_slots, H, Hkv, hd, T, S, dtype, seed)
+    return q[:B], k_cache, v_cache, prefix_lens[:B], parents[:B]
+
+
+# slots: a permuted subset of 5 cache slots (int64 / int32), or two rows sharing one (read only)
+@pytest.mark.parametrize("T, hd, dtype, slots, slots_dtype", [
+    (5, 64, F32, [4, 0, 2], torch.int64), (3, 24, F16, [4, 0, 2], torch.int32), (8, 24, F32, [1, 3, 1], torch.int64),
+])
+def test_tree_attention_slots_matches_ref(T, hd, dtype, slots, slots_dtype):
+    """Rows on cache slots slots[b] of a whole layer (n_slots = 5 > B = 3, GQA 2, odd S): the
+    launcher equals the reference; the reference equals the slot-less one on the gathered rows
+    k_cache[slots] bitwise, and so does the launcher."""
+    B, H, Hkv, S = 3, 4, 2, 19
+    q, k_cache, v_cache, prefix_lens, parents = make_slot_inputs(B, 5, H, Hkv, hd, T, S, dtype, seed=T + hd)
+    anc = ancestors_from_parents(parents)
+    slots = torch.tensor(slots, dtype=slots_dtype, device=DEVICE)
+    scale = hd ** -0.5
+    out = tree_attention(q, k_cache, v_cache, prefix_lens, anc, scale, slots=slots)
+    ref = tree_attention_ref(q, k_cache, v_cache, prefix_lens, anc, scale, slots=slots)
+    assert_close(out, ref, "attention")
+    k_rows, v_rows = k_cache[slots], v_cache[slots]  # (B, Hkv, S, hd) copies
+    assert torch.equal(ref, tree_attention_ref(q, k_rows, v_rows, prefix_lens, anc, scale))
+    assert torch.equal(out, tree_attention(q, k_rows, v_rows, prefix_lens, anc, scale))
+
+
+@pytest.mark.parametrize("op", [tree_attention, tree_attention_ref])
+def test_tree_attention_rejects_bad_slots(op):
+    q, k_cache, v_cache, prefix_lens, parents = make_slot_inputs(2, 4, 4, 2, 16, 3, 9, F32, seed=0)
+    args = (q, k_cache, v_cache, prefix_lens, ancestors_from_parents(parents), 1.0)
+    name = op.__name__
+    with pytest.raises(ValueError, match=rf"{name}: slots\[1\] = 4 is outside \[0, 4\)"):
+        op(*args, slots=torch.tensor([0, 4], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots\[0\] = -1 is outside"):
+        op(*args, slots=torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(1, 2\)"):
+        op(*args, slots=torch.tensor([[0, 1]], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots dtype"):
+        op(*args, slots=torch.tensor([0., 1.], device=DEVICE))
+    if op is tree_attention:
+        with pytest.raises(ValueError, match=r"v_cache must have shape \(4, 2, 9, 16\)"):
+            op(q, k_cache, v_cache[:2], *args[3:], slots=torch.tensor([0, 1], device=DEVICE))
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B, H, Hkv, hd, T, S", [(4, 32, 8, 128, 31, 4099), (2, 16, 16, 64, 63, 1031)])
@@ -90,3 +134,17 @@ def test_tree_attention_gpu_bf16(B, H, Hkv, hd, T, S):
     anc = ancestors_from_parents(parents)
     assert_close(tree_attention(q, k_cache, v_cache, prefix_lens, anc, hd ** -0.5),
                  tree_attention_ref(q, k_cache, v_cache, prefix_lens, anc, hd ** -0.5), "attention")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_attention_gpu_slots_bf16():
+    """Rows on a permuted subset of 7 cache slots (two sharing one): the reference, and the
+    slot-less launch on the gathered rows bitwise."""
+    B, n_slots, H, Hkv, hd, T, S = 4, 7, 32, 8, 128, 31, 4099
+    q, k_cache, v_cache, prefix_lens, parents = make_slot_inputs(B, n_slots, H, Hkv, hd, T, S, torch.bfloat16, 4)
+    anc = ancestors_from_parents(parents)
+    slots = torch.tensor([6, 0, 3, 3], device="cuda")
+    out = tree_attention(q, k_cache, v_cache, prefix_lens, anc, hd ** -0.5, slots=slots)
+    assert_close(out, tree_attention_ref(q, k_cache, v_cache, prefix_lens, anc, hd ** -0.5, slots=slots), "attention")
+    assert torch.equal(out, tree_attention(q, k_cache[slots], v_cache[slots], prefix_lens, anc, hd ** -0.5))
