@@ -13,29 +13,44 @@ default) run first and are not recorded: on the H200 the first round read about 
 than the next ones for the first variants (e.g. 0.424 then 0.419 and 0.4186 ms,
 bench/results/tilevar-ab-cuda.json, recorded before this option).
 
-A variant is `NAME` or `NAME:module.attr=value[;module.attr=value...]`: the module-level
-settings it runs with (values are Python literals), restored after it. Between variants the
-step's graphs are dropped and captured anew, so each variant's settings reach its kernels'
-launches; a setting read only when the model is built or a kernel is first compiled does not
-change between variants of one process. On CPU (a smoke run) the steps run eagerly.
+A variant is `NAME` or `NAME:target=value[;target=value...]` (values are Python literals),
+each target either
+  module.attr      a module-level setting it runs with (e.g.
+                   tinyloop.kernels.decode_attention.SPLIT_STAGES), restored after it, or
+  settings.FIELD   a field of the model's `Settings` (worker/model/settings.py: backend,
+                   fused_rows, l2_keep_fraction, l2_stream, ...): the variant runs on a model of
+                   its own, built with those settings (over Settings.from_env(), as every
+                   variant's model), e.g. settings.l2_keep_fraction=0.0.
+Variants with the same settings share one model (one cache lane, no graphs of its own). For
+each variant in each round the step's graphs are captured anew (`bench.decode.decode_runner`:
+a runner of the benchmark's own with the decode graph of each config's depth) and dropped
+after, so each variant's module settings reach its kernels' launches; a module setting read
+only when a kernel is first compiled does not change between variants of one process. On CPU
+(a smoke run) the steps run eagerly.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 
 import torch
 from tqdm import tqdm
 
 from bench.common import hardware, write
-from bench.decode import ceilings, decode_rate, random_checkpoint
+from bench.decode import ceilings, decode_rate, decode_runner, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.model.settings import Settings
+
+SETTINGS = "settings"  # the target prefix of a Settings field
+OWN_FIELDS = ("cuda_graphs",)  # the benchmark's to set: it captures its own decode graphs
 
 
 def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
-    """'name:pkg.mod.attr=1;pkg.mod.other=(2, 3)' -> ('name', [(module, attr, value), ...])."""
+    """'name:pkg.mod.attr=1;settings.fused_rows=2' -> ('name', [(module, attr, value), ...])
+    (module "settings": a Settings field)."""
     name, _, sets = spec.partition(":")
     if not name:
         raise ValueError(f"variant {spec!r}: no name before ':'")
@@ -54,8 +69,15 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
 
 
 def check_settings(sets: list[tuple[str, str, object]]) -> None:
-    """Each setting names an existing module attribute: a typo would measure the base twice."""
+    """Each setting names an existing module attribute or Settings field (a typo would measure
+    the base twice), and a variant's Settings fields make valid Settings."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
     for module, attr, _ in sets:
+        if module == SETTINGS:
+            if attr not in fields or attr in OWN_FIELDS:
+                raise ValueError(f"Settings has no field {attr!r} a variant may set "
+                                 f"(one of {sorted(fields - set(OWN_FIELDS))})")
+            continue
         try:
             mod = importlib.import_module(module)
         except ImportError as e:
@@ -64,11 +86,22 @@ def check_settings(sets: list[tuple[str, str, object]]) -> None:
             raise ValueError(f"module {module} has no attribute {attr!r}")
 
 
-class Settings:
-    """Apply a variant's module settings (checked by check_settings); restore them on exit."""
+def model_settings(sets: list[tuple[str, str, object]], base: Settings) -> Settings:
+    """The Settings of a variant's model: `base` with the variant's settings.FIELD values, never
+    capturing at load (the benchmark captures its own step). ValueError: an invalid value."""
+    fields = {attr: value for module, attr, value in sets if module == SETTINGS}
+    try:
+        return dataclasses.replace(base, **fields, cuda_graphs=False)
+    except TypeError as e:  # a value of the wrong type (Settings checks the ranges: ValueError)
+        raise ValueError(f"settings {fields}: {e}") from None
+
+
+class ModuleSettings:
+    """Apply a variant's module settings (checked by check_settings); restore them on exit.
+    Its settings.FIELD entries are its model's (model_settings), not applied here."""
 
     def __init__(self, sets: list[tuple[str, str, object]]):
-        self.sets, self.saved = sets, []
+        self.sets, self.saved = [s for s in sets if s[0] != SETTINGS], []
 
     def __enter__(self):
         for module, attr, value in self.sets:
@@ -93,7 +126,7 @@ def parse_config(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", required=True,
-                    help="NAME or NAME:module.attr=value[;...] (repeat; two or more)")
+                    help="NAME or NAME:module.attr=value|settings.FIELD=value[;...] (repeat; two or more)")
     ap.add_argument("--configs", nargs="+", default=["8x128"], help="LOOPSxCONTEXT, e.g. 8x128 8x3072")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds first")
@@ -108,8 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     variants = [parse_variant(v) for v in args.variant]
     if len(variants) < 2 or len({n for n, _ in variants}) != len(variants):
         raise ValueError(f"need two or more variants with distinct names, got {[n for n, _ in variants]}")
+    env = Settings.from_env()
     for _, sets in variants:
         check_settings(sets)
+    settings = {name: model_settings(sets, env) for name, sets in variants}  # ValueError: a bad value
     configs = [parse_config(c) for c in args.configs]
     if args.rounds < 1 or args.best_of < 1 or args.steps < 1:
         raise ValueError("--rounds, --best-of and --steps must be >= 1")
@@ -123,25 +158,30 @@ def main(argv: list[str] | None = None) -> None:
     cuda = dev.type == "cuda"
     result = {"hardware": hardware(dev), "model": f"{args.preset} (random init)",
               "variants": {n: [f"{m}.{a}={v!r}" for m, a, v in s] for n, s in variants},
+              "settings": {n: dataclasses.asdict(settings[n]) for n, _ in variants},
               "configs": [f"{L}x{ctx}" for L, ctx in configs], "warmup_rounds": args.warmup_rounds,
               "rounds": [], "ceilings": ceilings(dev)}
     path = random_checkpoint(args.preset, PRESETS[args.preset])
-    with Model(path, max_seq_len=args.max_seq_len, device=dev, dtype="bfloat16" if cuda else "float32",
-               cuda_graphs=False) as m:
+    models: dict[Settings, Model] = {}  # one per distinct Settings, shared by the variants that have them
+    for name, _ in variants:
+        if settings[name] not in models:
+            models[settings[name]] = Model(path, max_seq_len=args.max_seq_len, device=dev,
+                                           dtype="bfloat16" if cuda else "float32", n_slots=1,
+                                           settings=settings[name])
+    try:
         bar = tqdm(total=(args.warmup_rounds + args.rounds) * len(variants) * len(configs), desc="a/b",
                    unit="figure")
         for r in range(-args.warmup_rounds, args.rounds):  # r < 0: warm-up, not recorded
             for name, sets in variants:
                 row = {"round": r, "variant": name, "ms": {}}
-                with Settings(sets):
-                    if cuda:
-                        from tinyloop.worker.runner.graphs import DecodeGraphs
-                        m.engine.graphs = DecodeGraphs(m.engine, m.prefill_graph_len)
+                m = models[settings[name]]
+                with ModuleSettings(sets):
+                    runner = decode_runner(m, [L for L, _ in configs]) if cuda else m.runner
                     for L, ctx in configs:
-                        row["ms"][f"{L}x{ctx}"] = min(decode_rate(m, L, ctx, args.steps, repeat=3)
+                        row["ms"][f"{L}x{ctx}"] = min(decode_rate(runner, L, ctx, args.steps, repeat=3)
                                                       for _ in range(args.best_of))
                         bar.update()
-                    m.engine.graphs = None
+                    del runner
                     if cuda:
                         torch.cuda.synchronize(dev)
                         torch.cuda.empty_cache()
@@ -154,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                     result["rounds"].append(row)
                     write(f"{args.name}-{dev.type}", result, args.out_dir)
         bar.close()
+    finally:
+        for m in models.values():
+            m.close()
     best = {n: {c: min(row["ms"][c] for row in result["rounds"] if row["variant"] == n) for c in result["configs"]}
             for n, _ in variants}
     base = variants[0][0]

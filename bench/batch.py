@@ -2,14 +2,18 @@
 
     source bench/gpu_env.sh && python -m bench.batch --out-dir $OUT        # -> batch-cuda.json
 
-For B = 1, 2, 4, 8 streams (lanes 1..B, as the actor places them; lane 0 idles in the
-bucket), each prefilled with its own random prompt of --context tokens, at L = --loops:
+For B = 1, 2, 4, 8 streams (lanes 0..B-1, as the actor's lane pool hands them out, lowest
+first), each prefilled with its own random prompt of --context tokens, at L = --loops:
 
-  graphs        Batcher.step on the captured batched stages (worker/graphs.py BatchGraphs),
-                sampling and the one host sync per step included: ms per step, tokens/s
+  graphs        Batcher.step on the captured batched stages (worker/runner/stages.py BatchStep,
+                one graph set per lane-count bucket), sampling and the one host sync per step
+                included: ms per step, tokens/s
   eager         the same Batcher on the same kernels without graphs (every op launched)
   alone         one stream's pipelined batch-1 decode (the fused GEMV graph), for the
                 tokens/s a worker gets without batching
+
+The graphs' model is built as a worker builds it (`Model(cuda_graphs=True)`: every graph
+captured at load, `graph_capture_s` their seconds), with max(--batch) lanes.
 
 and whether each batched stream's greedy tokens equal its stream decoded alone (the
 batched projections are one GEMM, so bf16 rounding may part them after many tokens).
@@ -23,11 +27,11 @@ import torch
 from tqdm import tqdm
 
 from bench.common import hardware, write
-from bench.decode import random_checkpoint, sync
+from bench.decode import graph_seconds, random_checkpoint, sync
 from tinyloop.worker import Model
 from tinyloop.worker.generation.batcher import Batcher
-from tinyloop.worker.model.config import PRESETS
 from tinyloop.worker.generation.decode import decode_steps
+from tinyloop.worker.model.config import PRESETS
 
 
 def prompts(n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -36,10 +40,10 @@ def prompts(n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def batched(model: Model, ps: list[list[int]], loops: int, steps: int) -> tuple[float, list[list[int]]]:
-    """(ms per batched step, each stream's tokens): streams on lanes 1..len(ps)."""
-    b = Batcher(model.engine)
+    """(ms per batched step, each stream's tokens): streams on lanes 0..len(ps)-1."""
+    b = Batcher(model.runner)
     out = []
-    for lane, p in enumerate(ps, start=1):
+    for lane, p in enumerate(ps):
         ids, _ = b.join(model.start(model.make_request(p, loops=loops, max_tokens=steps + 1, stop_token_ids=[]),
                                     lane))
         out.append(list(ids))
@@ -48,15 +52,15 @@ def batched(model: Model, ps: list[list[int]], loops: int, steps: int) -> tuple[
     n = 0
     while b:
         for lane, (ids, _) in b.step().items():
-            out[lane - 1].extend(ids)
+            out[lane].extend(ids)
         n += 1
     sync(model.device)
     return (time.perf_counter() - t) * 1e3 / n, out
 
 
 def alone(model: Model, p: list[int], loops: int, steps: int) -> tuple[float, list[int]]:
-    """(ms per token, tokens) of one stream's pipelined decode on lane 1, prefill excluded."""
-    st = model.start(model.make_request(p, loops=loops, max_tokens=steps + 1, stop_token_ids=[]), 1)
+    """(ms per token, tokens) of one stream's pipelined decode on lane 0, prefill excluded."""
+    st = model.start(model.make_request(p, loops=loops, max_tokens=steps + 1, stop_token_ids=[]), 0)
     sync(model.device)
     t = time.perf_counter()
     ids = [t for chunk in decode_steps(st) for t in chunk]
@@ -80,17 +84,16 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = PRESETS[args.preset]
     path = random_checkpoint(args.preset, cfg)
-    lanes = max(args.batch) + 1
+    lanes = max(args.batch)
     kw = dict(max_seq_len=args.context + args.steps + 64, device=dev, dtype=dtype, n_slots=lanes,
-              cuda_graphs=False, prefill_graph_len=args.context)
-    graphs, eager = Model(path, **kw), Model(path, **kw)
+              prefill_graph_len=args.context)
+    graphs, eager = Model(path, cuda_graphs=cuda, **kw), Model(path, cuda_graphs=False, **kw)
     result: dict = {"hardware": hardware(dev), "model": f"{args.preset} (random init, {str(dtype)[6:]})",
                     "loops": args.loops, "context": args.context, "steps": args.steps, "lanes": lanes}
     if cuda:
-        t = time.perf_counter()
-        graphs.capture_graphs([args.loops])
-        result["graph_capture_s"] = time.perf_counter() - t
-        result["batch_buckets"] = graphs.engine.graphs.batch.buckets
+        result["graph_capture_s"] = graph_seconds(graphs)
+        result["graphs"] = graphs.startup["graphs"]
+        result["batch_buckets"] = sorted({b for kind, b, _ in graphs.runner.graphs.stages if kind == "batch"})
     ps = prompts(max(args.batch), args.context, cfg.vocab_size)
     alone_ms, alone_ids = [], []
     for p in ps:

@@ -5,17 +5,20 @@
 Sections. Each is written to the JSON as it completes, so a partial run still reports.
   ceilings   copy bandwidth (device-to-device, bytes read + written) and the bf16 matmul rate.
   decode     ms/token at L = 4, 8, 16, 32 for three implementations:
-               graph_ms              the engine: a CUDA-graph step fed its own greedy token, no
-                                     host sync
+               graph_ms              the engine: its captured batch-1 decode graph at L
+                                     (`runner.graphs.decode[L]`) replayed in a loop, each replay
+                                     fed its own greedy token, no host sync
                eager_torch_ms        the plain eager decoder of bench/baselines.py on the same
                                      weights, greedy, with each token read on the host (as a
                                      simple generator runs it)
                engine_torch_ops_ms   the engine through its torch reference ops, with no graphs
+                                     (`Runner.decode`, each token read on the host)
              Also the achieved GB/s, and the ratio to the floor. The floor is the weight bytes
              plus the K/V bytes read per token, divided by the copy bandwidth. The step keeps
-             part of the shared block in L2 between iterations (worker/model.py's l2_keep):
-             `l2_kept` names it, and hbm_floor_ms is the floor less those bytes in every
-             iteration but the first (what the step must still read from HBM).
+             part of the shared block in L2 between iterations (Settings.l2_keep_fraction,
+             worker/model/modules.py Block.eviction): `l2_kept` names it, and hbm_floor_ms is
+             the floor less those bytes in every iteration but the first (what the step must
+             still read from HBM).
   generate   fresh generate (prefix 128, decode 16, L = 8) for the same three, and the
              engine's prefill alone (the prompt's stages and the state that decides the
              first token: graphs_prefill_ms).
@@ -29,8 +32,10 @@ Sections. Each is written to the JSON as it completes, so a partial run still re
              Skip it with --skip-compile.
   ouro       decode at L = 4 with the Ouro-1.4B shapes (a 24-layer block looped 4x).
 
-Prefill is bench/prefill.py. --device cpu --preset tiny runs every section except ouro on a
-CPU. There the engine's figure is its eager step, since CUDA graphs are CUDA only.
+The engine's model is built as a worker builds it (`Model(cuda_graphs=True)`, one cache lane):
+every graph captured at load, `graph_capture_s` their seconds (`Model.startup`). Prefill is
+bench/prefill.py. --device cpu --preset tiny runs every section except ouro on a CPU. There
+the engine's figure is its eager step (`Runner.decode`), since CUDA graphs are CUDA only.
 """
 from __future__ import annotations
 
@@ -45,9 +50,10 @@ from tqdm import tqdm
 
 from bench.baselines import PlainDecoder, greedy
 from bench.common import hardware, write
-from tinyloop.worker import Model, checkpoint
+from tinyloop.worker import Model
+from tinyloop.worker.model import checkpoint
 from tinyloop.worker.model.config import PRESETS, LoopedConfig
-from tinyloop.worker.generation.decode import prefill
+from tinyloop.worker.runner.runner import Runner, RunnerSettings
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 GEN_PREFIX, GEN_DECODE, GEN_LOOPS = 128, 16, 8
@@ -129,45 +135,58 @@ def random_checkpoint(name: str, cfg: LoopedConfig) -> str:
     return path
 
 
-def decode_rate(model: Model, loops: int, context: int, steps: int, repeat: int = 5) -> float:
-    """ms/token of the engine's step fed its own greedy token, no host sync inside: the
-    captured graph when the engine has graphs, its eager step otherwise."""
-    e, dev = model.engine, model.device
-    prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
-    logits, _ = prefill(e, 0, prompt, loops, 0)
-    first = logits.argmax(-1).view(1, 1)
-    if e.graphs is not None:
-        g = e.graphs.capture(loops)
-        g.feed(first, context)
+def graph_seconds(model: Model) -> float:
+    """Seconds the model spent capturing graphs at load (`Model.startup`'s *_graphs_s parts)."""
+    return sum(v for k, v in model.startup.items() if k.endswith("_graphs_s"))
 
+
+def decode_runner(model: Model, loops) -> Runner:
+    """A runner of the benchmark's own over the model's weights, ops and cache, with the batch-1
+    decode graphs of the depths in `loops` alone (no prefill or verify graphs; no batch graphs
+    on a model of one cache lane), captured now: so module settings changed since the model
+    was built (kernel tiles, split stages) reach the step's launches. CUDA only; it writes the
+    first positions of lane 0, as any capture does."""
+    r = model.runner
+    runner = Runner(r.model, r.cache, r.ops, RunnerSettings(cuda_graphs=True, prefill_graph_len=0, verify_buckets=()))
+    runner.capture(sorted(set(loops)))
+    return runner
+
+
+def decode_rate(runner: Runner, loops: int, context: int, steps: int, repeat: int = 5, lane: int = 0) -> float:
+    """ms/token of the runner's batch-1 step at `loops` fed its own greedy token, no host sync
+    inside, after a prefill of `context` random tokens on `lane`: its captured decode graph
+    (`runner.graphs.decode[loops]`) replayed in a loop when it has one, its eager step
+    (`Runner.decode` fed the step's device argmax) otherwise."""
+    dev = runner.device
+    prompt = torch.randint(0, runner.config.vocab_size, (context,)).tolist()
+    first = runner.prefill(lane, prompt, loops).logits.argmax(-1)  # (1,) on the device
+    g = runner.graphs.decode.get(loops) if runner.graphs is not None else None
+    if g is not None:
         def run():
-            for _ in range(steps):
-                g.graph.replay()  # it feeds itself its greedy token, one position on
-            g.positions.fill_(context)
+            g.load(lane, first, context)
+            for i in range(steps):
+                g.replay(lane, context + i)  # it feeds itself its greedy token, one position on
     else:
         def run():
             tok = first
             for i in range(steps):
-                p = e.make_pass(slice(0, 1), torch.tensor([[context + i]], device=dev), context + i + 1)
-                tok = e.forward(tok, p, loops)[:, -1].argmax(-1).view(1, 1)
+                tok = runner.decode([lane], [tok], [context + i], [loops]).greedy
 
     return device_ms(run, dev, repeat=repeat, warmup=1) / steps
 
 
-def engine_torch_ops_rate(model: Model, loops: int, context: int, steps: int, repeat: int = 3) -> float:
-    """ms/token of the engine's step run op by op, reading each token on the host."""
-    e, dev = model.engine, model.device
-    prompt = torch.randint(0, model.config.vocab_size, (context,)).tolist()
+def engine_torch_ops_rate(runner: Runner, loops: int, context: int, steps: int, repeat: int = 3) -> float:
+    """ms/token of the runner's eager step (a model without graphs: its ops run op by op),
+    reading each token on the host."""
+    dev = runner.device
+    prompt = torch.randint(0, runner.config.vocab_size, (context,)).tolist()
 
     def run():
-        logits, _ = prefill(e, 0, prompt, loops, 0)
-        tok = int(logits.argmax())
+        tok = int(runner.prefill(0, prompt, loops).logits.argmax())
         sync(dev)
         t = time.perf_counter()
         for i in range(steps):
-            pos = context + i
-            p = e.make_pass(slice(0, 1), torch.tensor([[pos]], device=dev), pos + 1)
-            tok = int(e.forward(torch.tensor([[tok]], device=dev), p, loops)[0, -1].argmax())
+            tok = int(runner.decode([0], [tok], [context + i], [loops]).greedy)
         return (time.perf_counter() - t) * 1e3 / steps
 
     run()
@@ -266,13 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     engine_len = 4096 if cuda else cache_len
     result["plain_cache_len"], result["engine_cache_len"] = cache_len, engine_len
     path = random_checkpoint(args.preset, cfg)
-    fast = Model(path, max_seq_len=engine_len, device=dev, dtype=dtype, cuda_graphs=False)
-    torch_ops = Model(path, max_seq_len=engine_len, device=dev, dtype=dtype, backend="torch", cuda_graphs=False)
+    # as a worker builds it (every graph captured at load on CUDA), with one cache lane
+    fast = Model(path, max_seq_len=engine_len, device=dev, dtype=dtype, n_slots=1, cuda_graphs=cuda)
+    torch_ops = Model(path, max_seq_len=engine_len, device=dev, dtype=dtype, n_slots=1, backend="torch",
+                      cuda_graphs=False)
     weights = fast._module
     if cuda:
-        t = time.perf_counter()
-        fast.capture_graphs(args.loops)
-        result["graph_capture_s"] = time.perf_counter() - t
+        result["graph_capture_s"] = graph_seconds(fast)
+        result["graphs"] = fast.startup["graphs"]
 
     result["l2_kept"] = kept = l2_kept(fast)
     rows = {}
@@ -280,9 +300,9 @@ def main(argv: list[str] | None = None) -> None:
         b = bytes_per_token(cfg, L, args.context, dtype.itemsize)
         floor_ms = b["total"] / (c["copy_GBps"] * 1e6)
         hbm_floor_ms = (b["total"] - (L - 1) * kept["bytes_per_iteration"]) / (c["copy_GBps"] * 1e6)
-        graph_ms = decode_rate(fast, L, args.context, args.steps, args.repeat)
+        graph_ms = decode_rate(fast.runner, L, args.context, args.steps, args.repeat)
         eager_ms = plain_rate(PlainDecoder(weights, cache_len, L), args.context, args.eager_steps, True, args.repeat)
-        ops_ms = engine_torch_ops_rate(torch_ops, L, args.context, args.eager_steps, min(args.repeat, 3))
+        ops_ms = engine_torch_ops_rate(torch_ops.runner, L, args.context, args.eager_steps, min(args.repeat, 3))
         rows[L] = {"loops": L, "context": args.context, "bytes_per_token": b, "floor_ms": floor_ms,
                    "graph_ms": graph_ms, "eager_torch_ms": eager_ms, "engine_torch_ops_ms": ops_ms,
                    "graph_GBps": b["total"] / graph_ms / 1e6, "graph_vs_floor": graph_ms / floor_ms,
@@ -358,11 +378,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_ouro and cuda:
         ocfg = PRESETS["ouro-1.4b"]
         opath = random_checkpoint("ouro-1.4b", ocfg)
-        with Model(opath, max_seq_len=1024, device="cuda", dtype="bfloat16", cuda_graphs=False) as om:
-            om.capture_graphs([4])
+        # every depth's decode graph captured at load; no prefill graphs (nothing here prefills twice)
+        with Model(opath, max_seq_len=1024, device="cuda", dtype="bfloat16", n_slots=1, cuda_graphs=True,
+                   prefill_graph_len=0) as om:
             b = bytes_per_token(ocfg, 4, args.context)
             floor_ms = b["total"] / (c["copy_GBps"] * 1e6)
-            ms = decode_rate(om, 4, args.context, 32)
+            ms = decode_rate(om.runner, 4, args.context, 32)
             result["ouro_1.4b_shapes"] = {"loops": 4, "floor_ms": floor_ms, "graph_ms": ms,
                                           "graph_vs_floor": ms / floor_ms, "bytes_per_token": b}
             print(f"Ouro-1.4B shapes L=4: floor {floor_ms:.3f} ms, graphs {ms:.3f} ms ({ms / floor_ms:.2f}x)")

@@ -3,8 +3,9 @@
     source bench/gpu_env.sh && python -m bench.prefill --out-dir $OUT    # -> prefill-cuda.json
 
 Two implementations run 128 / 512 / 2048 tokens on the same weights. The engine runs as a
-Model serves it: Triton ops, plus any CUDA graphs it captures for prefill
-(`engine_prefill_graphs`). The baseline is the plain eager decoder of
+Model serves it (`Runner.prefill`): Triton ops, plus the prefill stage graphs a worker's model
+captures at load for prompts up to its prefill_graph_len (`engine_prefill_graphs`: whether it
+has any). The baseline is the plain eager decoder of
 bench/baselines.py, with causal F.scaled_dot_product_attention. TFLOP/s counts the matmul
 FLOPs of the prefill. `same_argmax` says whether both gave the same next token.
 --device cpu --preset tiny runs it on a CPU.
@@ -20,7 +21,6 @@ from bench.common import hardware, write
 from bench.decode import ceilings, device_ms, layer_bytes, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS, LoopedConfig
-from tinyloop.worker.generation.decode import prefill
 
 
 def prefill_flops(cfg: LoopedConfig, loops: int, T: int) -> float:
@@ -52,25 +52,28 @@ def main(argv: list[str] | None = None) -> None:
 
     path = random_checkpoint(args.preset, cfg)
     S = max(args.tokens)
-    with Model(path, max_seq_len=S, device=dev, dtype=dtype, cuda_graphs=False) as m:
-        if dev.type == "cuda":
-            m.capture_graphs([args.loops])  # as served: prefill replays whatever graphs the engine keeps
-        result["engine_prefill_graphs"] = getattr(m.engine.graphs, "prefill", None) is not None
+    # as served: every graph captured at load on CUDA (prefill replays the stage graphs of its bucket)
+    with Model(path, max_seq_len=S, device=dev, dtype=dtype, n_slots=1, cuda_graphs=dev.type == "cuda") as m:
+        g = m.runner.graphs
+        result["engine_prefill_graphs"] = g is not None and any(kind == "prefill" for kind, _, _ in g.stages)
         plain = PlainDecoder(m._module, S, args.loops)
+
+        def engine(toks):
+            return m.runner.prefill(0, toks, args.loops).logits
+
         rows = []
         for T in args.tokens:
             toks = torch.randint(0, cfg.vocab_size, (T,)).tolist()
             t = torch.tensor([toks], device=dev)
             row = {"tokens": T, "loops": args.loops, "flops": prefill_flops(cfg, args.loops, T)}
-            for name, fn in (("engine", lambda: prefill(m.engine, 0, toks, args.loops, 0)[0]),
+            for name, fn in (("engine", lambda: engine(toks)),
                              ("eager_torch", lambda: plain.prefill(t))):
                 ms = device_ms(fn, dev, repeat=args.repeat)
                 tf = row["flops"] / ms / 1e9
                 row[name] = {"ms": ms, "TFLOPs": tf, "of_matmul_rate": tf / rate}
             row["speedup_vs_eager"] = row["eager_torch"]["ms"] / row["engine"]["ms"]
             with torch.no_grad():
-                row["same_argmax"] = int(prefill(m.engine, 0, toks, args.loops, 0)[0].argmax()) == int(
-                    plain.prefill(t).argmax())
+                row["same_argmax"] = int(engine(toks).argmax()) == int(plain.prefill(t).argmax())
             rows.append(row)
             e, p = row["engine"], row["eager_torch"]
             print(f"prefill {T}: engine {e['ms']:.2f} ms, {e['TFLOPs']:.1f} TFLOP/s "

@@ -11,7 +11,11 @@ pipelined decode on graph steps), wall clock against the GPU's busy time (kernel
 graphs launch included, and copies): what is left is the device waiting on the host. Its wall
 time by max_tokens (the slope: a token's cost on the served path), and the host time of each
 call of the pipelined loop per token. And the kernels of that prompt's prefill on its own (the
-stage graphs), against its wall time."""
+stage graphs), against its wall time.
+
+The model is built as a worker builds it (`Model(cuda_graphs=True)`: every graph captured at
+load), with one cache lane; the op-by-op step runs the runner's engine (`runner.engine`, the
+eager stage math) on the same weights and kernels."""
 from __future__ import annotations
 
 import argparse
@@ -23,31 +27,32 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import hardware, run_timed, timed, write
 from bench.decode import bytes_per_token, ceilings, decode_rate, random_checkpoint
 from tinyloop.worker import Model
+from tinyloop.worker.generation.decode import DecodeState, start
 from tinyloop.worker.model.config import PRESETS
-from tinyloop.worker.generation.decode import PaddedPrefill, prefill
+from tinyloop.worker.runner.stages import PaddedPrefill, prefill_buckets
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--out-dir", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = torch.device("cuda")
     c = ceilings(dev)
     cfg = PRESETS["bench-285m"]
     m = Model(random_checkpoint("bench-285m", cfg), max_seq_len=4096, device="cuda", dtype="bfloat16",
-              cuda_graphs=False)
+              n_slots=1, cuda_graphs=True)
     L, T = args.loops, args.context
-    m.capture_graphs([L], lanes=[0])
-    graph_ms = decode_rate(m, L, T, 64)
-    e = m.engine
+    graph_ms = decode_rate(m.runner, L, T, 64)
+    e = m.runner.engine
     prompt = torch.randint(0, cfg.vocab_size, (T,)).tolist()
-    prefill(e, 0, prompt, L, 0)
+    m.runner.prefill(0, prompt, L)
     tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    slot = torch.zeros(1, dtype=torch.long, device=dev)  # lane 0
 
     def step():
-        p = e.make_pass(slice(0, 1), torch.full((1, 1), T, device=dev), T + 1)
+        p = e.make_pass(slot, torch.full((1, 1), T, device=dev), T + 1)
         return e.forward(tok, p, L)
 
     for _ in range(3):
@@ -109,17 +114,17 @@ def replay_timeline(m: Model, prompt: list[int], L: int, reps: int = 12, skip: i
     minus the latest end before it. With PDL a kernel starts before the one ahead of it ends, so
     its own duration overstates its cost; the additions sum to the step. Medians over the
     replays past the first `skip`; one step's kernels listed in order."""
-    e, T = m.engine, len(prompt)
-    logits, _ = prefill(e, 0, prompt, L, 0)
-    g = e.graphs.capture(L)
-    g.feed(logits.argmax(-1), T)
-    for _ in range(3):
-        g.graph.replay()
-    g.positions.fill_(T)  # the replays decode at contexts T .. T + reps - 1, feeding themselves
+    runner, T = m.runner, len(prompt)
+    first = runner.prefill(0, prompt, L).logits.argmax(-1)
+    g = runner.graphs.decode[L]
+    g.load(0, first, T)
+    for i in range(3):
+        g.replay(0, T + i)
+    g.load(0, first, T)  # the replays decode at contexts T .. T + reps - 1, feeding themselves
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.graph.replay()
+        for i in range(reps):
+            g.replay(0, T + i)
         torch.cuda.synchronize()
     kernels = [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
                if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("Mem")]
@@ -195,17 +200,17 @@ def prefill_profile(m: Model, prompt: list[int], L: int, runs: int = 3) -> dict:
     """One fresh prompt's prefill on the served path (the stage graphs): wall ms, and the GPU
     time of each kernel the graphs launch."""
     import time
-    e = m.engine
+    runner = m.runner
     for _ in range(2):
-        prefill(e, 0, prompt, L, 0)
+        runner.prefill(0, prompt, L)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    prefill(e, 0, prompt, L, 0)
+    runner.prefill(0, prompt, L)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
-            prefill(e, 0, prompt, L, 0)
+            runner.prefill(0, prompt, L)
         torch.cuda.synchronize()
     rows = kernel_rows(prof, runs)
     return {"tokens": len(prompt), "wall_ms": wall, "kernel_sum_ms": sum(r["ms"] for r in rows), "kernels": rows}
@@ -213,21 +218,35 @@ def prefill_profile(m: Model, prompt: list[int], L: int, runs: int = 3) -> dict:
 
 def prefill_one_graph(m: Model, prompt: list[int], L: int, repeat: int = 20) -> dict:
     """Wall ms (median) of the prompt's prefill on lane 0 as the served path runs it (one
-    replay per stage) against all its stages captured as one graph (an experiment: the engine
-    captures stages, so that any depth composes from few graphs)."""
-    from tinyloop.worker.runner.graphs import _capture
-    e = m.engine
-    pg = e.graphs.prefill
-    pre = pg.prefills[(0, pg.bucket(len(prompt)))]
+    replay per stage) against all its stages captured as one graph (an experiment: the runner
+    captures stages, so that any depth composes from few graphs). The one graph runs a padded
+    prefill of the same bucket on buffers of its own, in the runner's graph pool (replays never
+    overlap)."""
+    runner = m.runner
+    bucket = next(b for b in prefill_buckets(runner.cache.max_seq_len, m.prefill_graph_len) if b >= len(prompt))
+    pre = PaddedPrefill(runner.engine, bucket)
+    pre.load_tokens(0, prompt)
     stages = PaddedPrefill.stages(L)
-    g = _capture(e, pg.pool, lambda: [pre.run(s) for s in stages], warm=False)
+
+    def run():
+        for s in stages:
+            pre.run(s)
+
+    side = torch.cuda.Stream(m.device)  # warm up outside the capture (as the runner's captures do)
+    side.wait_stream(torch.cuda.current_stream(m.device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(m.device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=runner.graphs.pool):
+        run()
 
     def one():
-        pre._load_tokens(prompt)
+        pre.load_tokens(0, prompt)
         g.replay()
         return pre.logits.clone()
 
-    staged_s, a = run_timed(lambda: prefill(e, 0, prompt, L, 0)[0], m.device, repeat, warmup=2)
+    staged_s, a = run_timed(lambda: runner.prefill(0, prompt, L).logits, m.device, repeat, warmup=2)
     one_s, b = run_timed(one, m.device, repeat, warmup=2)
     return {"stages": len(stages), "stages_ms": staged_s * 1e3, "one_graph_ms": one_s * 1e3,
             "same_logits": bool(torch.equal(a, b))}
@@ -240,9 +259,7 @@ def first_token(m: Model, prompt: list[int], L: int, repeat: int = 7) -> dict:
     ahead, the token on the host); on the device, when the prefill and that step finish."""
     import statistics
     import time
-    from tinyloop.worker.runner.engine import Counters
-    from tinyloop.worker.generation.decode import DecodeState
-    e = m.engine
+    runner = m.runner
     host, gpu = defaultdict(list), defaultdict(list)
     for _ in range(repeat + 2):
         torch.cuda.synchronize()
@@ -251,10 +268,10 @@ def first_token(m: Model, prompt: list[int], L: int, repeat: int = 7) -> dict:
         ev[0].record()
         req = m.make_request(prompt, loops=L, max_tokens=16, stop_token_ids=[])
         t1 = time.perf_counter()
-        logits, _ = prefill(e, 0, req.prompt, L, 0)
+        out = runner.prefill(0, req.prompt, L)
         ev[1].record()
         t2 = time.perf_counter()
-        st = DecodeState(e, 0, req, logits, None, Counters())
+        st = DecodeState(runner, 0, req, out.logits, out.norm, out.work)  # generation.decode.start, in two
         t3 = time.perf_counter()
         tok = st.sample()
         t4 = time.perf_counter()
@@ -290,9 +307,8 @@ def host_phases(m: Model, prompt: list[int], L: int, tokens: int = 48) -> dict:
     call that syncs shows as one that takes a step's time."""
     import statistics
     import time
-    from tinyloop.worker.generation.decode import start
     clock = time.perf_counter
-    st = start(m.engine, 0, m.make_request(prompt, loops=L, max_tokens=tokens + 1, stop_token_ids=[]))
+    st = start(m.runner, 0, m.make_request(prompt, loops=L, max_tokens=tokens + 1, stop_token_ids=[]))
     phases = defaultdict(list)
     for _ in range(tokens):
         t0 = clock()

@@ -39,7 +39,7 @@ for s in "${steps[@]}"; do
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 4000 --out-dir "$OUT" ;;
         speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
-        startup) run startup 150 python -m bench.startup --model bench-285m --lanes 1 4 --max-seq-len 4096 --out-dir "$OUT" ;;
+        startup) run startup "${STARTUP_S:-300}" python -m bench.startup --preset bench-285m --lanes 1 8 64 --max-seq-len 4096 --out-dir "$OUT" ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac

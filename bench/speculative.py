@@ -15,6 +15,9 @@ figures that mean anything; a random model accepts ~1/vocab of its drafts.
 Reference anchors: 2.77x (reference runtime, H100, 407M INT4, draft 2 / verify 8);
 LayerSkip 2.16x, Draft & Verify 1.99x.
 
+The model is built as a worker builds it (every graph captured at load on CUDA: the verify
+stages included), with one cache lane: every call here runs on one lane at a time.
+
 Writes bench/results/speculative-<device>[-<tag>].json (another folder with --out-dir)."""
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ PROMPTS = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .tinyloop file (default: the embedded default model)")
     ap.add_argument("--device", default=None)
@@ -45,9 +48,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out-dir", default=None, help="default: bench/results")
     ap.add_argument("--tag", default=None, help="file name suffix: speculative-<device>-<tag>.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    with Model(args.model, max_seq_len=512, device=args.device) as m:
+    with Model(args.model, max_seq_len=512, device=args.device, n_slots=1) as m:
         dev = m.device
         Lv = min(args.verify_loops, m.config.max_loops)
         prompts = [m.tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
@@ -111,7 +114,7 @@ def main() -> None:
 
         write(f"speculative-{dev.type}" + (f"-{args.tag}" if args.tag else ""), {
             "hardware": hardware(dev), "model": m.path, "dtype": str(m.dtype).replace("torch.", ""),
-            "backend": m.engine.ops.name, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "backend": m.runner.ops.name, "prompts": len(prompts), "max_tokens": args.max_tokens,
             "repeat": args.repeat, "baseline": baseline, "baseline_after": baseline_after, "results": rows},
             args.out_dir)
 

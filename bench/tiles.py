@@ -4,12 +4,14 @@ kernels/gemv.py `TILES` for this device.
     source bench/gpu_env.sh && python -m bench.tiles --model default --loops 8 --out-dir $OUT
     source bench/gpu_env.sh && python -m bench.tiles --model ouro-1.4b --loops 4 --out-dir $OUT
 
---model: `default` (the embedded default model) or a preset of worker/config.py (random
+--model: `default` (the embedded default model) or a preset of worker/model/config.py (random
 weights). The step's projections are found by recording the tiles its launches ask for
 (`gemv.tile`: shape and options). Each starts from the tile it runs with now (TILES', else
 `default_tile`'s). One projection at a time, every candidate (`candidates`: `_CONFIGS`, the
 default tile and one-chunk tiles, K tile no wider than the padded K) takes its place in a
-freshly captured step, and the step's ms per token (`bench.decode.decode_rate`, min of
+freshly captured step (`bench.decode.decode_runner`: a runner of the sweep's own over the
+model's weights and cache, with that depth's decode graph alone, captured anew for each
+figure), and the step's ms per token (`bench.decode.decode_rate`, min of
 --best-of runs at --context tokens) decides; the winner stays for the projections after it.
 Then three sets run interleaved for --rounds rounds: the tiles before the sweep, the swept
 tiles, and per-process autotuning (TINYLOOP_AUTOTUNE=1, what untabled shapes ran with before
@@ -29,21 +31,22 @@ import triton
 from tqdm import tqdm
 
 from bench.common import hardware, write
-from bench.decode import ceilings, decode_rate, random_checkpoint
+from bench.decode import ceilings, decode_rate, decode_runner, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
-from tinyloop.worker.runner.graphs import DecodeGraphs
 
 gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 
 
 def step_ms(m: Model, loops: int, context: int, steps: int, best_of: int) -> float:
-    """The step captured afresh (so the current tiles reach its launches), min of best_of runs."""
-    m.engine.graphs = DecodeGraphs(m.engine, 0)
+    """The step captured afresh (so the current tiles reach its launches), min of best_of runs;
+    its graph is dropped after."""
+    runner = decode_runner(m, [loops])
     try:
-        return min(decode_rate(m, loops, context, steps, repeat=3) for _ in range(best_of))
+        return min(decode_rate(runner, loops, context, steps, repeat=3) for _ in range(best_of))
     finally:
-        m.engine.graphs = None
+        del runner
+        torch.cuda.empty_cache()
 
 
 def projections(m: Model, loops: int, context: int) -> list[tuple]:
@@ -83,7 +86,7 @@ def candidates(K: int) -> list[tuple[int, int, int, int]]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default", help="`default` or a preset of worker/config.py")
+    ap.add_argument("--model", default="default", help="`default` or a preset of worker/model/config.py")
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
@@ -105,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     result = {"hardware": hardware(dev), "ceilings": ceilings(dev), "device_name": name, "model": args.model,
               "loops": args.loops, "context": args.context, "sweep": [], "rounds": []}
     out_name = f"tiles-{args.model}-cuda"
-    with Model(path, max_seq_len=args.context + args.steps + 8, device=dev, dtype="bfloat16", cuda_graphs=False) as m:
+    # no graphs of the model's own: each figure captures its step afresh (one lane: no batch graphs)
+    with Model(path, max_seq_len=args.context + args.steps + 8, device=dev, dtype="bfloat16", n_slots=1,
+               cuda_graphs=False) as m:
         keys = projections(m, args.loops, args.context)
         start = {k: table.get(k) or gemv_mod.default_tile(k[1]) for k in keys}
         chosen = dict(start)

@@ -5,7 +5,8 @@
 For each prefix length: fresh generate(L_new), build_resume_handle(L_mid), and
 resume_generate(L_new) on that handle, greedy, `--decode` new tokens. Reference figure
 (reference runtime docs): resume 4->8 is -32.5 % vs fresh, build 6.4 ms (H100, 407M INT4,
-prefix 128, decode 16)."""
+prefix 128, decode 16). The model is built as a worker builds it (every graph captured at load
+on CUDA), with one cache lane: every call here runs on one lane at a time."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 from bench.common import hardware, timed, write
-from tinyloop.worker import Model, checkpoint
+from tinyloop.worker import Model
+from tinyloop.worker.model import checkpoint
 from tinyloop.worker.model.config import PRESETS
 
 
@@ -27,7 +29,7 @@ def model_path(args) -> str | None:
     return path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .tinyloop file (default: the embedded model)")
     ap.add_argument("--preset", default=None, help="random-init a preset instead (e.g. bench-285m)")
@@ -38,9 +40,9 @@ def main() -> None:
     ap.add_argument("--l-new", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out-dir", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    with Model(model_path(args), max_seq_len=max(args.prefix) + args.decode, device=args.device) as m:
+    with Model(model_path(args), max_seq_len=max(args.prefix) + args.decode, device=args.device, n_slots=1) as m:
         dev = m.device
         rows = []
         for T in tqdm(args.prefix, desc="prefix lengths"):
@@ -49,7 +51,8 @@ def main() -> None:
             kw = dict(max_tokens=args.decode, temperature=0.0)
             fresh = timed(lambda: m.generate(prompt, loops=args.l_new, **kw), dev, repeat=args.repeat)
             handles = []
-            build = timed(lambda: handles.append(m.build_resume_handle(prompt, L_used=args.l_mid, max_loops=32)),
+            build = timed(lambda: handles.append(m.build_resume_handle(prompt, L_used=args.l_mid,
+                                                                       max_loops=m.config.max_loops)),
                           dev, repeat=args.repeat)
             h = handles[-1]
             resume = timed(lambda: m.resume_generate(h, args.l_new, **kw), dev, repeat=args.repeat)
@@ -62,7 +65,7 @@ def main() -> None:
                   f"({rows[-1]['resume_vs_fresh_pct']:+.1f} %)")
         name = f"warmstart-{dev.type}"
         write(name, {"hardware": hardware(dev), "model": m.path, "config": m.config.to_json(),
-                     "dtype": str(m.dtype), "backend": m.engine.ops.name, "rows": rows,
+                     "dtype": str(m.dtype), "backend": m.runner.ops.name, "rows": rows,
                      "reference": {"resume_vs_fresh_pct": -32.5, "build_ms": 6.4,
                                    "source": "reference runtime docs, H100, 407M GPTQ-INT4, prefix 128, decode 16"}},
               args.out_dir)

@@ -13,22 +13,20 @@ from torch._dynamo.utils import counters
 
 from bench import batch, decode, prefill
 from bench.baselines import PlainDecoder, greedy
-from tinyloop.worker import Model, checkpoint
+from tinyloop.worker import Model
+from tinyloop.worker.model import checkpoint
 from tinyloop.worker.model.config import PRESETS
-from tinyloop.worker.generation.decode import prefill as engine_prefill
 
 PROMPT = [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]
 FED = [5, 77, 140, 2, 19, 33]
 
 
 def engine_logits(m: Model, loops: int) -> torch.Tensor:
-    e = m.engine
-    logits, _ = engine_prefill(e, 0, PROMPT, loops, 0)
-    out = [logits[0]]
+    """The prompt's prefill on lane 0, then one decode step per fed token (the runner's stages)."""
+    r = m.runner
+    out = [r.prefill(0, PROMPT, loops).logits[0]]
     for i, t in enumerate(FED):
-        pos = len(PROMPT) + i
-        p = e.make_pass(slice(0, 1), torch.tensor([[pos]]), pos + 1)
-        out.append(e.forward(torch.tensor([[t]]), p, loops)[0, -1])
+        out.append(r.decode([0], [t], [len(PROMPT) + i], [loops]).logits[0])
     return torch.stack(out)
 
 
@@ -122,7 +120,7 @@ def test_batch_bench_cpu(tmp_path):
     batch.main(["--device", "cpu", "--preset", "tiny", "--batch", "1", "3", "--context", "8", "--steps", "4",
                 "--repeat", "1", "--out-dir", str(tmp_path)])
     r = json.loads((tmp_path / "batch-cpu.json").read_text())
-    assert r["lanes"] == 4 and r["alone_ms_per_token"] > 0
+    assert r["lanes"] == 3 and r["alone_ms_per_token"] > 0  # streams on lanes 0..B-1
     assert [row["streams"] for row in r["rows"]] == [1, 3]
     for row in r["rows"]:
         assert row["eager"]["streams_equal_alone"] == row["streams"] and row["eager"]["tokens_per_s"] > 0
@@ -259,29 +257,42 @@ def test_replay_per_layer():
         per_layer([{"kernel": "attn", "adds_us": 1.0}], "attn")
 
 
-def test_ab_bench_cpu(tmp_path):
-    """bench/ab.py: variants interleaved round by round on one model, each with its module
-    settings applied while it runs and restored after; the JSON has every round's figures and
-    each variant's best against the first."""
+def test_ab_bench_cpu(tmp_path, monkeypatch):
+    """bench/ab.py: variants interleaved round by round, each with its module settings applied
+    while it runs and restored after, and a variant with Settings fields on a model of its own
+    built with them (over the environment's); the JSON has every round's figures and each
+    variant's best against the first."""
     import importlib
 
     from bench import ab
+    from tinyloop.worker.api import Model as ApiModel
+    built = []
+    monkeypatch.setattr(ab, "Model", lambda *a, settings, **kw: built.append(settings) or ApiModel(
+        *a, settings=settings, **kw))
+    monkeypatch.setenv("TINYLOOP_L2_STREAM", "")
     da = importlib.import_module("tinyloop.kernels.decode_attention")
     stages = da.SPLIT_STAGES
     ab.main(["--device", "cpu", "--preset", "tiny", "--configs", "2x8", "1x4", "--rounds", "2", "--steps", "2",
              "--best-of", "1", "--max-seq-len", "32", "--out-dir", str(tmp_path), "--variant", "base",
              "--variant", "one_stage:tinyloop.kernels.decode_attention.SPLIT_STAGES=1;"
-                          "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=(128)"])
+                          "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=(128)",
+             "--variant", "rows2:settings.fused_rows=2;settings.l2_keep_fraction=0.5"])
     r = json.loads((tmp_path / "decode-ab-cpu.json").read_text())
     assert r["warmup_rounds"] == 1  # the default: one round of each variant first, not recorded
     assert [(row["round"], row["variant"]) for row in r["rounds"]] == [
-        (0, "base"), (0, "one_stage"), (1, "base"), (1, "one_stage")]
+        (0, "base"), (0, "one_stage"), (0, "rows2"), (1, "base"), (1, "one_stage"), (1, "rows2")]
     assert r["variants"]["one_stage"] == ["tinyloop.kernels.decode_attention.SPLIT_STAGES=1",
                                           "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=128"]
+    assert r["variants"]["rows2"] == ["settings.fused_rows=2", "settings.l2_keep_fraction=0.5"]
+    # base and one_stage share a model; rows2 has its own, each with the environment's l2_stream
+    assert len(built) == 2 and built[0] == built[1].replace(fused_rows=1, l2_keep_fraction=0.7)
+    assert (built[1].fused_rows, built[1].l2_keep_fraction, built[1].l2_stream, built[1].cuda_graphs) == (
+        2, 0.5, "", False)
+    assert r["settings"]["rows2"]["fused_rows"] == 2 and r["settings"]["base"] == r["settings"]["one_stage"]
     for row in r["rounds"]:
         assert sorted(row["ms"]) == ["1x4", "2x8"] and all(v > 0 for v in row["ms"].values())
     assert r["best_ms"]["base"]["2x8"] == min(row["ms"]["2x8"] for row in r["rounds"] if row["variant"] == "base")
-    assert set(r["vs_first_pct"]) == {"one_stage"}
+    assert set(r["vs_first_pct"]) == {"one_stage", "rows2"}
     assert da.SPLIT_STAGES == stages and da.MIN_SPLIT_LEN == 256  # restored
 
 
@@ -292,6 +303,10 @@ def test_ab_bench_cpu(tmp_path):
     (["--variant", "a", "--variant", "b:tinyloop.no_such.X=1"], "no module 'tinyloop.no_such'"),
     (["--variant", "a", "--variant", "b:SPLIT_STAGES=1"], "is not module.attr=value"),
     (["--variant", "a", "--variant", "b:tinyloop.kernels.decode_attention.SPLIT_STAGES=one"], "not a Python literal"),
+    (["--variant", "a", "--variant", "b:settings.no_such=1"], "Settings has no field 'no_such'"),
+    (["--variant", "a", "--variant", "b:settings.cuda_graphs=True"], "Settings has no field 'cuda_graphs' a variant"),
+    (["--variant", "a", "--variant", "b:settings.fused_rows=99"], "fused_rows must be in"),
+    (["--variant", "a", "--variant", "b:settings.fused_rows='two'"], "settings {'fused_rows': 'two'}"),
     (["--variant", "a", "--variant", "b", "--configs", "8by128"], "expected LOOPSxCONTEXT"),
     (["--variant", "a", "--variant", "b", "--configs", "8x62"], "pass --max-seq-len 64"),
     (["--variant", "a", "--variant", "b", "--warmup-rounds", "-1"], "--warmup-rounds must be >= 0"),
@@ -327,14 +342,60 @@ def test_tiles_sweep_candidates_and_refusals():
 
 def test_startup_bench_cpu(tmp_path):
     """bench/startup.py on CPU (a smoke run: nothing is captured there): one record per lane
-    count with the model's start-up parts, and its refusals."""
+    count (the model's cache lanes) with the model's start-up parts, and its refusals."""
     from bench import startup
-    startup.main(["--model", "tiny", "--lanes", "1", "2", "--max-seq-len", "64", "--device", "cpu",
+    startup.main(["--preset", "tiny", "--lanes", "1", "2", "--max-seq-len", "64", "--device", "cpu",
                   "--out-dir", str(tmp_path)])
     r = json.loads((tmp_path / "startup-tiny-cpu.json").read_text())
-    assert [run["lanes"] for run in r["runs"]] == [1, 2] and [run["cache_lanes"] for run in r["runs"]] == [2, 3]
+    assert r["model"] == "tiny" and r["max_seq_len"] == 64
+    assert [run["lanes"] for run in r["runs"]] == [1, 2] and [run["cache_lanes"] for run in r["runs"]] == [1, 2]
     for run in r["runs"]:
-        assert run["wall_s"] >= run["load_s"] > 0 and run["graphs"] == 0
-    for bad in (["--model", "nope"], ["--lanes", "0"]):
+        assert run["wall_s"] >= run["load_s"] > 0 and run["graphs"] == run["graph_bytes"] == 0
+        assert run["graphs_by_kind"] == {} and run["batch_buckets"] == [] and run["graphs_less_batch"] == 0
+    assert r["same_graphs_but_batch"]
+    for bad in (["--preset", "nope"], ["--lanes", "0"]):
         with pytest.raises(SystemExit):
             startup.main(bad + ["--device", "cpu"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_startup_bench_graphs_do_not_grow_with_lanes_on_cuda(tmp_path):
+    """On the GPU every lane count captures the same graphs but the batched stages, whose
+    buckets are the powers of two below the lane count and the count itself."""
+    from bench import startup
+    startup.main(["--preset", "tiny", "--lanes", "1", "5", "--max-seq-len", "64", "--device", "cuda",
+                  "--out-dir", str(tmp_path)])
+    one, five = json.loads((tmp_path / "startup-tiny-cuda.json").read_text())["runs"]
+    assert (one["batch_buckets"], five["batch_buckets"]) == ([], [2, 4, 5])
+    assert one["graphs_by_kind"]["batch"] == 0 < five["graphs_by_kind"]["batch"]
+    assert {k: v for k, v in one["graphs_by_kind"].items() if k != "batch"} == \
+        {k: v for k, v in five["graphs_by_kind"].items() if k != "batch"}
+    assert one["graphs_less_batch"] == five["graphs_less_batch"] == one["graphs"] > 0
+    assert five["graph_bytes"] > 0 and five["decode_graphs_s"] > 0
+
+
+def test_warmstart_bench_cpu(tmp_path):
+    """bench/warmstart.py on a random tiny preset: fresh, build and resume figures, greedy
+    parity (asserted by the bench itself)."""
+    from bench import warmstart
+    warmstart.main(["--preset", "tiny", "--device", "cpu", "--prefix", "8", "--decode", "4", "--repeat", "1",
+                    "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "warmstart-cpu.json").read_text())
+    assert r["backend"] == "torch" and [row["prefix"] for row in r["rows"]] == [8]
+    row, = r["rows"]
+    assert row["greedy_parity"] and row["fresh_ms"] > 0 and row["build_ms"] > 0 and row["resume_ms"] > 0
+
+
+def test_speculative_bench_cpu(tmp_path):
+    """bench/speculative.py on the embedded model: a chain and a tree setting against generate;
+    in fp32 both keep greedy parity."""
+    from bench import speculative
+    speculative.main(["--device", "cpu", "--max-tokens", "6", "--prompts", "1", "--repeat", "1",
+                      "--verify-loops", "4", "--draft-loops", "2", "--k-branches", "1", "2",
+                      "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "speculative-cpu.json").read_text())
+    assert r["backend"] == "torch" and r["baseline"]["tokens_per_s"] > 0
+    assert [(row["mode"], row["k_branches"]) for row in r["results"]] == [("chain", 1), ("tree", 2)]
+    for row in r["results"]:
+        assert row["greedy_parity"] and row["tokens_per_s"] > 0 and 0 <= row["acceptance_rate"] <= 1

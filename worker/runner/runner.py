@@ -203,25 +203,25 @@ class Runner:
         if self.graphs is None or not loops:
             return self.startup
         g, top = self.graphs, max(loops)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # so the reserved bytes after the captures count what they took
         mem0 = torch.cuda.memory_reserved(self.device)
         parts = [("decode_graphs_s", lambda L=L: g.capture_decode(L)) for L in loops]
+
+        def stage(kind, b, s, stages, load):
+            # load before each capture: the stage sets of a kind share their buffers
+            return lambda: (load(), g.capture_stage(kind, b, s, lambda: stages.run(s)))
         for b in self._prefill_buckets:
             pre = self._prefill_stages(b)
-            pre.load_tokens(0, [0] * b)
-            parts += [("prefill_graphs_s", lambda b=b, s=s, pre=pre: g.capture_stage("prefill", b, s,
-                                                                                  lambda: pre.run(s)))
+            parts += [("prefill_graphs_s", stage("prefill", b, s, pre, lambda pre=pre, b=b: pre.load_tokens(0, [0] * b)))
                       for s in PaddedPrefill.stages(top)]
         for b in self._verify_buckets:
             ts = self._tree_stages(b)
-            ts.load_chain(0, ts.x[:, :1], 0)
-            parts += [("verify_graphs_s", lambda b=b, s=s, ts=ts: g.capture_stage("verify", b, s,
-                                                                                lambda: ts.run(s)))
+            parts += [("verify_graphs_s", stage("verify", b, s, ts, lambda ts=ts: ts.load_chain(0, ts.x[:, :1], 0)))
                       for s in TreeStages.span(0, top, prelude=True)]
         for b in self._batch_buckets:
-            step = self._batch_stage(b)
-            step.load([], [], [], [])  # idle rows: the warm-up and capture write no lane
-            parts += [("batch_graphs_s", lambda b=b, s=s, step=step: g.capture_stage("batch", b, s,
-                                                                                  lambda: step.run(s)))
+            step = self._batch_stage(b)  # idle rows: the warm-up and capture write no lane
+            parts += [("batch_graphs_s", stage("batch", b, s, step, lambda step=step: step.load([], [], [], [])))
                       for s in BatchStep.stages(top)]
         for part, capture in (progress(parts) if progress else parts):
             t = time.perf_counter()
@@ -229,7 +229,7 @@ class Runner:
             self.startup[part] = self.startup.get(part, 0.0) + time.perf_counter() - t
         torch.cuda.synchronize(self.device)
         self.startup["graphs"] = len(g)
-        self.startup["graph_bytes"] += torch.cuda.memory_reserved(self.device) - mem0
+        self.startup["graph_bytes"] += max(0, torch.cuda.memory_reserved(self.device) - mem0)
         return self.startup
 
     # -- chunk stages ----------------------------------------------------------------------
