@@ -5,6 +5,9 @@
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
 #                                          #   speculative startup (default: all); tiles on demand
 #
+# BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
+# base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
+#
 # Pass TINYLOOP_COMMIT=<commit> from the calling side when the host's copy of .git may be stale:
 # the JSONs record it. PACK_LOGS=1 packs the logs into logs.tgz at the end (fewer files to fetch).
 #
@@ -40,6 +43,12 @@ for s in "${steps[@]}"; do
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 4000 --out-dir "$OUT" ;;
         speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
         startup) run startup "${STARTUP_S:-300}" python -m bench.startup --preset bench-285m --lanes 1 8 64 --max-seq-len 4096 --out-dir "$OUT" ;;
+        base-decode|base-batch)
+            what=${s#base-}
+            mkdir -p "$OUT/base"
+            args="--out-dir $(cd "$OUT/base" && pwd)"
+            [ "$what" = decode ] && args="$args ${DECODE_ARGS:-}"
+            run "$s" "${BASE_S:-150}" bash -c "cd '$BASE' && unset PYTHONPATH && source bench/gpu_env.sh && TINYLOOP_COMMIT='${BASE_COMMIT:-}' python -m bench.$what $args" ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
