@@ -515,14 +515,18 @@ def service_body(r: Result) -> str:
     return out
 
 
+def _gb(n):
+    return None if n is None else n / 1e9
+
+
 STARTUP_PARTS = ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs_s", "batch_graphs_s")
 
 
 def startup_section(rs: list[Result]) -> str:
     head = ("## Worker start-up (`bench/startup.py`)\n\n"
             "A worker reports healthy, and the gateway listens, once its model is loaded and every graph captured; "
-            "`Model.startup` times each part. Each run's model has one cache lane more than the worker's request "
-            "lanes, as the actor's does. One file per model preset, the newest of each:\n\n")
+            "`Model.startup` times each part and counts the graphs (which depend on the (bucket, depth) grid, not on "
+            "the lanes) and the bytes the captures took. One file per model preset, the newest of each:\n\n")
     if not rs:
         return head + "No result file on record.\n"
     rows = []
@@ -532,11 +536,12 @@ def startup_section(rs: list[Result]) -> str:
                 rows.append([code(r.data.get("model")), text(run.get("lanes")), text(run.get("cache_lanes")),
                              text(r.data.get("max_seq_len")), num(run.get("wall_s"), ".1f", " s")]
                             + [num(run.get(k), ".1f", " s") for k in STARTUP_PARTS]
-                            + [count(run.get("graphs")), num(run.get("memory_allocated_GB"), ".1f", " GB"),
-                               code(r.commit)])
+                            + [count(run.get("graphs")), num(_gb(run.get("graph_bytes")), ".2f", " GB"),
+                               num(run.get("memory_allocated_GB"), ".1f", " GB"), code(r.commit)])
     t = table(["model", "lanes", "cache lanes", "max seq len", "wall", "load", "decode graphs", "prefill graphs",
-               "speculative (verify) graphs", "batched graphs", "graphs", "GPU memory allocated", "commit"],
-              rows or [[DASH] * 13])
+               "speculative (verify) graphs", "batched graphs", "graphs", "graph memory", "GPU memory allocated",
+               "commit"],
+              rows or [[DASH] * 14])
     prov = "\n\n".join(provenance(r) + older(r).rstrip() for r in rs)
     return head + t + "\n\n" + prov + "\n"
 
@@ -687,7 +692,7 @@ PROFILE_INTRO = ("`bench/profile_decode.py`: the replayed decode step's kernels,
                  "a kernel's cost is how far it moves the step's end.")
 GEMV_INTRO = ("`bench/gemv.py`: each projection of bench-285m at batch 1, back-to-back calls in one graph, weights "
               "read from HBM.")
-BATCH_INTRO = ("`bench/batch.py`: B streams on lanes 1..B, each with its own random prompt, stepped together by the "
+BATCH_INTRO = ("`bench/batch.py`: B streams on B lanes, each with its own random prompt, stepped together by the "
                "worker's `Batcher` from captured batched stages, pipelined; the figure includes the sampling and "
                "the host sync. \"Alone\" is one stream's pipelined batch-1 decode on the same model in the same run.")
 PREFILL_INTRO = ("`bench/prefill.py`: a prompt's prefill through captured stage graphs, against the eager "
