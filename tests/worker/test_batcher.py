@@ -1,11 +1,13 @@
-"""Continuous batching (worker/batcher.py): a stream stepped with others in one forward gets
-exactly the tokens, logits and stats it gets alone, whatever joins, leaves or idles beside it."""
+"""Continuous batching (generation/batcher.py): a stream stepped with others in one runner step
+gets exactly the tokens, logits and stats it gets alone, whatever joins, leaves or idles beside
+it."""
 import pytest
 import torch
 
 from tinyloop.worker import Model
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
+from tinyloop.worker.runner.stages import BatchStep
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3)
@@ -37,8 +39,8 @@ def _record_logits(st: DecodeState, into: list) -> DecodeState:
     for name in ("advance", "advanced"):
         method = getattr(st, name)
 
-        def wrapped(*a, _m=method):
-            _m(*a)
+        def wrapped(*a, _m=method, **k):
+            _m(*a, **k)
             into.append(st.logits.clone())
         setattr(st, name, wrapped)
     discard = st.discard
@@ -63,13 +65,13 @@ def _alone(model, req, lane):
 
 def _batched(model, reqs, schedule, poison: bool):
     """Drive a Batcher the way the actor does: joins and cancels between steps."""
-    b = Batcher(model.engine)
+    b = Batcher(model.runner)
     if poison:
         # Every layer and position of every stream lane: whatever a stream reads it must have
         # written itself, or its logits would not be bitwise those it gets alone. (Finite, not
         # NaN: attention multiplies the masked-out slots' V by a zero weight.)
-        model.engine.cache.k[:, 1:] = 1e6
-        model.engine.cache.v[:, 1:] = -1e6
+        model.runner.cache.k[:, 1:] = 1e6
+        model.runner.cache.v[:, 1:] = -1e6
     out = {i: ([], None, []) for i in range(len(schedule))}
     on_lane: dict[int, int] = {}
     step = 0
@@ -119,8 +121,8 @@ def test_batched_streams_equal_standalone(model, sampling, poison):
 
 
 def test_mask_form_mixed_depth_equals_prefix_form(model):
-    """run_loops(depth=...) over lanes in any order equals the sorted prefix form."""
-    e = model.engine
+    """run_loops(depth=...) over lanes in any order equals each lane's own run at its depth."""
+    e = model.runner.engine
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
     depths = [3, 8, 1]
     x_alone = []
@@ -130,16 +132,16 @@ def test_mask_form_mixed_depth_equals_prefix_form(model):
         st.accept(st.decide())
         x_alone.append((st.tok_id, st.pos))
     pos = torch.tensor([[q] for _, q in x_alone])
-    p = e.make_pass(slice(1, 4), pos, int(pos.max()) + 1)
+    p = e.make_pass(torch.tensor([1, 2, 3]), pos, int(pos.max()) + 1)
     x = e.embed_prelude(torch.tensor([[t] for t, _ in x_alone]), p)
     got = e.run_loops(x.clone(), p, 0, max(depths), depth=torch.tensor(depths))
     for b, L in enumerate(depths):
-        q = e.make_pass(slice(1 + b, 2 + b), pos[b:b + 1], int(pos[b]) + 1)
+        q = e.make_pass(torch.tensor([1 + b]), pos[b:b + 1], int(pos[b]) + 1)
         assert torch.equal(got[b:b + 1], e.run_loops(x[b:b + 1].clone(), q, 0, L))
 
 
 def test_only_plain_decode_is_batched(model):
-    b = Batcher(model.engine)
+    b = Batcher(model.runner)
     plain = model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4), 1)
     assert b.eligible(plain)
     for kw in (dict(l_warmup_tokens=2, l_warmup_L=1), dict(safety_check=True), dict(cache_window=8)):
@@ -147,20 +149,50 @@ def test_only_plain_decode_is_batched(model):
 
 
 def test_idle_lanes_keep_their_cache(model):
-    """The lanes of a step's bucket that no waiting stream holds (lane 0, a hole, the bucket's
-    tail) run as idle lanes: not a value of their cache changes, whatever they hold."""
-    e = model.engine
-    b = Batcher(e)
-    for lane, p in ((2, [5, 6, 7]), (4, [9, 9])):
+    """The lanes no waiting stream holds (lane 0, a hole at 3, the lanes past the streams')
+    take no part in a step: not a value of their cache changes, whatever they hold."""
+    cache = model.runner.cache
+    b = Batcher(model.runner)
+    for lane, p in ((4, [9, 9]), (2, [5, 6, 7])):
         ids, finish = b.join(model.start(model.make_request(p, loops=3, max_tokens=6), lane))
         assert finish is None
-    held = [0, 1, 3, 5]  # lane 5: inside bucket 8 of lanes [0, 5); 6, 7: the bucket's tail
-    e.cache.k[:, held + [6, 7]] = torch.randn_like(e.cache.k[:, held + [6, 7]])
-    before = (e.cache.k[:, held + [6, 7]].clone(), e.cache.v[:, held + [6, 7]].clone())
+    held = [0, 1, 3, 5, 6, 7]
+    cache.k[:, held] = torch.randn_like(cache.k[:, held])
+    cache.v[:, held] = torch.randn_like(cache.v[:, held])
+    before = (cache.k[:, held].clone(), cache.v[:, held].clone())
     while b:
         b.step()
-    assert b.steps == 5 and b.stepper.bucket(5) == 8
-    assert torch.equal(e.cache.k[:, held + [6, 7]], before[0]) and torch.equal(e.cache.v[:, held + [6, 7]], before[1])
+    assert b.steps == 5 and b.lane_steps == 10
+    assert torch.equal(cache.k[:, held], before[0]) and torch.equal(cache.v[:, held], before[1])
+
+
+def test_idle_rows_of_a_bucket_touch_nothing(model):
+    """A batched step padded to a bucket (what the batch graphs replay on CUDA): the idle rows
+    (token 0, position max_seq_len, depth 0, slot 0) write no cache value of any lane, lane 0
+    included, and leave the live rows, on lanes in any order, bitwise the step of the live
+    rows alone (the runner's eager step of exactly those rows)."""
+    runner = model.runner
+    cache = runner.cache
+    lanes, depths = [4, 2], [7, 3]
+    sts = []
+    for lane, p, L in zip(lanes, ([9, 9], [5, 6, 7]), depths):
+        st = model.start(model.make_request(p, loops=L, max_tokens=6), lane)
+        st.accept(st.decide())
+        sts.append(st)
+    others = [lane for lane in range(model.n_slots) if lane not in lanes]
+    cache.k[:, others] = torch.randn_like(cache.k[:, others])
+    cache.v[:, others] = torch.randn_like(cache.v[:, others])
+    tokens, positions = [st.tok_id for st in sts], [st.pos for st in sts]
+    want = runner.decode(lanes, tokens, positions, depths)
+    after = cache.k.clone(), cache.v.clone()
+    step = BatchStep(runner.engine, 8)
+    step.load(lanes, tokens, positions, depths)
+    assert step.ctl[:, 2:].tolist() == [[0] * 6, [cache.max_seq_len] * 6, [0] * 6, [0] * 6]  # idle rows
+    for stage in BatchStep.stages(max(depths)):
+        step.run(stage)
+    assert torch.equal(step.logits[:2], want.logits) and torch.equal(step.x[:2], want.residual)
+    # the live rows rewrote their own position with the same values; nothing else moved
+    assert torch.equal(cache.k, after[0]) and torch.equal(cache.v, after[1])
 
 
 def test_lane_reused_between_two_steps(model):
@@ -170,7 +202,7 @@ def test_lane_reused_between_two_steps(model):
     new = _request(model, SAMPLED, prompt=[9, 9, 8, 1, 2], loops=2, max_tokens=7, seed=2)
     other = _request(model, GREEDY, prompt=[5, 6], loops=3, max_tokens=9, seed=3)
     want_new, want_other = _alone(model, new, 0)[0], _alone(model, other, 0)[0]
-    b = Batcher(model.engine)
+    b = Batcher(model.runner)
     got_other, _ = b.join(model.start(other, 1))
     b.join(model.start(old, 2))
     for _ in range(3):
@@ -181,3 +213,65 @@ def test_lane_reused_between_two_steps(model):
         for lane, (ids, _) in b.step().items():
             (got_new if lane == 2 else got_other).extend(ids)
     assert got_new == want_new and got_other == want_other
+
+
+def _same(got, want):
+    assert list(got) == list(want) and (got.finish_reason, got.stats) == (want.finish_reason, want.stats)
+
+
+def test_generate_batch_on_the_default_model():
+    """Model() as a worker builds it by default (the embedded model, default lanes): lanes at
+    depths up to the model's deepest in one batch, each equal to its generate alone."""
+    with Model() as m:
+        assert m.n_slots == m.runner.lanes.n == 8  # the CPU default, well inside the 2 GiB budget
+        L = m.config.max_loops
+        loops = [4, min(16, L), min(32, L)]
+        prompts = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12], [5, 6]]
+        got = m.generate_batch(prompts, per_lane_loops=loops, max_tokens=3)
+        assert m.runner.lanes.free == 8
+        for g, p, depth in zip(got, prompts, loops):
+            _same(g, m.generate(p, loops=depth, max_tokens=3))
+
+
+def test_generate_batch_runs_in_waves(tiny_path, model, monkeypatch):
+    """More prompts than lanes: the batch runs in waves of as many streams as there are lanes,
+    batched within a wave, with the results of one wave on enough lanes and of each prompt
+    alone."""
+    from tinyloop.worker.runner.runner import Runner
+    prompts = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31], [9, 8, 7], [5] * 10, [77, 78]]
+    kw = dict(per_lane_loops=[2, 8, 5, 3, 1], max_tokens=7, temperature=0.9, top_k=40, seed=[1, 2, 3, 4, 5])
+    with Model(tiny_path, max_seq_len=64, n_slots=2) as two:
+        prefills, steps = [], []
+        prefill, decode = Runner.prefill, Runner.decode
+        monkeypatch.setattr(Runner, "prefill", lambda self, lane, *a, **k: (
+            prefills.append(lane) if self is two.runner else None) or prefill(self, lane, *a, **k))
+        monkeypatch.setattr(Runner, "decode", lambda self, lanes, *a, **k: (
+            steps.append(list(lanes)) if self is two.runner else None) or decode(self, lanes, *a, **k))
+        got = two.generate_batch(prompts, **kw)
+        monkeypatch.undo()
+        assert prefills == [0, 1, 0, 1, 0]  # three waves
+        assert max(map(len, steps)) == 2 and all(set(s) <= {0, 1} for s in steps)
+        assert two.runner.lanes.free == 2
+        one_wave = model.generate_batch(prompts, **kw)
+        for i, (g, w) in enumerate(zip(got, one_wave)):
+            _same(g, w)
+            _same(g, two.generate(prompts[i], loops=kw["per_lane_loops"][i], max_tokens=7, temperature=0.9,
+                                  top_k=40, seed=kw["seed"][i]))
+
+
+def test_a_closed_model_frees_its_runner_at_once(tiny_path):
+    """After streams and batches (waves included), nothing refers back to the runner: close
+    frees it with the collector off (on CUDA its graphs go with it, never in a collection that
+    could run during another model's capture: tests/worker/test_gpu_engine.py)."""
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        m = Model(tiny_path, max_seq_len=64, n_slots=2)
+        m.generate([3, 17, 42], loops=3, max_tokens=4)
+        m.generate_batch([[1, 2], [3, 4, 5], [6]], per_lane_loops=[2, 4, 1], max_tokens=4)
+        refs = [weakref.ref(m.runner), weakref.ref(m.runner.engine)]
+        m.close()
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()

@@ -10,7 +10,6 @@ from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
 from tinyloop.kernels.swiglu import swiglu
 from tinyloop.worker import Model
-from tinyloop.worker.generation.decode import prefill
 
 PROMPT = [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -21,12 +20,11 @@ def model(path, **kw) -> Model:
 
 
 def decode_logits(m: Model, loops: int, toks: list[int], T0: int) -> torch.Tensor:
-    e = m.engine
-    logits, _ = prefill(e, 0, toks[:T0], loops, 0)
-    steps = [logits[0]]
+    """The prompt's last logits, then every decode step's, on lane 0 (the runner's stages, eager)."""
+    r = m.runner
+    steps = [r.prefill(0, toks[:T0], loops).logits[0]]
     for pos in range(T0, len(toks)):
-        p = e.make_pass(slice(0, 1), torch.tensor([[pos]], device=DEVICE), pos + 1)
-        steps.append(e.forward(torch.tensor([[toks[pos]]], device=DEVICE), p, loops)[0, -1])
+        steps.append(r.decode([0], [toks[pos]], [pos], [loops]).logits[0].clone())
     return torch.stack(steps)
 
 
@@ -50,11 +48,13 @@ def test_fused_token_step_matches_unfused(config_path, loops=2):
 
 @pytest.mark.parametrize("config_path", ["gqa-prelude-coda", "sandwich"], indirect=True)
 def test_fused_batched_step_matches_unfused(config_path):
-    """A batched decode step (the Batcher's lanes [0, bucket), idle lanes included) through the
-    fused projections of up to 16 rows: each stream's greedy tokens are its unfused stream's,
-    and every step's logits agree to 1e-4."""
+    """A batched decode step (the Batcher's waiting streams, on any lanes: a hole at 2, lane 0
+    unused) through the fused projections of up to 16 rows: each stream's greedy tokens are its
+    unfused stream's, and every step's logits agree to 1e-4, as streams finish and the step
+    shrinks from 3 rows to 1."""
     from tinyloop.worker.generation.batcher import Batcher
-    with model(config_path, n_slots=4) as ref, model(config_path, n_slots=4) as fused:
+    jobs = {1: (PROMPT, 2, 5), 3: (PROMPT[:4], 3, 4), 4: ([7, 7, 1], 1, 3)}
+    with model(config_path, n_slots=5) as ref, model(config_path, n_slots=5) as fused:
         fused._module.use_fast_path(rms_norm, gemv, gemv_rows=16)
         rows = []
         for blk in fused._module.modules():
@@ -62,18 +62,18 @@ def test_fused_batched_step_matches_unfused(config_path):
                 blk.gemv = lambda x, *a, _g=gemv, **k: rows.append(x.numel() // x.shape[-1]) or _g(x, *a, **k)
         out = {}
         for m in (ref, fused):
-            b = Batcher(m.engine)
+            b = Batcher(m.runner)
             got = {}
-            for lane, (p, L) in {1: (PROMPT, 2), 3: (PROMPT[:4], 3)}.items():
-                ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=5, stop_token_ids=[]), lane))
+            for lane, (p, L, n) in jobs.items():
+                ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=n, stop_token_ids=[]), lane))
                 got[lane] = (list(ids), [])
             while b:
                 for lane, (ids, _) in b.step().items():
                     got[lane][0].extend(ids)
                     got[lane][1].append(b.states[lane].logits.clone() if lane in b.states else None)
             out[m is fused] = got
-        assert 4 in rows, "the fused step never ran on the batch's 4 lanes"
-        for lane in (1, 3):
+        assert 3 in rows and 2 in rows, "the fused step never ran on the batch's 3, then 2 lanes"
+        for lane in jobs:
             (want, wl), (have, hl) = out[False][lane], out[True][lane]
             assert have == want, lane
             for a, c in zip(wl, hl):
@@ -85,7 +85,8 @@ def test_fused_batched_step_matches_unfused(config_path):
 def test_decode_step_feeds_its_greedy_token_embedded(config_path, loops=2):
     """graphs.decode_step, the step the decode graphs capture, fed by its own tail: the head's
     argmax key and greedy_feed (x: the token embedded) on the fused projections, and the same
-    on the torch ops (the key from the logits), give the greedy stream of generate() and the
+    on the torch ops (the key from the logits), on the cache lane in its `slot` buffer (lane 2
+    here: the graph of a depth serves every lane), give the greedy stream of generate() and the
     logits of the unfused step at every position, leave the key NONE between steps, keep
     host[p % 2] the token at p, and return the residual the coda and head start from."""
     from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
@@ -95,9 +96,11 @@ def test_decode_step_feeds_its_greedy_token_embedded(config_path, loops=2):
         toks = ref.generate(PROMPT, loops=loops, max_tokens=5)
         want = decode_logits(ref, loops, toks, len(PROMPT))[1:]
         T0 = len(PROMPT)
+        lane = 2
         for m in (fused, ref):
-            e = m.engine
-            prefill(e, 0, PROMPT, loops, 0)
+            e = m.runner.engine
+            m.runner.prefill(lane, PROMPT, loops)
+            slot = torch.tensor([lane], device=DEVICE)
             table = e.model.tok_embeddings.weight.detach()
             tokens = torch.tensor([[toks[T0]]], device=DEVICE)
             positions = torch.tensor([[T0]], device=DEVICE)
@@ -107,13 +110,13 @@ def test_decode_step_feeds_its_greedy_token_embedded(config_path, loops=2):
             x = table[toks[T0]].view(1, 1, -1).clone()
             got = []
             for step in range(4):
-                logits, greedy, h = decode_step(e, 0, loops, tokens, positions, host, x, key)
+                logits, greedy, h = decode_step(e, slot, loops, tokens, positions, host, x, key)
                 got.append(logits[0].clone())
                 p = T0 + 1 + step
                 assert greedy.item() == toks[p] == tokens.item() == host[p % 2].item() and positions.item() == p
                 assert int(key) == ARGMAX_KEY_NONE and torch.equal(x.view(-1), table[toks[p]])
                 # h is the residual after the loop: the coda and head from it give the logits again
-                at = e.make_pass(slice(0, 1), torch.tensor([[p - 1]], device=DEVICE), e.cache.max_seq_len)
+                at = e.make_pass(slot, torch.tensor([[p - 1]], device=DEVICE), e.cache.max_seq_len)
                 assert torch.equal(e.logits(e.coda(h.clone(), at), at)[:, -1], logits)
             got = torch.stack(got)
             assert ((got - want[:4]).norm(dim=-1) / want[:4].norm(dim=-1)).max() < 1e-4

@@ -1,9 +1,10 @@
-"""The CUDA path (Triton ops + captured decode graphs) against the torch reference path.
+"""The CUDA path (Triton ops + captured graphs) against the torch reference path.
 Run on a GPU host: `pytest -m gpu tests/worker/test_gpu_engine.py`."""
 import pytest
 import torch
 
 from tinyloop.worker import Model
+from tinyloop.worker.runner.stages import BatchStep, PaddedPrefill, TreeStages, batch_buckets
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -19,12 +20,56 @@ def pair(tiny_path):
     ref.close()
 
 
+def _replays(monkeypatch, graphs) -> list:
+    """Every stage-graph replay of `graphs` from now to the test's end: (kind, bucket, stage).
+    The class is patched, not the object: an object holding a bound method of its own is a
+    reference cycle, which only a collection frees (and a collection must never free a graph
+    during another model's capture)."""
+    from tinyloop.worker.runner.graphs import Graphs
+    calls = []
+    replay = Graphs.replay
+
+    def spy(self, kind, bucket, stage):
+        if self is graphs:
+            calls.append((kind, bucket, stage))
+        replay(self, kind, bucket, stage)
+    monkeypatch.setattr(Graphs, "replay", spy)
+    return calls
+
+
+def _lanes_replayed(monkeypatch, graph) -> list:
+    """The lane of every replay of one decode graph from now to the test's end (the class
+    patched, as in `_replays`)."""
+    from tinyloop.worker.runner.graphs import DecodeGraph
+    lanes = []
+    replay = DecodeGraph.replay
+
+    def spy(self, lane, position):
+        if self is graph:
+            lanes.append(lane)
+        replay(self, lane, position)
+    monkeypatch.setattr(DecodeGraph, "replay", spy)
+    return lanes
+
+
+def _captured(graphs, kind: str) -> dict:
+    """{bucket: the set of stages captured} of one kind of stage graph."""
+    out: dict = {}
+    for k, bucket, stage in graphs.stages:
+        if k == kind:
+            out.setdefault(bucket, set()).add(stage)
+    return out
+
+
 @pytest.mark.parametrize("loops", [1, 3, 8])
 def test_graphs_and_triton_equal_torch_reference(pair, loops):
+    """One decode graph per depth, replayed for every decode step of a stream."""
     fast, ref = pair
-    assert fast.engine.graphs.get(loops) is not None
+    graph = fast.runner.graphs.decode[loops]
     for p in PROMPTS:
+        graph.next_position = -1
         assert fast.generate(p, loops=loops, max_tokens=24) == ref.generate(p, loops=loops, max_tokens=24)
+        assert graph.next_position == len(p) + 23  # the last of its 23 decode steps replayed it
 
 
 def test_graph_replay_counts_iterations(pair):
@@ -42,52 +87,69 @@ def test_resume_and_sampling_on_gpu(pair):
     assert fast.generate(PROMPTS[0], **kw) == ref.generate(PROMPTS[0], **kw)
 
 
-def test_speculative_replays_its_drafts_and_verifies(pair):
-    """Greedy chain speculation drafts by replaying the decode graph at draft_loops and
-    verifies by replaying the captured verify stages: the tokens of plain generate at
-    verify_loops, and the acceptance and loop work of the eager drafts and verify (the torch
-    reference has no graphs); sampled speculation drafts eagerly and verifies by replay."""
+def test_speculative_replays_its_drafts_and_verifies(pair, monkeypatch):
+    """Chain speculation drafts by replaying the decode graph at draft_loops (greedy and
+    sampled alike: the runner replays every batch-1 step at a captured depth) and verifies by
+    replaying the captured verify stages [draft_loops, verify_loops) and the coda of bucket 5
+    (draft_ahead 4: chunks of 5): the tokens of plain generate at verify_loops, and the
+    acceptance and loop work of the eager drafts and verify (the torch reference has no
+    graphs)."""
     fast, ref = pair
     spec = dict(max_tokens=20, draft_loops=2, verify_loops=6, draft_ahead=4)
-    graph = fast.engine.graphs.get(2, 0)
-    verify = fast.engine.graphs.verify.chunks[(0, 5)]  # draft_ahead 4: chunks of 5
-    for p in PROMPTS:
+    graph = fast.runner.graphs.decode[2]
+    run = fast.runner.tree(0, 5, 0, TreeStages.span(2, 6))
+    assert run.graphed and run.ts.bucket == 5
+    verify = run.ts  # the bucket's stage buffers: every chain verify of up to 5 tokens loads them
+    calls = _replays(monkeypatch, fast.runner.graphs)
+    for p, extra in ((PROMPTS[0], {}), (PROMPTS[1], {}), (PROMPTS[0], dict(temperature=0.8, seed=5))):
         graph.next_position = -1
         verify.prefix.zero_()
-        a, b = fast.generate_speculative(p, **spec), ref.generate_speculative(p, **spec)
-        assert a == b == ref.generate(p, loops=6, max_tokens=20)
-        assert a.stats == b.stats
+        calls.clear()
+        a, b = fast.generate_speculative(p, **spec, **extra), ref.generate_speculative(p, **spec, **extra)
+        assert a == b
+        if not extra:
+            assert a == ref.generate(p, loops=6, max_tokens=20)
+            assert a.stats == b.stats
         assert graph.next_position > len(p) and verify.prefix.item() >= len(p)  # both replayed
-    graph.next_position = -1
-    verify.prefix.zero_()
-    kw = dict(spec, temperature=0.8, seed=5)
-    assert fast.generate_speculative(PROMPTS[0], **kw) == ref.generate_speculative(PROMPTS[0], **kw)
-    assert graph.next_position == -1 and verify.prefix.item() >= len(PROMPTS[0])
+        assert {c for c in calls if c[0] == "verify"} == {("verify", 5, s) for s in TreeStages.span(2, 6)}
 
 
-def test_tree_speculation_replays_the_stages(pair):
-    """Tree rounds (K = 2, 4 at draft_ahead 4: trees of 9 and 17 nodes, bucket 17) replay the
-    captured stages for every draft depth and the verify: the tokens of plain generate at
-    verify_loops and the eager tree rounds' acceptance and loop work (the torch reference has
-    no graphs), greedy and sampled."""
+def test_tree_speculation_replays_the_stages(pair, monkeypatch):
+    """Tree rounds (K = 2, 3, 4 at draft_ahead 4: trees of 9, 13 and 17 nodes, bucket 17)
+    replay the captured stages for every draft depth and the verify: the tokens of plain
+    generate at verify_loops and the eager tree rounds' acceptance and loop work (the torch
+    reference has no graphs), greedy and sampled."""
     fast, ref = pair
-    stages = fast.engine.graphs.verify.chunks[(0, 17)]
+    run = fast.runner.tree(0, 17, 0, TreeStages.span(0, 6, prelude=True))
+    assert run.graphed and run.ts.bucket == 17
+    stages = run.ts
+    calls = _replays(monkeypatch, fast.runner.graphs)
     for p in PROMPTS:
         for K, extra in ((2, {}), (4, {}), (3, dict(temperature=0.8, seed=5))):
             kw = dict(max_tokens=20, draft_loops=2, verify_loops=6, draft_ahead=4, K_branches=K, **extra)
             stages.prefix.zero_()
+            calls.clear()
             a, b = fast.generate_tree_speculative(p, **kw), ref.generate_tree_speculative(p, **kw)
             assert a == b == ref.generate(p, loops=6, max_tokens=20, **extra)
             assert a.stats == b.stats
             assert stages.prefix.item() >= len(p)  # replayed
+            # the drafts' prelude and iterations [0, 2), then the verify's [2, 6) and the coda
+            assert {("verify", 17, s) for s in TreeStages.span(0, 6, prelude=True)} <= set(calls)
 
 
-def test_every_lane_replays_its_own_graph(pair):
+def test_one_decode_graph_serves_every_lane(pair, monkeypatch):
+    """The decode graph of a depth reads its cache lane from a buffer: the same graph replays
+    every step of a stream on lane 1, then of one on lane 0, each the reference stream."""
     from tinyloop.worker.api import drain
     fast, ref = pair
-    assert fast.engine.graphs.get(4, 1) is not None
-    req = fast.make_request(PROMPTS[1], loops=4, max_tokens=16)
-    assert drain(req.prompt, fast.stream(req, lane=1)) == ref.generate(PROMPTS[1], loops=4, max_tokens=16)
+    graph = fast.runner.graphs.decode[4]
+    lanes = _lanes_replayed(monkeypatch, graph)
+    want = ref.generate(PROMPTS[1], loops=4, max_tokens=16)
+    for lane in (1, 0):
+        lanes.clear()
+        req = fast.make_request(PROMPTS[1], loops=4, max_tokens=16)
+        assert drain(req.prompt, fast.stream(req, lane=lane)) == want, lane
+        assert lanes == [lane] * 15 and int(graph.slot) == lane
 
 
 def _decode(model, req, pipelined):
@@ -115,7 +177,7 @@ def test_pipelined_decode_equals_plain_on_gpu(pair):
         assert _decode(fast, stop, True)[0].finish_reason == "stop"
 
 
-# -- prefill graphs (one per lane, length bucket and stage) ----------------------------------
+# -- prefill graphs (one per length bucket and stage, any lane) -------------------------------
 
 def _prompt(T, seed=0):
     return torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -133,44 +195,50 @@ def prefill_pair(tiny_path):
 
 
 def test_prefill_graphs_are_captured_outside_the_counters(prefill_pair):
+    """Every stage of every length bucket up to prefill_graph_len (none at 0), for any lane;
+    a Model fresh from its capture (64 lanes by default on CUDA) has counted no work."""
     g, e = prefill_pair
-    pg = g.engine.graphs.prefill
-    assert pg.buckets == [16, 32, 64, 128] and not e.engine.graphs.prefill.graphs
-    assert all((lane, b, s) in pg.graphs and pg.graphs[(lane, b, s)] is not None
-               for lane in (0, 1) for b in pg.buckets for s in ("prelude", 0, g.config.max_loops - 1, "coda"))
+    pre = _captured(g.runner.graphs, "prefill")
+    assert sorted(pre) == [16, 32, 64, 128] and not _captured(e.runner.graphs, "prefill")
+    assert all(stages == set(PaddedPrefill.stages(g.config.max_loops)) for stages in pre.values())
     fresh = Model(g.path, max_seq_len=64, device="cuda", dtype="float32")
     try:
+        assert fresh.n_slots == 64 and len(fresh.runner.graphs) == fresh.startup["graphs"] > 0
         assert (fresh.counters.loop_iterations, fresh.counters.loop_token_iterations) == (0, 0)
     finally:
         fresh.close()
 
 
 @pytest.mark.parametrize("loops", [1, 4, 8])
-def test_graph_prefill_equals_eager_prefill(prefill_pair, loops):
-    from tinyloop.worker.generation.decode import prefill
+def test_graph_prefill_equals_eager_prefill(prefill_pair, loops, monkeypatch):
+    """A prompt replays the stages of the smallest bucket that holds it, on either lane (past
+    the largest bucket: eager), counts its own tokens' work, not the pads', and gives the
+    eager prefill's logits."""
     g, e = prefill_pair
+    calls = _replays(monkeypatch, g.runner.graphs)
     for T in (1, 15, 16, 17, 64, 100, 128, 129, 200):
         toks = _prompt(T, T)
+        bucket = next((b for b in (16, 32, 64, 128) if b >= T), None)
         for lane in (0, 1):
+            calls.clear()
             before = g.counters.snapshot()
-            got, _ = prefill(g.engine, lane, toks, loops, 0)
+            got = g.runner.prefill(lane, toks, loops).logits
             assert g.counters.since(before).loop_token_iterations == loops * T  # the prompt's work
-            want, _ = prefill(e.engine, lane, toks, loops, 0)
+            assert calls == ([("prefill", bucket, s) for s in PaddedPrefill.stages(loops)] if bucket else []), T
+            want = e.runner.prefill(lane, toks, loops).logits
             assert ((got - want).norm() / want.norm()) < 1e-3, (T, lane)
-    assert g.engine.graphs.prefill.run(0, _prompt(129), 4) is None  # past the largest bucket: eager
 
 
 def test_graph_prefill_in_bf16(tiny_path):
     """bf16 graph prefill against the bf16 eager prefill, both measured from the fp32 one."""
-    from tinyloop.worker.generation.decode import prefill
     kw = dict(max_seq_len=128, device="cuda", n_slots=1)
     with Model(tiny_path, dtype="bfloat16", prefill_graph_len=128, **kw) as g, \
             Model(tiny_path, dtype="bfloat16", prefill_graph_len=0, **kw) as e, \
             Model(tiny_path, dtype="float32", cuda_graphs=False, **kw) as ref:
         for T in (5, 16, 40, 128):
             toks = _prompt(T, T)
-            want = prefill(ref.engine, 0, toks, 3, 0)[0]
-            err = [((prefill(m.engine, 0, toks, 3, 0)[0] - want).norm() / want.norm()).item() for m in (g, e)]
+            want = ref.runner.prefill(0, toks, 3).logits
+            err = [((m.runner.prefill(0, toks, 3).logits - want).norm() / want.norm()).item() for m in (g, e)]
             assert err[0] < max(2e-2, 2 * err[1]), (T, err)
 
 
@@ -201,7 +269,7 @@ def test_generate_with_and_without_prefill_graphs(prefill_pair):
             e.generate_batch([p, q], per_lane_loops=[6, 2], max_tokens=8)
 
 
-# -- batched decode graphs (one per lane-count bucket and stage) ------------------------------
+# -- batched decode graphs (one per lane-count bucket and stage, any lanes) --------------------
 @pytest.fixture(scope="module")
 def batch_pair(tiny_path):
     """Five lanes (buckets 2, 4, 5) on the graph engine; the torch reference beside it."""
@@ -213,20 +281,21 @@ def batch_pair(tiny_path):
 
 
 def test_batch_graphs_are_captured_at_load(batch_pair):
-    from tinyloop.worker.generation.decode import BatchStep
-    bg = batch_pair[0].engine.graphs.batch
-    L = batch_pair[0].config.max_loops
-    assert bg.buckets == [2, 4, 5]
-    assert all(bg.graphs.get((b, s)) is not None for b in bg.buckets for s in BatchStep.stages(L))
+    fast = batch_pair[0]
+    bg = _captured(fast.runner.graphs, "batch")
+    assert sorted(bg) == batch_buckets(5) == [2, 4, 5]
+    assert all(stages == set(BatchStep.stages(fast.config.max_loops)) for stages in bg.values())
 
 
-def test_batcher_on_graphs_equals_reference(batch_pair):
-    """Streams at mixed depths on lanes 1, 2 and 4 (a hole at 3), joining and finishing at
-    different steps, replayed through the bucket graphs: each stream's greedy tokens are its
-    reference stream's; the logits match to fp32 GEMM rounding."""
+def test_batcher_on_graphs_equals_reference(batch_pair, monkeypatch):
+    """Streams at mixed depths on lanes 1, 2 and 4 (a hole at 3), finishing at different
+    steps, replayed through the bucket graphs (3 streams: bucket 4, one row idle; then 2:
+    bucket 2; then one alone: its decode graph): each stream's greedy tokens are its reference
+    stream's."""
     from tinyloop.worker.generation.batcher import Batcher
     fast, ref = batch_pair
-    b = Batcher(fast.engine)
+    calls = _replays(monkeypatch, fast.runner.graphs)
+    b = Batcher(fast.runner)
     jobs = {1: (PROMPTS[0], 3, 12), 2: (PROMPTS[1], 8, 20), 4: ([9, 8, 7, 6], 5, 16)}
     got = {}
     for lane, (p, L, n) in jobs.items():
@@ -237,6 +306,7 @@ def test_batcher_on_graphs_equals_reference(batch_pair):
             got[lane].extend(ids)
     steps = [len(ids) - 1 for ids in got.values()]  # the first token comes from the prefill
     assert b.steps == max(steps) and b.lane_steps == sum(steps)
+    assert {bucket for kind, bucket, _ in calls if kind == "batch"} == {4, 2}
     for lane, (p, L, n) in jobs.items():
         assert p + got[lane] == ref.generate(p, loops=L, max_tokens=n), lane
 
@@ -250,21 +320,32 @@ def test_generate_batch_on_graphs_equals_reference(batch_pair):
     assert got == [ref.generate(p, loops=L, **kw) for p, L in zip(prompts, loops)]
 
 
-def test_idle_lanes_keep_their_cache_on_gpu(batch_pair):
-    """Replayed idle lanes write and read nothing: lanes 0 and 3 hold random K/V that one
-    stream on lane 4 and one on lane 1 step beside (bucket 5) without changing."""
+def test_idle_lanes_keep_their_cache_on_gpu(batch_pair, monkeypatch):
+    """Replayed idle rows write and read nothing: lanes 0 and 3 hold random K/V that streams
+    on lanes 1, 2 and 4 step beside without changing them, through bucket 4 (its idle row:
+    slot 0 at position max_seq_len), then bucket 2, then the decode graph; the streams are
+    their reference streams."""
     from tinyloop.worker.generation.batcher import Batcher
-    fast, _ = batch_pair
-    e = fast.engine
-    b = Batcher(e)
-    for lane in (1, 4):
-        b.join(fast.start(fast.make_request(PROMPTS[0], loops=4, max_tokens=6), lane))
-    held = [0, 2, 3]
-    e.cache.k[:, held] = torch.randn_like(e.cache.k[:, held])
-    before = e.cache.k[:, held].clone(), e.cache.v[:, held].clone()
+    fast, ref = batch_pair
+    cache = fast.runner.cache
+    calls = _replays(monkeypatch, fast.runner.graphs)
+    b = Batcher(fast.runner)
+    jobs = {1: 6, 2: 4, 4: 8}
+    got = {}
+    for lane, n in jobs.items():
+        ids, _ = b.join(fast.start(fast.make_request(PROMPTS[0], loops=4, max_tokens=n), lane))
+        got[lane] = list(ids)
+    held = [0, 3]
+    cache.k[:, held] = torch.randn_like(cache.k[:, held])
+    cache.v[:, held] = torch.randn_like(cache.v[:, held])
+    before = cache.k[:, held].clone(), cache.v[:, held].clone()
     while b:
-        b.step()
-    assert torch.equal(e.cache.k[:, held], before[0]) and torch.equal(e.cache.v[:, held], before[1])
+        for lane, (ids, _) in b.step().items():
+            got[lane].extend(ids)
+    assert {bucket for kind, bucket, _ in calls if kind == "batch"} == {4, 2}
+    assert torch.equal(cache.k[:, held], before[0]) and torch.equal(cache.v[:, held], before[1])
+    for lane, n in jobs.items():
+        assert PROMPTS[0] + got[lane] == ref.generate(PROMPTS[0], loops=4, max_tokens=n), lane
 
 
 def test_the_decode_loop_never_waits_for_the_gpu(pair):
@@ -285,38 +366,66 @@ def test_the_decode_loop_never_waits_for_the_gpu(pair):
     torch.cuda.synchronize()
 
 
-def test_a_capture_runs_with_the_collector_paused(pair):
-    """A collection inside a capture window can destroy another graph, which invalidates the
-    capture (graphs._gc_paused): the captured function sees the collector off, and it is back
-    on (as it was) afterwards; a capture that raises leaves it on too."""
-    import gc
-
-    from tinyloop.worker.runner.graphs import _capture
-    fast, _ = pair
-    e = fast.engine
-    x = torch.zeros(4, device="cuda")
-    seen = []
-    g = _capture(e, e.graphs.pool, lambda: (seen.append(gc.isenabled()), x.add_(1)), warm=False)
-    assert seen == [False] and gc.isenabled()
-    g.replay()
-    torch.cuda.synchronize()
-    assert x.tolist() == [1.0] * 4  # the capture itself runs nothing
-    with pytest.raises(ZeroDivisionError):
-        _capture(e, e.graphs.pool, lambda: (x.add_(1), 1 / 0), warm=False)
-    assert gc.isenabled()
+def test_graph_count_does_not_depend_on_the_lanes(tiny_path, pair, monkeypatch):
+    """Cache slots are device inputs, so no graph belongs to a lane: a model of 2 lanes and one
+    of 8 capture the same decode (one per depth), prefill and verify graphs (one per bucket and
+    stage); only the batch buckets grow, one per power of two up to the lane count. One decode
+    graph serves two streams on lanes 3 and 5 interleaved step by step (every replay reloads
+    the lane and the position), greedy and sampled, each its stream alone and the reference."""
+    from tinyloop.worker.generation.decode import decode_steps
+    _, ref = pair
+    counts = {}
+    for n in (2, 8):
+        m = Model(tiny_path, max_seq_len=64, device="cuda", dtype="float32", n_slots=n, prefill_graph_len=32)
+        try:
+            g, L = m.runner.graphs, m.config.max_loops
+            kinds = {kind: _captured(g, kind) for kind in ("prefill", "verify", "batch")}
+            assert sorted(g.decode) == list(range(1, L + 1))
+            assert sorted(kinds["prefill"]) == [16, 32] and sorted(kinds["verify"]) == [5, 17]
+            assert sorted(kinds["batch"]) == batch_buckets(n) == ([2] if n == 2 else [2, 4, 8])
+            every = set(BatchStep.stages(L))  # prelude, each iteration, coda: alike for every kind
+            assert all(stages == every for k in kinds.values() for stages in k.values())
+            assert m.startup["graphs"] == len(g) == len(g.decode) + len(g.stages)
+            counts[n] = [len(g.decode)] + [sum(map(len, kinds[k].values())) for k in ("prefill", "verify", "batch")]
+            if n == 8:
+                lanes = _lanes_replayed(monkeypatch, g.decode[4])
+                jobs = {3: (PROMPTS[1], {}), 5: (PROMPTS[0], dict(temperature=0.9, seed=3))}
+                gens, got = {}, {}
+                for lane, (p, extra) in jobs.items():
+                    gens[lane] = decode_steps(m.start(m.make_request(p, loops=4, max_tokens=12, **extra), lane))
+                    got[lane] = list(p)
+                while gens:
+                    for lane in list(gens):
+                        try:
+                            got[lane].extend(next(gens[lane]))
+                        except StopIteration:
+                            del gens[lane]
+                assert lanes == [3, 5] * 11  # 11 decode steps each, alternating on the one graph
+                for lane, (p, extra) in jobs.items():
+                    assert got[lane] == m.generate(p, loops=4, max_tokens=12, **extra) == \
+                        ref.generate(p, loops=4, max_tokens=12, **extra), lane
+        finally:
+            m.close()
+    assert counts[2][:3] == counts[8][:3] == [L, 2 * (L + 2), 2 * (L + 2)]
+    assert (counts[2][3], counts[8][3]) == (L + 2, 3 * (L + 2))
 
 
 def test_close_frees_the_graphs_without_a_collection(tiny_path):
-    """Closing a model drops its engine and graphs at once (graphs and engine refer to each
-    other: left to the collector, they could go during another model's capture)."""
+    """Closing a model drops its runner, engine and graphs at once, after it served streams and
+    a batch, with the collector off: nothing refers back to the runner (left to the collector,
+    graphs could go during another model's capture)."""
     import gc
     import weakref
     gc.disable()
     try:
-        m = Model(tiny_path, max_seq_len=64, device="cuda", dtype="float32", n_slots=1, prefill_graph_len=0)
-        refs = [weakref.ref(m.engine), weakref.ref(m.engine.graphs), weakref.ref(m.engine.graphs.get(4))]
+        m = Model(tiny_path, max_seq_len=64, device="cuda", dtype="float32", n_slots=2, prefill_graph_len=16)
+        m.generate(PROMPTS[0], loops=4, max_tokens=4)
+        m.generate_batch(PROMPTS, per_lane_loops=[4, 2], max_tokens=4)
+        r = m.runner
+        refs = [weakref.ref(x) for x in (r, r.engine, r.graphs, r.graphs.decode[4])]
+        del r
         m.close()
-        assert [r() for r in refs] == [None] * 3
+        assert [r() for r in refs] == [None] * 4
     finally:
         gc.enable()
 
@@ -329,10 +438,9 @@ def test_two_processes_give_bitwise_equal_logits(tmp_path):
     import sys
     code = ("import sys, torch\n"
             "from tinyloop.worker import Model\n"
-            "from tinyloop.worker.generation.decode import prefill\n"
             "m = Model(None, max_seq_len=256, device='cuda', n_slots=1)\n"
             "prompt = list(range(3, 200, 3))\n"
-            "logits, _ = prefill(m.engine, 0, prompt, 8, 0)\n"
+            "logits = m.runner.prefill(0, prompt, 8).logits\n"
             "g = m.generate(prompt, loops=8, max_tokens=24)\n"
             "torch.save({'logits': logits.cpu(), 'tokens': list(g)}, sys.argv[1])\n")
     outs = []
@@ -346,9 +454,11 @@ def test_two_processes_give_bitwise_equal_logits(tmp_path):
 
 def test_startup_records_the_capture(pair):
     """Model.startup (what the worker logs and reports in its info): the load and each part of
-    the capture timed, and the graph count equal to the graphs held."""
+    the capture timed, the graph count equal to the graphs held, the graph pool's bytes and
+    the lanes."""
     fast, ref = pair
-    s, g = fast.startup, fast.engine.graphs
-    assert s["graphs"] == len(g.graphs) + len(g.prefill.graphs) + len(g.verify.graphs) + len(g.batch.graphs) > 0
+    s, g = fast.startup, fast.runner.graphs
+    assert s["graphs"] == len(g) == len(g.decode) + len(g.stages) > 0
     assert all(s[k] > 0 for k in ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs_s", "batch_graphs_s"))
+    assert s["graph_bytes"] > 0 and s["lanes"] == 2
     assert ref.startup["graphs"] == 0 and ref.startup["load_s"] > 0

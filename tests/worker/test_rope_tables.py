@@ -7,10 +7,10 @@ import torch
 from model_zoo import CONFIGS
 from tinyloop.worker import Model
 from tinyloop.worker.model.cache import KVCache
-from tinyloop.worker.runner.engine import Engine
-from tinyloop.worker.generation.decode import BatchStep
 from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.ops import Ops
+from tinyloop.worker.runner.engine import Engine
+from tinyloop.worker.runner.stages import BatchStep, PaddedPrefill
 
 # torch's CPU cos / sin may differ by an ulp between its vectorized and scalar loops, so the
 # same angle computed in another tensor shape is only guaranteed within that
@@ -60,18 +60,29 @@ def test_tables_stay_fp32_in_a_bf16_model(tiny_path):
 
 def test_decode_steps_gather_no_rows(tiny_model):
     """A decode step on the full cache leaves its pass's rows ungathered (its attention op reads
-    the tables); a prefill pass gathers them once, from the tables."""
-    e = tiny_model.engine
+    the tables), batched or not; a prefill pass gathers them once, from the tables; a padded
+    prefill's stages (what the prefill graphs replay) gather theirs once at construction."""
+    e = tiny_model.runner.engine
     prompt = torch.tensor([[3, 17, 42, 99, 7]])
-    p = e.make_pass(slice(0, 1), torch.arange(5)[None], 5)
+    lane = torch.tensor([1])
+    p = e.make_pass(lane, torch.arange(5)[None], 5)
     e.forward(prompt, p, 2)
     assert torch.equal(p.rows[0], e.model.rope_cos[:5][None]) and torch.equal(p.rows[1], e.model.rope_sin[:5][None])
-    step = e.make_pass(slice(0, 1), torch.tensor([[5]]), 6)
+    step = e.make_pass(lane, torch.tensor([[5]]), 6)
     e.forward(torch.tensor([[8]]), step, 2)
     assert step.rows is None
     batch = BatchStep(e, 2)
-    batch([1, 2], [6, e.cache.max_seq_len], [2, 0])  # a live lane and an idle one
+    batch.load([1], [1], [6], [2])  # a live lane and an idle one
+    for stage in BatchStep.stages(2):
+        batch.run(stage)
     assert batch.p.rope is None and batch.p.rows is None
+    pre = PaddedPrefill(e, 16)
+    rows = pre.p.rows
+    assert torch.equal(rows[0], e.model.rope_cos[:16][None]) and torch.equal(rows[1], e.model.rope_sin[:16][None])
+    pre.load_tokens(1, prompt[0].tolist())
+    for stage in PaddedPrefill.stages(2):
+        pre.run(stage)
+    assert pre.p.rows is rows  # the same buffers: a replayed stage reads what construction gathered
 
 
 def test_engine_needs_tables_as_long_as_its_cache():
