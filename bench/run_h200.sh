@@ -34,7 +34,7 @@ run() {  # run NAME SECONDS CMD...: time-limited, logged, never aborts the scrip
 
 for s in "${steps[@]}"; do
     case $s in
-        tests) run tests "${TESTS_S:-200}" python -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/worker/test_gpu_engine.py tests/worker/test_l2_policy.py tests/test_bench.py} -q -p no:cacheprovider ;;
+        tests) run tests "${TESTS_S:-200}" python -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/worker/test_gpu_engine.py tests/worker/test_l2_policy.py tests/worker/test_rope_tables.py tests/test_bench.py} -q -p no:cacheprovider ;;
         gemv) run gemv 90 python -m bench.gemv --out-dir "$OUT" ;;
         profile) run profile 90 python -m bench.profile_decode --out-dir "$OUT" ;;
         decode) run decode "${DECODE_S:-240}" python -m bench.decode --out-dir "$OUT" ${DECODE_ARGS:-} ;;
