@@ -4,13 +4,16 @@ rejected slots are never read; speculative sampling preserves the target distrib
 import pytest
 import torch
 
+from stage_graphs import with_stage_graphs
+
 from model_zoo import CONFIGS
 from tinyloop.kernels.tree_attention import ancestors_from_parents
-from tinyloop.worker import Model, checkpoint
+from tinyloop.worker import Model
 from tinyloop.worker.generation import speculative as spec_mod
-from tinyloop.worker.runner.engine import Tree
-from tinyloop.worker.runner.graphs import PrefillGraphs, VerifyGraphs
 from tinyloop.worker.generation.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
+from tinyloop.worker.model import checkpoint
+from tinyloop.worker.runner.engine import Counters, Tree
+from tinyloop.worker.runner.stages import TreeStages, tree_layout
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
 N_TOKENS = 14
@@ -49,24 +52,13 @@ def tiny_spec(ckpt_dir):
         yield m
 
 
-class StagesOnCpu:
-    """engine.graphs on CPU with the speculative stages only (graphs.VerifyGraphs: without a
-    GPU they run eagerly, in the order the GPU replays them); no decode graphs, eager prefill."""
-
-    def __init__(self, engine, loops: int):
-        self.prefill = PrefillGraphs(engine, None, 0)
-        self.verify = VerifyGraphs(engine)
-        self.verify.capture(0, loops)
-
-    def get(self, loops, lane=0):
-        return None
-
-
 @pytest.fixture(scope="module")
 def staged_spec(tiny_spec):
-    """tiny_spec's checkpoint with its tree rounds and chain verifies on TreeStages."""
+    """tiny_spec's checkpoint with its tree rounds and chain verifies on the verify buckets'
+    TreeStages (5 and 17 nodes, pads and all; what the GPU replays), depths 1..8; no decode
+    graphs, eager prefill."""
     with Model(tiny_spec.path, max_seq_len=160) as m:
-        m.engine.graphs = StagesOnCpu(m.engine, 8)
+        with_stage_graphs(m, range(1, 9))
         yield m
 
 
@@ -118,9 +110,9 @@ def test_side_branches_get_accepted(tiny_spec):
     seen = []
     real = spec_mod._move_path
 
-    def spy(engine, lane, pos, path, loops):
+    def spy(runner, lane, pos, path, loops):
         seen.append([n > d for d, n in enumerate(path, 1)])
-        return real(engine, lane, pos, path, loops)
+        return real(runner, lane, pos, path, loops)
 
     spec_mod._move_path = spy
     try:
@@ -155,19 +147,22 @@ def test_max_tokens_and_stop_token_mid_draft(tiny_spec):
 
 
 # -- warm start and rollback ----------------------------------------------------------------
-@pytest.mark.parametrize("tree", [False, True])
-def test_warm_start_runs_each_iteration_once(tiny_spec, tree):
+@pytest.mark.parametrize("tree,staged", [(False, False), (True, False), (False, True), (True, True)])
+def test_warm_start_runs_each_iteration_once(tiny_spec, staged_spec, tree, staged):
     """Each chunk token runs exactly verify_loops iterations in total (draft + verify), so the
-    verifier never re-runs [0, draft_loops); and verify passes start at draft_loops."""
-    m, prompt, Ld, Lv, K = tiny_spec, PROMPTS[1], 2, 7, 3
+    verifier never re-runs [0, draft_loops); and verify passes start at draft_loops. The
+    counters (the stats) count what the engine ran, iteration by iteration, and on the verify
+    buckets' stages (staged) the nodes, not the bucket's pads."""
+    m, prompt, Ld, Lv, K = (staged_spec if staged else tiny_spec), PROMPTS[1], 2, 7, 3
+    e = m.runner.engine
     calls = []
-    real = m.engine.run_loops
+    real = e.run_loops
 
     def spy(x, p, start, stop, lane_loops=None, depth=None):
         calls.append((start, stop, x.shape[1]))
         return real(x, p, start, stop, lane_loops, depth)
 
-    m.engine.run_loops = spy
+    e.run_loops = spy
     try:
         if tree:
             out = m.generate_tree_speculative(prompt, max_tokens=N_TOKENS, draft_loops=Ld, verify_loops=Lv,
@@ -176,14 +171,25 @@ def test_warm_start_runs_each_iteration_once(tiny_spec, tree):
             out = m.generate_speculative(prompt, max_tokens=N_TOKENS, draft_loops=Ld, verify_loops=Lv,
                                          draft_ahead=4)
     finally:
-        del m.engine.run_loops
+        del e.run_loops
     s, T = out.stats, len(prompt)
     width = K if tree else 1   # tokens per drafted depth
     assert s["loop_token_iterations"] == Lv * (T + s["verify_steps"] + width * s["drafted_tokens"])
     assert s["loop_iterations"] == Lv + Ld * s["drafted_tokens"] + Lv * s["verify_steps"]
     assert calls[0] == (0, Lv, T)                         # prefill
-    assert {c[:2] for c in calls[1:]} == {(0, Ld), (Ld, Lv)}
-    assert sum(c[:2] == (Ld, Lv) for c in calls) == s["verify_steps"]
+    rounds = calls[1:]
+    # the engine ran what the stats count: every draft step or stage below Ld, every verify
+    # stage at or above it, none across
+    assert sum(stop - start for start, stop, _ in rounds) == s["loop_iterations"] - Lv
+    assert all(0 <= start < stop <= Ld or Ld <= start < stop <= Lv for start, stop, _ in rounds)
+    # iteration i < Ld runs once per chunk token (chain) or tree depth (tree), i >= Ld once per verify
+    for i in range(Lv):
+        runs = sum(start <= i < stop for start, stop, _ in rounds)
+        assert runs == (s["drafted_tokens"] + s["verify_steps"] if i < Ld else s["verify_steps"]), i
+    if not tree and not staged:  # chain verifies of exactly the chunk: the engine's token work too
+        assert sum((stop - start) * n for start, stop, n in calls) == s["loop_token_iterations"]
+    if staged:
+        assert any(kind == "verify" for kind, _, _ in m.runner.graphs.log)
     plain = _want(m, prompt, Lv)
     assert out == plain and s["loop_token_iterations"] >= plain.stats["loop_token_iterations"]
 
@@ -191,21 +197,22 @@ def test_warm_start_runs_each_iteration_once(tiny_spec, tree):
 @pytest.mark.parametrize("tree,staged", [(False, False), (True, False), (False, True), (True, True)])
 def test_rejected_slots_are_never_read(tiny_spec, staged_spec, tree, staged):
     """After every verify, poison every cache slot at or past the first undecided position in
-    every layer (rejected drafts, side branches, stale nodes, and on TreeStages the pads and
-    the nodes a draft depth ran before they were drafted): the output must not change.
-    K = 0 keeps a poisoned key in the softmax if read, V = 1e3 then dominates the output."""
+    every layer (rejected drafts, side branches, stale nodes, and on the verify buckets'
+    TreeStages the pads and the nodes a draft depth ran before they were drafted): the output
+    must not change. K = 0 keeps a poisoned key in the softmax if read, V = 1e3 then dominates
+    the output."""
     m, prompt = (staged_spec if staged else tiny_spec), PROMPTS[0]
-    cache = m.engine.cache
+    cache = m.runner.cache
     name = "_tree_round" if tree else "_chain_round"
     real = getattr(spec_mod, name)
 
     def run(margin):
-        def poisoned(engine, lane, spec, chooser, t, pos, k):
-            toks, n_accepted = real(engine, lane, spec, chooser, t, pos, k)
-            first = pos + len(toks) - margin  # pos + len(toks): the next round's unfed token
+        def poisoned(runner, lane, spec, chooser, t, pos, k, *rest):
+            out = real(runner, lane, spec, chooser, t, pos, k, *rest)  # (tokens decided, ...)
+            first = pos + len(out[0]) - margin  # pos + len(tokens): the next round's unfed token
             cache.k[:, lane, :, first:] = 0.0
             cache.v[:, lane, :, first:] = 1e3
-            return toks, n_accepted
+            return out
 
         setattr(spec_mod, name, poisoned)
         try:
@@ -216,7 +223,12 @@ def test_rejected_slots_are_never_read(tiny_spec, staged_spec, tree, staged):
             setattr(spec_mod, name, real)
 
     want = _want(m, prompt, 6, 16)
+    if staged:
+        m.runner.graphs.log.clear()
     assert run(0) == want
+    if staged:  # the rounds ran on the buckets: 13 tree nodes in 17 (4 pads), chains in 5
+        buckets = {b for kind, b, _ in m.runner.graphs.log if kind == "verify"}
+        assert 17 in buckets and buckets <= {5, 17} if tree else buckets == {5}
     assert run(2) != want, "poisoning a decided slot must show: the test could not fail"
 
 
@@ -224,14 +236,15 @@ def test_rejected_slots_are_never_read(tiny_spec, staged_spec, tree, staged):
 def test_tree_mask_of_a_chain_equals_the_causal_chunk(tiny_spec):
     """Engine level: a chunk verified through tree mode with chain parents gives the logits of
     the ordinary causal chunk pass; and K_branches=1 through the tree path equals the chain."""
-    m, e = tiny_spec, tiny_spec.engine
+    m, e = tiny_spec, tiny_spec.runner.engine
     prompt, chunk = PROMPTS[1], torch.tensor([[9, 250, 3, 77, 31]])
     T, n = len(prompt), chunk.shape[1]
     pos = torch.arange(T, T + n)[None]
+    lane = torch.tensor([0])
 
     def logits(tree: bool):
-        e.forward(torch.tensor([prompt]), e.make_pass(slice(0, 1), torch.arange(T)[None], T), 6)
-        p = e.make_pass(slice(0, 1), pos, T + n)
+        e.forward(torch.tensor([prompt]), e.make_pass(lane, torch.arange(T)[None], T), 6)
+        p = e.make_pass(lane, pos, T + n)
         if tree:
             parents = torch.arange(-1, n - 1)[None]
             p.tree = Tree(pos, torch.tensor([T]), ancestors_from_parents(parents))
@@ -246,73 +259,95 @@ def test_tree_mask_of_a_chain_equals_the_causal_chunk(tiny_spec):
         assert {k: v for k, v in chain.stats.items()} == {k: v for k, v in tree.stats.items()}
 
 
-def test_chain_verify_stages_equal_the_eager_verify(tiny_spec):
-    """speculative.TreeStages.verify_chain (the stages the verify graphs capture, run eagerly
-    here): a chunk of drafted residuals at any position, padded to its bucket, gives the logits
-    of the eager chain verify at every chunk position, counts the chunk's iterations as it does,
-    and reads
-    its position from the buffers `load_chain` sets (the same object at two positions); a
-    chunk that does not fit is refused."""
-    m, e = tiny_spec, tiny_spec.engine
-    Ld, Lv = 2, 6
+@pytest.mark.parametrize("staged", [False, True])
+def test_chain_verify_equals_the_causal_chunk(tiny_spec, staged_spec, staged):
+    """runner.verify (a chain through the tree stages: on the verify buckets' stages, padded
+    to the bucket, when staged; eager stages of exactly the chunk otherwise): a chunk of
+    drafted residuals at any position gives the logits of the causal chunk pass over
+    iterations [L_d, L_v) at every chunk position and counts the chunk's iterations, not the
+    pads'. On the stages: one bucket's stage set serves two positions (it reads its position
+    from the buffers `load_chain` sets), a chunk takes the smallest bucket that holds it, and
+    a chunk whose bucket would pass the cache's end, or that no bucket holds, runs eagerly; a
+    chunk past the cache's end is refused."""
+    m = staged_spec if staged else tiny_spec
+    r = m.runner
+    e, S, V = r.engine, r.cache.max_seq_len, r.config.vocab_size
+    Ld, Lv, lane = 2, 6, 1
     prompt = PROMPTS[1]
-    e.forward(torch.tensor([prompt]), e.make_pass(slice(0, 1), torch.arange(len(prompt))[None], len(prompt)), Lv)
-    verify = spec_mod.TreeStages(e, 0, 5).verify_chain
-    for pos, chunk in ((len(prompt), [9, 250, 3]), (len(prompt) + 3, [77, 31, 4, 4, 120])):
-        xs = []
-        for i, t in enumerate(chunk):  # the drafts: iterations [0, Ld) and their K/V
-            p = e.make_pass(slice(0, 1), torch.tensor([[pos + i]]), pos + i + 1)
-            xs.append(e.run_loops(e.embed_prelude(torch.tensor([[t]]), p), p, 0, Ld))
-        x = torch.cat(xs, 1)
-        before = e.counters.snapshot()
-        got = verify(x, pos, Ld, Lv).clone()
-        work = e.counters.since(before)
+    T = len(prompt)
+    r.prefill(lane, prompt, Lv)
+
+    def drafts(chunk, pos):  # the chain round's draft steps: iterations [0, Ld) and their K/V
+        return torch.cat([r.decode([lane], [t], [pos + i], [Ld]).residual.clone() for i, t in enumerate(chunk)], 1)
+
+    x = None
+    for pos, chunk, bucket in ((T, [9, 250, 3], 5), (T + 3, [77, 31, 4, 4, 120], 5),
+                               (T + 8, [5, 6, 7, 8, 9, 10], 17), (S - 4, [1, 2, 3], None),
+                               (T + 14, list(range(40, 58)), None)):
+        x = drafts(chunk, pos)
         n = len(chunk)
-        assert got.shape == (n, e.config.vocab_size)
-        assert (work.loop_iterations, work.loop_token_iterations) == (Lv - Ld, (Lv - Ld) * n)
-        p = e.make_pass(slice(0, 1), torch.arange(pos, pos + n)[None], pos + n)
-        want = e.logits(e.coda(e.run_loops(x, p, Ld, Lv), p))[0]
+        if staged:
+            r.graphs.log.clear()
+        before = r.counters.snapshot()
+        out = r.verify(lane, x, pos, Ld, Lv)
+        got = out.logits.clone()
+        work = r.counters.since(before)
+        assert got.shape == (n, V)
+        assert work == out.work == Counters(Lv - Ld, (Lv - Ld) * n)
+        if staged:
+            want_log = [] if bucket is None else [("verify", bucket, s) for s in TreeStages.span(Ld, Lv)]
+            assert r.graphs.log == want_log, (pos, n)
+        p = e.make_pass(torch.tensor([lane]), torch.arange(pos, pos + n)[None], pos + n)
+        want = e.logits(e.coda(e.run_loops(x.clone(), p, Ld, Lv), p))[0]
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4, pos
-    with pytest.raises(ValueError, match="does not fit bucket 5"):
-        verify(x[:, :3], e.cache.max_seq_len - 4, Ld, Lv)
-    with pytest.raises(ValueError, match="does not fit bucket 5"):
-        verify(torch.cat([x, x], 1), len(prompt), Ld, Lv)
-    assert spec_mod.verify_bucket(2) == spec_mod.verify_bucket(5) == 5 and spec_mod.verify_bucket(6) == 17
-    assert spec_mod.verify_bucket(spec_mod.MAX_DRAFT_AHEAD + 2) is None
+    before = r.counters.snapshot()
+    with pytest.raises(ValueError, match="passes the cache"):
+        r.verify(lane, x[:, :3], S - 2, Ld, Lv)
+    assert r.counters.since(before) == Counters()
 
 
 def test_tree_rounds_on_the_stages_equal_the_eager_rounds(tiny_spec, staged_spec, monkeypatch):
-    """Tree rounds on TreeStages (what the GPU replays; eager here): each draft depth runs the
-    whole bucket, pads and undrafted nodes included, and the verify continues from the last
-    depth's residuals. Tokens, acceptance and loop counters equal the eager rounds', greedy
-    and sampled, for trees of several shapes (the last rounds' shorter trees too); a tree past
-    the largest bucket (4 x 5 + 1 = 21 nodes) runs eagerly, the shorter trees of its last
-    rounds on the stages."""
+    """Tree rounds on the verify buckets' TreeStages (what the GPU replays; eager here): each
+    draft depth runs the whole bucket, pads and undrafted nodes included, and the verify
+    continues from the last depth's residuals. Tokens, acceptance and loop counters equal the
+    rounds on eager stages of exactly the tree's nodes, greedy and sampled, for trees of
+    several shapes (the last rounds' shorter trees too); a tree past the largest bucket
+    (4 x 5 + 1 = 21 nodes) runs eagerly, the shorter trees of its last rounds on the stages."""
     ref, m = tiny_spec, staged_spec
-    staged = []
-    real = spec_mod._staged_tree
-    monkeypatch.setattr(spec_mod, "_staged_tree", lambda *a: (staged.append(a[5:7]), real(*a))[1])
+    trees = []  # (nodes, replayed) per round on the staged model
+    real = m.runner.tree
+
+    def spy(lane, nodes, pos, stages=None):
+        tr = real(lane, nodes, pos, stages)
+        trees.append((nodes, tr.graphed))
+        return tr
+
+    monkeypatch.setattr(m.runner, "tree", spy)
     accepted = 0
     for prompt in PROMPTS:
-        for K, k in ((2, 4), (3, 5), (1, 3), (4, 5)):
-            for sampled in ({}, dict(temperature=0.9, seed=11)):
+        for sampled in ({}, dict(temperature=0.9, seed=11)):
+            want = _want(ref, prompt, 6, **sampled)
+            for K, k in ((2, 4), (3, 5), (1, 3), (4, 5)):
                 kw = dict(max_tokens=N_TOKENS, draft_loops=2, verify_loops=6, draft_ahead=k, K_branches=K, **sampled)
-                staged.clear()
+                trees.clear()
                 a, b = m.generate_tree_speculative(prompt, **kw), ref.generate_tree_speculative(prompt, **kw)
                 assert a == b and a.stats == b.stats, (prompt, K, k, sampled)
-                assert a == _want(ref, prompt, 6, **sampled)
-                assert all(1 + KK * kk <= 17 for kk, KK in staged)
+                assert a == want
+                staged = [nodes for nodes, graphed in trees if graphed]
+                assert all(nodes <= 17 for nodes in staged)
+                assert all(graphed for nodes, graphed in trees if nodes <= 17)
                 rounds = a.stats["verify_steps"]
+                assert len(trees) == rounds
                 assert len(staged) == rounds if 1 + K * k <= 17 else len(staged) < rounds
                 accepted += a.stats["accepted_tokens"]
     assert accepted > 20  # accepted paths moved their K / V: the walk ran past the root
 
 
 def test_tree_layout():
-    parents, depths = spec_mod.tree_layout(3, 2)
+    parents, depths = tree_layout(3, 2)
     assert parents.tolist() == [-1, 0, 0, 0, 1, 2, 3]
     assert depths.tolist() == [0, 1, 1, 1, 2, 2, 2]
-    parents, _ = spec_mod.tree_layout(1, 4)
+    parents, _ = tree_layout(1, 4)
     assert parents.tolist() == [-1, 0, 1, 2, 3]   # K = 1 is the chain
 
 
