@@ -3,15 +3,13 @@
     source bench/gpu_env.sh && python -m bench.ab --rounds 3 --configs 8x128 8x3072 \
         --variant base --variant "stages1:tinyloop.kernels.decode_attention.SPLIT_STAGES=1"
 
-A GPU's step time drifts between hosts and, on one host, between minutes (0.421 to 0.453 ms for
-the same L = 8 step on the H200s of one session: docs/performance.md), more than most changes
-move it, so two commits' full runs do not compare them. This runs every variant on one model,
+A GPU's step time drifts between hosts and, on one host, between minutes, by more than most
+changes move it, so two commits' full runs do not compare them. This runs every variant on one model,
 alternating base / variant / base / variant, and records each config's figure per round:
 `bench/decode.py`'s `decode_rate` (ms per token of the captured step fed its own greedy token,
 min of `--best-of` runs) at L loops with CTX tokens in the cache. `--warmup-rounds` rounds (1 by
-default) run first and are not recorded: on the H200 the first round read about 1 % slower
-than the next ones for the first variants (e.g. 0.424 then 0.419 and 0.4186 ms,
-bench/results/tilevar-ab-cuda.json, recorded before this option).
+default) run first and are not recorded: the first round reads slower than the next ones for
+the first variants (clocks and caches settling).
 
 A variant is `NAME` or `NAME:target=value[;target=value...]` (values are Python literals),
 each target either

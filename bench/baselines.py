@@ -6,7 +6,7 @@ The decode step has static shapes: it writes its K/V at `pos`, then attends over
 cache with a mask built from `pos`. So it compiles with fullgraph=True, and "reduce-overhead"
 can capture it in CUDA graphs.
 
-It shares no code with the engine (worker/engine.py), only the weights and the RoPE formula
+It shares no code with the engine (worker/runner/engine.py), only the weights and the RoPE formula
 (kernels/rope.py `apply_rope_ref`).
 
     dec = PlainDecoder(model, max_seq_len=256, loops=8)

@@ -279,7 +279,7 @@ class Model:
     def start(self, request: Request, lane: int = 0) -> DecodeState:
         """Prefill a validated, non-speculative request into a cache lane: its `DecodeState`,
         to step alone (`generate.decode_steps`, what `stream` does) or with other streams in
-        one forward (worker/batcher.py, what the Ray actor does)."""
+        one step (generation/batcher.py, what the Ray actor does)."""
         self._check_open()
         if request.speculative is not None:
             raise ValueError("a speculative request streams through Model.stream")

@@ -35,7 +35,7 @@ class Request:
     warmup_loops: int | None = None
     safety_threshold: float | None = None
     stop_ids: frozenset[int] = frozenset()
-    speculative: dict | None = None   # {draft_loops, verify_loops, draft_ahead, k_branches}: worker/speculative.py
+    speculative: dict | None = None   # {draft_loops, verify_loops, draft_ahead, k_branches}: generation/speculative.py
 
 
 @dataclass

@@ -10,7 +10,7 @@ the weights every iteration shares, so the draft's cache layers [0, L_d) for the
 [t_p, d_1 .. d_k] are exactly the layers a verify at `verify_loops` (L_v) would write for the
 tokens that get accepted. Verify therefore runs only iterations [L_d, L_v) over the chunk, from
 the saved residuals, then the coda and the logits at every chunk position: each chunk token runs
-L_v iterations in total, never more (the engine's counters prove it). Verifier logits at p + i
+L_v iterations in total, never more (the runner's counters prove it). Verifier logits at p + i
 decide position p + i + 1: accept while the verifier's token equals the draft; the verifier's
 token at the first mismatch (or the bonus after a fully accepted chunk) is the round's last
 token and the next round's t_p.
