@@ -38,6 +38,10 @@ def decode(handle_id: str) -> HandleRef:
     if len(raw) != _LAYOUT.size:
         raise ValueError("malformed handle id: wrong length")
     version, worker, epoch, token = _LAYOUT.unpack(raw)
+    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode() != handle_id:
+        # the decoder also takes '+' and '/' (and other spellings of the same bytes): only the
+        # exact id this service issued names a handle
+        raise ValueError("malformed handle id: not the spelling this service issues (base64url, no padding)")
     if version != VERSION:
         raise ValueError(f"malformed handle id: unknown version {version}")
     return HandleRef(worker, epoch, token)

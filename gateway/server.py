@@ -48,6 +48,7 @@ class GatewayOptions:
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
     drain_grace_s: float = 10.0
+    health_interval_s: float = 1.0  # how often the gateway asks each worker whether it is alive
     auth_tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> caller identity
     max_prompt_tokens: int = 1 << 20
 
@@ -87,6 +88,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         self.draining = False
         self.inflight = 0
         self._rr = itertools.count()
+        self.on_health = None  # async callback(serving: bool), set by Gateway: some worker can take work or none
 
     # -- plumbing -----------------------------------------------------------------------
     def _caller(self, context) -> str:
@@ -129,7 +131,13 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         """Take a failed worker out of placement until Ray has restarted it (new epoch)."""
         if w.healthy:
             w.healthy = False
-            asyncio.get_running_loop().create_task(self._probe(w))
+            loop = asyncio.get_running_loop()
+            loop.create_task(self._probe(w))
+            self._health_changed()
+
+    def _health_changed(self) -> None:
+        if self.on_health is not None:
+            asyncio.get_running_loop().create_task(self.on_health(any(w.healthy for w in self.workers)))
 
     async def _probe(self, w: _Worker) -> None:
         while True:
@@ -137,6 +145,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                 w.info = await w.actor.info.remote()
                 w.healthy = True
                 log.info("%s is back (epoch %d)", w.label, w.info["epoch"])
+                self._health_changed()
                 return
             except _ACTOR_ERRORS:
                 await asyncio.sleep(0.5)
@@ -426,11 +435,80 @@ async def _ref(ref):
     return await ref
 
 
+class _Malformed:
+    """What the request deserializer hands the handler for bytes that are no valid message."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the method's request message (truncated or random bytes,
+    invalid UTF-8 in a string field) answer INVALID_ARGUMENT / MALFORMED_REQUEST, where grpc's
+    own deserializer failure would answer UNKNOWN with the exception's class name."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as e:  # protobuf's DecodeError, or a parser's own error
+                return _Malformed(e)
+        kind = "unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream else None
+        if kind is None:  # no streaming-request methods in this API
+            return handler._replace(request_deserializer=deserialize)
+        behavior = getattr(handler, kind)
+        error = ServiceError("INVALID_ARGUMENT", "MALFORMED_REQUEST",
+                             f"the request is not a valid {details.method.rsplit('/', 1)[-1]} message")
+
+        if kind == "unary_unary":
+            async def guarded(request, context):
+                if isinstance(request, _Malformed):
+                    metrics.ERRORS.labels(details.method.rsplit("/", 1)[-1], error.reason).inc()
+                    await context.abort_with_status(error.to_status())
+                return await behavior(request, context)
+        else:
+            async def guarded(request, context):
+                if isinstance(request, _Malformed):
+                    metrics.ERRORS.labels(details.method.rsplit("/", 1)[-1], error.reason).inc()
+                    await context.abort_with_status(error.to_status())
+                async for item in behavior(request, context):
+                    yield item
+        return handler._replace(request_deserializer=deserialize, **{kind: guarded})
+
+
 class Gateway:
     """A running gateway: `await Gateway.start(actors, options)`, then `await gw.stop()`."""
 
     def __init__(self, server, servicer: TinyLoopServicer, health_servicer, port: int, options: GatewayOptions):
         self.server, self.servicer, self.health, self.port, self.options = server, servicer, health_servicer, port, options
+        servicer.on_health = self._set_health
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _set_health(self, serving: bool) -> None:
+        """SERVING while some worker can take work, NOT_SERVING while none can (or draining)."""
+        if self.servicer.draining:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _watch(self) -> None:
+        """Ask every placed worker for its stats every `health_interval_s`: a worker that died
+        while idle leaves placement (and health) at once, not at the next request it fails."""
+        while True:
+            await asyncio.sleep(self.options.health_interval_s)
+            for w in self.servicer.workers:
+                if not w.healthy:
+                    continue
+                try:
+                    await asyncio.wait_for(_ref(w.actor.stats.remote()), self.options.health_interval_s * 5)
+                except (asyncio.TimeoutError, *_ACTOR_ERRORS):
+                    self.servicer._worker_failed(w)
 
     @classmethod
     async def start(cls, actors: list, options: GatewayOptions | None = None) -> "Gateway":
@@ -438,7 +516,7 @@ class Gateway:
         infos = await asyncio.gather(*(_ref(a.info.remote()) for a in actors))
         workers = [_Worker(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
         servicer = TinyLoopServicer(workers, o)
-        server = grpc.aio.server(options=server_options(o))
+        server = grpc.aio.server(options=server_options(o), interceptors=[MalformedRequests()])
         pb_grpc.add_TinyLoopServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -455,6 +533,7 @@ class Gateway:
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful: health NOT_SERVING, refuse new RPCs, drain in-flight ones, then stop."""
         grace = self.options.drain_grace_s if grace_s is None else grace_s
+        self._watcher.cancel()
         await self.health.enter_graceful_shutdown()
         self.servicer.draining = True
         deadline = time.monotonic() + grace

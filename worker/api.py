@@ -6,6 +6,7 @@ Argument checks live here, so every path (in-process, Ray actor, CLI) raises the
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import threading
@@ -30,6 +31,7 @@ from tinyloop.worker.model.tokenizer import from_metadata
 from tinyloop.worker.runner.runner import Runner, RunnerSettings
 
 DEFAULT_SAFETY_NORM_THRESHOLD = 1.0e4
+MIN_TEMPERATURE = 1e-30  # the smallest that float32 scores can be divided by and stay finite
 
 
 def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -197,8 +199,10 @@ class Model:
         return int(loops)
 
     def _sampling(self, temperature, top_k, top_p, repetition_penalty) -> SamplingParams:
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
         if not 0 < top_p <= 1:
@@ -214,10 +218,14 @@ class Model:
             raise RuntimeError(f"{what} of {seq_len} tokens + max_tokens {max_tokens} exceeds "
                                f"max_seq_len {self.max_seq_len}")
 
-    @staticmethod
-    def _window(cache_window: int) -> int:
+    def _window(self, cache_window: int) -> int:
+        if isinstance(cache_window, bool) or not isinstance(cache_window, (int, np.integer)):
+            raise ValueError(f"cache_window must be an int, got {type(cache_window).__name__}")
         if cache_window < 0:
             raise ValueError(f"cache_window must be >= 0 (0 = full cache), got {cache_window}")
+        if cache_window > self.max_seq_len:
+            raise ValueError(f"cache_window={cache_window} exceeds the cache's max_seq_len {self.max_seq_len} "
+                             f"positions (0 = the full cache)")
         return int(cache_window)
 
     def _seed(self, seed) -> int:
@@ -350,7 +358,10 @@ class Model:
                         g = drain([], decode_steps(st))
                         results[i] = (list(g), Finish(g.finish_reason, g.stats))
                 while batcher:
-                    for lane, (new, finish) in batcher.step().items():
+                    for lane, update in batcher.step().items():
+                        if isinstance(update, Exception):
+                            raise update
+                        new, finish = update
                         got = results[lane_of[lane]]
                         results[lane_of[lane]] = (got[0] + new, finish)
             finally:
@@ -380,7 +391,8 @@ class Model:
         if max_loops < 1:
             raise ValueError(f"max_loops must be >= 1, got {max_loops}")
         if L_used > max_loops:
-            raise ValueError(f"L_used={L_used} exceeds max_loops={max_loops}")
+            # the reference runtime's error for it: the arguments are valid alone, not together
+            raise RuntimeError(f"L_used={L_used} exceeds max_loops={max_loops}")
         if max_loops > self.config.max_loops:
             raise ValueError(f"max_loops={max_loops} exceeds the model's max_loops={self.config.max_loops}")
         window = self._window(cache_window)

@@ -20,7 +20,7 @@ P = [1, 2, 3]
     (dict(loops=0), "loops=0 out of range"),
     (dict(loops=33), "loops=33 out of range"),
     (dict(max_tokens=0), "max_tokens must be >= 1"),
-    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
     (dict(top_k=-1), "top_k must be >= 0"),
     (dict(top_p=0.0), "top_p must be in"),
     (dict(top_p=1.5), "top_p must be in"),

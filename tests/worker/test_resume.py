@@ -73,7 +73,7 @@ def test_handle_accessors_and_free(tiny_model):
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(L_used=-1), ValueError, "L_used must be >= 0"),
     (dict(max_loops=0), ValueError, "max_loops must be >= 1"),
-    (dict(L_used=9, max_loops=8), ValueError, "L_used=9 exceeds max_loops=8"),
+    (dict(L_used=9, max_loops=8), RuntimeError, "L_used=9 exceeds max_loops=8"),  # as the reference runtime
     (dict(max_loops=64), ValueError, "exceeds the model's max_loops=32"),
     (dict(cache_window=-2), ValueError, "cache_window must be >= 0"),
 ])
@@ -86,7 +86,7 @@ def test_build_errors(tiny_model, kwargs, exc, match):
     (2, {}, RuntimeError, r"new_L=2 outside \[loops_used=3, max_loops=8\]"),
     (9, {}, RuntimeError, r"new_L=9 outside"),
     (4, dict(max_tokens=0), ValueError, "max_tokens must be >= 1"),
-    (4, dict(temperature=-1), ValueError, "temperature must be >= 0"),
+    (4, dict(temperature=-1), ValueError, "temperature must be a finite number >= 0"),
     (4, dict(top_k=-5), ValueError, "top_k must be >= 0"),
     (4, dict(repetition_penalty=-1), ValueError, "repetition_penalty must be > 0"),
     (4, dict(max_tokens=500), RuntimeError, "exceeds max_seq_len"),

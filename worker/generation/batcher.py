@@ -25,7 +25,8 @@ from tinyloop.worker.generation.decode import DecodeState, Finish, device_tensor
 from tinyloop.worker.generation.sampling import sample
 from tinyloop.worker.runner.runner import Runner, StepOut
 
-Update = tuple[list[int], Finish | None]  # new token ids, and the Finish once the stream ends
+# new token ids and the Finish once the stream ends; or the exception that ended this stream alone
+Update = tuple[list[int], Finish | None] | Exception
 
 
 class Batcher:
@@ -95,27 +96,38 @@ class Batcher:
                 # replay and wrote it to the host
                 st = self.states[lanes[0]]
                 st.advanced(out)
-                tok = st.sample()
-                st.copy_to_host(tok)
-                go_on = {lanes[0]: tok} if st.generated + 1 < st.req.max_tokens else {}
+                failed = {}
+                try:
+                    tok = st.sample()
+                    st.copy_to_host(tok)
+                    go_on = {lanes[0]: tok} if st.generated + 1 < st.req.max_tokens else {}
+                except Exception as e:  # this stream's sampling alone: the streams joined since go on
+                    failed, go_on = {lanes[0]: e}, {}
             else:
                 out.detach()  # the rows outlive the next launch, which reuses the step's buffers
                 for row, lane in rows:
                     self.states[lane].advanced(out.row(row))
-                toks = self._sample(lanes)
+                toks, failed = self._sample(lanes)
                 self._copy_to_host(toks)
-                go_on = {lane: toks[i] for i, lane in enumerate(lanes)
-                         if self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
+                go_on = {lane: toks[i] for i, lane in enumerate(lanes) if lane not in failed
+                         and self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
             if go_on or len(self.states) > len(lanes):  # or streams joined since: their first token
                 self._launch(go_on, skip=set(lanes) - set(go_on))
-            toks_h = [st.host_token()] if len(ran) == 1 else self._host_tokens(len(lanes))
+            if len(ran) > 1:
+                toks_h = self._host_tokens(len(lanes))
+            else:
+                toks_h = [-1] if failed else [st.host_token()]
         except Exception:
             self._ahead = None
             raise
         out: dict[int, Update] = {}
         for lane, t in zip(lanes, toks_h):
             st = self.states[lane]
-            if st.accept(t):
+            if lane in failed:  # its update is the error; the stream has left
+                out[lane] = failed[lane]
+                self.runner.release(st.out)
+                del self.states[lane]
+            elif st.accept(t):
                 out[lane] = [t], None
             else:
                 out[lane] = [t], st.finish()
@@ -134,26 +146,33 @@ class Batcher:
         self._last = out
         self._ahead = [(lane, self.states[lane]) for lane in lanes], out
 
-    def _sample(self, lanes: list[int]) -> torch.Tensor:
+    def _sample(self, lanes: list[int]) -> tuple[torch.Tensor, dict[int, Exception]]:
         """Every stream's next token (len(lanes),) on the device from its logits: one `sample`
         per distinct set of sampling parameters over the rows that share it, each row with its
-        own key."""
+        own key. A group whose sampling raises fails alone: {lane: the exception} for its
+        streams (their rows hold token 0), the other groups' streams go on."""
         groups: dict = {}
         for row, lane in enumerate(lanes):
             groups.setdefault(self.states[lane].req.sampling, []).append(row)
-        toks = None
+        toks, failed = None, {}
         for params, rows in groups.items():
             sts = [self.states[lanes[r]] for r in rows]
-            seen = None if params.repetition_penalty == 1.0 else torch.cat([st.seen for st in sts])
-            seed = torch.cat([st.seed for st in sts])
-            pos = None if params.greedy else self._to_device([st.pos for st in sts])
-            got = sample(torch.cat([st.logits for st in sts]), seen, params, seed, pos)
+            try:
+                seen = None if params.repetition_penalty == 1.0 else torch.cat([st.seen for st in sts])
+                seed = torch.cat([st.seed for st in sts])
+                pos = None if params.greedy else self._to_device([st.pos for st in sts])
+                got = sample(torch.cat([st.logits for st in sts]), seen, params, seed, pos)
+            except Exception as e:
+                failed.update({lanes[r]: e for r in rows})
+                continue
             if len(rows) == len(lanes):
-                return got
+                return got, failed
             if toks is None:
-                toks = torch.empty(len(lanes), dtype=torch.long, device=got.device)
+                toks = torch.zeros(len(lanes), dtype=torch.long, device=got.device)
             toks.index_copy_(0, self._to_device(rows), got)
-        return toks
+        if toks is None:
+            toks = torch.zeros(len(lanes), dtype=torch.long, device=self.runner.device)
+        return toks, failed
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """A small int64 host list on the device without a host sync: a pageable copy would

@@ -69,8 +69,12 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, pe
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution sampling draws from: temperature, then top-k, then top-p. (B, V) fp32."""
-    logits = logits.float() / p.temperature
+    """The distribution sampling draws from: temperature, then top-k, then top-p. (B, V) fp32.
+    The logits are shifted by their maximum before the temperature divides them, so any
+    temperature > 0 gives finite scores: the best token's is 0, and a tiny temperature sends the
+    others to -inf (greedy in the limit) rather than overflowing to inf - inf = NaN."""
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / p.temperature
     V = logits.shape[-1]
     if 0 < p.top_k < V:
         kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
@@ -93,8 +97,10 @@ def draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * cdf[:, -1]).unsqueeze(-1)
     pick = torch.searchsorted(cdf, target, right=True).clamp_max(pr.shape[-1] - 1)
     # never land on a zero-probability tail token through rounding at the very end
+    # (a row with no positive probability, NaN logits from a diverged model, takes its first
+    # token rather than an index of -1)
     n_pos = (sorted_p > 0).sum(-1, keepdim=True)
-    pick = torch.minimum(pick, n_pos - 1)
+    pick = torch.minimum(pick, n_pos - 1).clamp_min(0)
     return idx.gather(-1, pick).squeeze(-1)
 
 

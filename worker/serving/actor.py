@@ -57,6 +57,15 @@ def _value_error(e: Exception) -> dict:
     return error("INVALID_ARGUMENT", "INVALID_ARGUMENT", msg)
 
 
+def _step_error(worker_id: str, e: Exception) -> dict:
+    """A failed decode step as a status: out of memory is RESOURCE_EXHAUSTED, anything else
+    INTERNAL, with the exception's type and first line only (no traceback, paths or ids)."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    if "out of memory" in first.lower():
+        return error("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY", f"{worker_id}: out of memory in a decode step")
+    return error("INTERNAL", "STEP_FAILED", f"{worker_id}: a decode step failed ({type(e).__name__}: {first})")
+
+
 class _Cancelled(Exception):
     pass
 
@@ -169,6 +178,16 @@ class WorkerActor:
         after = None
         if p.get("return_handle"):
             max_loops = p.get("handle_max_loops") or self.model.config.max_loops
+            # everything the handle needs is checked before any work: it keeps the first
+            # req.loops iterations, allocated for max_loops
+            if req.loops > max_loops:
+                yield error("INVALID_ARGUMENT", "INVALID_ARGUMENT",
+                            f"handle_max_loops={max_loops} is below the request's loops={req.loops}")
+                return
+            too_big = self._over_budget(len(ids), max_loops, req.window)
+            if too_big is not None:
+                yield too_big
+                return
             after = lambda: self._build(caller, ids, req.loops, max_loops, req.window)  # noqa: E731
         start = self.model.stream if req.speculative else self.model.start
         async for item in self._stream(key, lambda lane: start(req, lane),
@@ -236,17 +255,21 @@ class WorkerActor:
             ids: list[int] = []
             flushed_once, last_flush = False, time.monotonic()
             while not state.cancelled:
-                if first is not None:
-                    (new, finish), first = first, None
-                elif gen is not None:
-                    new, finish = await loop.run_in_executor(self._pool, _step, gen)
-                else:
-                    update = await state.queue.get()
-                    if update is None:  # cancelled
-                        break
-                    if isinstance(update, BaseException):
-                        raise update
-                    new, finish = update
+                try:
+                    if first is not None:
+                        (new, finish), first = first, None
+                    elif gen is not None:
+                        new, finish = await loop.run_in_executor(self._pool, _step, gen)
+                    else:
+                        update = await state.queue.get()
+                        if update is None:  # cancelled
+                            break
+                        if isinstance(update, BaseException):
+                            raise update
+                        new, finish = update
+                except Exception as e:  # a step failed: this stream ends with a status, the worker serves on
+                    yield _step_error(self.worker_id, e)
+                    return
                 if new:
                     ids.extend(new)
                 now = time.monotonic()
@@ -314,7 +337,7 @@ class WorkerActor:
                     queue = self._joined.get(lane)
                     if queue is not None:
                         queue.put_nowait(update)
-                        if update[1] is not None:
+                        if isinstance(update, BaseException) or update[1] is not None:
                             del self._joined[lane]
         finally:
             self._batch_task = None
@@ -370,8 +393,23 @@ class WorkerActor:
         max_loops = min(p.get("max_loops", 32), self.model.config.max_loops)
         return await self._build(caller, ids, p.get("l_used", 8), max_loops, p.get("cache_window", 0))
 
+    def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
+        """The error for a handle larger than the whole byte budget (no eviction could fit it),
+        told before any work; None when it can fit."""
+        from tinyloop.worker.generation.resume import handle_nbytes  # torch: not at import time
+        nbytes = handle_nbytes(self.model.config, seq_len, max_loops, window, self.model.dtype)
+        if nbytes <= self.handle_budget_bytes:
+            return None
+        return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
+                     f"a handle of {nbytes} bytes ({seq_len} tokens, max_loops {max_loops}) exceeds "
+                     f"{self.worker_id}'s handle budget of {self.handle_budget_bytes} bytes")
+
     async def _build(self, caller: str, ids: list[int], l_used: int, max_loops: int, window: int) -> dict:
         self._sweep()
+        if isinstance(l_used, int) and isinstance(max_loops, int) and 0 <= l_used <= max_loops:
+            too_big = self._over_budget(len(ids), max_loops, window)
+            if too_big is not None:
+                return too_big
         if len(self._handles) >= self.max_handles and not self._evict(0, count=True):
             return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
                          f"{self.worker_id} holds {len(self._handles)} handles (max {self.max_handles})")
@@ -388,7 +426,8 @@ class WorkerActor:
             await loop.run_in_executor(self._pool, self.model.free_resume_handle, handle)
             return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
                          f"a handle of {nbytes} bytes does not fit {self.worker_id}'s handle budget of "
-                         f"{self.handle_budget_bytes} bytes (all resident handles are in use)")
+                         f"{self.handle_budget_bytes} bytes beside the {len(self._handles)} resident handles "
+                         f"that resumes are streaming from")
         token = secrets.token_bytes(16)
         self._handles[token] = _Entry(handle, caller, nbytes, time.monotonic())
         self._handle_bytes += nbytes
