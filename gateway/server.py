@@ -89,6 +89,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         self.inflight = 0
         self._rr = itertools.count()
         self.on_health = None  # async callback(serving: bool), set by Gateway: some worker can take work or none
+        self.streams: set[asyncio.Task] = set()  # the handler tasks of the streams in flight
+        self.cut: set[asyncio.Task] = set()      # those the drain cut at the end of its grace
 
     # -- plumbing -----------------------------------------------------------------------
     def _caller(self, context) -> str:
@@ -273,6 +275,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         w.inflight += 1
         self.inflight += 1
         metrics.INFLIGHT.labels(w.label).inc()
+        task = asyncio.current_task()
+        self.streams.add(task)
         try:
             gen = getattr(w.actor, actor_method).options(num_returns="streaming").remote(key, *args)
             async for ref in gen:
@@ -294,6 +298,12 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                 raise ServiceError("INTERNAL", "INTERNAL", f"{w.label} ended the stream without a Complete")
         except ServiceError as e:
             await self._fail(method, context, e)
+        except asyncio.CancelledError:
+            if task not in self.cut:
+                raise
+            # the drain's grace ran out with this stream still going: it ends with the reason
+            await self._fail(method, context, ServiceError(
+                "UNAVAILABLE", "DRAINING", "the gateway shut down before the stream finished; retry elsewhere"))
         except _ACTOR_ERRORS as e:
             done = True
             self._worker_failed(w)
@@ -301,6 +311,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                 "UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} failed mid-stream ({type(e).__name__}); "
                 "the request was not retried"))
         finally:
+            self.streams.discard(task)
             w.inflight -= 1
             self.inflight -= 1
             metrics.INFLIGHT.labels(w.label).dec()
@@ -340,8 +351,14 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                 raise invalid(f"l_used={p['l_used']} exceeds max_loops={p['max_loops']}")
             w = self._pick()
             w.inflight += 1
+            build = asyncio.ensure_future(self._call(w, "build_handle", caller, p))
             try:
-                h = await self._call(w, "build_handle", caller, p)
+                h = await asyncio.shield(build)
+            except asyncio.CancelledError:
+                # the caller is gone (cancel, deadline): a handle built after it left has no
+                # owner who knows its id, so it is freed as soon as it exists
+                build.add_done_callback(lambda t, w=w, caller=caller: self._orphaned(w, caller, t))
+                raise
             finally:
                 w.inflight -= 1
         except ServiceError as e:
@@ -351,6 +368,13 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             request_id=request.request_id, handle_id=handles.encode(w.index, h["epoch"], h["token"]),
             seq_len=h["seq_len"], loops_used=h["loops_used"], max_loops=h["max_loops"], nbytes=h["nbytes"],
             worker_id=h["worker_id"], expires_in_s=h["expires_in_s"])
+
+    def _orphaned(self, w: _Worker, caller: str, build: asyncio.Future) -> None:
+        if build.cancelled() or build.exception() is not None:
+            return
+        h = build.result()
+        metrics.ERRORS.labels("BuildResumeHandle", "ORPHANED_HANDLE_FREED").inc()
+        w.actor.free_handle.remote(caller, h["token"], h["epoch"])
 
     async def FreeHandle(self, request: pb.FreeHandleRequest, context):
         try:
@@ -539,6 +563,13 @@ class Gateway:
         deadline = time.monotonic() + grace
         while self.servicer.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.servicer.streams:
+            # streams still going at the end of the grace end with UNAVAILABLE / DRAINING, not
+            # with grpc's reason-less "Cancelling all calls"
+            self.servicer.cut = set(self.servicer.streams)
+            for task in self.servicer.cut:
+                task.cancel()
+            await asyncio.sleep(0.1)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
 
     async def wait(self) -> None:

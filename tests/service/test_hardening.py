@@ -188,3 +188,46 @@ def test_health_is_not_serving_while_no_worker_can_work(ray_cluster, model_path)
                 time.sleep(0.1)
     finally:
         gw.stop(0.5)
+
+
+def test_a_handle_built_after_its_caller_left_is_freed(service, client):
+    """BuildResumeHandle with deadlines too short for the build: every call answers
+    DEADLINE_EXCEEDED, and no handle stays resident (none counts against the byte budget)."""
+    from tinyloop.gateway import metrics
+    actors, _ = service
+    orphans = metrics.ERRORS.labels("BuildResumeHandle", "ORPHANED_HANDLE_FREED")
+    before = orphans._value.get()
+    kept = []
+    long_prompt = [1 + i % 250 for i in range(1500)]  # a build of 1500 tokens outlasts these deadlines
+    for i in range(8):
+        try:
+            kept.append(client.build_resume_handle(long_prompt, l_used=16, max_loops=16,
+                                                   timeout=0.02 + 0.01 * (i % 4)))
+        except TinyLoopError as e:
+            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    for h in kept:  # a build that beat its deadline belongs to the caller
+        client.free_handle(h.handle_id)
+    wait_idle(actors, timeout=30)  # every build has run (a build holds a lane)
+    deadline = time.monotonic() + 10
+    while ray.get(actors[0].stats.remote())["handles"]:
+        assert time.monotonic() < deadline, "a handle outlived the caller that asked for it"
+        time.sleep(0.05)
+    assert ray.get(actors[0].stats.remote())["handle_bytes"] == 0
+    assert orphans._value.get() > before, "no build outlived its caller: the test did not test it"
+
+
+def test_a_stream_cut_by_the_drain_says_why(ray_cluster, model_path):
+    actors, gw = start_service(model_path, "w-drain", n=1, lanes=1)
+    try:
+        c = TinyLoopClient(gw.address, caller="alice")
+        it = iter(c.generate(PROMPT, loops=8, max_tokens=2000, timeout=60))
+        assert next(it).ids
+        stopper = threading.Thread(target=gw.stop, args=(0.2,))
+        stopper.start()
+        err = _error(lambda: list(it))
+        stopper.join(10)
+        assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "DRAINING")
+        c.close()
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
