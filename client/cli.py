@@ -9,13 +9,21 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 
 def _client(args):
     from tinyloop.client import TinyLoopClient
-    return TinyLoopClient(args.server, caller=getattr(args, "caller", None), token=getattr(args, "token", None))
+    def read(name):
+        path = getattr(args, name, None)
+        return open(path, "rb").read() if path else None
+    return TinyLoopClient(args.server, caller=getattr(args, "caller", None), token=getattr(args, "token", None),
+                          root_certificates=read("tls_ca"), private_key=read("tls_key"),
+                          certificate_chain=read("tls_cert"))
 
 
 def _common(p) -> None:
     p.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT of `tinyloop serve` (default {DEFAULT_SERVER})")
     p.add_argument("--caller", default=None, help="caller identity (x-tinyloop-caller)")
     p.add_argument("--token", default=None, help="bearer token, when the gateway enforces auth")
+    p.add_argument("--tls-ca", default=None, help="PEM file of the CA that signed the gateway's certificate (TLS)")
+    p.add_argument("--tls-cert", default=None, help="PEM file of this client's certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM file of this client's private key (mutual TLS)")
 
 
 def register(sub) -> None:

@@ -203,13 +203,31 @@ class GenerateStream(_Stream):
         return ids, self.complete
 
 
+def tls_credentials(root_certificates: bytes | None = None, private_key: bytes | None = None,
+                    certificate_chain: bytes | None = None) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials (PEM bytes): the CA that signed the gateway's certificate (None:
+    the system's roots), and for mutual TLS this client's key and certificate. None when no
+    argument is given: a plaintext channel."""
+    if root_certificates is None and private_key is None and certificate_chain is None:
+        return None
+    if (private_key is None) != (certificate_chain is None):
+        raise ValueError("mutual TLS needs both private_key and certificate_chain")
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+
+
 class TinyLoopClient:
     """Blocking client. `caller` is the identity that owns the handles you build; `token` a
-    bearer token when the gateway enforces auth."""
+    bearer token when the gateway enforces auth. `root_certificates` (PEM bytes) connects over
+    TLS; with `private_key` and `certificate_chain` too, mutual TLS."""
 
     def __init__(self, address: str = "127.0.0.1:50051", caller: str | None = None, token: str | None = None,
-                 channel: grpc.Channel | None = None):
-        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                 channel: grpc.Channel | None = None, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None):
+        creds = tls_credentials(root_certificates, private_key, certificate_chain)
+        if channel is None:
+            channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if creds is None
+                       else grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS))
+        self.channel = channel
         self.stub = pb_grpc.TinyLoopStub(self.channel)
         self.metadata = _metadata(caller, token)
 
@@ -284,8 +302,12 @@ class AsyncTinyLoopClient:
     """The asyncio client: same methods as `TinyLoopClient`, awaitable; streams are async
     iterables."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", caller: str | None = None, token: str | None = None):
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str = "127.0.0.1:50051", caller: str | None = None, token: str | None = None,
+                 root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None):
+        creds = tls_credentials(root_certificates, private_key, certificate_chain)
+        self.channel = (grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if creds is None
+                        else grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS))
         self.stub = pb_grpc.TinyLoopStub(self.channel)
         self.metadata = _metadata(caller, token)
 

@@ -30,6 +30,10 @@ def register(sub) -> None:
                    help="TOKEN=CALLER[,TOKEN=CALLER...] or @FILE with one per line; enables bearer auth "
                         "(default: $TINYLOOP_AUTH_TOKENS)")
     s.add_argument("--drain-grace-s", type=float, default=10.0)
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
     s.set_defaults(handler=_serve)
 
 
@@ -83,7 +87,8 @@ def _serve(args) -> int:
     async def main() -> None:
         gw = await Gateway.start(actors, GatewayOptions(
             host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * (1 << 20)),
-            auth_tokens=tokens, drain_grace_s=args.drain_grace_s))
+            auth_tokens=tokens, drain_grace_s=args.drain_grace_s, tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca))
         print(f"tinyloop serve: listening on {args.host}:{gw.port} with {len(actors)} worker(s)", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

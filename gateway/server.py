@@ -50,6 +50,9 @@ class GatewayOptions:
     drain_grace_s: float = 10.0
     health_interval_s: float = 1.0  # how often the gateway asks each worker whether it is alive
     auth_tokens: dict[str, str] = field(default_factory=dict)  # bearer token -> caller identity
+    tls_cert_file: str | None = None       # PEM certificate chain: serve TLS (with tls_key_file)
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # PEM CA bundle: require client certificates it signed (mutual TLS)
     max_prompt_tokens: int = 1 << 20
 
 
@@ -505,6 +508,26 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         return handler._replace(request_deserializer=deserialize, **{kind: guarded})
 
 
+def _listen(server, o: GatewayOptions) -> int:
+    """Bind the port: TLS when a certificate is configured (mutual TLS with a client CA),
+    plaintext otherwise. -> the port bound (0: none)."""
+    address = f"{o.host}:{o.port}"
+    if o.tls_cert_file is None and o.tls_key_file is None:
+        if o.tls_client_ca_file is not None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (mutual TLS is TLS)")
+        return server.add_insecure_port(address)
+    if o.tls_cert_file is None or o.tls_key_file is None:
+        raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+    ca = read(o.tls_client_ca_file) if o.tls_client_ca_file else None
+    creds = grpc.ssl_server_credentials([(read(o.tls_key_file), read(o.tls_cert_file))], root_certificates=ca,
+                                        require_client_auth=ca is not None)
+    return server.add_secure_port(address, creds)
+
+
 class Gateway:
     """A running gateway: `await Gateway.start(actors, options)`, then `await gw.stop()`."""
 
@@ -545,7 +568,7 @@ class Gateway:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(f"{o.host}:{o.port}")
+        port = _listen(server, o)
         if port == 0:
             raise RuntimeError(f"cannot listen on {o.host}:{o.port}")
         await server.start()
