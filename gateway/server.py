@@ -382,7 +382,14 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
     async def FreeHandle(self, request: pb.FreeHandleRequest, context):
         try:
             caller = self._enter("FreeHandle", context)
-            w, ref = self._route(request.handle_id)
+            try:
+                w, ref = self._route(request.handle_id)
+            except ServiceError as e:
+                if e.reason != "HANDLE_NOT_FOUND":
+                    raise
+                # idempotent, whichever worker a well-formed id names: an unknown handle is
+                # already gone (freed=false), as on a worker that never issued it
+                return pb.FreeHandleResponse(request_id=request.request_id, freed=False)
             out = await self._call(w, "free_handle", caller, ref.token, ref.epoch)
         except ServiceError as e:
             await self._fail("FreeHandle", context, e)

@@ -231,3 +231,9 @@ def test_a_stream_cut_by_the_drain_says_why(ray_cluster, model_path):
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
+
+
+def test_free_handle_on_a_forged_id_is_the_same_answer_for_every_worker(client):
+    from tinyloop.gateway import handles
+    for worker in (0, 7):  # the one worker, and one that does not exist
+        assert client.free_handle(handles.encode(worker, 1, bytes(16))) is False
