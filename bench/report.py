@@ -11,7 +11,9 @@ is the newest is decided from what the file records, never from its name: the ru
 (bench/common.py's provenance stamps every result with it), else the commit time of the file's last
 change in git (`git log -1 --format=%ct -- FILE`); ties go to the later git time, then the name. A
 field a table wants that the newest file lacks prints as "—". Files of other prefixes (same-host
-A/Bs, sweeps) and files that call themselves an `experiment` are listed under "Experiments on file".
+A/Bs, sweeps) and files that call themselves an `experiment` are no current figure and stay out,
+as do a benchmark's older runs: the doc shows the current figures only, the history is the files
+and git.
 Standard library only: the report runs where torch is not installed.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import difflib
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,7 +46,6 @@ class Result:
     git_ts: float | None  # the commit time of the file's last change
     prefix: str = ""
     device: str = ""
-    older: list = field(default_factory=list)  # the benchmark's other files, newest first
 
     @property
     def name(self) -> str:
@@ -116,23 +117,15 @@ def is_current(prefix: str, device: str) -> bool:
                for p, d in CURRENT)
 
 
-def classify(results: list[Result]) -> tuple[dict[tuple[str, str], Result], list[Result]]:
-    """(the newest file of each current benchmark, with .older set; the experiment files)."""
+def classify(results: list[Result]) -> dict[tuple[str, str], Result]:
+    """The newest file of each current benchmark (experiments and older runs are not current)."""
     groups: dict[tuple[str, str], list[Result]] = {}
-    experiments = []
     for r in results:
         split = split_name(r.path.stem)
         if split and is_current(*split) and "experiment" not in r.data:
             r.prefix, r.device = split
             groups.setdefault(split, []).append(r)
-        else:
-            experiments.append(r)
-    newest = {}
-    for key, rs in groups.items():
-        rs.sort(key=Result.sort_key, reverse=True)
-        rs[0].older = rs[1:]
-        newest[key] = rs[0]
-    return newest, sorted(experiments, key=lambda r: r.name)
+    return {key: max(rs, key=Result.sort_key) for key, rs in groups.items()}
 
 
 # -- formatting -------------------------------------------------------------------------------------
@@ -255,18 +248,11 @@ def provenance(r: Result, extra: list[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def older(r: Result) -> str:
-    if not r.older:
-        return ""
-    names = ", ".join(f"`{o.name}` ({code(o.commit)})" for o in r.older)
-    return f"\nOther runs on file, newest first: {names}.\n"
-
-
 def section(title: str, intro: str, r: Result | None, body, extra=lambda r: [], after: str = "") -> str:
     head = f"## {title}\n\n{intro.strip()}\n\n"
     if r is None:
         return head + "No result file on record.\n"
-    return head + provenance(r, extra(r)) + "\n\n" + body(r).strip() + "\n" + after + older(r)
+    return head + provenance(r, extra(r)) + "\n\n" + body(r).strip() + "\n" + after
 
 
 # -- the benchmarks ---------------------------------------------------------------------------------
@@ -542,60 +528,8 @@ def startup_section(rs: list[Result]) -> str:
                "speculative (verify) graphs", "batched graphs", "graphs", "graph memory", "GPU memory allocated",
                "commit"],
               rows or [[DASH] * 14])
-    prov = "\n\n".join(provenance(r) + older(r).rstrip() for r in rs)
+    prov = "\n\n".join(provenance(r) for r in rs)
     return head + t + "\n\n" + prov + "\n"
-
-
-# -- experiments ------------------------------------------------------------------------------------
-
-
-def ab_headline(d: dict) -> tuple[str, str, str] | None:
-    """(what it compares, the first variant's figure, the best other variant's figure against the first) of
-    a bench/ab.py file (best_ms: variant -> config -> ms) or a bench/tiles.py one (variant -> ms)."""
-    best, configs, rel = d.get("best_ms"), d.get("configs"), d.get("vs_first_pct")
-    if not isinstance(best, dict) or len(best) < 2:
-        return None
-    variants = list(best)
-    if all(isnum(v) for v in best.values()):
-        cfg = f"{d['loops']}x{d['context']}" if isnum(d.get("loops")) and isnum(d.get("context")) else None
-        flat, rel_at = dict(best), {}
-    elif all(isinstance(v, dict) for v in best.values()):
-        cfg = configs[0] if isinstance(configs, list) and configs else next(iter(best[variants[0]]), None)
-        flat = {k: best[k].get(cfg) for k in variants}
-        rel_at = {k: get(rel, k, cfg) for k in variants}
-    else:
-        return None
-    first, others = variants[0], [k for k in variants[1:] if isnum(flat.get(k))]
-    if not isnum(flat.get(first)) or not others:
-        return None
-    other = min(others, key=lambda k: (flat[k], k))
-    r = rel_at.get(other)
-    r = r if isnum(r) else (flat[other] / flat[first] - 1) * 100
-    cfgs = configs if isinstance(configs, list) and configs else ([cfg] if cfg else [])
-    what = f"{len(variants)} variants at {', '.join(str(c) for c in cfgs) or DASH}"
-    at = f" at {cfg}" if cfg else ""
-    return what, f"`{first}` {ms(flat[first], 4)}{at}", f"`{other}` {ms(flat[other], 4)} ({pct(r)})"
-
-
-def experiments_section(exps: list[Result]) -> str:
-    rows, others = [], []
-    for r in exps:
-        h = ab_headline(r.data)
-        if h:
-            rows.append([f"`{r.name}`", code(r.commit), *h])
-        else:
-            others.append(f"`{r.name}` ({code(r.commit)})")
-    out = ("## Experiments on file\n\n"
-           "Same-host A/Bs and sweeps: variants interleaved round by round in one process (`bench/ab.py`, "
-           "`bench/tiles.py`), the only way two settings compare, since one GPU's step time moves between hosts "
-           "and minutes more than most changes move it. A config `8x128` is L = 8 with 128 tokens in the cache; "
-           "a figure is the variant's best round. Not current figures: each names its commit.\n\n")
-    out += table(["file", "commit", "compares", "first variant", "best of the others (vs the first)"],
-                 rows or [[DASH] * 5]) + "\n"
-    if others:
-        out += ("\nFree-form experiment files (their own `what`, `verdict` or `note` fields say what they "
-                "measured): " + ", ".join(others) + ".\n")
-    return out
 
 
 # -- the targets ------------------------------------------------------------------------------------
@@ -684,7 +618,7 @@ python -m bench.report                  # then docs/performance.md, from the new
 service benchmark needs Ray and grpcio (its recorded command is in its section). Figures of two
 files compare only roughly: one GPU's step time moves between hosts, and the host-bound baselines
 (eager torch, torch.compile) move more; two settings compare in a same-host interleaved A/B
-(`bench/ab.py`, "Experiments on file").
+(`bench/ab.py`, whose JSON stays in `bench/results/`).
 """
 
 DECODE_INTRO = "`bench/decode.py` (sections `decode`, `generate_prefix128_decode16_L8`, `compiled`, `ouro`)."
@@ -709,7 +643,7 @@ SERVICE_INTRO = ("`bench/service.py`: the same model file and thread count in-pr
 
 def render(results: Path = RESULTS) -> str:
     all_results = load(results)
-    newest, exps = classify(all_results)
+    newest = classify(all_results)
     n = newest.get
     startups = sorted((r for (p, dev), r in newest.items() if p.startswith("startup-") and dev == "cuda"),
                       key=lambda r: r.name)
@@ -732,7 +666,6 @@ def render(results: Path = RESULTS) -> str:
                 speculative_extra),
         section("Warm-start resume vs fresh on a CPU", WARM_INTRO, n(("warmstart", "cpu")), warmstart_body,
                 warmstart_extra),
-        experiments_section(exps),
     ]
     return "\n".join(p.rstrip() + "\n" for p in parts)
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.worker.generation.decode import DecodeState, Finish, device_tensor
+from tinyloop.worker.generation.decode import DecodeState, Finish
 from tinyloop.worker.generation.sampling import sample
 from tinyloop.worker.runner.runner import Runner, StepOut
+from tinyloop.worker.runner.stages import device_tensor
 
 # new token ids and the Finish once the stream ends; or the exception that ended this stream alone
 Update = tuple[list[int], Finish | None] | Exception

@@ -17,6 +17,7 @@ import torch
 from tinyloop.worker.generation.sampling import SamplingParams, sample
 from tinyloop.worker.runner.engine import Counters
 from tinyloop.worker.runner.runner import Runner, StepOut
+from tinyloop.worker.runner.stages import device_tensor
 # Finish reasons (documented in docs/api.md).
 FINISH_LENGTH = "length"      # max_tokens reached
 FINISH_STOP = "stop"          # EOS or a stop token was produced (it is included)
@@ -54,14 +55,6 @@ class Generation(list):
 
 
 TokenStream = Generator[list[int], None, Finish]
-
-
-def device_tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """torch.tensor(data) on `device`, with no host sync: a copy to the GPU from pageable
-    memory waits for all the work queued before it (a prefill just launched, a step launched
-    ahead); from pinned memory it is queued like a kernel."""
-    t = torch.tensor(data, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def seen_mask(runner: Runner, tokens: list[list[int]]) -> torch.Tensor:

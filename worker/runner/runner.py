@@ -36,7 +36,7 @@ from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.ops import Ops
 from tinyloop.worker.runner.engine import Counters, Engine
 from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages, batch_buckets, batch_buffers,
-                                           prefill_buckets, prefill_buffers)
+                                           device_tensor, prefill_buckets, prefill_buffers)
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ class Runner:
             return ChunkOut(pre.logits.clone(), work)  # the buffer is the next prefill's
         e = self.engine
         p = e.make_pass(self._slots([lane]), self._arange(0, T), T, window, track_norm)
-        logits = e.forward(self._tokens([tokens]), p, loops)[:, -1]
+        logits = e.forward(self._slots([tokens]), p, loops)[:, -1]
         return ChunkOut(logits, work, norm=p.norm_max)
 
     @torch.no_grad()
@@ -262,7 +262,7 @@ class Runner:
             return ChunkOut(None, work, residual=pre.x[:, :T].clone())
         e = self.engine
         p = e.make_pass(self._slots([lane]), self._arange(0, T), T, window)
-        x = e.run_loops(e.embed_prelude(self._tokens([tokens]), p), p, 0, loops)
+        x = e.run_loops(e.embed_prelude(self._slots([tokens]), p), p, 0, loops)
         return ChunkOut(None, work, residual=x)
 
     @torch.no_grad()
@@ -294,7 +294,7 @@ class Runner:
         trace: list = []
         e = self.engine
         p = e.make_pass(self._slots([lane]), self._arange(0, T), T, trace=trace)
-        e.forward(self._tokens([tokens]), p, loops)
+        e.forward(self._slots([tokens]), p, loops)
         return [label for label, _ in trace], torch.cat([h for _, h in trace], 0)
 
     # -- decode ----------------------------------------------------------------------------
@@ -430,13 +430,8 @@ class Runner:
             self._trees[key] = TreeStages(self.engine, b)
         return self._trees[key]
 
-    def _slots(self, lanes: list[int]) -> torch.Tensor:
-        """A small int64 host list on the device with no host sync (pinned on CUDA)."""
-        t = torch.tensor(lanes, dtype=torch.long)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-
-    def _tokens(self, rows: list[list[int]]) -> torch.Tensor:
-        return self._slots(rows)
+    def _slots(self, values) -> torch.Tensor:
+        return device_tensor(values, self.device)
 
     def _arange(self, start: int, stop: int) -> torch.Tensor:
         return torch.arange(start, stop, device=self.device)[None]

@@ -35,6 +35,14 @@ def batch_buckets(n_slots: int) -> list[int]:
     return buckets + [n_slots] if n_slots > 1 else []
 
 
+def device_tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """torch.tensor(data) on `device`, with no host sync: a copy to the GPU from pageable
+    memory waits for all the work queued before it (a prefill just launched, a step launched
+    ahead); from pinned memory it is queued like a kernel."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _pinned(data: list, like: torch.Tensor) -> torch.Tensor:
     """A host tensor to copy into `like` without a host sync (pinned on CUDA)."""
     t = torch.tensor(data, dtype=like.dtype)
