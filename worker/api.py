@@ -59,7 +59,13 @@ def default_cache_budget(device: torch.device) -> int:
 
 
 class Model:
-    """A looped transformer loaded from a `.tinyloop` file, with its own static cache.
+    """A looped transformer loaded from a `.tinyloop` file or a Hugging Face model directory
+    (Ouro, Huginn: docs/models.md), with its own static cache.
+
+    max_loops: the deepest depth a request may ask for (the cache holds that many iterations'
+    layers); None: the checkpoint's (a directory: twice its default depth). init_scale: an
+    input-injection model's (Huginn's) initial latent state is drawn with std init_std ·
+    init_scale from each request's seed; 0 gives the zero state.
 
     n_slots: cache lanes (concurrent requests, batch lanes); None: 64 on CUDA, 8 on the CPU, as
     many as fit `cache_budget_bytes` (default: half the free device memory; 2 GiB on the CPU).
@@ -76,7 +82,7 @@ class Model:
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  n_slots: int | None = None, backend: str | None = None, cuda_graphs: bool | None = None,
                  prefill_graph_len: int | None = None, cache_budget_bytes: int | None = None,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, max_loops: int | None = None, init_scale: float = 1.0):
         if path is None:
             from tinyloop.worker.model.default_model import default_model_path
             path = default_model_path()
@@ -86,6 +92,10 @@ class Model:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         if cache_budget_bytes is not None and cache_budget_bytes < 1:
             raise ValueError(f"cache_budget_bytes must be >= 1, got {cache_budget_bytes}")
+        if max_loops is not None and (isinstance(max_loops, bool) or not isinstance(max_loops, int) or max_loops < 1):
+            raise ValueError(f"max_loops must be an int >= 1, got {max_loops!r}")
+        if not 0 <= init_scale < math.inf:
+            raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale}")
         # explicit arguments win over `settings`, which defaults to the environment's
         settings = (Settings.from_env() if settings is None else settings).replace(
             backend=backend, cuda_graphs=cuda_graphs, prefill_graph_len=prefill_graph_len)
@@ -96,7 +106,9 @@ class Model:
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = _dtype(dtype, self.device)
         self.path = os.fspath(path)
-        model, meta = checkpoint.load(self.path, self.device, self.dtype)
+        model, meta = checkpoint.load(self.path, self.device, self.dtype, max_loops)
+        model.init_scale = float(init_scale)
+        self.init_scale = float(init_scale)
         self.config = model.config
         self.max_seq_len = min(max_seq_len, self.config.max_seq_len)
         self.tokenizer = from_metadata(meta)
@@ -280,6 +292,7 @@ class Model:
         """A generator of token-id lists for a validated request on one cache lane, which the
         caller holds (`runner.lanes`); its return value (StopIteration.value) is the `Finish`."""
         self._check_open()
+        self._seat(lane, request.seed)
         if request.speculative is not None:
             return stream_speculative(self.runner, lane, request, self._spec_params(request.speculative))
         return stream(self.runner, lane, request)
@@ -291,6 +304,7 @@ class Model:
         self._check_open()
         if request.speculative is not None:
             raise ValueError("a speculative request streams through Model.stream")
+        self._seat(lane, request.seed)
         return start(self.runner, lane, request)
 
     def generate(self, prompt, loops=None, max_tokens=128, temperature=0.0, top_k=50, top_p=1.0,
@@ -303,6 +317,7 @@ class Model:
                                 seed, cache_window, l_warmup_tokens, l_warmup_L, safety_check,
                                 safety_norm_threshold, stop_token_ids)
         with self._lock, self._lane() as lane:
+            self._seat(lane, req.seed)
             return drain(req.prompt, stream(self.runner, lane, req))
 
     def generate_batch(self, prompts, per_lane_loops=None, max_tokens=128, temperature=0.0, top_k=50,
@@ -349,6 +364,7 @@ class Model:
                     raise RuntimeError(f"all {self.n_slots} cache lanes are in use")
                 lane_of = {}
                 for i, lane in held:
+                    self._seat(lane, reqs[i].seed)
                     st = start(self.runner, lane, reqs[i])
                     if batcher.eligible(st):
                         new, finish = batcher.join(st)
@@ -371,6 +387,12 @@ class Model:
                     self.runner.lanes.release(lane)
         return results
 
+    def _seat(self, lane: int, seed: int) -> None:
+        """Key the lane's initial latent state to the request's seed (input injection only:
+        every other model draws nothing in its prelude)."""
+        if self.config.inject:
+            self.runner.cache.seat(lane, seed)
+
     def _lane(self, lane: int | None = None):
         """The cache lane of one call: `lane`, which the caller holds, or a free lane held for
         the call (RuntimeError when every lane is in use)."""
@@ -382,8 +404,10 @@ class Model:
         return contextlib.nullcontext(lane)
 
     # -- warm-start resume --------------------------------------------------------------
-    def build_resume_handle(self, prompt, L_used=8, max_loops=32, cache_window=0, lane=None) -> ResumeHandle:
-        """Prefill once at L_used; the handle can then resume at any new_L in [L_used, max_loops]."""
+    def build_resume_handle(self, prompt, L_used=8, max_loops=32, cache_window=0, lane=None,
+                            seed=None) -> ResumeHandle:
+        """Prefill once at L_used; the handle can then resume at any new_L in [L_used, max_loops].
+        seed: the prompt's initial latent state's (input injection only; None: a random one)."""
         self._check_open()
         ids = self._prompt(prompt)
         if L_used < 0:
@@ -402,6 +426,7 @@ class Model:
             self._check_open()
             try:
                 with self._lane(lane) as lane:
+                    self._seat(lane, self._seed(seed))
                     return resume_mod.build(self.runner, lane, ids, int(L_used), int(max_loops), window)
             except torch.OutOfMemoryError as e:
                 raise RuntimeError(f"out of memory allocating the resume handle: {e}") from None
@@ -438,6 +463,7 @@ class Model:
         handle, new_L, req = resume_request
         if handle.freed:
             raise RuntimeError("handle has been freed")
+        self._seat(lane, req.seed)
         return resume_mod.resume(self.runner, lane, handle, new_L, req)
 
     def start_resume(self, resume_request, lane: int = 0) -> DecodeState:
@@ -447,6 +473,7 @@ class Model:
         handle, new_L, req = resume_request
         if handle.freed:
             raise RuntimeError("handle has been freed")
+        self._seat(lane, req.seed)
         return resume_mod.start(self.runner, lane, handle, new_L, req)
 
     def resume_generate(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
@@ -472,10 +499,13 @@ class Model:
         La, Lb = self._loops(loops_a, "loops_a"), self._loops(loops_b, "loops_b")
         self._fit(len(ids), max_tokens)
         lo = min(La, Lb)
-        handle = self.build_resume_handle(ids, L_used=lo, max_loops=max(La, Lb), lane=lane)
+        # one seed for the three calls: both answers then see the same initial latent states,
+        # and differ by their depth alone
+        seed = self._seed(None)
+        handle = self.build_resume_handle(ids, L_used=lo, max_loops=max(La, Lb), lane=lane, seed=seed)
         try:
-            a = self.resume_generate(handle, La, max_tokens=max_tokens, lane=lane)[len(ids):]
-            b = self.resume_generate(handle, Lb, max_tokens=max_tokens, lane=lane)[len(ids):]
+            a = self.resume_generate(handle, La, max_tokens=max_tokens, lane=lane, seed=seed)[len(ids):]
+            b = self.resume_generate(handle, Lb, max_tokens=max_tokens, lane=lane, seed=seed)[len(ids):]
         finally:
             self.free_resume_handle(handle)
         d = scoring.first_divergence(a, b)
@@ -491,6 +521,7 @@ class Model:
             raise ValueError(f"L_lo={lo} must be <= L_hi={hi}")
         self._fit(len(ids), 1)
         with self._lock, self._lane(lane) as lane:
+            self._seat(lane, 0)  # scores are deterministic: seed 0's latent state
             logits, kl = scoring.uncertainty(self.runner, lane, ids, lo, hi)
         return logits.cpu().numpy().astype(np.float32), kl
 
@@ -501,6 +532,7 @@ class Model:
         L = self._loops(n_loops, "n_loops")
         self._fit(len(ids), 1, "tokens")
         with self._lock, self._lane(lane) as lane:
+            self._seat(lane, 0)
             labels, hidden = scoring.trajectory(self.runner, lane, ids, L)
         return {"labels": labels, "hidden": hidden.cpu().numpy().astype(np.float32)}
 

@@ -24,11 +24,11 @@ _ids = itertools.count(1)
 def handle_nbytes(cfg: LoopedConfig, seq_len: int, max_loops: int, cache_window: int,
                   dtype: torch.dtype) -> int:
     """Bytes a handle holds: K and V for n_prelude + max_loops·n_loop_layers layers over
-    seq_len positions (or the window), plus the (seq_len, d_model) residual."""
+    seq_len positions (or the window), plus the (seq_len, residual_width) residual."""
     elem = torch.empty((), dtype=dtype).element_size()
     positions = min(seq_len, cache_window) if cache_window else seq_len
     layers = cfg.n_prelude + max_loops * cfg.n_loop_layers
-    return 2 * layers * cfg.n_kv_heads * positions * cfg.head_dim * elem + seq_len * cfg.d_model * elem
+    return 2 * layers * cfg.n_kv_heads * positions * cfg.head_dim * elem + seq_len * cfg.residual_width * elem
 
 
 @dataclass(eq=False)

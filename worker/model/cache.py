@@ -21,6 +21,13 @@ class KVCache:
         shape = (self.n_layers, n_slots, cfg.n_kv_heads, max_seq_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # per lane: the seed of an input-injection model's initial latent state (the prelude
+        # stage reads it through the rows' slots, so a captured stage serves any lane)
+        self.seeds = torch.zeros(n_slots, device=device, dtype=torch.long)
+
+    def seat(self, lane: int, seed: int) -> None:
+        """The seed that the initial latent state of `lane`'s next tokens is drawn from."""
+        self.seeds[lane].fill_(seed)
 
     def coda_layer(self, j: int) -> int:
         return self.config.coda_layer_index(j, self.max_loops)

@@ -1,11 +1,14 @@
 """`.tinyloop` checkpoints: one safetensors file, the config as JSON in its metadata.
 
-Metadata keys: `tinyloop.format_version` (this module writes FORMAT_VERSION) and
-`tinyloop.config` (LoopedConfig as JSON); optionally `tinyloop.tokenizer` (an HF
-`tokenizer.json` as a string). Tensor names follow Llama (see docs/checkpoint.md).
+Metadata keys: `tinyloop.format_version` ("1", or "2" for a config that uses a field added
+since: `LoopedConfig.format_version`) and `tinyloop.config` (LoopedConfig as JSON);
+optionally `tinyloop.tokenizer` (an HF `tokenizer.json` as a string) and `tinyloop.source`
+(what a converted file was converted from). Tensor names follow Llama (see
+docs/checkpoint.md). `load` also takes a Hugging Face model directory (hf.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -15,22 +18,22 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.model.errors import CheckpointError
 from tinyloop.worker.model.modules import LoopedTransformer
 
-FORMAT_VERSION = "1"
-SUPPORTED_VERSIONS = ("1",)
+SUPPORTED_VERSIONS = ("1", "2")
 
 
-class CheckpointError(ValueError):
-    """A `.tinyloop` file that is missing, truncated or inconsistent; the message says which."""
 
 
 def save(model: LoopedTransformer, path: str | os.PathLike, dtype: torch.dtype = torch.float16,
-         tokenizer_json: str | None = None) -> None:
+         tokenizer_json: str | None = None, source: str | None = None) -> None:
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
-    meta = {"tinyloop.format_version": FORMAT_VERSION, "tinyloop.config": model.config.to_json()}
+    meta = {"tinyloop.format_version": model.config.format_version, "tinyloop.config": model.config.to_json()}
     if tokenizer_json is not None:
         meta["tinyloop.tokenizer"] = tokenizer_json
+    if source is not None:
+        meta["tinyloop.source"] = source
     tmp = f"{path}.tmp"
     save_file(tensors, tmp, metadata=meta)
     os.replace(tmp, path)
@@ -72,14 +75,24 @@ def read_config(path: str | os.PathLike) -> tuple[LoopedConfig, dict]:
         raise CheckpointError(f"{path}: metadata has no tinyloop.config") from None
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: invalid tinyloop.config: {e}") from None
+    if version == "1" and cfg.format_version != "1":
+        raise CheckpointError(f"{path}: format version 1 cannot hold this config (it uses fields of version 2)")
     return cfg, meta
 
 
 def load(path: str | os.PathLike, device: torch.device | str = "cpu",
-         dtype: torch.dtype = torch.float32) -> tuple[LoopedTransformer, dict]:
-    """-> (model in eval mode on `device` in `dtype`, safetensors metadata)."""
+         dtype: torch.dtype = torch.float32, max_loops: int | None = None) -> tuple[LoopedTransformer, dict]:
+    """-> (model in eval mode on `device` in `dtype`, safetensors metadata). `path` is a
+    `.tinyloop` file or a Hugging Face model directory (Ouro, Huginn: hf.py). max_loops: the
+    deepest depth the model will run at (the cache is sized for it); None: the checkpoint's
+    (a directory: twice its default depth)."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        from tinyloop.worker.model import hf
+        return hf.load(path, device, dtype, max_loops)
     cfg, meta = read_config(path)
+    if max_loops is not None:
+        cfg = with_max_loops(cfg, max_loops, path)
     with torch.device("meta"):
         model = LoopedTransformer(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -110,6 +123,14 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu",
         if not torch.isfinite(t).all():
             raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf")
     return model.to(device=device, dtype=dtype).eval(), meta
+
+
+def with_max_loops(cfg: LoopedConfig, max_loops: int, path: str) -> LoopedConfig:
+    """cfg with another max_loops: the weights do not depend on it, only the cache does."""
+    try:
+        return dataclasses.replace(cfg, max_loops=max_loops)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: max_loops={max_loops}: {e}") from None
 
 
 def init_model(cfg: LoopedConfig, seed: int, std: float = 0.02) -> LoopedTransformer:

@@ -5,7 +5,15 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-NORM_PLACEMENTS = ("pre", "sandwich")
+# pre: norm before each sublayer (Llama). sandwich: also a norm on each sublayer's output before
+# the residual add (Ouro, Gemma 2). sandwich_sum: the second norm on the residual sum instead,
+# x = norm(x + f(norm(x))) (Huginn's SandwichBlock).
+NORM_PLACEMENTS = ("pre", "sandwich", "sandwich_sum")
+
+# Fields added after format version 1: a config that leaves them all at their defaults is a
+# version-1 model, and its checkpoint is written as version 1 (readable by older code).
+V2_FIELDS = ("final_norm", "exit_norm", "inject", "adapter_bias", "embed_scale", "init_std", "qk_bias",
+             "exit_gate")
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,21 @@ class LoopedConfig:
     max_seq_len: int = 2048
     bos_id: int = -1
     eos_id: int = -1
+    # final_norm: `norm` before the head. Ouro has none of its own: its last iteration's loop
+    # norm is the state the head reads.
+    final_norm: bool = True
+    # exit_norm: `norm` (the same weight) also between the last iteration and the coda, as
+    # Huginn applies ln_f to the recurrent state before its coda.
+    exit_norm: bool = False
+    # inject: Huginn's input injection. The loop carries a latent state s beside the prelude's
+    # output e; each iteration starts with s = adapter(concat(s, e)). s starts as a truncated
+    # normal of std init_std (times the runtime's init_scale) and times embed_scale.
+    inject: bool = False
+    adapter_bias: bool = False
+    embed_scale: float = 1.0   # the embeddings are multiplied by it before the prelude
+    init_std: float = 0.0
+    qk_bias: bool = False      # a learned bias on q and k (before RoPE)
+    exit_gate: bool = False    # Ouro's early-exit gate, Linear(d -> 1) with bias: loaded and kept
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -50,6 +73,25 @@ class LoopedConfig:
         for name in ("bos_id", "eos_id"):
             v = getattr(self, name)
             need(-1 <= v < self.vocab_size, f"{name} ({v}) outside the vocabulary")
+        need(self.embed_scale > 0, f"embed_scale must be > 0, got {self.embed_scale}")
+        need(self.init_std >= 0, f"init_std must be >= 0, got {self.init_std}")
+        need(not (self.adapter_bias or self.init_std) or self.inject,
+             "adapter_bias and init_std describe input injection: they need inject=True")
+        need(not self.exit_norm or self.final_norm, "exit_norm reuses the final norm: it needs final_norm=True")
+
+    @property
+    def residual_width(self) -> int:
+        """Width of the residual the loop carries between stages: d_model, or with input
+        injection the latent state and the prelude's output side by side (2·d_model), so every
+        stage that saves or hands on a residual (resume handles, speculative drafts, batches)
+        carries both."""
+        return 2 * self.d_model if self.inject else self.d_model
+
+    @property
+    def format_version(self) -> str:
+        """"1" when no field added since version 1 leaves its default, else "2"."""
+        default = LoopedConfig.__dataclass_fields__
+        return "2" if any(getattr(self, f) != default[f].default for f in V2_FIELDS) else "1"
 
     @property
     def head_dim(self) -> int:
@@ -70,10 +112,14 @@ class LoopedConfig:
     def n_params(self) -> int:
         d, f, hd = self.d_model, self.d_ff, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
-        layer = attn + 3 * d * f + (4 if self.norm == "sandwich" else 2) * d
+        attn += (self.n_heads + self.n_kv_heads) * hd if self.qk_bias else 0
+        layer = attn + 3 * d * f + (2 if self.norm == "pre" else 4) * d
         n_layers = self.n_prelude + self.n_loop_layers + self.n_coda
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + n_layers * layer + d + head
+        extra = (d if self.loop_final_norm else 0) + (d if self.final_norm else 0)
+        extra += (2 * d * d + (d if self.adapter_bias else 0)) if self.inject else 0
+        extra += d + 1 if self.exit_gate else 0
+        return self.vocab_size * d + n_layers * layer + extra + head
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

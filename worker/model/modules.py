@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tinyloop.kernels.gemv import argmax_key_ref
 from tinyloop.kernels.rope import apply_rope_ref
 from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.model.latent import truncated_normal
 
 def l2_keep(nbytes: dict[str, int], budget: float) -> frozenset[str]:
     """The loop block's projections kept in L2, given each one's weight bytes summed over the
@@ -93,6 +94,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
+        if cfg.qk_bias:
+            # Huginn's: added to q and k after the projection, before RoPE
+            self.q_bias = nn.Parameter(torch.zeros(cfg.n_heads * hd))
+            self.k_bias = nn.Parameter(torch.zeros(cfg.n_kv_heads * hd))
 
     def fuse(self) -> None:
         """One (q|k|v) projection for inference: a single larger GEMV per layer instead of
@@ -100,15 +105,24 @@ class Attention(nn.Module):
         w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]).detach()
         self.wqkv = w
         self.wq.weight.data, self.wk.weight.data, self.wv.weight.data = w.split(self._sizes())
+        if hasattr(self, "q_bias"):
+            # the fused projection's bias: v has none (one add after the GEMV, no kernel of its own)
+            self.qkv_bias = torch.cat([self.q_bias, self.k_bias, self.k_bias.new_zeros(self._sizes()[2])]).detach()
+
+    def biased(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused projection (..., (H + 2·Hkv)·hd) plus the q/k bias, if the model has one."""
+        return qkv + self.qkv_bias if hasattr(self, "qkv_bias") else qkv
 
     def _sizes(self) -> list[int]:
         return [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if hasattr(self, "wqkv"):
-            q, k, v = linear(x, self.wqkv).split(self._sizes(), -1)
+            q, k, v = self.biased(linear(x, self.wqkv)).split(self._sizes(), -1)
         else:
             q, k, v = linear(x, self.wq.weight), linear(x, self.wk.weight), linear(x, self.wv.weight)
+            if hasattr(self, "q_bias"):
+                q, k = q + self.q_bias, k + self.k_bias
         return linear(self.attend(q, k, v, attend), self.wo.weight)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -146,7 +160,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm (Llama) or sandwich-norm (norm before and after each sublayer) layer."""
+    """Pre-norm (Llama), sandwich-norm (a norm before and after each sublayer, the second on
+    its output: Ouro) or sandwich_sum (the second on the residual sum: Huginn) layer. The
+    modules keep one set of names: attention_norm / ffn_norm before the sublayers,
+    post_attention_norm / post_ffn_norm after them."""
 
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
@@ -155,7 +172,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         self.sandwich = cfg.norm == "sandwich"
-        if self.sandwich:
+        self.sum_norm = cfg.norm == "sandwich_sum"
+        if cfg.norm != "pre":
             self.post_attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
@@ -189,6 +207,9 @@ class Block(nn.Module):
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
             return self.token_step(x, attend)
         a = self.attention(self.attention_norm(x), attend)
+        if self.sum_norm:
+            x = self.post_attention_norm.add(a, x)[0]
+            return self.post_ffn_norm.add(self.feed_forward(self.ffn_norm(x)), x)[0]
         if self.sandwich:
             a = self.post_attention_norm(a)
         h, x = self.ffn_norm.add(a, x)  # x + a and its norm
@@ -207,7 +228,13 @@ class Block(nn.Module):
         att, ffn, gemv, ev = self.attention, self.feed_forward, self.gemv, self.eviction
         qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
                    eviction_policy=ev("wqkv"))
-        out = att.attend(*qkv.split(att._sizes(), -1), attend)
+        out = att.attend(*att.biased(qkv).split(att._sizes(), -1), attend)
+        if self.sum_norm:
+            # the post-norms read the residual sums: each one launch after its projection
+            x = self.post_attention_norm.add(gemv(out, att.wo.weight, eviction_policy=ev("wo")), x)[0]
+            h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True,
+                     eviction_policy=ev("w13"))
+            return self.post_ffn_norm.add(gemv(h, ffn.w2.weight, eviction_policy=ev("w2")), x)[0]
         if self.sandwich:
             x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight, eviction_policy=ev("wo")))
         else:
@@ -230,16 +257,34 @@ class LoopedTransformer(nn.Module):
             layer.loop_layers = cfg.n_loop_layers
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
         self.loop_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.loop_final_norm else None
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.final_norm else None
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-        inv_freq = inv_freq.float()
-        angles = torch.arange(cfg.max_seq_len).float()[:, None] * inv_freq  # (max_seq_len, hd/2)
+        # input injection: s = adapter(concat(s, e)) before each iteration (Huginn)
+        self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=cfg.adapter_bias) if cfg.inject else None
+        # Ouro's early-exit gate: kept for the early-exit feature, not applied by any stage yet
+        self.exit_gate = nn.Linear(cfg.d_model, 1) if cfg.exit_gate else None
+        # a runtime option, not part of the checkpoint: the initial state's std is
+        # config.init_std * init_scale (0: the zero state)
+        self.init_scale = 1.0
         # fp32 RoPE, kept as int32 bit patterns: Module.to(dtype) casts floating buffers only, and
         # the checkpoint loader moves the model to the serving dtype (a bf16 inv_freq puts the
         # angle of position 1000 up to 1.2 rad off at hd 128). Not persistent: not in checkpoints.
-        for name, t in (("inv_freq", inv_freq), ("rope_cos", angles.cos()), ("rope_sin", angles.sin())):
+        for name, t in self._rope_tables().items():
             self.register_buffer(f"{name}_bits", t.view(torch.int32), persistent=False)
+
+    def _rope_tables(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64,
+                                                          device=device) / cfg.head_dim))
+        inv_freq = inv_freq.float()
+        angles = torch.arange(cfg.max_seq_len, device=device).float()[:, None] * inv_freq  # (max_seq_len, hd/2)
+        return {"inv_freq": inv_freq, "rope_cos": angles.cos(), "rope_sin": angles.sin()}
+
+    def materialize_rope(self, device: torch.device | str) -> None:
+        """Compute the RoPE tables on `device`: a model built on the meta device (to be filled
+        tensor by tensor from a file) has none yet."""
+        for name, t in self._rope_tables(device).items():
+            setattr(self, f"{name}_bits", t.view(torch.int32))
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """GPT-2 style init: N(0, std), output projections scaled down by depth."""
@@ -300,11 +345,58 @@ class LoopedTransformer(nn.Module):
         ang = positions.to(torch.float32)[..., None] * self.inv_freq
         return ang.cos(), ang.sin()
 
+    def embedded(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding table -> the prelude's input (scaled, as Huginn's are)."""
+        scale = self.config.embed_scale
+        return x if scale == 1.0 else x * scale
+
+    def initial_state(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The latent state entering the first iteration of an input-injection model: seeds
+        (B,), positions (B, T) -> (B, T, D) in the weights' dtype. A truncated normal of std
+        init_std · init_scale (then times embed_scale, as the reference scales it), drawn from
+        the counter-based stream (latent.py); zeros when that std is 0."""
+        cfg = self.config
+        dtype = self.tok_embeddings.weight.dtype
+        std = cfg.init_std * self.init_scale
+        if std == 0:
+            return torch.zeros(*positions.shape, cfg.d_model, dtype=dtype, device=positions.device)
+        return (truncated_normal(seeds, positions, cfg.d_model) * (std * cfg.embed_scale)).to(dtype)
+
+    def loop_input(self, e: torch.Tensor, seeds: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        """The prelude's output e (B, T, D) -> the residual entering iteration 0: e itself, or
+        with input injection (initial state | e) (B, T, 2D). seeds None: seed 0 for every row."""
+        if not self.config.inject:
+            return e
+        if seeds is None:
+            seeds = torch.zeros(e.shape[0], dtype=torch.long, device=e.device)
+        return torch.cat([self.initial_state(seeds, positions), e], -1)
+
     def iteration(self, x: torch.Tensor, attends: list[Attend]) -> torch.Tensor:
-        """One application of the shared block (all its layers), plus the per-loop norm."""
+        """One application of the shared block (all its layers), plus the per-loop norm. With
+        input injection x is (state | e): the adapter of that concatenation starts the
+        iteration, and e rides along unchanged."""
+        e = None
+        if self.adapter is not None:
+            e = x[..., self.config.d_model:]
+            x = linear(x, self.adapter.weight)
+            if self.adapter.bias is not None:
+                x = x + self.adapter.bias
         for layer, attend in zip(self.loop, attends):
             x = layer(x, attend)
-        return self.loop_norm(x) if self.loop_norm is not None else x
+        if self.loop_norm is not None:
+            x = self.loop_norm(x)
+        return x if e is None else torch.cat([x, e], -1)
+
+    def exit_loop(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual after the last iteration -> the coda's input: the latent state alone,
+        normed where the model norms it before its coda (Huginn's ln_f)."""
+        if self.config.inject:
+            x = x[..., :self.config.d_model]
+        return self.norm(x) if self.config.exit_norm else x
+
+    def state(self, x: torch.Tensor) -> torch.Tensor:
+        """The model-width part of a residual (what a trace or a norm check looks at)."""
+        return x[..., :self.config.d_model]
 
     gemv = None  # see Block.gemv
     gemv_rows = 0
@@ -317,19 +409,23 @@ class LoopedTransformer(nn.Module):
         token, x (1, 1, D)): a (1,) int64 tensor maxed with the key of the logits' argmax
         (kernels.gemv's `argmax_key`; in the fused projection's epilogue on the decode path)."""
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
+        norm = self.norm
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
-            return self.gemv(x, head, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=dtype,
+            return self.gemv(x, head, norm_weight=None if norm is None else norm.weight,
+                             eps=1e-6 if norm is None else norm.eps, out_dtype=dtype,
                              argmax_key=argmax_key, eviction_policy=self.l2_stream)
-        y = linear(self.norm(x), head)
+        y = linear(x if norm is None else norm(x), head)
         if argmax_key is not None:
             if x.shape[:2] != (1, 1):
                 raise ValueError(f"argmax_key takes the logits of one token, got x of shape {tuple(x.shape)}")
             torch.maximum(argmax_key, argmax_key_ref(y).view(1), out=argmax_key)
         return y if dtype is None else y.to(dtype)
 
-    def forward(self, tokens: torch.Tensor, loops: int, window: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, loops: int, window: int = 0,
+                seeds: torch.Tensor | None = None) -> torch.Tensor:
         """Full causal forward with no cache: training, and the recompute the tests compare to.
-        window > 0: each position sees only the last `window` positions.
+        window > 0: each position sees only the last `window` positions. seeds (B,): the
+        initial latent state's seeds (input injection only; None: 0).
 
         tokens (B, T) -> logits (B, T, vocab)."""
         B, T = tokens.shape
@@ -345,11 +441,13 @@ class LoopedTransformer(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                   enable_gqa=k.shape[1] != q.shape[1])
 
-        x = self.tok_embeddings(tokens)
+        x = self.embedded(self.tok_embeddings(tokens))
         for layer in self.prelude:
             x = layer(x, attend)
+        x = self.loop_input(x, seeds, pos.expand(B, T))
         for _ in range(loops):
             x = self.iteration(x, [attend] * len(self.loop))
+        x = self.exit_loop(x)
         for layer in self.coda:
             x = layer(x, attend)
         return self.logits(x)

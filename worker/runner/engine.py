@@ -125,13 +125,17 @@ class Engine:
 
     @torch.no_grad()
     def prelude(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
-        """The embedded tokens (B, T, D) -> residual (B, T, D) after the prelude (x is read, not
-        written)."""
+        """The embedded tokens (B, T, D) -> the residual entering iteration 0 (B, T,
+        residual_width) (x is read, not written). With input injection that is the initial
+        latent state beside the prelude's output, the state drawn from each row's lane seed
+        (cache.seeds) at the rows' positions."""
         self._trace(p, "embed", x)
+        x = self.model.embedded(x)
         for j, layer in enumerate(self.model.prelude):
             x = layer(x, self._attend(j, p))
             self._trace(p, f"pre.{j}", x)
-        return x
+        seeds = self.cache.seeds.index_select(0, p.slots) if self.config.inject else None
+        return self.model.loop_input(x, seeds, p.positions)
 
     @torch.no_grad()
     def run_loops(self, x: torch.Tensor, p: Pass, start: int, stop: int,
@@ -160,12 +164,14 @@ class Engine:
             x = y if n == x.shape[0] else torch.cat([y, x[n:]], 0)
             if p.norm_max is not None:
                 # per-iteration safety check: the residual norm of every token, kept on device
-                p.norm_max[:n] = torch.maximum(p.norm_max[:n], y.float().norm(dim=-1).amax(-1))
+                p.norm_max[:n] = torch.maximum(p.norm_max[:n], self.model.state(y).float().norm(dim=-1).amax(-1))
             self._trace(p, f"loop.{i}", x)
         return x
 
     @torch.no_grad()
     def coda(self, x: torch.Tensor, p: Pass) -> torch.Tensor:
+        """The residual after the last iteration -> the coda's output (B, T, D)."""
+        x = self.model.exit_loop(x)
         for j, layer in enumerate(self.model.coda):
             x = layer(x, self._attend(self.cache.coda_layer(j), p))
             self._trace(p, f"coda.{j}", x)
@@ -175,7 +181,8 @@ class Engine:
     def logits(self, x: torch.Tensor, p: Pass | None = None, argmax_key: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of x; argmax_key: see LoopedTransformer.logits."""
         if p is not None and p.trace is not None:
-            p.trace.append(("final_ln", self.model.norm(x[:, -1]).float()))
+            norm = self.model.norm
+            p.trace.append(("final_ln", (x[:, -1] if norm is None else norm(x[:, -1])).float()))
         return self.model.logits(x, torch.float32, argmax_key)
 
     def forward(self, tokens: torch.Tensor, p: Pass, loops: int, lane_loops: list[int] | None = None,
@@ -261,10 +268,9 @@ class Engine:
                                       t.ancestors, self.scale, slots=p.slots)
         return out if t.query_nodes is None else out.index_select(2, t.query_nodes)
 
-    @staticmethod
-    def _trace(p: Pass, label: str, x: torch.Tensor) -> None:
+    def _trace(self, p: Pass, label: str, x: torch.Tensor) -> None:
         if p.trace is not None:
-            p.trace.append((label, x[:, -1].float().clone()))
+            p.trace.append((label, self.model.state(x[:, -1]).float().clone()))
 
 
 

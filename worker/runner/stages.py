@@ -120,7 +120,7 @@ def prefill_buffers(engine: Engine, bucket: int) -> tuple:
     return (torch.zeros(1, bucket, dtype=torch.long, device=device),
             torch.zeros(1, dtype=torch.long, device=device),
             torch.zeros(1, dtype=torch.long, device=device),
-            torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device),
+            torch.zeros(1, bucket, cfg.residual_width, dtype=dtype, device=device),
             torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=device))
 
 
@@ -166,7 +166,7 @@ def batch_buffers(engine: Engine, bucket: int) -> tuple:
     cfg, device = engine.config, engine.cache.k.device
     dtype = engine.model.tok_embeddings.weight.dtype
     return (torch.zeros(4, bucket, dtype=torch.long, device=device),
-            torch.zeros(bucket, 1, cfg.d_model, dtype=dtype, device=device),
+            torch.zeros(bucket, 1, cfg.residual_width, dtype=dtype, device=device),
             torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device))
 
 
@@ -200,7 +200,7 @@ class TreeStages(StagedPass):
         dtype = engine.model.tok_embeddings.weight.dtype
         self.engine, self.bucket = engine, bucket
         self.tokens = torch.zeros(1, bucket, dtype=torch.long, device=device)
-        self.x = torch.zeros(1, bucket, cfg.d_model, dtype=dtype, device=device)
+        self.x = torch.zeros(1, bucket, cfg.residual_width, dtype=dtype, device=device)
         self.logits = torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device)
         self.offsets = torch.arange(bucket, device=device)[None]
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
