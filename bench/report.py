@@ -109,6 +109,7 @@ CURRENT = [
     ("decode", "cuda"), ("profile-decode", "cuda"), ("gemv", "cuda"), ("batch", "cuda"),
     ("prefill", "cuda"), ("warmstart", "cuda"), ("speculative", "cuda"), ("service", "gpu"),
     ("startup-*", "cuda"), ("service", "cpu"), ("speculative", "cpu"), ("warmstart", "cpu"),
+    ("context", "cpu"),
 ]
 
 
@@ -501,6 +502,20 @@ def service_body(r: Result) -> str:
     return out
 
 
+def context_extra(r: Result) -> list[str]:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    return [f"Model: {code(w.get('model'))}, L = {text(w.get('loops'))}, prompt of {text(w.get('prompt_tokens'))} "
+            f"tokens, {text(w.get('max_tokens'))} tokens generated, greedy; slowest row / fastest: "
+            f"{times(r.data.get('spread'))}"]
+
+
+def context_body(r: Result) -> str:
+    rows = [[text(x.get("max_seq_len")), ms(x.get("per_token_ms")), text(x.get("batch_streams")),
+             count(x.get("batch_tokens_per_s"))] for x in r.data.get("rows") or [] if isinstance(x, dict)]
+    return table(["allocated positions per lane", "one stream, per token", "batched streams",
+                  "batched tokens/s"], rows or [[DASH] * 4]) + "\n"
+
+
 def _gb(n):
     return None if n is None else n / 1e9
 
@@ -603,6 +618,8 @@ What the benchmarks measure:
 - `bench/service.py`: the whole path (gRPC client, gateway, Ray worker) against in-process, per
   concurrency.
 - `bench/startup.py`: a worker's start-up, load and graph capture by part.
+- `bench/context.py`: a decode step's cost against the cache's allocated length (the step should
+  follow the context it holds, not the allocation).
 
 How to run them, from the repository root on the GPU host (offline image: `bench/gpu_env.sh` maps
 the project onto the `tinyloop.*` namespace instead of installing it):
@@ -637,6 +654,8 @@ SPEC_INTRO = ("`bench/speculative.py`: drafts at the draft L, verified at the ve
               "token at a time, tree rounds K branches a position. Plain generate runs at the verify L in the "
               "same run, before and after the speculative modes. `diverged at token`: where a prompt's tokens part "
               "from plain generate's (bf16 near ties).")
+CONTEXT_INTRO = ("`bench/context.py`: the same prompt and outputs on lanes allocated for 128, 512 and 2048 "
+                 "positions (`tinyloop serve`'s default); one stream alone, then every lane in one batch.")
 SERVICE_INTRO = ("`bench/service.py`: the same model file and thread count in-process and behind the service, "
                  "in the same run.")
 
@@ -666,6 +685,8 @@ def render(results: Path = RESULTS) -> str:
                 speculative_extra),
         section("Warm-start resume vs fresh on a CPU", WARM_INTRO, n(("warmstart", "cpu")), warmstart_body,
                 warmstart_extra),
+        section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),
+                context_body, context_extra),
     ]
     return "\n".join(p.rstrip() + "\n" for p in parts)
 

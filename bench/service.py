@@ -2,6 +2,8 @@
 
     python -m bench.service                       # CPU: writes bench/results/service-cpu.json
     python -m bench.service --preset small --device cuda --out bench/results/service-gpu.json
+    python -m bench.service --model default --max-seq-len 2048 --concurrency 32 --no-speculative \
+        --out bench/results/service-cpu-serve-defaults.json   # the embedded model as `tinyloop serve` runs it
 
 Measures, on one worker with the same model file and thread count as the in-process baseline:
 - per-token time (decode) and time to first token, in-process `Model.stream` vs a gRPC client
@@ -73,9 +75,9 @@ def local_stream(model, prompt, loops, max_tokens, speculative=None):
 
 
 def in_process(path: str, prompt: list[int], loops: int, max_tokens: int, reps: int, device: str,
-               spec: dict | None) -> tuple[dict, dict | None]:
+               spec: dict | None, max_seq_len: int) -> tuple[dict, dict | None]:
     from tinyloop.worker.api import Model
-    with Model(path, max_seq_len=len(prompt) + max_tokens + 8, device=device) as model:
+    with Model(path, max_seq_len=max_seq_len, device=device) as model:
         plain = [local_stream(model, prompt, loops, max_tokens) for _ in range(reps + 1)]  # the first warms up
         fast = spec and [local_stream(model, prompt, loops, max_tokens, spec) for _ in range(reps + 1)]
     return timing(plain), spec and spec_row(plain, fast)
@@ -92,7 +94,8 @@ def one_stream(client, prompt, loops, max_tokens, speculative=None):
 
 
 def service(path: str, prompt: list[int], loops: int, max_tokens: int, reps: int, device: str,
-            concurrency: list[int], torch_threads: int, spec: dict | None) -> tuple[dict, dict | None]:
+            concurrency: list[int], torch_threads: int, spec: dict | None,
+            max_seq_len: int) -> tuple[dict, dict | None]:
     import ray
 
     from tinyloop.client import TinyLoopClient
@@ -100,7 +103,7 @@ def service(path: str, prompt: list[int], loops: int, max_tokens: int, reps: int
     from tinyloop.gateway.server import GatewayOptions, GatewayThread
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     actors = workers.spawn(1, workers.WorkerOptions(model_path=path, lanes=max(concurrency),
-                                                    max_seq_len=len(prompt) + max_tokens + 8, device=device,
+                                                    max_seq_len=max_seq_len, device=device,
                                                     torch_threads=torch_threads))
     gw = GatewayThread(actors, GatewayOptions(port=0))
     try:
@@ -129,7 +132,12 @@ def service(path: str, prompt: list[int], loops: int, max_tokens: int, reps: int
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small")
+    p.add_argument("--preset", default="small", help="a seeded random model of this preset")
+    p.add_argument("--model", default=None,
+                   help="a model file instead of --preset ('default': the embedded model)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="cache positions per lane (default: the workload's prompt + max_tokens + 8)")
+    p.add_argument("--no-speculative", action="store_true", help="skip the speculative rows")
     p.add_argument("--loops", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -141,7 +149,7 @@ def main() -> int:
                    help="speculative draft depth, below --loops (default: loops // 2)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "service-cpu.json"))
     args = p.parse_args()
-    if args.draft_loops is None and args.loops >= 2:
+    if args.draft_loops is None and args.loops >= 2 and not args.no_speculative:
         args.draft_loops = args.loops // 2
     if args.draft_loops is not None and not 1 <= args.draft_loops < args.loops:
         p.error(f"--draft-loops must be in [1, --loops={args.loops})")
@@ -151,12 +159,20 @@ def main() -> int:
     import torch
     torch.set_num_threads(args.torch_threads)
     prompt = [(7 * i + 3) % 256 for i in range(args.prompt_tokens)]
+    max_seq_len = args.max_seq_len or len(prompt) + args.max_tokens + 8
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"{args.preset}.tinyloop")
-        make_model(args.preset, path)
-        base, base_spec = in_process(path, prompt, args.loops, args.max_tokens, args.reps, args.device, spec)
+        if args.model == "default":
+            from tinyloop.worker.model.default_model import default_model_path
+            path = default_model_path()
+        elif args.model:
+            path = args.model
+        else:
+            path = os.path.join(tmp, f"{args.preset}.tinyloop")
+            make_model(args.preset, path)
+        base, base_spec = in_process(path, prompt, args.loops, args.max_tokens, args.reps, args.device, spec,
+                                     max_seq_len)
         svc, svc_spec = service(path, prompt, args.loops, args.max_tokens, args.reps, args.device,
-                                args.concurrency, args.torch_threads, spec)
+                                args.concurrency, args.torch_threads, spec, max_seq_len)
     from bench.common import provenance
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
@@ -164,7 +180,8 @@ def main() -> int:
         "hardware": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                      "cpu_count": os.cpu_count(), "device": args.device, "python": platform.python_version(),
                      "torch": torch.__version__, "torch_threads": args.torch_threads},
-        "workload": {"preset": args.preset, "loops": args.loops, "prompt_tokens": args.prompt_tokens,
+        "workload": {"model": args.model or f"preset {args.preset}", "max_seq_len": max_seq_len,
+                     "loops": args.loops, "prompt_tokens": args.prompt_tokens,
                      "max_tokens": args.max_tokens, "reps": args.reps, "greedy": True},
         "in_process": base,
         "service": svc,
@@ -172,7 +189,8 @@ def main() -> int:
                      "ttft_ms": svc["ttft_ms"] - base["ttft_ms"],
                      "per_token_ratio": svc["per_token_ms"] / base["per_token_ms"]},
         "speculative": {"mode": "chain", **spec, "in_process": base_spec, "service": svc_spec} if spec
-        else {"skipped": f"loops={args.loops}: no shallower depth to draft at"},
+        else {"skipped": "--no-speculative" if args.no_speculative
+              else f"loops={args.loops}: no shallower depth to draft at"},
     }
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

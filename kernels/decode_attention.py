@@ -638,7 +638,10 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=None):
     if slots is not None:
         return by_slot("decode_attention_ref", slots, q.shape[0], k_cache, lambda b, s:
                        decode_attention_ref(q[b], k_cache[s], v_cache[s], seq_lens[b], scale))
-    S = k_cache.shape[2]
+    # read only the positions some row attends to: the cost follows the context, not the
+    # cache's allocated length (a reference may sync)
+    S = max(1, min(k_cache.shape[2], int(seq_lens.max()) if seq_lens.numel() else 0))
+    k_cache, v_cache = k_cache[:, :, :S], v_cache[:, :, :S]
     valid = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
     return masked_attention_ref(q[:, :, None], k_cache, v_cache, valid[:, None], scale)[:, :, 0]
 

@@ -1,4 +1,5 @@
 """Invariants 1 and 2: incremental decode equals a full recompute; layers past L are never read."""
+import copy
 import math
 
 import pytest
@@ -32,20 +33,25 @@ def test_incremental_decode_equals_full_recompute(config_path, loops):
 
 @pytest.mark.parametrize("loops", [1, 3, 8])
 def test_decode_logits_match_full_recompute(config_path, loops):
-    """Last-position logits of every decode step against the no-cache forward."""
+    """Last-position logits of every decode step against the no-cache forward in float64: the
+    cached fp32 decode is as close to it as the fp32 no-cache forward is (both only round)."""
     with Model(config_path, max_seq_len=128) as m:
         r = m.runner
         toks = PROMPTS[1] + [5, 77, 140, 2]
         T0 = len(PROMPTS[1])
         with torch.no_grad():
-            full = m._module(torch.tensor([toks]), loops)[0]
+            exact = copy.deepcopy(m._module).double()(torch.tensor([toks]), loops)[0].float()[T0 - 1:]
+            full = m._module(torch.tensor([toks]), loops)[0][T0 - 1:]
         steps = [r.prefill(0, toks[:T0], loops).logits[0]]
         for pos in range(T0, len(toks)):
             steps.append(r.decode([0], [toks[pos]], [pos], [loops]).logits[0])
-        got, want = torch.stack(steps), full[T0 - 1:]
-        # fp32: summation-order differences (decode vs prefill attention) grow through up to 8
-        # iterations of a random block; 1e-3 relative still catches any wrong key or position
-        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-3
+        got = torch.stack(steps)
+
+        def err(x):
+            return float(((x - exact).norm(dim=-1) / exact.norm(dim=-1)).max())
+        # a wrong key, position or depth is an O(1) error; rounding grows through the
+        # iterations of a random block alike in both fp32 paths
+        assert err(got) < max(1e-4, 3 * err(full)), (err(got), err(full))
 
 
 @pytest.mark.parametrize("loops", [1, 3, 8])
