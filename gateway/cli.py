@@ -8,7 +8,12 @@ def register(sub) -> None:
     s = sub.add_parser("serve", help="serve the model over gRPC (gateway + Ray worker actors)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051)
-    s.add_argument("--model", default=None, help="path to a .tinyloop checkpoint (default: the embedded model)")
+    s.add_argument("--model", default=None, help="a .tinyloop checkpoint or a Hugging Face model directory "
+                                                 "(Ouro, Huginn; default: the embedded model)")
+    s.add_argument("--max-loops", type=int, default=None,
+                   help="the deepest loops a request may ask (default: the checkpoint's; a directory: 2x its default)")
+    s.add_argument("--init-scale", type=float, default=1.0,
+                   help="scale of Huginn's random initial latent state (0: the zero state)")
     s.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     s.add_argument("--workers", type=int, default=None, help="worker actors (default: one per GPU, else 1)")
     s.add_argument("--attach", action="store_true",
@@ -64,6 +69,10 @@ def _serve(args) -> int:
     from tinyloop.gateway import workers
     from tinyloop.gateway.server import Gateway, GatewayOptions
 
+    if args.model is not None:
+        # a bad checkpoint is refused now, with the loader's message, before Ray or a worker starts
+        from tinyloop.worker.model.hf import check
+        check(args.model, args.max_loops)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.coalesce_ms < 0:
         raise ValueError(f"--coalesce-ms must be >= 0, got {args.coalesce_ms}")
@@ -74,7 +83,8 @@ def _serve(args) -> int:
                                  device=args.device, dtype=args.dtype,
                                  handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
                                  handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue,
-                                 coalesce_s=args.coalesce_ms / 1e3)
+                                 coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
+                                 init_scale=args.init_scale)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

@@ -27,6 +27,8 @@ class WorkerOptions:
     num_cpus: float = 1.0
     torch_threads: int | None = None
     max_restarts: int = -1
+    max_loops: int | None = None  # None: the checkpoint's
+    init_scale: float = 1.0       # Huginn's initial latent state scale (0: zero state)
 
 
 def cluster_gpus() -> int:
@@ -51,7 +53,8 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
             max_restarts=opts.max_restarts, max_task_retries=0, max_concurrency=1000,
         ).remote(i, opts.model_path, opts.lanes, opts.max_seq_len,
                  opts.device or ("cuda" if use_gpu else "cpu"), opts.dtype, opts.handle_budget_bytes,
-                 opts.handle_ttl_s, 4096, opts.max_queue, opts.coalesce_s, opts.torch_threads))
+                 opts.handle_ttl_s, 4096, opts.max_queue, opts.coalesce_s, opts.torch_threads,
+                 opts.max_loops, opts.init_scale))
     return actors
 
 

@@ -1,4 +1,4 @@
-"""`tinyloop generate` (in-process) and `tinyloop init-model`."""
+"""`tinyloop generate` (in-process), `tinyloop init-model` and `tinyloop convert`."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,8 @@ import sys
 
 def register(sub) -> None:
     g = sub.add_parser("generate", help="generate text (in-process, or --server HOST:PORT over gRPC)")
-    g.add_argument("--model", help="path to a .tinyloop checkpoint (default: the embedded model)")
+    g.add_argument("--model", help="a .tinyloop checkpoint or a Hugging Face model directory (Ouro, Huginn; "
+                                   "default: the embedded model)")
     g.add_argument("--prompt", required=True, help="prompt text")
     g.add_argument("--loops", type=int, default=None, help="loop depth L (default: the model's)")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -19,8 +20,22 @@ def register(sub) -> None:
     g.add_argument("--l-warmup-tokens", type=int, default=0)
     g.add_argument("--l-warmup-L", type=int, default=None)
     g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--max-loops", type=int, default=None,
+                   help="the deepest loops allowed (default: the checkpoint's; a directory: 2x its default depth)")
+    g.add_argument("--init-scale", type=float, default=1.0,
+                   help="scale of Huginn's random initial latent state (0: the zero state)")
     g.add_argument("--server", default=None, help="HOST:PORT of a running `tinyloop serve`")
     g.set_defaults(handler=_generate)
+
+    c = sub.add_parser("convert", help="write a Hugging Face model directory (Ouro, Huginn) as a .tinyloop file")
+    c.add_argument("hf_dir", help="directory with config.json, model.safetensors[.index.json], tokenizer.json")
+    c.add_argument("output", help="the .tinyloop file to write")
+    c.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="the file's dtype (default: the directory's)")
+    c.add_argument("--max-loops", type=int, default=None,
+                   help="max_loops stored in the file (default: 2x the model's default depth)")
+    c.set_defaults(handler=_convert)
 
     i = sub.add_parser("init-model", help="write a random-init .tinyloop checkpoint")
     i.add_argument("--preset", required=True, help="tiny | small | bench-285m | ouro-1.4b")
@@ -35,7 +50,8 @@ def _generate(args) -> int:
         from tinyloop.client.cli import generate_remote
         return generate_remote(args)
     from tinyloop.worker.api import Model
-    with Model(args.model, device=args.device) as model:
+    with Model(args.model, device=args.device, dtype=args.dtype, max_loops=args.max_loops,
+               init_scale=args.init_scale) as model:
         tok = model.tokenizer
         req = model.make_request(tok.encode(args.prompt), args.loops, args.max_tokens, args.temperature,
                                  args.top_k, args.top_p, args.repetition_penalty, args.seed,
@@ -65,4 +81,29 @@ def _init_model(args) -> int:
     model = checkpoint.init_model(cfg, args.seed)
     checkpoint.save(model, args.output, dtype=getattr(torch, args.dtype))
     print(f"wrote {args.output}: preset {args.preset}, {cfg.n_params() / 1e6:.1f}M parameters, seed {args.seed}")
+    return 0
+
+
+def _convert(args) -> int:
+    import os
+
+    import torch
+    from tqdm import tqdm
+
+    from tinyloop.worker.model import checkpoint, hf
+    if not os.path.isdir(args.hf_dir):
+        raise ValueError(f"{args.hf_dir}: not a directory (convert reads a Hugging Face model directory)")
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+
+    def bar(steps):
+        return tqdm(steps, desc=f"converting {os.path.basename(os.path.normpath(args.hf_dir))}",
+                    unit="tensor", file=sys.stderr)
+    model, meta = hf.load(args.hf_dir, "cpu", dtype, args.max_loops, progress=bar)
+    dtype = model.tok_embeddings.weight.dtype
+    print(f"writing {args.output} ({dtype})", file=sys.stderr)
+    checkpoint.save(model, args.output, dtype=dtype, tokenizer_json=meta.get("tinyloop.tokenizer"),
+                    source=meta["tinyloop.source"])
+    cfg = model.config
+    print(f"wrote {args.output}: {cfg.n_params() / 1e6:.1f}M parameters, default loops {cfg.default_loops}, "
+          f"max_loops {cfg.max_loops}")
     return 0

@@ -411,7 +411,13 @@ def load(path: str | os.PathLike, device="cpu", dtype=None, max_loops: int | Non
             if not torch.isfinite(t).all():
                 raise CheckpointError(f"{file}: tensor {s.name!r} holds NaN or Inf")
             for target, fn in s.targets.items():
-                _assign(model, target, fn(t).to(device=device, dtype=dtype).contiguous())
+                v = fn(t).to(device=device, dtype=dtype)
+                if v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                    # still the file's mapped bytes, at whatever alignment the header left them:
+                    # CPU BLAS rounds differently on unaligned operands, so a copy into fresh
+                    # (aligned) memory computes exactly as a `.tinyloop` file's weights do
+                    v = v.clone(memory_format=torch.contiguous_format)
+                _assign(model, target, v.contiguous())
             del t
     except SafetensorError as e:
         raise CheckpointError(f"{path}: corrupt safetensors data: {e}") from None
@@ -433,3 +439,13 @@ def _assign(model, name: str, tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner)
     setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+def check(path: str | os.PathLike, max_loops: int | None = None) -> None:
+    """What a service checks before it starts a worker, without torch: a directory in full
+    (`inspect`), a file's existence (its worker reads and checks the rest)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        inspect(path, max_loops)
+    elif not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint file or model directory")

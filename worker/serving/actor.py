@@ -99,7 +99,7 @@ class WorkerActor:
                  handle_budget_bytes: int = DEFAULT_HANDLE_BUDGET_BYTES,
                  handle_ttl_s: float = DEFAULT_HANDLE_TTL_S, max_handles: int = DEFAULT_MAX_HANDLES,
                  max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0):
         import torch
 
         from tinyloop.worker.api import Model
@@ -109,7 +109,8 @@ class WorkerActor:
         self.index = index
         self.worker_id = f"worker-{index}"
         self.epoch = _next_epoch(index)
-        self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes)
+        self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes,
+                           max_loops=max_loops, init_scale=init_scale)
         self.lanes = self.model.n_slots
         self._pool_lanes = self.model.runner.lanes
         self.batcher = Batcher(self.model.runner)
