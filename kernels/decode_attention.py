@@ -638,7 +638,10 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=None):
     if slots is not None:
         return by_slot("decode_attention_ref", slots, q.shape[0], k_cache, lambda b, s:
                        decode_attention_ref(q[b], k_cache[s], v_cache[s], seq_lens[b], scale))
-    # read only the positions some row attends to: the cost follows the context, not the
+    if q.shape[0] > 1:  # row by row: each reads its own length, as it does with slots
+        return torch.cat([decode_attention_ref(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], seq_lens[b:b + 1],
+                                               scale) for b in range(q.shape[0])])
+    # read only the positions the row attends to: the cost follows the context, not the
     # cache's allocated length (a reference may sync)
     S = max(1, min(k_cache.shape[2], int(seq_lens.max()) if seq_lens.numel() else 0))
     k_cache, v_cache = k_cache[:, :, :S], v_cache[:, :, :S]
