@@ -19,7 +19,8 @@ import torch
 from tinyloop.worker.generation import resume as resume_mod
 from tinyloop.worker.generation import scoring
 from tinyloop.worker.generation.batcher import Batcher
-from tinyloop.worker.generation.decode import DecodeState, Finish, Generation, Request, decode_steps, start, stream
+from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, Prefill, Request, decode_steps, start,
+                                              stream)
 from tinyloop.worker.generation.resume import ResumeHandle
 from tinyloop.worker.generation.sampling import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
@@ -306,6 +307,16 @@ class Model:
             raise ValueError("a speculative request streams through Model.stream")
         self._seat(lane, request.seed)
         return start(self.runner, lane, request)
+
+    def start_chunked(self, request: Request, lane: int = 0) -> Prefill:
+        """`start` in chunks: a `Prefill` whose `run(n)` prefills the next n prompt tokens and
+        returns the `DecodeState` after the last (the worker's scheduler cuts long prompts so
+        that they ride along with other streams' decode steps)."""
+        self._check_open()
+        if request.speculative is not None:
+            raise ValueError("a speculative request streams through Model.stream")
+        self._seat(lane, request.seed)
+        return Prefill(self.runner, lane, request)
 
     def generate(self, prompt, loops=None, max_tokens=128, temperature=0.0, top_k=50, top_p=1.0,
                  repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,

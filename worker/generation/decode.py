@@ -80,6 +80,34 @@ def start(runner: Runner, lane: int, req: Request) -> "DecodeState":
     return DecodeState(runner, lane, req, out.logits, out.norm, out.work)
 
 
+class Prefill:
+    """A prompt prefilled in chunks into `lane` (chunked prefill): `run(n)` prefills its next n
+    tokens at the request's depth; the chunk that ends the prompt returns the `DecodeState`.
+    Its stats count every chunk's work; the largest residual norm is the largest of any chunk."""
+
+    def __init__(self, runner: Runner, lane: int, req: Request):
+        self.runner, self.lane, self.req = runner, lane, req
+        self.done = 0
+        self.work = Counters()
+        self._norm: torch.Tensor | None = None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.req.prompt) - self.done
+
+    def run(self, n: int) -> "DecodeState | None":
+        req = self.req
+        a, b = self.done, min(len(req.prompt), self.done + max(1, n))
+        out = self.runner.chunk(self.lane, req.prompt[a:b], a, req.loops, req.window, req.safety_threshold is not None)
+        self.work = self.work.plus(out.work)
+        if out.norm is not None:
+            self._norm = out.norm if self._norm is None else torch.maximum(self._norm, out.norm)
+        self.done = b
+        if self.remaining:
+            return None
+        return DecodeState(self.runner, self.lane, req, out.logits, self._norm, self.work)
+
+
 def decode_steps(st: "DecodeState", pipelined: bool = True) -> TokenStream:
     """One stream decoding alone: decide a token, then run the model on it, until it finishes.
 

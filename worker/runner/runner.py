@@ -250,6 +250,22 @@ class Runner:
         return ChunkOut(logits, work, norm=p.norm_max)
 
     @torch.no_grad()
+    def chunk(self, lane: int, tokens: list[int], first_pos: int, loops: int, window: int = 0,
+              track_norm: bool = False) -> ChunkOut:
+        """A prompt's tokens at positions [first_pos, first_pos + T) of `lane` at depth `loops`,
+        the lane's cache holding the positions before them (chunked prefill): the last logits
+        (1, V). At first_pos 0 this is `prefill`."""
+        if first_pos == 0:
+            return self.prefill(lane, tokens, loops, window, track_norm)
+        T = len(tokens)
+        work = self.counters.add(loops, loops * T)
+        e = self.engine
+        end = first_pos + T
+        p = e.make_pass(self._slots([lane]), self._arange(first_pos, end), end, window, track_norm)
+        logits = e.forward(self._slots([tokens]), p, loops)[:, -1]
+        return ChunkOut(logits, work, norm=p.norm_max)
+
+    @torch.no_grad()
     def build(self, lane: int, tokens: list[int], loops: int, window: int = 0) -> ChunkOut:
         """The prelude and iterations [0, loops) of a fresh prompt into `lane`: the residual
         entering iteration `loops` (1, T, D), no coda."""

@@ -1,0 +1,172 @@
+"""The worker's scheduler on its own (no Ray, no asyncio): admission by free lanes and a bounded
+queue, deadlines while queued, chunked prefill under a token budget, every stream kind stepped
+beside the batch, fairness while a long prompt prefills, cancellation anywhere. Every stream's
+tokens equal its standalone `Model.generate` (fp32, CPU: exactly)."""
+from __future__ import annotations
+
+import pytest
+
+from tinyloop.worker import Model
+from tinyloop.worker.serving.scheduler import (DeadlineExceeded, Failed, Job, QueueFull, Result, Scheduler,
+                                               SchedulerOptions, Tokens)
+
+LONG = [(7 * i + 3) % 256 for i in range(45)]
+
+
+@pytest.fixture
+def model(tiny_path):
+    with Model(tiny_path, max_seq_len=128, n_slots=3) as m:
+        yield m
+
+
+def job(model, key, prompt, chunked=True, **kw):
+    req = model.make_request(prompt, **kw)
+    if req.speculative is not None:
+        return Job(key, lambda lane: model.stream(req, lane), tokens=len(prompt))
+    if chunked:
+        return Job(key, lambda lane: model.start_chunked(req, lane), tokens=len(prompt))
+    return Job(key, lambda lane: model.start(req, lane), tokens=len(prompt))
+
+
+def run(s: Scheduler, limit: int = 10_000, on_step=None) -> tuple[dict, dict, list]:
+    """Step until idle: {key: tokens}, {key: Finish / Result value / exception}, per-step stats."""
+    tokens, ends, steps = {}, {}, []
+    for i in range(limit):
+        if not s.has_work():
+            return tokens, ends, steps
+        if on_step:
+            on_step(i, s)
+        for key, ev in s.step():
+            if isinstance(ev, Tokens):
+                tokens.setdefault(key, []).extend(ev.ids)
+                if ev.finish is not None:
+                    ends[key] = ev.finish
+            elif isinstance(ev, Result):
+                ends[key] = ev.value
+            else:
+                assert isinstance(ev, Failed)
+                ends[key] = ev.error
+        steps.append(s.last)
+    raise AssertionError("the scheduler never went idle")
+
+
+def alone(model, prompt, **kw):
+    return model.generate(prompt, **kw)[len(prompt):]
+
+
+def test_every_kind_of_stream_beside_the_batch_equals_its_standalone_run(model):
+    kinds = {
+        "plain": (LONG[:9], dict(loops=3, max_tokens=12)),
+        "deep": (LONG[:20], dict(loops=8, max_tokens=10)),
+        "sampled": (LONG[3:14], dict(loops=2, max_tokens=15, temperature=0.9, top_k=30, seed=11)),
+        "warmup": (LONG[:7], dict(loops=6, max_tokens=12, l_warmup_tokens=4, l_warmup_L=2)),
+        "safety": (LONG[:8], dict(loops=4, max_tokens=9, safety_check=True, safety_norm_threshold=1e9)),
+        "window": (LONG[:30], dict(loops=3, max_tokens=14, cache_window=8)),
+        "long": (LONG, dict(loops=4, max_tokens=8)),
+    }
+    s = Scheduler(model.runner, SchedulerOptions(step_tokens=6))
+    for key, (prompt, kw) in kinds.items():
+        s.submit(job(model, key, prompt, **kw))
+    s.submit(job(model, "spec", LONG[:10], speculative=dict(draft_loops=2, verify_loops=5, draft_ahead=3),
+                 max_tokens=11))
+    tokens, ends, steps = run(s)
+    for key, (prompt, kw) in kinds.items():
+        assert tokens[key] == alone(model, prompt, **kw), key
+        assert ends[key].reason == "length"
+    assert tokens["spec"] == alone(model, LONG[:10], loops=5, max_tokens=11)
+    # the budget held, but for the speculative stream (10 tokens), which starts whole in a step of its own
+    assert sorted(st.prefill_tokens for st in steps)[-2:] == [6, 10]
+    assert model.runner.lanes.free == 3
+
+
+@pytest.mark.parametrize("step_tokens", [1, 7, 16, 45])
+def test_a_chunked_prompt_equals_its_unchunked_run(model, step_tokens):
+    s = Scheduler(model.runner, SchedulerOptions(step_tokens=step_tokens))
+    s.submit(job(model, "a", LONG, loops=5, max_tokens=10, safety_check=True, safety_norm_threshold=1e9))
+    tokens, _, steps = run(s)
+    assert tokens["a"] == alone(model, LONG, loops=5, max_tokens=10)
+    assert sum(st.prefill_tokens for st in steps) == len(LONG)
+    assert sum(1 for st in steps if st.prefill_tokens) == -(-len(LONG) // step_tokens)
+
+
+def test_streams_decoding_get_a_token_every_step_while_a_long_prompt_prefills(model):
+    s = Scheduler(model.runner, SchedulerOptions(step_tokens=5))
+    s.submit(job(model, "short", [1, 2, 3], loops=2, max_tokens=30))
+    first = s.step()  # its first token as it joins the batcher, its second from the batched step
+    assert [(k, len(ev.ids)) for k, ev in first] == [("short", 1), ("short", 1)]
+    s.submit(job(model, "long", LONG, loops=2, max_tokens=4))
+    got = []
+    while True:
+        events = dict(s.step())
+        if "long" in events:
+            break
+        got.append(len(events["short"].ids))
+    # 45 prompt tokens in chunks of 5 (the short stream's decode rows are beside the budget)
+    assert len(got) == 8 and got == [1] * 8
+    tokens, _, _ = run(s)
+    assert s.runner.lanes.free == 3
+
+
+def test_admission_is_by_free_lanes_then_a_bounded_queue(model):
+    s = Scheduler(model.runner, SchedulerOptions(max_queue=2))
+    for i in range(5):
+        s.submit(job(model, f"j{i}", [5, i + 1], loops=1, max_tokens=12))
+    with pytest.raises(QueueFull, match="2 requests already wait"):
+        s.submit(job(model, "j5", [5], loops=1, max_tokens=4))
+    seen = []
+    tokens, ends, _ = run(s, on_step=lambda i, s: seen.append((s.running, s.queued)))
+    assert seen[1] == (3, 2)  # after the first step: three lanes busy, two waiting
+    assert sorted(tokens) == [f"j{i}" for i in range(5)]
+    assert all(tokens[f"j{i}"] == alone(model, [5, i + 1], loops=1, max_tokens=12) for i in range(5))
+
+
+def test_a_deadline_passed_while_queued_ends_the_job_and_nothing_else(model):
+    now = [0.0]
+    s = Scheduler(model.runner, SchedulerOptions(), clock=lambda: now[0])
+    for i in range(3):
+        s.submit(job(model, f"busy{i}", [9, i], loops=1, max_tokens=20))
+    s.submit(Job("late", lambda lane: pytest.fail("a job past its deadline must not start"), deadline=1.0))
+    s.submit(job(model, "patient", [4, 4], loops=2, max_tokens=3))
+    s.step()
+    now[0] = 2.0
+    tokens, ends, _ = run(s)
+    assert isinstance(ends["late"], DeadlineExceeded) and "late" not in tokens
+    assert tokens["patient"] == alone(model, [4, 4], loops=2, max_tokens=3)
+    assert model.runner.lanes.free == 3
+
+
+def test_cancel_anywhere_frees_the_lane_and_reports_nothing_more(model):
+    s = Scheduler(model.runner, SchedulerOptions(step_tokens=4))
+    s.submit(job(model, "prefilling", LONG, loops=3, max_tokens=5))
+    s.submit(job(model, "batched", [1, 2, 3], loops=2, max_tokens=50))
+    s.submit(job(model, "alone", [1, 2, 3], loops=4, max_tokens=50, cache_window=4))
+    s.submit(job(model, "queued", [8], loops=1, max_tokens=5))
+    s.submit(job(model, "kept", [6, 6], loops=2, max_tokens=6))
+    def cancel_at_the_third_step(i, s):
+        if i == 2:
+            for key in ("prefilling", "batched", "alone", "queued"):
+                s.cancel(key)
+    tokens, ends, _ = run(s, on_step=cancel_at_the_third_step)
+    assert set(ends) == {"kept"} and tokens["kept"] == alone(model, [6, 6], loops=2, max_tokens=6)
+    assert model.runner.lanes.free == 3 and not s.batcher
+
+
+def test_a_failing_job_ends_alone(model):
+    s = Scheduler(model.runner)
+
+    def boom(lane):
+        raise ValueError("bad job")
+    s.submit(Job("bad", boom, tokens=3))
+    s.submit(job(model, "good", [3, 1, 4], loops=2, max_tokens=7))
+    s.submit(Job("task", lambda lane: ("ran on", lane), task=True))
+    tokens, ends, _ = run(s)
+    assert isinstance(ends["bad"], ValueError) and ends["task"][0] == "ran on"
+    assert tokens["good"] == alone(model, [3, 1, 4], loops=2, max_tokens=7)
+    assert model.runner.lanes.free == 3
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="step_tokens must be >= 1"):
+        SchedulerOptions(step_tokens=0)
+    with pytest.raises(ValueError, match="max_queue must be >= 0"):
+        SchedulerOptions(max_queue=-1)

@@ -1,0 +1,279 @@
+"""The worker's step loop policy: which queued requests get a cache lane, which prompts prefill
+how many tokens in this step, and one batched decode step for every stream that decodes.
+
+Plain Python over the generation layer: no Ray, no asyncio and no thread of its own. The actor
+calls `submit` and `cancel` from any thread and `step` on its one step thread; the tests call
+them directly.
+
+Each `step`:
+1. takes in new jobs and cancellations; a job still queued past its deadline ends with
+   `DeadlineExceeded`;
+2. admits queued jobs in arrival order while lanes are free;
+3. prefills under a token budget (`step_tokens`): admitted prompts in arrival order, each a
+   chunk of at most what is left of the budget (the first always gets one chunk, so a step
+   always makes progress; a job that starts whole, such as a resume, waits for a step whose
+   budget it fits or that it opens). A long prompt is cut into chunks over several steps, and the
+   streams decoding meanwhile get a token every step instead of waiting for the whole prompt;
+4. runs one batched decode step (`Batcher.step`) for every stream in the batcher and one step
+   of each stream that steps alone (speculative decoding, L scheduling, the safety check, a
+   sliding window), and returns what happened as events.
+
+A job is a `begin(lane)` callable. What it returns says what the job is: a `Prefill` (a plain
+prompt, chunked here), a `DecodeState` (already prefilled: a resume), a token generator (a
+stream that steps alone) or, for a `task` job, the answer itself (handle builds, scores: the
+lane is free again at once).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tinyloop.worker.generation.batcher import Batcher
+from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, decode_steps
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """max_queue: jobs that may wait for a lane (more are refused, `QueueFull`). step_tokens:
+    prompt tokens prefilled per step beside the decode step (the chunk size of a long prompt)."""
+    max_queue: int = 256
+    step_tokens: int = 512
+
+    def __post_init__(self):
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
+
+
+class QueueFull(Exception):
+    """No free lane and `max_queue` jobs already wait for one."""
+
+
+class DeadlineExceeded(Exception):
+    """The job's deadline passed while it waited for a lane."""
+
+
+@dataclass
+class Job:
+    key: str
+    begin: Callable[[int], object]
+    tokens: int = 0               # prompt tokens its begin prefills at once (budget accounting)
+    deadline: float | None = None  # time.monotonic() past which a still-queued job is dropped
+    task: bool = False            # begin's return value is the answer; the lane is free after it
+    submitted: float = field(default_factory=time.monotonic)
+
+
+# What `step` reports, per job key:
+#   Tokens(ids, finish)  new ids of a stream (finish: its Finish once it ended)
+#   Result(value)        a task's answer
+#   Failed(exception)    the job ended with this exception (it holds no lane any more)
+@dataclass
+class Tokens:
+    ids: list[int]
+    finish: Finish | None = None
+
+
+@dataclass
+class Result:
+    value: object
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+Event = tuple[str, Tokens | Result | Failed]
+
+
+@dataclass
+class StepStats:
+    """What one step did (the actor's metrics)."""
+    admitted: int = 0
+    prefill_tokens: int = 0
+    batch_rows: int = 0
+    alone_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, runner, options: SchedulerOptions = SchedulerOptions(), clock=time.monotonic):
+        self.runner = runner
+        self.lanes = runner.lanes
+        self.o = options
+        self.clock = clock
+        self.batcher = Batcher(runner)
+        self._lock = threading.Lock()
+        self._inbox: list[Job] = []
+        self._cancels: set[str] = set()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._prefilling: dict[str, tuple[int, Job, Prefill | None]] = {}  # arrival order (dicts keep it)
+        self._batched: dict[int, str] = {}        # lane -> key of a stream in the batcher
+        self._alone: dict[str, tuple[int, object]] = {}  # key -> (lane, token generator)
+        self.last = StepStats()
+
+    # -- from any thread ---------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue a job (it starts in a later `step`); QueueFull when it could only wait and the
+        queue is full."""
+        with self._lock:
+            waiting = len(self._waiting) + len(self._inbox)
+            if waiting >= self.lanes.free + self.o.max_queue:
+                raise QueueFull(f"{waiting - self.lanes.free} requests already wait for a lane")
+            self._inbox.append(job)
+
+    def cancel(self, key: str) -> None:
+        """End the job before its next step (queued, prefilling or decoding); it reports nothing
+        more and its lane is free after this step."""
+        with self._lock:
+            self._cancels.add(key)
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._waiting) + len(self._inbox)
+
+    @property
+    def running(self) -> int:
+        """Jobs holding a lane."""
+        return len(self._prefilling) + len(self._batched) + len(self._alone)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._cancels or self._waiting or self._prefilling or self._batched
+                        or self._alone)
+
+    # -- on the step thread ------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        stats = self.last = StepStats()
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+            cancels, self._cancels = self._cancels, set()
+        for key in cancels:
+            self._drop(key)
+        now = self.clock()
+        for job in [j for j in self._waiting if j.deadline is not None and now > j.deadline]:
+            self._waiting.remove(job)
+            events.append((job.key, Failed(DeadlineExceeded(
+                f"the deadline passed after {now - job.submitted:.3f} s waiting for a lane"))))
+        while self._waiting and self.lanes.free:
+            job = self._waiting.popleft()
+            self._prefilling[job.key] = (self.lanes.acquire(), job, None)
+            stats.admitted += 1
+        self._prefill(events, stats)
+        self._decode(events, stats)
+        return events
+
+    def _prefill(self, events: list[Event], stats: StepStats) -> None:
+        budget = self.o.step_tokens
+        for key, (lane, job, pre) in list(self._prefilling.items()):
+            if budget <= 0 or (pre is None and budget < self.o.step_tokens and job.tokens > budget):
+                break  # in arrival order: a job that starts whole waits for a step it fits (or opens)
+            try:
+                if pre is None:
+                    got = job.begin(lane)
+                    if isinstance(got, Prefill):
+                        pre = got
+                    else:
+                        budget -= job.tokens
+                        stats.prefill_tokens += job.tokens
+                        del self._prefilling[key]
+                        self._started(key, lane, job, got, events)
+                        continue
+                n = min(budget, pre.remaining)
+                st = pre.run(n)
+                budget -= n
+                stats.prefill_tokens += n
+            except Exception as e:  # this job alone: the others go on
+                del self._prefilling[key]
+                self.lanes.release(lane)
+                events.append((key, Failed(e)))
+                continue
+            if st is None:
+                self._prefilling[key] = (lane, job, pre)
+            else:
+                del self._prefilling[key]
+                self._started(key, lane, job, st, events)
+
+    def _started(self, key: str, lane: int, job: Job, got, events: list[Event]) -> None:
+        """The job's prefill is done (or it was a task): where it goes from here."""
+        if job.task:
+            self.lanes.release(lane)
+            events.append((key, Result(got)))
+            return
+        if isinstance(got, DecodeState):
+            if self.batcher.eligible(got):
+                ids, finish = self.batcher.join(got)
+                events.append((key, Tokens(ids, finish)))
+                if finish is None:
+                    self._batched[lane] = key
+                else:
+                    self.lanes.release(lane)
+                return
+            got = decode_steps(got)
+        self._alone[key] = (lane, got)
+
+    def _decode(self, events: list[Event], stats: StepStats) -> None:
+        if self.batcher:
+            try:
+                updates = self.batcher.step()
+            except Exception as e:  # the batched step itself failed: every stream in it ends
+                for lane, key in self._batched.items():
+                    self.batcher.leave(lane)
+                    self.lanes.release(lane)
+                    events.append((key, Failed(e)))
+                self._batched.clear()
+                updates = {}
+            stats.batch_rows = len(updates)
+            for lane, update in updates.items():
+                key = self._batched.get(lane)
+                if key is None:
+                    continue
+                if isinstance(update, Exception):
+                    events.append((key, Failed(update)))
+                    done = True
+                else:
+                    ids, finish = update
+                    events.append((key, Tokens(ids, finish)))
+                    done = finish is not None
+                if done:
+                    del self._batched[lane]
+                    self.lanes.release(lane)
+        for key, (lane, gen) in list(self._alone.items()):
+            stats.alone_steps += 1
+            try:
+                ids = next(gen)
+                events.append((key, Tokens(ids)))
+                continue
+            except StopIteration as stop:
+                events.append((key, Tokens([], stop.value)))
+            except Exception as e:
+                events.append((key, Failed(e)))
+            del self._alone[key]
+            self.lanes.release(lane)
+
+    def _drop(self, key: str) -> None:
+        for job in self._waiting:
+            if job.key == key:
+                self._waiting.remove(job)
+                return
+        if key in self._prefilling:
+            lane, _, _ = self._prefilling.pop(key)
+            self.lanes.release(lane)
+            return
+        if key in self._alone:
+            lane, gen = self._alone.pop(key)
+            gen.close()
+            self.lanes.release(lane)
+            return
+        for lane, k in list(self._batched.items()):
+            if k == key:
+                self.batcher.leave(lane)
+                del self._batched[lane]
+                self.lanes.release(lane)
+                return
