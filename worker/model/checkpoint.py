@@ -114,15 +114,24 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu",
                                           f"{tuple(t.shape)}, config needs {shape}")
                 if not t.dtype.is_floating_point:
                     raise CheckpointError(f"{path}: {name} has dtype {t.dtype}, expected a float type")
-                state[name] = t
+                if not torch.isfinite(t).all():
+                    raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf")
+                state[name] = owned(t.to(device=device, dtype=dtype), t)
     except SafetensorError as e:
         raise CheckpointError(f"{path}: corrupt safetensors data: {e}") from None
-    model = LoopedTransformer(cfg)
-    model.load_state_dict(state)
-    for name, t in state.items():
-        if not torch.isfinite(t).all():
-            raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf")
-    return model.to(device=device, dtype=dtype).eval(), meta
+    # the meta model takes the tensors as they are: no random init of its own, no second copy
+    model.load_state_dict(state, assign=True)
+    model.materialize_rope(device)
+    return model.eval(), meta
+
+
+def owned(v: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """v in memory of its own: a tensor that still views the file's mapped bytes (no cast, no
+    move) is copied, into fresh (aligned) memory, since CPU BLAS rounds differently on
+    operands at the odd offsets a safetensors header leaves."""
+    if v.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        return v.clone(memory_format=torch.contiguous_format)
+    return v
 
 
 def with_max_loops(cfg: LoopedConfig, max_loops: int, path: str) -> LoopedConfig:

@@ -392,6 +392,7 @@ def load(path: str | os.PathLike, device="cpu", dtype=None, max_loops: int | Non
     import torch
     from safetensors import SafetensorError, safe_open
 
+    from tinyloop.worker.model.checkpoint import owned
     from tinyloop.worker.model.modules import LoopedTransformer
 
     plan = inspect(path, max_loops)
@@ -411,13 +412,7 @@ def load(path: str | os.PathLike, device="cpu", dtype=None, max_loops: int | Non
             if not torch.isfinite(t).all():
                 raise CheckpointError(f"{file}: tensor {s.name!r} holds NaN or Inf")
             for target, fn in s.targets.items():
-                v = fn(t).to(device=device, dtype=dtype)
-                if v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-                    # still the file's mapped bytes, at whatever alignment the header left them:
-                    # CPU BLAS rounds differently on unaligned operands, so a copy into fresh
-                    # (aligned) memory computes exactly as a `.tinyloop` file's weights do
-                    v = v.clone(memory_format=torch.contiguous_format)
-                _assign(model, target, v.contiguous())
+                _assign(model, target, owned(fn(t).to(device=device, dtype=dtype), t).contiguous())
             del t
     except SafetensorError as e:
         raise CheckpointError(f"{path}: corrupt safetensors data: {e}") from None
