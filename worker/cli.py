@@ -38,7 +38,7 @@ def register(sub) -> None:
     c.set_defaults(handler=_convert)
 
     i = sub.add_parser("init-model", help="write a random-init .tinyloop checkpoint")
-    i.add_argument("--preset", required=True, help="tiny | small | bench-285m | ouro-1.4b")
+    i.add_argument("--preset", required=True, help="tiny | small | bench-285m | ouro-1.4b | ouro-2.6b | huginn-3.5b")
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     i.add_argument("-o", "--output", required=True)

@@ -341,3 +341,24 @@ def test_fused_decode_matches_the_torch_ops(dirs, name):
         want, got = steps
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4
         assert list(fused.generate(PROMPT, loops=1, max_tokens=2, seed=4)) == toks
+
+
+def test_the_full_size_presets_are_what_the_loader_builds(tmp_path):
+    """`ouro-2.6b` and `huginn-3.5b` (random-weight shapes for benchmarks) are the configs the
+    loader reads from the published config.json values."""
+    import dataclasses
+
+    from tinyloop.worker.model import hf
+    from tinyloop.worker.model.config import PRESETS
+    published = {
+        "ouro-2.6b": ouro_config(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+                                 intermediate_size=5632, num_hidden_layers=48, vocab_size=49152,
+                                 max_position_embeddings=4096, rope_theta=1000000.0, layer_types=None),
+        "huginn-3.5b": huginn_config(n_embd=5280, n_heads=55, num_key_value_heads=55, n_layers=8,
+                                     n_layers_in_prelude=2, n_layers_in_recurrent_block=4, n_layers_in_coda=2,
+                                     intermediate_size=17920, vocab_size=65536, padded_vocab_size=65536,
+                                     block_size=4096, mean_recurrence=32, init_values=None)}
+    for name, cfg in published.items():
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        got = hf.read_config(tmp_path)[1]
+        assert dataclasses.replace(got, bos_id=-1, eos_id=-1) == PRESETS[name], name

@@ -154,4 +154,18 @@ PRESETS: dict[str, LoopedConfig] = {
                               d_ff=5632, n_prelude=0, n_loop_layers=24, n_coda=0, norm="sandwich",
                               loop_final_norm=True, tie_embeddings=False, default_loops=4,
                               max_loops=4, max_seq_len=4096, rope_theta=1000000.0),
+    # Ouro-2.6B (ByteDance/Ouro-2.6B's config.json: the 1.4B's layers doubled), with Ouro's own
+    # norms (no final norm beyond the loop norm) and its early-exit gate, as the HF loader builds it.
+    "ouro-2.6b": LoopedConfig(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16,
+                              d_ff=5632, n_prelude=0, n_loop_layers=48, n_coda=0, norm="sandwich",
+                              loop_final_norm=True, final_norm=False, exit_gate=True, norm_eps=1e-6,
+                              tie_embeddings=False, default_loops=4, max_loops=8, max_seq_len=4096,
+                              rope_theta=1000000.0),
+    # Huginn-0125 (tomg-group-umd/huginn-0125's config.json): 2 prelude, a 4-layer recurrent
+    # block with input injection, 2 coda layers, d 5280 in 55 heads of 96, as the HF loader builds it.
+    "huginn-3.5b": LoopedConfig(vocab_size=65536, d_model=5280, n_heads=55, n_kv_heads=55, d_ff=17920,
+                                n_prelude=2, n_loop_layers=4, n_coda=2, norm="sandwich_sum", exit_norm=True,
+                                inject=True, embed_scale=5280 ** 0.5, init_std=(2 / (5 * 5280)) ** 0.5,
+                                qk_bias=True, norm_eps=1e-6, tie_embeddings=True, default_loops=32,
+                                max_loops=64, max_seq_len=4096, rope_theta=50000.0),
 }
