@@ -98,11 +98,17 @@ def _sampling(temperature, top_k, top_p, repetition_penalty, seed) -> pb.Samplin
 def generate_request(prompt, *, loops=None, max_tokens=None, temperature=None, top_k=None, top_p=None,
                      repetition_penalty=None, seed=None, stop_token_ids=(), cache_window=0,
                      include_text=False, speculative: dict | None = None, return_handle=False,
-                     handle_max_loops=None, request_id=None) -> pb.GenerateRequest:
+                     handle_max_loops=None, l_warmup_tokens=0, l_warmup_loops=None, safety_check=False,
+                     safety_norm_threshold=None, request_id=None) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=_prompt(prompt),
                              sampling=_sampling(temperature, top_k, top_p, repetition_penalty, seed),
                              stop_token_ids=list(stop_token_ids), cache_window=cache_window,
-                             include_text=include_text, return_handle=return_handle)
+                             include_text=include_text, return_handle=return_handle,
+                             l_warmup_tokens=l_warmup_tokens, safety_check=safety_check)
+    if l_warmup_loops is not None:
+        req.l_warmup_loops = l_warmup_loops
+    if safety_norm_threshold is not None:
+        req.safety_norm_threshold = safety_norm_threshold
     if loops is not None:
         req.loops = loops
     if max_tokens is not None:

@@ -59,7 +59,7 @@ class SpeculativeOptions(_message.Message):
     def __init__(self, draft_loops: _Optional[int] = ..., verify_loops: _Optional[int] = ..., draft_ahead: _Optional[int] = ..., k_branches: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "speculative", "return_handle", "handle_max_loops")
+    __slots__ = ("request_id", "prompt", "loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "speculative", "return_handle", "handle_max_loops", "l_warmup_tokens", "l_warmup_loops", "safety_check", "safety_norm_threshold")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     LOOPS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,10 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     RETURN_HANDLE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_MAX_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    L_WARMUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L_WARMUP_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    SAFETY_CHECK_FIELD_NUMBER: _ClassVar[int]
+    SAFETY_NORM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     loops: int
@@ -82,7 +86,11 @@ class GenerateRequest(_message.Message):
     speculative: SpeculativeOptions
     return_handle: bool
     handle_max_loops: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., return_handle: _Optional[bool] = ..., handle_max_loops: _Optional[int] = ...) -> None: ...
+    l_warmup_tokens: int
+    l_warmup_loops: int
+    safety_check: bool
+    safety_norm_threshold: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., return_handle: _Optional[bool] = ..., handle_max_loops: _Optional[int] = ..., l_warmup_tokens: _Optional[int] = ..., l_warmup_loops: _Optional[int] = ..., safety_check: _Optional[bool] = ..., safety_norm_threshold: _Optional[float] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("request_id", "handle_id", "new_loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text")

@@ -27,6 +27,9 @@ def register(sub) -> None:
     s.add_argument("--handle-budget-mb", type=float, default=1024.0, help="resume-handle bytes per worker")
     s.add_argument("--handle-ttl-s", type=float, default=600.0, help="idle time before a handle expires")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a lane, per worker")
+    s.add_argument("--step-tokens", type=int, default=512,
+                   help="prompt tokens prefilled per scheduler step beside the decode step: longer prompts "
+                        "are prefilled in chunks of this many, so running streams keep a token per step")
     s.add_argument("--coalesce-ms", type=float, default=50.0,
                    help="after a stream's first token, tokens are sent per Ray hop at most this often")
     s.add_argument("--max-message-mb", type=float, default=4.0)
@@ -76,6 +79,8 @@ def _serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.coalesce_ms < 0:
         raise ValueError(f"--coalesce-ms must be >= 0, got {args.coalesce_ms}")
+    if args.step_tokens < 1:
+        raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     tokens = parse_tokens(args.auth_tokens)
     ray.init(address=args.ray_address, include_dashboard=False, namespace=workers.NAMESPACE,
              log_to_driver=True)
@@ -84,7 +89,7 @@ def _serve(args) -> int:
                                  handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
                                  handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue,
                                  coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
-                                 init_scale=args.init_scale)
+                                 init_scale=args.init_scale, step_tokens=args.step_tokens)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

@@ -12,3 +12,46 @@ LATENCY = Histogram("tinyloop_request_seconds", "RPC wall time", ["method"],
 STARTUP = Gauge("tinyloop_worker_startup_seconds",
                 "a worker's start-up before it served: model load and each part of its CUDA graph capture",
                 ["worker", "part"])
+TPOT = Histogram("tinyloop_time_per_output_token_seconds",
+                 "gateway-side time per output token after the first, per finished stream",
+                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+DEPTH = Counter("tinyloop_requests_by_depth_total", "streams by the depth (loops) they asked for",
+                ["method", "loops"])
+QUEUED = Gauge("tinyloop_worker_queued_requests", "requests waiting for a cache lane", ["worker"])
+RUNNING = Gauge("tinyloop_worker_running_lanes", "cache lanes held by a stream or a call", ["worker"])
+
+
+class WorkerSteps:
+    """The workers' step histograms (rows of the batched decode step; prompt tokens prefilled per
+    step), as each worker last reported them: cumulative counts kept by the worker, exported as
+    Prometheus histograms."""
+
+    def __init__(self):
+        self.latest: dict[str, dict] = {}
+
+    def update(self, worker: str, steps: dict) -> None:
+        self.latest[worker] = steps
+
+    def collect(self):
+        from prometheus_client.core import HistogramMetricFamily
+        batch = HistogramMetricFamily("tinyloop_worker_batch_rows", "rows of a worker's batched decode step",
+                                      labels=["worker"])
+        prefill = HistogramMetricFamily("tinyloop_worker_prefill_tokens_per_step",
+                                        "prompt tokens a worker prefilled per scheduler step", labels=["worker"])
+        for worker, s in sorted(self.latest.items()):
+            for fam, key in ((batch, "batch"), (prefill, "prefill")):
+                acc, buckets = 0, []
+                for bound, n in zip([*s[f"{key}_bounds"], "+Inf"], s[f"{key}_counts"]):
+                    acc += n
+                    buckets.append((str(bound) if bound == "+Inf" else f"{float(bound)}", acc))
+                fam.add_metric([worker], buckets, s[f"{key}_sum"])
+        yield batch
+        yield prefill
+
+
+STEPS = WorkerSteps()
+try:
+    from prometheus_client import REGISTRY
+    REGISTRY.register(STEPS)
+except ValueError:  # registered already (a re-import)
+    pass

@@ -88,6 +88,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         self.o = options
         first = workers[0].info
         self.vocab_size, self.max_loops = first["vocab_size"], first["max_loops"]
+        self.default_loops = first["default_loops"]
         self.draining = False
         self.inflight = 0
         self._rr = itertools.count()
@@ -243,6 +244,17 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                                     "verify_loops": self._loops(s.verify_loops, "speculative.verify_loops"),
                                     "draft_ahead": s.draft_ahead if s.HasField("draft_ahead") else 4,
                                     "k_branches": s.k_branches if s.HasField("k_branches") else 1}
+            if request.l_warmup_tokens:
+                if not request.HasField("l_warmup_loops"):
+                    raise invalid("l_warmup_loops is required when l_warmup_tokens > 0")
+                p["l_warmup_tokens"] = request.l_warmup_tokens
+                p["l_warmup_loops"] = self._loops(request.l_warmup_loops, "l_warmup_loops")
+            if request.safety_check:
+                p["safety_check"] = True
+                if request.HasField("safety_norm_threshold"):
+                    if not request.safety_norm_threshold > 0:
+                        raise invalid(f"safety_norm_threshold must be > 0, got {request.safety_norm_threshold}")
+                    p["safety_norm_threshold"] = request.safety_norm_threshold
             if request.return_handle:
                 p["return_handle"] = True
                 if request.HasField("handle_max_loops"):
@@ -251,6 +263,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("Generate", context, e)
             return
+        depth = p["speculative"]["verify_loops"] if "speculative" in p else p.get("loops", self.default_loops)
+        metrics.DEPTH.labels("Generate", str(depth)).inc()
         async for msg in self._stream("Generate", context, w, request.request_id, "generate", caller, p):
             yield msg
 
@@ -265,6 +279,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("Resume", context, e)
             return
+        metrics.DEPTH.labels("Resume", str(p["new_loops"])).inc()
         async for msg in self._stream("Resume", context, w, request.request_id, "resume", caller,
                                       ref.token, ref.epoch, p):
             yield msg
@@ -275,11 +290,15 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         first = True
         done = False
         gen = None
+        n_tokens, t_first = 0, t0
         w.inflight += 1
         self.inflight += 1
         metrics.INFLIGHT.labels(w.label).inc()
         task = asyncio.current_task()
         self.streams.add(task)
+        remaining = context.time_remaining()
+        if remaining is not None:  # the worker drops the request if it is still queued then
+            args[-1]["timeout_s"] = remaining
         try:
             gen = getattr(w.actor, actor_method).options(num_returns="streaming").remote(key, *args)
             async for ref in gen:
@@ -289,13 +308,17 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                     raise ServiceError.from_worker(item["error"])
                 if "ids" in item:
                     if first:
-                        metrics.TTFT.observe(time.perf_counter() - t0)
+                        t_first = time.perf_counter()
+                        metrics.TTFT.observe(t_first - t0)
                         first = False
+                    n_tokens += len(item["ids"])
                     metrics.TOKENS.labels(w.label).inc(len(item["ids"]))
                     yield pb.GenerateResponse(request_id=request_id,
                                               chunk=pb.Chunk(ids=item["ids"], text=item["text"]))
                 else:
                     done = True
+                    if n_tokens > 1:
+                        metrics.TPOT.observe((time.perf_counter() - t_first) / (n_tokens - 1))
                     yield pb.GenerateResponse(request_id=request_id, complete=self._complete(w, item["complete"]))
             if not done:
                 raise ServiceError("INTERNAL", "INTERNAL", f"{w.label} ended the stream without a Complete")
@@ -560,9 +583,13 @@ class Gateway:
                 if not w.healthy:
                     continue
                 try:
-                    await asyncio.wait_for(_ref(w.actor.stats.remote()), self.options.health_interval_s * 5)
+                    stats = await asyncio.wait_for(_ref(w.actor.stats.remote()), self.options.health_interval_s * 5)
                 except (asyncio.TimeoutError, *_ACTOR_ERRORS):
                     self.servicer._worker_failed(w)
+                    continue
+                metrics.QUEUED.labels(w.label).set(stats["queued"])
+                metrics.RUNNING.labels(w.label).set(stats["active_lanes"])
+                metrics.STEPS.update(w.label, stats["steps"])
 
     @classmethod
     async def start(cls, actors: list, options: GatewayOptions | None = None) -> "Gateway":

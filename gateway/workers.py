@@ -29,6 +29,7 @@ class WorkerOptions:
     max_restarts: int = -1
     max_loops: int | None = None  # None: the checkpoint's
     init_scale: float = 1.0       # Huginn's initial latent state scale (0: zero state)
+    step_tokens: int = 512        # prompt tokens prefilled per scheduler step (= worker.serving.actor's default)
 
 
 def cluster_gpus() -> int:
@@ -51,10 +52,11 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
             get_if_exists=detached,
             num_gpus=1 if use_gpu else 0, num_cpus=opts.num_cpus,
             max_restarts=opts.max_restarts, max_task_retries=0, max_concurrency=1000,
-        ).remote(i, opts.model_path, opts.lanes, opts.max_seq_len,
-                 opts.device or ("cuda" if use_gpu else "cpu"), opts.dtype, opts.handle_budget_bytes,
-                 opts.handle_ttl_s, 4096, opts.max_queue, opts.coalesce_s, opts.torch_threads,
-                 opts.max_loops, opts.init_scale))
+        ).remote(i, model_path=opts.model_path, lanes=opts.lanes, max_seq_len=opts.max_seq_len,
+                 device=opts.device or ("cuda" if use_gpu else "cpu"), dtype=opts.dtype,
+                 handle_budget_bytes=opts.handle_budget_bytes, handle_ttl_s=opts.handle_ttl_s,
+                 max_queue=opts.max_queue, coalesce_s=opts.coalesce_s, torch_threads=opts.torch_threads,
+                 max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens))
     return actors
 
 

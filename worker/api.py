@@ -26,6 +26,7 @@ from tinyloop.worker.generation.sampling import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
 from tinyloop.worker.model import checkpoint
 from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.errors import HandleFreed, LanesBusy, ModelClosed, OutOfMemory, OutOfRange, TooLong
 from tinyloop.worker.model.ops import select_ops
 from tinyloop.worker.model.settings import Settings
 from tinyloop.worker.model.tokenizer import from_metadata
@@ -171,7 +172,7 @@ class Model:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("model is closed")
+            raise ModelClosed("model is closed")
 
     @property
     def counters(self):
@@ -228,7 +229,7 @@ class Model:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if seq_len + max_tokens > self.max_seq_len:
-            raise RuntimeError(f"{what} of {seq_len} tokens + max_tokens {max_tokens} exceeds "
+            raise TooLong(f"{what} of {seq_len} tokens + max_tokens {max_tokens} exceeds "
                                f"max_seq_len {self.max_seq_len}")
 
     def _window(self, cache_window: int) -> int:
@@ -372,7 +373,7 @@ class Model:
                 while pending and (lane := self.runner.lanes.acquire()) is not None:
                     held.append((pending.pop(0), lane))
                 if not held:
-                    raise RuntimeError(f"all {self.n_slots} cache lanes are in use")
+                    raise LanesBusy(f"all {self.n_slots} cache lanes are in use")
                 lane_of = {}
                 for i, lane in held:
                     self._seat(lane, reqs[i].seed)
@@ -427,12 +428,12 @@ class Model:
             raise ValueError(f"max_loops must be >= 1, got {max_loops}")
         if L_used > max_loops:
             # the reference runtime's error for it: the arguments are valid alone, not together
-            raise RuntimeError(f"L_used={L_used} exceeds max_loops={max_loops}")
+            raise OutOfRange(f"L_used={L_used} exceeds max_loops={max_loops}")
         if max_loops > self.config.max_loops:
             raise ValueError(f"max_loops={max_loops} exceeds the model's max_loops={self.config.max_loops}")
         window = self._window(cache_window)
         if len(ids) > self.max_seq_len:
-            raise RuntimeError(f"prompt of {len(ids)} tokens exceeds max_seq_len {self.max_seq_len}")
+            raise TooLong(f"prompt of {len(ids)} tokens exceeds max_seq_len {self.max_seq_len}")
         with self._lock:
             self._check_open()
             try:
@@ -440,7 +441,7 @@ class Model:
                     self._seat(lane, self._seed(seed))
                     return resume_mod.build(self.runner, lane, ids, int(L_used), int(max_loops), window)
             except torch.OutOfMemoryError as e:
-                raise RuntimeError(f"out of memory allocating the resume handle: {e}") from None
+                raise OutOfMemory(f"out of memory allocating the resume handle: {e}") from None
 
     def make_resume_request(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
                             top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,
@@ -450,13 +451,13 @@ class Model:
         if not isinstance(handle, ResumeHandle):
             raise ValueError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
         if self.runner is None or handle.owner != id(self.runner):
-            raise RuntimeError("handle belongs to a different (or closed) Model")
+            raise HandleFreed("handle belongs to a different (or closed) Model")
         if handle.freed:
-            raise RuntimeError("handle has been freed")
+            raise HandleFreed("handle has been freed")
         if isinstance(new_L, bool) or not isinstance(new_L, (int, np.integer)):
             raise ValueError(f"new_L must be an int, got {type(new_L).__name__}")
         if not handle.loops_used() <= new_L <= handle.max_loops():
-            raise RuntimeError(f"new_L={new_L} outside [loops_used={handle.loops_used()}, "
+            raise OutOfRange(f"new_L={new_L} outside [loops_used={handle.loops_used()}, "
                                f"max_loops={handle.max_loops()}]")
         window = self._window(cache_window) or handle.cache_window
         if window != handle.cache_window:
@@ -473,7 +474,7 @@ class Model:
         self._check_open()
         handle, new_L, req = resume_request
         if handle.freed:
-            raise RuntimeError("handle has been freed")
+            raise HandleFreed("handle has been freed")
         self._seat(lane, req.seed)
         return resume_mod.resume(self.runner, lane, handle, new_L, req)
 
@@ -483,7 +484,7 @@ class Model:
         self._check_open()
         handle, new_L, req = resume_request
         if handle.freed:
-            raise RuntimeError("handle has been freed")
+            raise HandleFreed("handle has been freed")
         self._seat(lane, req.seed)
         return resume_mod.start(self.runner, lane, handle, new_L, req)
 

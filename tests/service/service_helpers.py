@@ -10,11 +10,13 @@ MAX_SEQ_LEN = 2048
 MAX_MESSAGE = 1 << 20
 
 
-def start_service(model_path, prefix: str, n: int = 2, lanes: int = LANES, **gateway_kw):
+def start_service(model_path, prefix: str, n: int = 2, lanes: int = LANES, worker_kw: dict | None = None,
+                  **gateway_kw):
     from tinyloop.gateway import workers
     from tinyloop.gateway.server import GatewayOptions, GatewayThread
     actors = workers.spawn(n, workers.WorkerOptions(model_path=model_path, lanes=lanes, max_seq_len=MAX_SEQ_LEN,
-                                                    torch_threads=1, coalesce_s=0.005), name_prefix=prefix)
+                                                    torch_threads=1, coalesce_s=0.005, **(worker_kw or {})),
+                           name_prefix=prefix)
     gw = GatewayThread(actors, GatewayOptions(port=0, max_message_bytes=MAX_MESSAGE, **gateway_kw))
     return actors, gw
 

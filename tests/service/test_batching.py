@@ -75,3 +75,74 @@ def test_cancel_mid_batch_frees_the_lane_and_the_others_go_on(one_worker, local_
             assert f.result() == (want[2:], want.finish_reason)
     stats = wait_idle(actors)[0]
     assert stats["active_lanes"] == 0 and stats["streams"] == 0, stats
+
+
+@pytest.fixture(scope="module")
+def chunking_worker(ray_cluster, model_path):
+    """Prompts prefilled 8 tokens a step: every prompt longer than that is chunked."""
+    actors, gw = start_service(model_path, "w-chunking", n=1, lanes=LANES, worker_kw={"step_tokens": 8})
+    yield actors, gw
+    gw.stop(0.5)
+    for a in actors:
+        ray.kill(a, no_restart=True)
+
+
+def test_every_kind_of_stream_together_equals_its_standalone_run(chunking_worker, local_model):
+    """Plain, mixed depths, sampled, L scheduling, the safety check (one stopped by it), a
+    sliding window, self-speculative decoding, a resume and a long chunked prompt, all at once
+    on one worker: each gets its in-process tokens and finish reason, over real gRPC."""
+    actors, gw = chunking_worker
+    long_prompt = [(7 * i + 3) % 256 for i in range(70)]
+    jobs = [("plain", [5, 17, 99, 3, 42], dict(loops=2, max_tokens=30)),
+            ("deep", [200, 1, 1, 5, 9, 31], dict(loops=8, max_tokens=20)),
+            ("sampled", [9, 8, 7], dict(loops=5, max_tokens=25, temperature=0.8, top_k=30, seed=3)),
+            ("warmup", [6, 6, 6, 1], dict(loops=6, max_tokens=20, l_warmup_tokens=5, l_warmup_loops=2)),
+            ("safety", [1, 2, 3, 4], dict(loops=3, max_tokens=20, safety_check=True, safety_norm_threshold=1e9)),
+            ("stopped", [1, 2, 3, 4], dict(loops=3, max_tokens=20, safety_check=True, safety_norm_threshold=1e-3)),
+            ("window", [4] * 12, dict(loops=3, max_tokens=25, cache_window=5)),
+            ("long", long_prompt, dict(loops=4, max_tokens=15)),
+            ("speculative", [3, 1, 4, 1, 5], dict(max_tokens=18, speculative=dict(draft_loops=2, verify_loops=5)))]
+
+    def run(job):
+        name, prompt, kw = job
+        with TinyLoopClient(gw.address) as c:
+            if name == "resume":
+                h = c.build_resume_handle(prompt, l_used=2, max_loops=6)
+                try:
+                    ids, complete = c.resume(h.handle_id, 5, max_tokens=kw["max_tokens"]).collect()
+                finally:
+                    c.free_handle(h.handle_id)
+            else:
+                ids, complete = c.generate(prompt, timeout=120, **kw).collect()
+        return ids, complete.finish_reason
+
+    jobs.append(("resume", [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], dict(max_tokens=16)))
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = dict(zip([j[0] for j in jobs], pool.map(run, jobs)))
+    for name, prompt, kw in jobs:
+        local = dict(kw)
+        if name == "warmup":
+            local["l_warmup_L"] = local.pop("l_warmup_loops")
+        if name == "speculative":
+            want = local_model.generate(prompt, loops=5, max_tokens=kw["max_tokens"])
+        elif name == "resume":
+            want = local_model.generate(prompt, loops=5, max_tokens=kw["max_tokens"])
+        else:
+            want = local_model.generate(prompt, **local)
+        assert got[name] == (want[len(prompt):], want.finish_reason), name
+    assert got["stopped"][1] == "safety"  # FINISH_REASON_SAFETY over the wire
+    stats = wait_idle(actors, handles=True)[0]
+    assert (stats["active_lanes"], stats["handles"], stats["streams"]) == (0, 0, 0)
+    assert stats["steps"]["prefill_counts"][-1] == 0 and max(  # no step prefilled more than its budget
+        b for b, n in zip(stats["steps"]["prefill_bounds"], stats["steps"]["prefill_counts"]) if n) <= 16
+
+
+def test_warmup_and_safety_arguments_are_checked_on_the_wire(chunking_worker):
+    _, gw = chunking_worker
+    with TinyLoopClient(gw.address) as c:
+        for kw, word in ((dict(l_warmup_tokens=3), "l_warmup_loops is required"),
+                         (dict(l_warmup_tokens=3, l_warmup_loops=6, loops=2), "l_warmup_L=6 must be <= loops=2"),
+                         (dict(safety_check=True, safety_norm_threshold=-1.0), "safety_norm_threshold must be > 0")):
+            with pytest.raises(TinyLoopError) as e:
+                c.generate([1, 2, 3], max_tokens=4, **kw).collect()
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.message, e.value

@@ -1,47 +1,54 @@
-"""The worker's lane table, on the actor class itself (no Ray): a lane handed to a waiter whose
-request is cancelled at that moment goes to the next waiter or back to the free lanes, so a
-worker under cancellations never ends with a lane nobody holds (the race behind a rare
-'200 mixed requests' failure: one lane busy with no stream left)."""
+"""The worker actor's class itself (no Ray): streams queued behind one lane, cancelled while
+they wait, while they decode and just as a lane is handed over, never leave a lane nobody holds;
+the stream nobody cancelled gets exactly its standalone tokens."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from tinyloop.worker.serving.actor import WorkerActor, _StreamState
+from tinyloop.worker.serving.actor import WorkerActor
+
+PROMPT = {"ids": [5, 17, 99, 3, 42]}
 
 
 @pytest.fixture(scope="module")
 def worker(model_path):
     w = WorkerActor(0, model_path, lanes=1, max_seq_len=64, device="cpu", dtype="float32")
     yield w
-    w._pool.shutdown()
+    w._steps.stop()
     w.model.close()
 
 
-def test_lane_handed_to_a_cancelled_waiter_is_not_lost(worker):
-    async def main():
-        held = await worker._acquire_lane(_StreamState())  # the only lane
-        waiting = asyncio.ensure_future(worker._acquire_lane(_StreamState()))
-        behind = asyncio.ensure_future(worker._acquire_lane(_StreamState()))
-        await asyncio.sleep(0)  # both wait on their futures now, in order
-        worker._release_lane(held)  # the first waiter's future gets the lane...
-        waiting.cancel()  # ...and its task is cancelled before it runs again
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        lane = await asyncio.wait_for(behind, 5)  # the lane went on to the next waiter
-        assert lane == held and (await worker.stats())["active_lanes"] == 1
-        worker._release_lane(lane)
-        again = asyncio.ensure_future(worker._acquire_lane(_StreamState()))
-        await asyncio.sleep(0)  # took the free lane at once
-        assert again.done() and again.result() == lane
-        waiting = asyncio.ensure_future(worker._acquire_lane(_StreamState()))
-        await asyncio.sleep(0)
-        worker._release_lane(lane)
-        waiting.cancel()  # no one behind it: the lane goes back to the free ones
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        return await worker.stats()
+async def _collect(agen) -> list[dict]:
+    return [item async for item in agen]
 
-    stats = asyncio.run(main())
-    assert stats["active_lanes"] == 0 and stats["queued"] == 0
+
+def test_cancelled_streams_and_waiters_leave_no_lane_behind(worker, local_model):
+    async def main():
+        p = {"prompt": PROMPT, "loops": 2, "max_tokens": 40}
+        running = worker.generate("a", "alice", dict(p))
+        first = await running.__anext__()  # "a" holds the only lane
+        waiting = [asyncio.ensure_future(_collect(worker.generate(k, "alice", dict(p)))) for k in "bcd"]
+        await asyncio.sleep(0.01)
+        assert (await worker.stats())["queued"] == 3
+        assert await worker.cancel("b")   # while queued
+        assert await worker.cancel("a")   # while decoding: "c" gets the lane
+        await running.aclose()
+        await asyncio.sleep(0)
+        assert await worker.cancel("c")   # just as the lane is handed to it
+        items = await asyncio.wait_for(waiting[2], 60)  # "d" runs to the end
+        assert await waiting[0] == [] and await waiting[1] == []
+        for _ in range(100):
+            stats = await worker.stats()
+            if stats["active_lanes"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        return first, items, stats
+
+    first, items, stats = asyncio.run(main())
+    assert first["ids"]
+    assert [t for it in items for t in it.get("ids", [])] == local_model.generate(
+        PROMPT["ids"], loops=2, max_tokens=40)[len(PROMPT["ids"]):]
+    assert items[-1]["complete"]["reason"] == "length"
+    assert (stats["active_lanes"], stats["queued"], stats["running"], stats["streams"]) == (0, 0, 0, 0)

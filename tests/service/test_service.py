@@ -447,6 +447,7 @@ def test_prometheus_metrics_are_served_and_count(client):
         before = scrape()
         ids, _ = client.generate(PROMPT, loops=2, max_tokens=7).collect()
         expect(INVALID, "INVALID_ARGUMENT", client.generate([], max_tokens=4).collect)
+        time.sleep(2.5)  # a health probe (every second) brings the workers' step histograms
         after = scrape()
     finally:
         server.shutdown()
@@ -457,6 +458,17 @@ def test_prometheus_metrics_are_served_and_count(client):
     assert tokens == len(ids) == 7
     assert value(after, "tinyloop_errors_total", 'method="Generate",reason="INVALID_ARGUMENT"') >= 1
     assert "tinyloop_time_to_first_token_seconds_count" in after
+    tpot = "tinyloop_time_per_output_token_seconds_count"
+    assert re.search(rf"^{tpot} ([0-9.e+]+)$", after, re.M), after
+    assert value(after, "tinyloop_requests_by_depth_total", 'loops="2",method="Generate"') - value(
+        before, "tinyloop_requests_by_depth_total", 'loops="2",method="Generate"') == 1
+    # the workers' own gauges and step histograms, from the gateway's probes
+    for name in ("tinyloop_worker_queued_requests", "tinyloop_worker_running_lanes"):
+        assert re.search(rf'^{name}\{{worker="worker-0"\}} 0.0$', after, re.M), name
+    rows = re.findall(r'^tinyloop_worker_batch_rows_count\{worker="[^"]+"\} ([0-9.e+]+)$', after, re.M)
+    prefill = re.findall(r'^tinyloop_worker_prefill_tokens_per_step_sum\{worker="[^"]+"\} ([0-9.e+]+)$',
+                         after, re.M)
+    assert rows and prefill and sum(map(float, prefill)) >= len(PROMPT), after
     # each worker's start-up (Model.startup; on CPU the load alone: nothing is captured)
     loads = re.findall(r'^tinyloop_worker_startup_seconds\{part="load",worker="[^"]+"\} ([0-9.e+-]+)$', after, re.M)
     assert loads and all(float(v) > 0 for v in loads), after

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.errors import LanesBusy
 from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.ops import Ops
 from tinyloop.worker.runner.engine import Counters, Engine
@@ -86,7 +87,7 @@ class _Held:
     def __enter__(self) -> int:
         self.lane = self.pool.acquire()
         if self.lane is None:
-            raise RuntimeError(f"all {self.pool.n} cache lanes are in use")
+            raise LanesBusy(f"all {self.pool.n} cache lanes are in use")
         return self.lane
 
     def __exit__(self, *exc) -> None:
