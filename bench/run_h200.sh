@@ -3,7 +3,8 @@
 # the H200 (offline image: the project is mapped by bench/gpu_env.sh, not pip-installed):
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
-#                                          #   speculative startup (default: all); tiles on demand
+#                                          #   speculative startup (default: all); tiles, load on demand
+#                                          #   (load: the service under load; carry .whl for Ray)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -18,6 +19,10 @@ OUT="${OUT:-out}"
 mkdir -p "$OUT"
 source bench/gpu_env.sh
 export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then  # the service's wheels (../shared/gpu/wheels.sh), carried for service runs
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests gemv profile decode batch prefill warmstart speculative startup)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -42,6 +47,7 @@ for s in "${steps[@]}"; do
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 4000 --out-dir "$OUT" ;;
         speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
+        load) run load "${LOAD_S:-480}" python -m bench.load --out-dir "$OUT" ${LOAD_ARGS:-} ;;
         startup) run startup "${STARTUP_S:-300}" python -m bench.startup --preset bench-285m --lanes 1 8 64 --max-seq-len 4096 --out-dir "$OUT" ;;
         base-decode|base-batch)
             what=${s#base-}

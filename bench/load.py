@@ -1,0 +1,195 @@
+"""Load through the real gateway and one Ray worker: many concurrent streams, each its own prompt.
+
+    source bench/gpu_env.sh && python -m bench.load --out-dir $OUT          # H200: load-cuda.json
+    python -m bench.load --device cpu --preset small --prompt-tokens 32 --max-tokens 32 \\
+        --concurrency 1 8 --mixed 8                                          # a CPU smoke run
+
+Per concurrency k (all streams start at once, greedy, L = --loops): tokens/s over the wall time,
+time to first token p50 / p99, time per output token (after the first) p50 / p99, errors. Beside
+each, measured in the same run on the same GPU with the service stopped, the ceiling: the
+runner's batched decode step alone at B = min(k, lanes) streams (`Batcher.step`, sampling and
+host sync included), and for k = 1 the in-process `Model.stream` (tokens/s, TTFT).
+
+The mixed run: --mixed streams with depths drawn (seeded) from --mixed-depths, a tenth of them
+self-speculative (draft at half the depth); its depth-weighted tokens/s (tokens x depth / --loops)
+is what compares with the plain run at the same concurrency.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from bench.batch import batched
+from bench.common import hardware, write
+from bench.decode import random_checkpoint
+from tinyloop.worker.model.config import PRESETS
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+async def one(client, prompt, kw) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    try:
+        async for chunk in client.generate(prompt, timeout=600, **kw):
+            now = time.perf_counter()
+            if first is None and chunk.ids:
+                first = now
+            n += len(chunk.ids)
+            last = now
+    except Exception as e:  # recorded: the goal is none
+        return {"error": f"{type(e).__name__}: {e}"[:200], "tokens": n}
+    return {"ttft": first - t0, "tpot": (last - first) / (n - 1) if n > 1 else None, "tokens": n,
+            "end": last}
+
+
+async def load(address: str, jobs: list[tuple[list[int], dict, int]], channels: int) -> dict:
+    """All jobs at once over `channels` gRPC channels: the row of figures."""
+    from tinyloop.client import AsyncTinyLoopClient
+    clients = [AsyncTinyLoopClient(address) for _ in range(channels)]
+    try:
+        t0 = time.perf_counter()
+        rs = await asyncio.gather(*(one(clients[i % channels], p, kw) for i, (p, kw, _) in enumerate(jobs)))
+        wall = time.perf_counter() - t0
+    finally:
+        for c in clients:
+            await c.close()
+    ok = [r for r in rs if "error" not in r]
+    tokens = sum(r["tokens"] for r in rs)
+    weighted = sum(r["tokens"] * depth for r, (_, _, depth) in zip(rs, jobs) if "error" not in r)
+    ttft = [r["ttft"] for r in ok]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    return {"streams": len(jobs), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "depth_token_per_s": weighted / wall, "errors": len(rs) - len(ok),
+            "error_examples": sorted({r["error"] for r in rs if "error" in r})[:3],
+            "ttft_ms_p50": 1e3 * pct(ttft, 50), "ttft_ms_p99": 1e3 * pct(ttft, 99),
+            "tpot_ms_p50": tpot and 1e3 * pct(tpot, 50), "tpot_ms_p99": tpot and 1e3 * pct(tpot, 99),
+            "tpot_p99_over_p50": tpot and pct(tpot, 99) / pct(tpot, 50)}
+
+
+def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
+    """In-process, same GPU, no service: the batched step per B, and one stream alone."""
+    from bench.service import local_stream, timing
+    from tinyloop.worker.api import Model
+    out = {}
+    with Model(path, device=args.device, max_seq_len=args.max_seq_len, n_slots=args.lanes) as m:
+        ps = make_prompts(max(batches), args.prompt_tokens, m.config.vocab_size, 1)
+        for B in tqdm(batches, desc="ceiling (batched step alone)"):
+            batched(m, ps[:B], args.loops, 8)  # warm-up
+            ms, _ = batched(m, ps[:B], args.loops, args.max_tokens)
+            out[str(B)] = {"B": B, "ms_per_step": ms, "tokens_per_s": B * 1e3 / ms}
+        runs = [local_stream(m, ps[0], args.loops, args.max_tokens) for _ in range(4)]
+        alone = timing(runs)
+    return out, alone
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="bench-285m")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--loops", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--lanes", type=int, default=128)
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--mixed", type=int, default=64, help="streams of the mixed run (0: none)")
+    ap.add_argument("--mixed-depths", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--step-tokens", type=int, default=512)
+    ap.add_argument("--channels", type=int, default=8)
+    ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    cfg = PRESETS[args.preset]
+    path = random_checkpoint(f"load-{args.preset}", cfg)
+    batches = sorted({min(k, args.lanes) for k in args.concurrency})
+    ceil, alone = ceiling(path, args, batches)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+    import ray
+
+    from tinyloop.gateway import workers
+    from tinyloop.gateway.server import GatewayOptions, GatewayThread
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    actors = workers.spawn(1, workers.WorkerOptions(model_path=path, lanes=args.lanes, max_seq_len=args.max_seq_len,
+                                                    device=args.device, torch_threads=args.torch_threads,
+                                                    step_tokens=args.step_tokens))
+    gw = GatewayThread(actors, GatewayOptions(port=0))
+    rows, mixed = {}, None
+    try:
+        plain = dict(loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
+        warm = make_prompts(4, args.prompt_tokens, cfg.vocab_size, 99)
+        asyncio.run(load(gw.address, [(p, plain, args.loops) for p in warm], 1))  # warm-up
+        for k in tqdm(args.concurrency, desc="concurrency"):
+            ps = make_prompts(k, args.prompt_tokens, cfg.vocab_size, 1000 + k)
+            row = asyncio.run(load(gw.address, [(p, plain, args.loops) for p in ps], min(args.channels, k)))
+            del row["depth_token_per_s"]
+            c = ceil[str(min(k, args.lanes))]
+            row["ceiling_tokens_per_s"] = c["tokens_per_s"]
+            row["of_ceiling"] = row["tokens_per_s"] / c["tokens_per_s"]
+            rows[str(k)] = row
+        if args.mixed:
+            rng = random.Random(7)
+            jobs = []
+            for i, p in enumerate(make_prompts(args.mixed, args.prompt_tokens, cfg.vocab_size, 5)):
+                d = rng.choice(args.mixed_depths)
+                kw = dict(max_tokens=args.max_tokens, stop_token_ids=[])
+                if i % 10 == 0 and d >= 2:
+                    kw["speculative"] = {"draft_loops": d // 2, "verify_loops": d}
+                else:
+                    kw["loops"] = d
+                jobs.append((p, kw, d))
+            mixed = asyncio.run(load(gw.address, jobs, min(args.channels, len(jobs))))
+            mixed["depth_weighted_tokens_per_s"] = mixed.pop("depth_token_per_s") / args.loops
+            mixed["depths"] = {str(d): sum(1 for *_, x in jobs if x == d) for d in args.mixed_depths}
+            mixed["speculative_streams"] = sum(1 for _, kw, _ in jobs if "speculative" in kw)
+            plain_row = rows.get(str(args.mixed))
+            if plain_row:
+                mixed["vs_plain"] = mixed["depth_weighted_tokens_per_s"] / plain_row["tokens_per_s"]
+        stats = ray.get(actors[0].stats.remote())
+    finally:
+        gw.stop(1.0)
+        ray.shutdown()
+    one_row = rows.get("1")
+    dev = torch.device(args.device)
+    write(f"load-{dev.type}", {
+        "hardware": hardware(dev),
+        "workload": {"preset": args.preset, "weights": "random bf16" if dev.type == "cuda" else "random",
+                     "loops": args.loops, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                     "lanes": args.lanes, "max_seq_len": args.max_seq_len, "step_tokens": args.step_tokens,
+                     "greedy": True},
+        "in_process_one_stream": alone,
+        "ceiling": ceil,
+        "service": rows,
+        "mixed": mixed,
+        "one_stream_vs_in_process": one_row and {
+            "tokens_per_s_ratio": one_row["tokens_per_s"] / alone["tokens_per_s"],
+            "ttft_overhead_ms": one_row["ttft_ms_p50"] - alone["ttft_ms"]},
+        "worker_steps": stats.get("steps"),
+    }, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
