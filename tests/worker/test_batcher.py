@@ -9,6 +9,8 @@ from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
 from tinyloop.worker.runner.stages import BatchStep
 
+from stage_graphs import with_stage_graphs
+
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3)
 
@@ -275,3 +277,25 @@ def test_a_closed_model_frees_its_runner_at_once(tiny_path):
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_mixed_depths_replay_each_iteration_over_the_rows_that_need_it(tiny_path):
+    """Through the runner's batch stage graphs (EagerGraphs): the batcher orders rows deepest
+    first, and iteration i replays the smallest bucket holding the rows deeper than i; every
+    stream still gets exactly its standalone tokens."""
+    jobs = [([3, 17, 42], 1), ([9, 8, 7, 6], 8), ([5] * 6, 2), ([1, 2], 8), ([77, 78, 79], 3), ([4, 4], 1)]
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        want = [m.generate(p, loops=L, max_tokens=6)[len(p):] for p, L in jobs]
+        graphs = with_stage_graphs(m, range(1, 9))
+        b = Batcher(m.runner)
+        got = {}
+        for lane, (p, L) in enumerate(jobs):
+            ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=6), lane))
+            got[lane] = list(ids)
+        while b:
+            for lane, (ids, _) in b.step().items():
+                got[lane].extend(ids)
+        assert [got[i] for i in range(len(jobs))] == want
+        first = [(bk, s) for bk, s in graphs.replayed("batch")][:10]
+    # six rows in the 8 bucket: iteration 0 all six, 1 four (bucket 4), 2 three (4), 3..7 two (2)
+    assert first == [(8, "prelude"), (8, 0), (4, 1), (4, 2), (2, 3), (2, 4), (2, 5), (2, 6), (2, 7), (8, "coda")]

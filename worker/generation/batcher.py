@@ -139,7 +139,9 @@ class Batcher:
         """Launch the step of every waiting stream but `skip`. A stream's token is its decided
         token on the host, or on_device[lane], a one-element device tensor sampled and not read
         yet (it then runs at the position after the one its host state last ran)."""
-        lanes = sorted(lane for lane in self.states if lane not in skip)
+        # deepest first: the runner then runs each iteration over the rows that need it only
+        lanes = sorted((lane for lane in self.states if lane not in skip),
+                       key=lambda lane: (-self.states[lane].req.loops, lane))
         sts = [self.states[lane] for lane in lanes]
         dev = {i: on_device[lane] for i, lane in enumerate(lanes) if lane in on_device}
         out = self.runner.decode(lanes, [st.tok_id for st in sts], [st.pos for st in sts],

@@ -366,8 +366,19 @@ class Runner:
             rows = list(on_device)
             dev = (self._slots(rows), torch.stack([on_device[r].view(()) for r in rows]))
         step.load(list(lanes), host, list(positions), list(depths), dev)
+        # rows in non-increasing depth (the batcher's order): iteration i needs only the rows
+        # deeper than i, a prefix, so it replays the smallest bucket holding them (the buckets
+        # share their buffers; a row of the bucket past that prefix is frozen by its depth)
+        shrink = graphed and all(a >= c for a, c in zip(depths, depths[1:]))
         for stage in BatchStep.stages(max(depths)):
-            self.graphs.replay("batch", b, stage) if graphed else step.run(stage)
+            if not graphed:
+                step.run(stage)
+                continue
+            bucket = b
+            if shrink and isinstance(stage, int):
+                active = sum(1 for d in depths if d > stage)
+                bucket = next(x for x in self._batch_buckets if x >= active)
+            self.graphs.replay("batch", bucket, stage)
         logits = step.logits[:B]
         out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=list(depths))
         self._owners["batch"] = out

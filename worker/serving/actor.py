@@ -73,9 +73,57 @@ class _Refused(Exception):
     """args[0]: the error dict to answer (a full queue)."""
 
 
+_CANCELLED = object()  # a pipe's end: the job was cancelled
+
+
+class _Pipe:
+    """A job's events on the event loop, gathered between its consumer's reads. The consumer is
+    woken for its first tokens, for its end, and otherwise at most once per `coalesce_s`: with
+    many streams a step's events would otherwise wake every stream's coroutine every step,
+    and that Python work, not the GPU, would bound the worker."""
+    __slots__ = ("ids", "end", "waiter", "flushed", "last", "coalesce_s")
+
+    def __init__(self, coalesce_s: float):
+        self.ids: list[int] = []
+        self.end = None  # the final event: Tokens with a finish, Failed, Result, or _CANCELLED
+        self.waiter: asyncio.Future | None = None
+        self.flushed, self.last, self.coalesce_s = False, 0.0, coalesce_s
+
+    def _due(self, now: float) -> bool:
+        return self.end is not None or bool(self.ids) and (not self.flushed or now - self.last >= self.coalesce_s)
+
+    def push(self, ev, now: float) -> None:
+        from tinyloop.worker.serving.scheduler import Tokens
+        if isinstance(ev, Tokens):
+            self.ids.extend(ev.ids)
+            if ev.finish is not None:
+                self.end = ev
+        elif self.end is None:
+            self.end = ev
+        if self.waiter is not None and not self.waiter.done() and self._due(now):
+            self.waiter.set_result(None)
+
+    async def take(self) -> tuple[list[int], object]:
+        """(new ids, the end or None), once there is something to send."""
+        while not self._due(time.monotonic()):
+            self.waiter = asyncio.get_running_loop().create_future()
+            wait = max(0.0, self.last + self.coalesce_s - time.monotonic()) if self.ids else None
+            try:
+                # a coalesced wait also ends by the clock: no later step may come to wake it
+                await asyncio.wait_for(self.waiter, wait)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self.waiter = None
+        ids, self.ids = self.ids, []
+        self.flushed, self.last = True, time.monotonic()
+        return ids, self.end
+
+
 class _StepThread:
     """The worker's one torch thread: scheduler steps while there is work, and `call`s between
-    them. `on_events(events)` runs on this thread after each step."""
+    them. `on_events(events[, step stats])` runs on this thread: for a step's first tokens before
+    its decode step, and for the rest with the step's stats after it."""
 
     def __init__(self, scheduler, on_events):
         self.scheduler, self.on_events = scheduler, on_events
@@ -118,12 +166,11 @@ class _StepThread:
                         fut.set_exception(e)
             if self.scheduler.has_work():
                 try:
-                    events = self.scheduler.step()
+                    events = self.scheduler.step(early=self.on_events)
                 except BaseException:  # the scheduler contains a job's failure; this is a bug
                     log.exception("scheduler step failed")
                     events = []
-                if events:
-                    self.on_events(events)
+                self.on_events(events, self.scheduler.last)
 
 
 class WorkerActor:
@@ -152,7 +199,7 @@ class WorkerActor:
         self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
         self.coalesce_s = coalesce_s
         self._keys = itertools.count()
-        self._sinks: dict[str, asyncio.Queue] = {}  # job key -> where its events go (on the event loop)
+        self._sinks: dict[str, _Pipe] = {}  # job key -> where its events go (on the event loop)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._steps = _StepThread(self.scheduler, self._post)
         self._sweeper: asyncio.Task | None = None
@@ -194,16 +241,20 @@ class WorkerActor:
         return await self.stats()
 
     # -- the step thread's events ---------------------------------------------------------
-    def _post(self, events) -> None:
-        """On the step thread: hand a step's events to the event loop."""
-        self._metrics.observe(self.scheduler.last)
-        self._loop.call_soon_threadsafe(self._deliver, events)
+    def _post(self, events, step_stats=None) -> None:
+        """On the step thread: hand events to the event loop (and, at a step's end, its stats
+        to the metrics)."""
+        if step_stats is not None:
+            self._metrics.observe(step_stats)
+        if events:
+            self._loop.call_soon_threadsafe(self._deliver, events)
 
     def _deliver(self, events) -> None:
+        now = time.monotonic()
         for key, ev in events:
-            sink = self._sinks.get(key)
-            if sink is not None:  # a job whose caller left gets nothing
-                sink.put_nowait(ev)
+            pipe = self._sinks.get(key)
+            if pipe is not None:  # a job whose caller left gets nothing
+                pipe.push(ev, now)
 
     def _submit(self, begin, tokens: int = 0, task: bool = False, timeout_s: float | None = None,
                 key: str | None = None):
@@ -212,7 +263,7 @@ class WorkerActor:
         from tinyloop.worker.serving.scheduler import Job, QueueFull
         self._loop = self._loop or asyncio.get_running_loop()
         key = key or f"call-{next(self._keys)}"
-        sink = self._sinks[key] = asyncio.Queue()
+        sink = self._sinks[key] = _Pipe(self.coalesce_s)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         try:
             self.scheduler.submit(Job(key, begin, tokens=tokens, deadline=deadline, task=task))
@@ -235,7 +286,7 @@ class WorkerActor:
         key, sink = self._submit(fn, tokens, task=True)
         done = False
         try:
-            ev = await sink.get()
+            _, ev = await sink.take()
             done = True
         finally:
             self._leave(key, done)
@@ -308,7 +359,7 @@ class WorkerActor:
         if sink is None:
             return False
         self._leave(key, False)
-        sink.put_nowait(None)
+        sink.push(_CANCELLED, time.monotonic())
         return True
 
     async def _stream(self, key: str, begin, tokens: int, p: dict, after=None):
@@ -320,27 +371,22 @@ class WorkerActor:
             yield e.args[0]
             return
         text = _TextStream(self.model.tokenizer) if p.get("include_text") else None
-        ids: list[int] = []
-        flushed_once, last_flush = False, time.monotonic()
         done = False
         try:
             while True:
-                ev = await sink.get()
-                if ev is None:  # cancelled
+                ids, end = await sink.take()
+                if end is _CANCELLED:
                     return
-                if isinstance(ev, Failed):
+                if isinstance(end, Failed):
                     done = True
-                    yield _status(self.worker_id, ev.error)
+                    yield _status(self.worker_id, end.error)
                     return
-                finish = ev.finish
-                done = finish is not None
-                ids.extend(ev.ids)
-                now = time.monotonic()
-                if ids and (done or not flushed_once or now - last_flush >= self.coalesce_s):
-                    # The first token goes out at once (TTFT); later ones are coalesced per hop.
+                done = end is not None
+                if ids:
+                    # the first tokens go out at once (TTFT); later ones coalesced per hop (_Pipe)
                     yield {"ids": ids, "text": text.feed(ids, done) if text else ""}
-                    ids, flushed_once, last_flush = [], True, now
                 if done:
+                    finish = end.finish
                     tail = text.feed([], True) if text else ""
                     if tail:  # a character held back at the last token
                         yield {"ids": [], "text": tail}
