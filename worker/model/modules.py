@@ -281,10 +281,11 @@ class LoopedTransformer(nn.Module):
         return {"inv_freq": inv_freq, "rope_cos": angles.cos(), "rope_sin": angles.sin()}
 
     def materialize_rope(self, device: torch.device | str) -> None:
-        """Compute the RoPE tables on `device`: a model built on the meta device (to be filled
-        tensor by tensor from a file) has none yet."""
-        for name, t in self._rope_tables(device).items():
-            setattr(self, f"{name}_bits", t.view(torch.int32))
+        """The RoPE tables on `device`: a model built on the meta device (to be filled tensor
+        by tensor from a file) has none yet. Computed on the CPU and copied, so that every
+        device holds the same tables bit for bit (a GPU's cos / sin round differently)."""
+        for name, t in self._rope_tables("cpu").items():
+            setattr(self, f"{name}_bits", t.to(device).view(torch.int32))
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         """GPT-2 style init: N(0, std), output projections scaled down by depth."""
