@@ -136,7 +136,7 @@ def main() -> int:
                                                     device=args.device, torch_threads=args.torch_threads,
                                                     step_tokens=args.step_tokens))
     gw = GatewayThread(actors, GatewayOptions(port=0))
-    rows, mixed = {}, None
+    rows, mixed, extra = {}, None, {}
     try:
         plain = dict(loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
         warm = make_prompts(4, args.prompt_tokens, cfg.vocab_size, 99)
@@ -160,13 +160,19 @@ def main() -> int:
                 else:
                     kw["loops"] = d
                 jobs.append((p, kw, d))
-            mixed = asyncio.run(load(gw.address, jobs, min(args.channels, len(jobs))))
-            mixed["depth_weighted_tokens_per_s"] = mixed.pop("depth_token_per_s") / args.loops
-            mixed["depths"] = {str(d): sum(1 for *_, x in jobs if x == d) for d in args.mixed_depths}
-            mixed["speculative_streams"] = sum(1 for _, kw, _ in jobs if "speculative" in kw)
             plain_row = rows.get(str(args.mixed))
-            if plain_row:
-                mixed["vs_plain"] = mixed["depth_weighted_tokens_per_s"] / plain_row["tokens_per_s"]
+            # the same depths with no speculative stream beside: what the speculative ones cost
+            no_spec = [(p, {**{k: v for k, v in kw.items() if k != "speculative"}, "loops": d}, d)
+                       for p, kw, d in jobs]
+            for name, js in (("mixed", jobs), ("mixed_depths_only", no_spec)):
+                r = asyncio.run(load(gw.address, js, min(args.channels, len(js))))
+                r["depth_weighted_tokens_per_s"] = r.pop("depth_token_per_s") / args.loops
+                r["depths"] = {str(d): sum(1 for *_, x in js if x == d) for d in args.mixed_depths}
+                r["speculative_streams"] = sum(1 for _, kw, _ in js if "speculative" in kw)
+                if plain_row:
+                    r["vs_plain"] = r["depth_weighted_tokens_per_s"] / plain_row["tokens_per_s"]
+                extra[name] = r
+            mixed = extra.pop("mixed")
         stats = ray.get(actors[0].stats.remote())
     finally:
         gw.stop(1.0)
@@ -183,6 +189,7 @@ def main() -> int:
         "ceiling": ceil,
         "service": rows,
         "mixed": mixed,
+        **extra,
         "one_stream_vs_in_process": one_row and {
             "tokens_per_s_ratio": one_row["tokens_per_s"] / alone["tokens_per_s"],
             "ttft_overhead_ms": one_row["ttft_ms_p50"] - alone["ttft_ms"]},
