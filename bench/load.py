@@ -20,8 +20,14 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 
 import torch
 from tqdm import tqdm
@@ -85,6 +91,63 @@ async def load(address: str, jobs: list[tuple[list[int], dict, int]], channels: 
             "tpot_p99_over_p50": tpot and pct(tpot, 99) / pct(tpot, 50)}
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_args(path: str, args, port, mport) -> list[str]:
+    return ["serve", "--model", path, "--lanes", str(args.lanes), "--max-seq-len", str(args.max_seq_len),
+            "--device", args.device, "--port", str(port), "--metrics-port", str(mport),
+            "--step-tokens", str(args.step_tokens)]
+
+
+def serve(path: str, args, port: int, mport: int, log_path: str) -> subprocess.Popen:
+    """`tinyloop serve` in its own process, once its health says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tinyloop.cli", *serve_args(path, args, port, mport)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tinyloop serve exited with {proc.returncode}: see {log_path}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                    return proc
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"tinyloop serve did not start in 600 s: see {log_path}")
+            time.sleep(1)
+
+
+def worker_steps(mport: int) -> dict:
+    """The worker's step histograms' sums and counts, scraped from the gateway's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+    out = {}
+    for name in ("tinyloop_worker_step_seconds", "tinyloop_worker_batch_rows"):
+        for part in ("sum", "count"):
+            m = re.search(rf'^{name}_{part}{{worker="worker-0"}} ([0-9.e+-]+)$', text, re.M)
+            out[f"{name}_{part}"] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def step_delta(before: dict, after: dict) -> dict:
+    """What the worker's step loop did during a run: steps, their mean wall time, the mean
+    rows of its batched steps."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = d["tinyloop_worker_step_seconds_count"]
+    batched = d["tinyloop_worker_batch_rows_count"]
+    return {"steps": steps, "step_ms_mean": steps and 1e3 * d["tinyloop_worker_step_seconds_sum"] / steps,
+            "batch_rows_mean": batched and d["tinyloop_worker_batch_rows_sum"] / batched}
+
+
 def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
     """In-process, same GPU, no service: the batched step per B, and one stream alone."""
     from bench.service import local_stream, timing
@@ -115,7 +178,7 @@ def main() -> int:
     ap.add_argument("--mixed-depths", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--channels", type=int, default=8)
-    ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--torch-threads", type=int, default=None, help="the in-process ceiling's")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     if args.torch_threads:
@@ -127,23 +190,26 @@ def main() -> int:
     if args.device == "cuda":
         torch.cuda.empty_cache()
 
-    import ray
-
-    from tinyloop.gateway import workers
-    from tinyloop.gateway.server import GatewayOptions, GatewayThread
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-    actors = workers.spawn(1, workers.WorkerOptions(model_path=path, lanes=args.lanes, max_seq_len=args.max_seq_len,
-                                                    device=args.device, torch_threads=args.torch_threads,
-                                                    step_tokens=args.step_tokens))
-    gw = GatewayThread(actors, GatewayOptions(port=0))
+    port, mport = free_port(), free_port()
+    log_path = os.path.join(args.out_dir or tempfile.gettempdir(), f"load-serve-{args.preset}.log")
+    server = serve(path, args, port, mport, log_path)
+    address = f"127.0.0.1:{port}"
     rows, mixed, extra = {}, None, {}
     try:
         plain = dict(loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
         warm = make_prompts(4, args.prompt_tokens, cfg.vocab_size, 99)
-        asyncio.run(load(gw.address, [(p, plain, args.loops) for p in warm], 1))  # warm-up
+        asyncio.run(load(address, [(p, plain, args.loops) for p in warm], 1))  # warm-up
+
+        def measured(jobs, channels):
+            before = worker_steps(mport)
+            row = asyncio.run(load(address, jobs, channels))
+            time.sleep(1.5)  # the gateway's next probe brings the worker's step histograms
+            row["worker"] = step_delta(before, worker_steps(mport))
+            return row
+
         for k in tqdm(args.concurrency, desc="concurrency"):
             ps = make_prompts(k, args.prompt_tokens, cfg.vocab_size, 1000 + k)
-            row = asyncio.run(load(gw.address, [(p, plain, args.loops) for p in ps], min(args.channels, k)))
+            row = measured([(p, plain, args.loops) for p in ps], min(args.channels, k))
             del row["depth_token_per_s"]
             c = ceil[str(min(k, args.lanes))]
             row["ceiling_tokens_per_s"] = c["tokens_per_s"]
@@ -165,7 +231,7 @@ def main() -> int:
             no_spec = [(p, {**{k: v for k, v in kw.items() if k != "speculative"}, "loops": d}, d)
                        for p, kw, d in jobs]
             for name, js in (("mixed", jobs), ("mixed_depths_only", no_spec)):
-                r = asyncio.run(load(gw.address, js, min(args.channels, len(js))))
+                r = measured(js, min(args.channels, len(js)))
                 r["depth_weighted_tokens_per_s"] = r.pop("depth_token_per_s") / args.loops
                 r["depths"] = {str(d): sum(1 for *_, x in js if x == d) for d in args.mixed_depths}
                 r["speculative_streams"] = sum(1 for _, kw, _ in js if "speculative" in kw)
@@ -173,10 +239,12 @@ def main() -> int:
                     r["vs_plain"] = r["depth_weighted_tokens_per_s"] / plain_row["tokens_per_s"]
                 extra[name] = r
             mixed = extra.pop("mixed")
-        stats = ray.get(actors[0].stats.remote())
     finally:
-        gw.stop(1.0)
-        ray.shutdown()
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
     one_row = rows.get("1")
     dev = torch.device(args.device)
     write(f"load-{dev.type}", {
@@ -193,7 +261,9 @@ def main() -> int:
         "one_stream_vs_in_process": one_row and {
             "tokens_per_s_ratio": one_row["tokens_per_s"] / alone["tokens_per_s"],
             "ttft_overhead_ms": one_row["ttft_ms_p50"] - alone["ttft_ms"]},
-        "worker_steps": stats.get("steps"),
+        "server": {"command": "python -m tinyloop.cli " + " ".join(serve_args(path, args, "PORT", "MPORT")),
+                   "process": "the gateway in its own process (tinyloop serve), the worker a Ray actor, "
+                              "the clients in the benchmark's process"},
     }, args.out_dir)
     return 0
 

@@ -23,7 +23,7 @@ RUNNING = Gauge("tinyloop_worker_running_lanes", "cache lanes held by a stream o
 
 class WorkerSteps:
     """The workers' step histograms (rows of the batched decode step; prompt tokens prefilled per
-    step), as each worker last reported them: cumulative counts kept by the worker, exported as
+    step; the step's wall time), as each worker last reported them: cumulative counts kept by the worker, exported as
     Prometheus histograms."""
 
     def __init__(self):
@@ -38,8 +38,10 @@ class WorkerSteps:
                                       labels=["worker"])
         prefill = HistogramMetricFamily("tinyloop_worker_prefill_tokens_per_step",
                                         "prompt tokens a worker prefilled per scheduler step", labels=["worker"])
+        seconds = HistogramMetricFamily("tinyloop_worker_step_seconds", "a worker's scheduler step, wall time",
+                                        labels=["worker"])
         for worker, s in sorted(self.latest.items()):
-            for fam, key in ((batch, "batch"), (prefill, "prefill")):
+            for fam, key in ((batch, "batch"), (prefill, "prefill"), (seconds, "seconds")):
                 acc, buckets = 0, []
                 for bound, n in zip([*s[f"{key}_bounds"], "+Inf"], s[f"{key}_counts"]):
                     acc += n
@@ -47,6 +49,7 @@ class WorkerSteps:
                 fam.add_metric([worker], buckets, s[f"{key}_sum"])
         yield batch
         yield prefill
+        yield seconds
 
 
 STEPS = WorkerSteps()

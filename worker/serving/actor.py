@@ -573,16 +573,19 @@ def _depth_and_safety(p: dict) -> dict:
 
 class _StepMetrics:
     """Cumulative histograms of what the steps did, which the gateway exports: rows of the
-    batched step, prompt tokens prefilled per step, jobs admitted. Bucket bounds are upper
+    batched step, prompt tokens prefilled per step, the step's wall time. Bucket bounds are upper
     bounds (Prometheus' `le`); the last is +inf."""
     BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     PREFILL = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096)
+    SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
     def __init__(self):
         self._lock = threading.Lock()
         self.batch = [0] * (len(self.BATCH) + 1)
         self.prefill = [0] * (len(self.PREFILL) + 1)
+        self.seconds = [0] * (len(self.SECONDS) + 1)
         self.batch_sum = self.prefill_sum = self.steps = 0
+        self.seconds_sum = 0.0
 
     @staticmethod
     def _bucket(bounds, x) -> int:
@@ -596,12 +599,16 @@ class _StepMetrics:
                 self.batch_sum += st.batch_rows
             self.prefill[self._bucket(self.PREFILL, st.prefill_tokens)] += 1
             self.prefill_sum += st.prefill_tokens
+            self.seconds[self._bucket(self.SECONDS, st.seconds)] += 1
+            self.seconds_sum += st.seconds
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"steps": self.steps, "batch_bounds": list(self.BATCH), "batch_counts": list(self.batch),
                     "batch_sum": self.batch_sum, "prefill_bounds": list(self.PREFILL),
-                    "prefill_counts": list(self.prefill), "prefill_sum": self.prefill_sum}
+                    "prefill_counts": list(self.prefill), "prefill_sum": self.prefill_sum,
+                    "seconds_bounds": list(self.SECONDS), "seconds_counts": list(self.seconds),
+                    "seconds_sum": self.seconds_sum}
 
 
 def _sampling(p: dict) -> dict:

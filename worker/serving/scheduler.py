@@ -97,6 +97,7 @@ class StepStats:
     prefill_tokens: int = 0
     batch_rows: int = 0
     alone_steps: int = 0
+    seconds: float = 0.0  # the step's wall time on the step thread
 
 
 class Scheduler:
@@ -153,6 +154,7 @@ class Scheduler:
         step sooner; the return value then holds the rest."""
         events: list[Event] = []
         stats = self.last = StepStats()
+        t0 = time.perf_counter()
         with self._lock:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
@@ -173,6 +175,7 @@ class Scheduler:
             early(events)
             events = []
         self._decode(events, stats)
+        stats.seconds = time.perf_counter() - t0
         return events
 
     def _prefill(self, events: list[Event], stats: StepStats) -> None:
