@@ -39,6 +39,7 @@ DEFAULT_HANDLE_TTL_S = 600.0
 DEFAULT_MAX_HANDLES = 4096
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_STEP_TOKENS = 512
+DEFAULT_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval in a worker process (see WorkerActor.__init__)
 DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per token costs ~3 ms of step time on CPU
 
 FINISH_REASONS = ("length", "stop", "safety")
@@ -182,8 +183,14 @@ class WorkerActor:
                  handle_ttl_s: float = DEFAULT_HANDLE_TTL_S, max_handles: int = DEFAULT_MAX_HANDLES,
                  max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
-                 step_tokens: int = DEFAULT_STEP_TOKENS):
+                 step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S):
+        import sys
+
         import torch
+        # The step thread waits on the GPU every step (the GIL released) and then needs the GIL
+        # back, while the event loop thread streams tokens through Ray. At the interpreter's
+        # 5 ms switch interval every such hand-back can cost the step thread up to 5 ms.
+        sys.setswitchinterval(gil_switch_s)
 
         from tinyloop.worker.api import Model
         from tinyloop.worker.serving.scheduler import Scheduler, SchedulerOptions
