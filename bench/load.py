@@ -100,7 +100,7 @@ def free_port() -> int:
 def serve_args(path: str, args, port, mport) -> list[str]:
     return ["serve", "--model", path, "--lanes", str(args.lanes), "--max-seq-len", str(args.max_seq_len),
             "--device", args.device, "--port", str(port), "--metrics-port", str(mport),
-            "--step-tokens", str(args.step_tokens)]
+            "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms)]
 
 
 def serve(path: str, args, port: int, mport: int, log_path: str) -> subprocess.Popen:
@@ -177,6 +177,7 @@ def main() -> int:
     ap.add_argument("--mixed", type=int, default=64, help="streams of the mixed run (0: none)")
     ap.add_argument("--mixed-depths", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--step-tokens", type=int, default=512)
+    ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--torch-threads", type=int, default=None, help="the in-process ceiling's")
     ap.add_argument("--out-dir", default=None)
@@ -252,6 +253,7 @@ def main() -> int:
         "workload": {"preset": args.preset, "weights": "random bf16" if dev.type == "cuda" else "random",
                      "loops": args.loops, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "lanes": args.lanes, "max_seq_len": args.max_seq_len, "step_tokens": args.step_tokens,
+                     "coalesce_ms": args.coalesce_ms,
                      "greedy": True},
         "in_process_one_stream": alone,
         "ceiling": ceil,
