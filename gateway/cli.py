@@ -32,6 +32,9 @@ def register(sub) -> None:
                         "are prefilled in chunks of this many, so running streams keep a token per step")
     s.add_argument("--coalesce-ms", type=float, default=50.0,
                    help="after a stream's first token, tokens are sent per Ray hop at most this often")
+    s.add_argument("--max-hops-per-s", type=float, default=640.0,
+                   help="Ray hops per second a worker's streams share after their first tokens: with more "
+                        "streams than this allows at --coalesce-ms, each stream's chunks come less often")
     s.add_argument("--max-message-mb", type=float, default=4.0)
     s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     s.add_argument("--auth-tokens", default=os.environ.get("TINYLOOP_AUTH_TOKENS"),
@@ -79,6 +82,8 @@ def _serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.coalesce_ms < 0:
         raise ValueError(f"--coalesce-ms must be >= 0, got {args.coalesce_ms}")
+    if not args.max_hops_per_s > 0:
+        raise ValueError(f"--max-hops-per-s must be > 0, got {args.max_hops_per_s}")
     if args.step_tokens < 1:
         raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     tokens = parse_tokens(args.auth_tokens)
@@ -89,7 +94,8 @@ def _serve(args) -> int:
                                  handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
                                  handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue,
                                  coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
-                                 init_scale=args.init_scale, step_tokens=args.step_tokens)
+                                 init_scale=args.init_scale, step_tokens=args.step_tokens,
+                                 max_hops_per_s=args.max_hops_per_s)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

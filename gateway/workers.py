@@ -24,6 +24,7 @@ class WorkerOptions:
     handle_ttl_s: float = 600.0
     max_queue: int = 256
     coalesce_s: float = 0.05  # = worker.actor.DEFAULT_COALESCE_S
+    max_hops_per_s: float = 640.0  # = worker.actor.DEFAULT_MAX_HOPS_PER_S
     num_cpus: float = 1.0
     torch_threads: int | None = None
     max_restarts: int = -1
@@ -56,7 +57,8 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  device=opts.device or ("cuda" if use_gpu else "cpu"), dtype=opts.dtype,
                  handle_budget_bytes=opts.handle_budget_bytes, handle_ttl_s=opts.handle_ttl_s,
                  max_queue=opts.max_queue, coalesce_s=opts.coalesce_s, torch_threads=opts.torch_threads,
-                 max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens))
+                 max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens,
+                 max_hops_per_s=opts.max_hops_per_s))
     return actors
 
 

@@ -39,6 +39,9 @@ DEFAULT_HANDLE_TTL_S = 600.0
 DEFAULT_MAX_HANDLES = 4096
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_STEP_TOKENS = 512
+# Ray hops per second a worker's streams share after their first tokens: each hop costs the
+# worker's one interpreter (and so its step thread) about as much as a stream's step does
+DEFAULT_MAX_HOPS_PER_S = 640.0
 DEFAULT_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval in a worker process (see WorkerActor.__init__)
 DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per token costs ~3 ms of step time on CPU
 
@@ -79,19 +82,20 @@ _CANCELLED = object()  # a pipe's end: the job was cancelled
 
 class _Pipe:
     """A job's events on the event loop, gathered between its consumer's reads. The consumer is
-    woken for its first tokens, for its end, and otherwise at most once per `coalesce_s`: with
-    many streams a step's events would otherwise wake every stream's coroutine every step,
-    and that Python work, not the GPU, would bound the worker."""
-    __slots__ = ("ids", "end", "waiter", "flushed", "last", "coalesce_s")
+    woken for its first tokens, for its end, and otherwise at most once per `interval()`
+    seconds (the worker's coalescing interval, which grows with its streams): with many streams
+    a step's events would otherwise wake every stream's coroutine every step, and each wake's
+    Ray hop, not the GPU, would bound the worker."""
+    __slots__ = ("ids", "end", "waiter", "flushed", "last", "interval")
 
-    def __init__(self, coalesce_s: float):
+    def __init__(self, interval):
         self.ids: list[int] = []
         self.end = None  # the final event: Tokens with a finish, Failed, Result, or _CANCELLED
         self.waiter: asyncio.Future | None = None
-        self.flushed, self.last, self.coalesce_s = False, 0.0, coalesce_s
+        self.flushed, self.last, self.interval = False, 0.0, interval
 
     def _due(self, now: float) -> bool:
-        return self.end is not None or bool(self.ids) and (not self.flushed or now - self.last >= self.coalesce_s)
+        return self.end is not None or bool(self.ids) and (not self.flushed or now - self.last >= self.interval())
 
     def push(self, ev, now: float) -> None:
         from tinyloop.worker.serving.scheduler import Tokens
@@ -108,7 +112,7 @@ class _Pipe:
         """(new ids, the end or None), once there is something to send."""
         while not self._due(time.monotonic()):
             self.waiter = asyncio.get_running_loop().create_future()
-            wait = max(0.0, self.last + self.coalesce_s - time.monotonic()) if self.ids else None
+            wait = max(0.0, self.last + self.interval() - time.monotonic()) if self.ids else None
             try:
                 # a coalesced wait also ends by the clock: no later step may come to wake it
                 await asyncio.wait_for(self.waiter, wait)
@@ -183,7 +187,8 @@ class WorkerActor:
                  handle_ttl_s: float = DEFAULT_HANDLE_TTL_S, max_handles: int = DEFAULT_MAX_HANDLES,
                  max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
-                 step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S):
+                 step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
+                 max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S):
         import sys
 
         import torch
@@ -205,6 +210,7 @@ class WorkerActor:
         self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens))
         self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
         self.coalesce_s = coalesce_s
+        self.max_hops_per_s = max_hops_per_s
         self._keys = itertools.count()
         self._sinks: dict[str, _Pipe] = {}  # job key -> where its events go (on the event loop)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -270,7 +276,7 @@ class WorkerActor:
         from tinyloop.worker.serving.scheduler import Job, QueueFull
         self._loop = self._loop or asyncio.get_running_loop()
         key = key or f"call-{next(self._keys)}"
-        sink = self._sinks[key] = _Pipe(self.coalesce_s)
+        sink = self._sinks[key] = _Pipe(self._hop_interval)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         try:
             self.scheduler.submit(Job(key, begin, tokens=tokens, deadline=deadline, task=task))
@@ -300,6 +306,11 @@ class WorkerActor:
         if isinstance(ev, Failed):
             raise ev.error
         return ev.value
+
+    def _hop_interval(self) -> float:
+        """Seconds between a stream's chunks after its first: coalesce_s, or longer when the
+        worker's streams together would exceed max_hops_per_s."""
+        return max(self.coalesce_s, len(self._sinks) / self.max_hops_per_s)
 
     async def _on_step_thread(self, fn):
         return await asyncio.wrap_future(self._steps.call(fn))
