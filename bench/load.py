@@ -1,8 +1,8 @@
 """Load through the real gateway and one Ray worker: many concurrent streams, each its own prompt.
 
     source bench/gpu_env.sh && python -m bench.load --out-dir $OUT          # H200: load-cuda.json
-    python -m bench.load --device cpu --preset small --prompt-tokens 32 --max-tokens 32 \\
-        --concurrency 1 8 --mixed 8                                          # a CPU smoke run
+    python -m bench.load --device cpu --model default --prompt-tokens 32 --max-tokens 32 --lanes 8 \\
+        --max-seq-len 2048 --concurrency 1 8 32 --mixed 8 --mixed-depths 2 4 8 --torch-threads 1  # CPU: load-cpu.json
 
 Per concurrency k (all streams start at once, greedy, L = --loops): tokens/s over the wall time,
 time to first token p50 / p99, time per output token (after the first) p50 / p99, errors. Beside
@@ -166,7 +166,8 @@ def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="bench-285m")
+    ap.add_argument("--preset", default="bench-285m", help="a random model of this preset")
+    ap.add_argument("--model", default=None, help="'default': the embedded model instead of --preset")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -184,8 +185,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    cfg = PRESETS[args.preset]
-    path = random_checkpoint(f"load-{args.preset}", cfg)
+    if args.model == "default":
+        from tinyloop.worker.model import checkpoint
+        from tinyloop.worker.model.default_model import default_model_path
+        path = default_model_path()
+        cfg = checkpoint.read_config(path)[0]
+    else:
+        cfg = PRESETS[args.preset]
+        path = random_checkpoint(f"load-{args.preset}", cfg)
     batches = sorted({min(k, args.lanes) for k in args.concurrency})
     ceil, alone = ceiling(path, args, batches)
     if args.device == "cuda":
@@ -250,7 +257,8 @@ def main() -> int:
     dev = torch.device(args.device)
     write(f"load-{dev.type}", {
         "hardware": hardware(dev),
-        "workload": {"preset": args.preset, "weights": "random bf16" if dev.type == "cuda" else "random",
+        "workload": {"preset": "the embedded default model" if args.model == "default" else args.preset,
+                     "weights": "trained" if args.model == "default" else "random bf16",
                      "loops": args.loops, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "lanes": args.lanes, "max_seq_len": args.max_seq_len, "step_tokens": args.step_tokens,
                      "coalesce_ms": args.coalesce_ms,

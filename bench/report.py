@@ -109,7 +109,7 @@ CURRENT = [
     ("decode", "cuda"), ("profile-decode", "cuda"), ("gemv", "cuda"), ("batch", "cuda"),
     ("prefill", "cuda"), ("warmstart", "cuda"), ("speculative", "cuda"), ("service", "gpu"),
     ("startup-*", "cuda"), ("service", "cpu"), ("speculative", "cpu"), ("warmstart", "cpu"),
-    ("context", "cpu"),
+    ("context", "cpu"), ("load", "cuda"), ("load", "cpu"),
 ]
 
 
@@ -516,6 +516,56 @@ def context_body(r: Result) -> str:
                   "batched tokens/s"], rows or [[DASH] * 4]) + "\n"
 
 
+def load_extra(r: Result) -> list[str]:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    srv = r.data.get("server") if isinstance(r.data.get("server"), dict) else {}
+    return [f"Workload: preset {code(w.get('preset'))}, {text(w.get('weights'))} weights, L = {text(w.get('loops'))}, "
+            f"prompts of {text(w.get('prompt_tokens'))} tokens, {text(w.get('max_tokens'))} tokens each, greedy; "
+            f"{text(w.get('lanes'))} lanes of {text(w.get('max_seq_len'))} positions, step_tokens "
+            f"{text(w.get('step_tokens'))}, coalesce {text(w.get('coalesce_ms'))} ms",
+            f"Server: {code(srv.get('command'))}; {text(srv.get('process'))}"]
+
+
+def _load_row(label, x, weighted=False) -> list[str]:
+    return [label, text(x.get("streams")), count(x.get("depth_weighted_tokens_per_s" if weighted else "tokens_per_s")),
+            count(x.get("ceiling_tokens_per_s")), times(x.get("of_ceiling")) if isnum(x.get("of_ceiling")) else DASH,
+            ms(x.get("ttft_ms_p50"), 1), ms(x.get("ttft_ms_p99"), 1), ms(x.get("tpot_ms_p50"), 2),
+            ms(x.get("tpot_ms_p99"), 2), ms(get(x, "worker", "step_ms_mean"), 2), num(get(x, "worker", "batch_rows_mean"), ".1f"),
+            text(x.get("errors"))]
+
+
+def load_body(r: Result) -> str:
+    d = r.data
+    svc = d.get("service") if isinstance(d.get("service"), dict) else {}
+    keys = sorted(svc, key=lambda k: int(k) if str(k).isdigit() else 10**9)
+    rows = [_load_row("plain", svc[k]) for k in keys if isinstance(svc[k], dict)]
+    for name, label in (("mixed", "mixed depths, a tenth speculative (depth-weighted tok/s)"),
+                        ("mixed_depths_only", "the same depths, none speculative (depth-weighted tok/s)")):
+        if isinstance(d.get(name), dict):
+            rows.append(_load_row(label, d[name], weighted=True))
+    out = table(["streams of", "concurrent", "tokens/s", "ceiling tokens/s", "of the ceiling", "TTFT p50", "TTFT p99",
+                 "TPOT p50", "TPOT p99", "worker step (mean)", "batch rows (mean)", "errors"], rows or [[DASH] * 12])
+    one, alone = svc.get("1") or {}, d.get("in_process_one_stream") or {}
+    s64, s128 = svc.get("64") or {}, svc.get("128") or {}
+    mixed = d.get("mixed") or {}
+    ratio, ovh = get(d, "one_stream_vs_in_process", "tokens_per_s_ratio"), get(d, "one_stream_vs_in_process", "ttft_overhead_ms")
+    goals = [["64 streams: ≥ 60 % of the ceiling's tok/s", times(s64.get("of_ceiling")),
+              met(s64.get("of_ceiling"), lambda v: v >= 0.6)],
+             ["64 streams: TTFT p99 ≤ 100 ms", ms(s64.get("ttft_ms_p99"), 1), met(s64.get("ttft_ms_p99"), lambda v: v <= 100)],
+             ["1 stream: ≥ 90 % of in-process tok/s", times(ratio), met(ratio, lambda v: v >= 0.9)],
+             ["1 stream: TTFT overhead ≤ 2 ms", ms(ovh, 2), met(ovh, lambda v: v <= 2)],
+             ["128 streams: no error", text(s128.get("errors")), met(s128.get("errors"), lambda v: v == 0)],
+             ["128 streams: TPOT p99 ≤ 3× p50", times(s128.get("tpot_p99_over_p50")),
+              met(s128.get("tpot_p99_over_p50"), lambda v: v <= 3)],
+             ["mixed run: within 25 % of the plain 64 (depth-weighted)", times(mixed.get("vs_plain")),
+              met(mixed.get("vs_plain"), lambda v: v >= 0.75)]]
+    out += (f"\n\nIn-process, one stream alone: {count(alone.get('tokens_per_s'))} tokens/s, first token "
+            f"{ms(alone.get('ttft_ms'), 2)}.\n")
+    if r.device != "cuda":  # the goals are the GPU worker's
+        return out
+    return out + "\nGoals:\n\n" + table(["goal", "figure", "met"], goals) + "\n"
+
+
 def _gb(n):
     return None if n is None else n / 1e9
 
@@ -618,6 +668,8 @@ What the benchmarks measure:
 - `bench/service.py`: the whole path (gRPC client, gateway, Ray worker) against in-process, per
   concurrency.
 - `bench/startup.py`: a worker's start-up, load and graph capture by part.
+- `bench/load.py`: many concurrent streams through `tinyloop serve` against the same run's batched step
+  alone, and a mixed-depth run.
 - `bench/context.py`: a decode step's cost against the cache's allocated length (the step should
   follow the context it holds, not the allocation).
 
@@ -654,6 +706,10 @@ SPEC_INTRO = ("`bench/speculative.py`: drafts at the draft L, verified at the ve
               "token at a time, tree rounds K branches a position. Plain generate runs at the verify L in the "
               "same run, before and after the speculative modes. `diverged at token`: where a prompt's tokens part "
               "from plain generate's (bf16 near ties).")
+LOAD_INTRO = ("`bench/load.py`: concurrent streams, all started at once, each its own prompt, through `tinyloop serve` "
+              "(gateway process, one Ray worker) from asyncio clients; the ceiling is the runner's batched step alone "
+              "at the same B (sampling and host sync included), measured in the same run before the service starts. "
+              "\"worker step\": the worker's own scheduler step, from its metrics.")
 CONTEXT_INTRO = ("`bench/context.py`: the same prompt and outputs on lanes allocated for 128, 512 and 2048 "
                  "positions (`tinyloop serve`'s default); one stream alone, then every lane in one batch.")
 SERVICE_INTRO = ("`bench/service.py`: the same model file and thread count in-process and behind the service, "
@@ -679,12 +735,14 @@ def render(results: Path = RESULTS) -> str:
         section("Self-speculative decoding", SPEC_INTRO, n(("speculative", "cuda")), speculative_body,
                 speculative_extra),
         section("The service on the GPU", SERVICE_INTRO, n(("service", "gpu")), service_body, service_extra),
+        section("The service under load on the GPU", LOAD_INTRO, n(("load", "cuda")), load_body, load_extra),
         startup_section(startups),
         section("The service on a CPU", SERVICE_INTRO, n(("service", "cpu")), service_body, service_extra),
         section("Self-speculative decoding on a CPU", SPEC_INTRO, n(("speculative", "cpu")), speculative_body,
                 speculative_extra),
         section("Warm-start resume vs fresh on a CPU", WARM_INTRO, n(("warmstart", "cpu")), warmstart_body,
                 warmstart_extra),
+        section("The service under load on a CPU", LOAD_INTRO, n(("load", "cpu")), load_body, load_extra),
         section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),
                 context_body, context_extra),
     ]
