@@ -26,12 +26,15 @@ def family(request, tmp_path_factory):
     return request.param, write_dir(root, cfg, tensors), cfg, tensors
 
 
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 6e-2)])
 @pytest.mark.parametrize("loops", [2, 4])
-def test_gpu_prefill_and_decode_follow_the_reference(family, loops):
+def test_gpu_prefill_and_decode_follow_the_reference(family, loops, dtype, tol):
+    """fp32 on the GPU: the reference's logits up to summation order; bf16: up to its rounding
+    through the random block's iterations."""
     name, path, cfg, w = family
     ref = ouro_logits if name == "ouro" else huginn_logits
     kw = {} if name == "ouro" else {"init_scale": 0.0}  # the zero latent state: the reference's at scale 0
-    with Model(path, device="cuda", dtype="bfloat16", n_slots=2, max_seq_len=64, **kw) as m:
+    with Model(path, device="cuda", dtype=dtype, n_slots=2, max_seq_len=64, **kw) as m:
         assert m.runner.graphs is not None  # the captured path, as a worker serves
         toks = list(PROMPT)
         for step in range(6):
@@ -42,5 +45,5 @@ def test_gpu_prefill_and_decode_follow_the_reference(family, loops):
             else:
                 got = m.runner.decode([0], [toks[-1]], [len(toks) - 1], [loops]).logits[0]
             err = float((got.float().cpu() - want.float()).norm() / want.float().norm())
-            assert err < 3e-2, (name, loops, step, err)  # bf16 weights and activations
+            assert err < tol, (name, dtype, loops, step, err)
             toks.append(int(want.argmax()))
