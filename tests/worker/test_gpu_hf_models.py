@@ -26,12 +26,14 @@ def family(request, tmp_path_factory):
     return request.param, write_dir(root, cfg, tensors), cfg, tensors
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 6e-2)])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("loops", [2, 4])
 def test_gpu_prefill_and_decode_follow_the_reference(family, loops, dtype, tol):
-    """fp32 on the GPU: the reference's logits up to summation order; bf16: up to its rounding
-    through the random block's iterations."""
+    """fp32 on the GPU: the reference's logits up to summation order; bf16: the reference on the
+    same bf16-rounded weights, up to the activations' rounding."""
     name, path, cfg, w = family
+    if dtype == "bfloat16":
+        w = {k: v.bfloat16().float() for k, v in w.items()}
     ref = ouro_logits if name == "ouro" else huginn_logits
     kw = {} if name == "ouro" else {"init_scale": 0.0}  # the zero latent state: the reference's at scale 0
     with Model(path, device="cuda", dtype=dtype, n_slots=2, max_seq_len=64, **kw) as m:
