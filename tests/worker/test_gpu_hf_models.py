@@ -1,5 +1,5 @@
 """Ouro and Huginn directories on the GPU: the worker's CUDA path (Triton kernels, captured
-graphs, bf16) against the independent fp32 reference (tests/hf_reference.py), on tiny random
+graphs) against the independent fp32 reference (tests/hf_reference.py), on tiny random
 directories in the published layouts."""
 from __future__ import annotations
 
@@ -26,16 +26,14 @@ def family(request, tmp_path_factory):
     return request.param, write_dir(root, cfg, tensors), cfg, tensors
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 1e-1)])
 @pytest.mark.parametrize("loops", [2, 4])
-def test_gpu_prefill_and_decode_follow_the_reference(family, loops, dtype, tol):
-    """fp32 on the GPU: the reference's logits up to summation order (the math is the same);
-    bf16: the reference on the same bf16-rounded weights, up to the rounding of bf16
-    activations, which a tiny random block amplifies to a few percent (a wrong norm, head or
-    position is an O(1) error)."""
+def test_gpu_prefill_and_decode_follow_the_reference(family, loops):
+    """In fp32 on the GPU (its Triton kernels and captured graphs) the logits are the
+    reference's up to summation order. fp32, because bf16 activations through a tiny random
+    block drift by several percent from any fp32 reference, which would hide a wrong norm or
+    position behind a loose bound."""
     name, path, cfg, w = family
-    if dtype == "bfloat16":
-        w = {k: v.bfloat16().float() for k, v in w.items()}
+    dtype, tol = "float32", 1e-4
     ref = ouro_logits if name == "ouro" else huginn_logits
     kw = {} if name == "ouro" else {"init_scale": 0.0}  # the zero latent state: the reference's at scale 0
     with Model(path, device="cuda", dtype=dtype, n_slots=2, max_seq_len=64, **kw) as m:
@@ -49,6 +47,5 @@ def test_gpu_prefill_and_decode_follow_the_reference(family, loops, dtype, tol):
             else:
                 got = m.runner.decode([0], [toks[-1]], [len(toks) - 1], [loops]).logits[0]
             err = float((got.float().cpu() - want.float()).norm() / want.float().norm())
-            print(f"{name} {dtype} L={loops} step {step}: {err:.2e}")
             assert err < tol, (name, dtype, loops, step, err)
             toks.append(int(want.argmax()))
