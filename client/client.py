@@ -132,9 +132,11 @@ def resume_request(handle_id, new_loops, *, max_tokens=None, temperature=None, t
     return req
 
 
-def build_request(prompt, l_used=None, max_loops=None, cache_window=0, request_id=None):
+def build_request(prompt, l_used=None, max_loops=None, cache_window=0, seed=None, request_id=None):
     req = pb.BuildResumeHandleRequest(request_id=request_id or uuid.uuid4().hex, prompt=_prompt(prompt),
                                       cache_window=cache_window)
+    if seed is not None:
+        req.seed = seed
     if l_used is not None:
         req.l_used = l_used
     if max_loops is not None:
@@ -260,10 +262,10 @@ class TinyLoopClient:
         return GenerateStream(self.stub.Resume(resume_request(handle_id, new_loops, **kwargs),
                                                metadata=self.metadata, timeout=timeout))
 
-    def build_resume_handle(self, prompt, l_used=None, max_loops=None, cache_window=0, *,
+    def build_resume_handle(self, prompt, l_used=None, max_loops=None, cache_window=0, *, seed=None,
                             timeout: float | None = None) -> Handle:
         return _handle(self._unary(self.stub.BuildResumeHandle,
-                                   build_request(prompt, l_used, max_loops, cache_window), timeout))
+                                   build_request(prompt, l_used, max_loops, cache_window, seed), timeout))
 
     def free_handle(self, handle_id: str, *, timeout: float | None = None) -> bool:
         return self._unary(self.stub.FreeHandle, pb.FreeHandleRequest(handle_id=handle_id), timeout).freed
@@ -341,10 +343,10 @@ class AsyncTinyLoopClient:
         return AsyncGenerateStream(self.stub.Resume(resume_request(handle_id, new_loops, **kwargs),
                                                     metadata=self.metadata, timeout=timeout))
 
-    async def build_resume_handle(self, prompt, l_used=None, max_loops=None, cache_window=0, *,
+    async def build_resume_handle(self, prompt, l_used=None, max_loops=None, cache_window=0, *, seed=None,
                                   timeout: float | None = None) -> Handle:
         return _handle(await self._unary(self.stub.BuildResumeHandle,
-                                         build_request(prompt, l_used, max_loops, cache_window), timeout))
+                                         build_request(prompt, l_used, max_loops, cache_window, seed), timeout))
 
     async def free_handle(self, handle_id: str, *, timeout: float | None = None) -> bool:
         return (await self._unary(self.stub.FreeHandle, pb.FreeHandleRequest(handle_id=handle_id), timeout)).freed

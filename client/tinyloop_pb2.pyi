@@ -159,18 +159,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., loop_iterations: _Optional[int] = ..., loop_token_iterations: _Optional[int] = ..., accepted_per_verify: _Optional[float] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class BuildResumeHandleRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "l_used", "max_loops", "cache_window")
+    __slots__ = ("request_id", "prompt", "l_used", "max_loops", "cache_window", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     L_USED_FIELD_NUMBER: _ClassVar[int]
     MAX_LOOPS_FIELD_NUMBER: _ClassVar[int]
     CACHE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     l_used: int
     max_loops: int
     cache_window: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., l_used: _Optional[int] = ..., max_loops: _Optional[int] = ..., cache_window: _Optional[int] = ...) -> None: ...
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., l_used: _Optional[int] = ..., max_loops: _Optional[int] = ..., cache_window: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class BuildResumeHandleResponse(_message.Message):
     __slots__ = ("request_id", "handle_id", "seq_len", "loops_used", "max_loops", "nbytes", "worker_id", "expires_in_s")

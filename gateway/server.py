@@ -371,6 +371,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window,
                  "l_used": request.l_used if request.HasField("l_used") else 8,
                  "max_loops": request.max_loops if request.HasField("max_loops") else 32}
+            if request.HasField("seed"):
+                p["seed"] = request.seed
             if p["max_loops"] < 1:
                 raise invalid(f"max_loops must be >= 1, got {p['max_loops']}")
             if p["l_used"] > p["max_loops"]:

@@ -14,9 +14,8 @@ def start_service(model_path, prefix: str, n: int = 2, lanes: int = LANES, worke
                   **gateway_kw):
     from tinyloop.gateway import workers
     from tinyloop.gateway.server import GatewayOptions, GatewayThread
-    actors = workers.spawn(n, workers.WorkerOptions(model_path=model_path, lanes=lanes, max_seq_len=MAX_SEQ_LEN,
-                                                    torch_threads=1, coalesce_s=0.005, **(worker_kw or {})),
-                           name_prefix=prefix)
+    kw = dict(max_seq_len=MAX_SEQ_LEN, torch_threads=1, coalesce_s=0.005) | (worker_kw or {})
+    actors = workers.spawn(n, workers.WorkerOptions(model_path=model_path, lanes=lanes, **kw), name_prefix=prefix)
     gw = GatewayThread(actors, GatewayOptions(port=0, max_message_bytes=MAX_MESSAGE, **gateway_kw))
     return actors, gw
 

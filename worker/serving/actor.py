@@ -342,7 +342,8 @@ class WorkerActor:
             if too_big is not None:
                 yield too_big
                 return
-            after = lambda: self._build(caller, ids, req.loops, max_loops, req.window)  # noqa: E731
+            # the handle's latent state is the request's own (input injection)
+            after = lambda: self._build(caller, ids, req.loops, max_loops, req.window, req.seed)  # noqa: E731
         if req.speculative:
             begin = lambda lane: self.model.stream(req, lane)  # noqa: E731
         else:
@@ -427,7 +428,7 @@ class WorkerActor:
         except ValueError as e:
             return _status(self.worker_id, e)
         max_loops = min(p.get("max_loops", 32), self.model.config.max_loops)
-        return await self._build(caller, ids, p.get("l_used", 8), max_loops, p.get("cache_window", 0))
+        return await self._build(caller, ids, p.get("l_used", 8), max_loops, p.get("cache_window", 0), p.get("seed"))
 
     def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
         """The error for a handle larger than the whole byte budget (no eviction could fit it),
@@ -440,7 +441,8 @@ class WorkerActor:
                      f"a handle of {nbytes} bytes ({seq_len} tokens, max_loops {max_loops}) exceeds "
                      f"{self.worker_id}'s handle budget of {self.handles.budget_bytes} bytes")
 
-    async def _build(self, caller: str, ids: list[int], l_used: int, max_loops: int, window: int) -> dict:
+    async def _build(self, caller: str, ids: list[int], l_used: int, max_loops: int, window: int,
+                     seed: int | None = None) -> dict:
         if isinstance(l_used, int) and isinstance(max_loops, int) and 0 <= l_used <= max_loops:
             too_big = self._over_budget(len(ids), max_loops, window)
             if too_big is not None:
@@ -448,7 +450,7 @@ class WorkerActor:
         try:
             self.handles.make_room_for_one()
             handle = await self._on_lane(lambda lane: self.model.build_resume_handle(
-                ids, L_used=l_used, max_loops=max_loops, cache_window=window, lane=lane), len(ids))
+                ids, L_used=l_used, max_loops=max_loops, cache_window=window, lane=lane, seed=seed), len(ids))
         except BudgetExhausted as e:
             return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED", f"{self.worker_id} {e}")
         except _Refused as e:
