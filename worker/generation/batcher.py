@@ -108,7 +108,7 @@ class Batcher:
                 out.detach()  # the rows outlive the next launch, which reuses the step's buffers
                 for row, lane in rows:
                     self.states[lane].advanced(out.row(row))
-                toks, failed = self._sample(lanes)
+                toks, failed = self._sample(lanes, out, [row for row, _ in rows])
                 self._copy_to_host(toks)
                 go_on = {lane: toks[i] for i, lane in enumerate(lanes) if lane not in failed
                          and self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
@@ -149,16 +149,26 @@ class Batcher:
         self._last = out
         self._ahead = [(lane, self.states[lane]) for lane in lanes], out
 
-    def _sample(self, lanes: list[int]) -> tuple[torch.Tensor, dict[int, Exception]]:
+    def _sample(self, lanes: list[int], out: StepOut, step_rows: list[int]) -> tuple[torch.Tensor, dict]:
         """Every stream's next token (len(lanes),) on the device from its logits: one `sample`
         per distinct set of sampling parameters over the rows that share it, each row with its
-        own key. A group whose sampling raises fails alone: {lane: the exception} for its
-        streams (their rows hold token 0), the other groups' streams go on."""
+        own key. Greedy rows with no penalty take the step's own argmax (`out.greedy`, whose row
+        step_rows[i] is lanes[i]'s: a stream that left drops its row). A group whose sampling raises fails alone: {lane: the exception}
+        for its streams (their rows hold token 0), the other groups' streams go on."""
         groups: dict = {}
         for row, lane in enumerate(lanes):
             groups.setdefault(self.states[lane].req.sampling, []).append(row)
         toks, failed = None, {}
         for params, rows in groups.items():
+            if params.greedy and params.repetition_penalty == 1.0:
+                picked = [step_rows[r] for r in rows]
+                if len(rows) == len(lanes) and picked == list(range(len(lanes))):
+                    return out.greedy[:len(lanes)], failed
+                got = out.greedy.index_select(0, self._to_device(picked))
+                if toks is None:
+                    toks = torch.zeros(len(lanes), dtype=torch.long, device=got.device)
+                toks.index_copy_(0, self._to_device(rows), got)
+                continue
             sts = [self.states[lanes[r]] for r in rows]
             try:
                 seen = None if params.repetition_penalty == 1.0 else torch.cat([st.seen for st in sts])

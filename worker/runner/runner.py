@@ -115,13 +115,43 @@ class StepOut:
             self.residual = self.residual.clone()
         self.host = None
 
-    def row(self, i: int) -> "StepOut":
-        """Lane i's outputs alone (views)."""
-        L = self.depths[i] if self.depths else self.work.loop_iterations
-        return StepOut(self.logits[i:i + 1], self.greedy[i:i + 1],
-                       None if self.residual is None else self.residual[i:i + 1],
-                       None if self.norm is None else self.norm[i:i + 1], Counters(L, L),
-                       self.host if i == 0 else None, [L])
+    def row(self, i: int) -> "RowOut":
+        """Lane i's outputs alone: views of this step's, made when read (a batched step hands
+        every row out, and most are only ever asked for their work)."""
+        return RowOut(self, i)
+
+
+class RowOut:
+    """Row i of a StepOut, with its fields (views) made on first read."""
+    __slots__ = ("_step", "_i", "work", "depths", "host")
+
+    def __init__(self, step: StepOut, i: int):
+        self._step, self._i = step, i
+        L = step.depths[i] if step.depths else step.work.loop_iterations
+        self.work, self.depths = Counters(L, L), [L]
+        self.host = step.host if i == 0 else None
+
+    def _view(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[self._i:self._i + 1]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self._view(self._step.logits)
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self._view(self._step.greedy)
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        return self._view(self._step.residual)
+
+    @property
+    def norm(self) -> torch.Tensor | None:
+        return self._view(self._step.norm)
+
+    def detach(self) -> None:
+        self._step.detach()
 
 
 @dataclass(eq=False)
