@@ -368,15 +368,11 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
     async def BuildResumeHandle(self, request: pb.BuildResumeHandleRequest, context):
         try:
             caller = self._enter("BuildResumeHandle", context)
-            p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window,
-                 "l_used": request.l_used if request.HasField("l_used") else 8,
-                 "max_loops": request.max_loops if request.HasField("max_loops") else 32}
-            if request.HasField("seed"):
-                p["seed"] = request.seed
-            if p["max_loops"] < 1:
-                raise invalid(f"max_loops must be >= 1, got {p['max_loops']}")
-            if p["l_used"] > p["max_loops"]:
-                raise invalid(f"l_used={p['l_used']} exceeds max_loops={p['max_loops']}")
+            # unset fields stay unset: their defaults are the model's, which the worker knows
+            p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window}
+            for name in ("l_used", "max_loops", "seed"):
+                if request.HasField(name):
+                    p[name] = getattr(request, name)
             w = self._pick()
             w.inflight += 1
             build = asyncio.ensure_future(self._call(w, "build_handle", caller, p))

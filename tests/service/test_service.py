@@ -472,3 +472,17 @@ def test_prometheus_metrics_are_served_and_count(client):
     # each worker's start-up (Model.startup; on CPU the load alone: nothing is captured)
     loads = re.findall(r'^tinyloop_worker_startup_seconds\{part="load",worker="[^"]+"\} ([0-9.e+-]+)$', after, re.M)
     assert loads and all(float(v) > 0 for v in loads), after
+
+
+def test_handle_defaults_are_the_models_and_nothing_is_clamped(client):
+    """Unset l_used / max_loops are the model's default and deepest depth; a max_loops past the
+    model's is refused with the Model's own message, as in-process (never silently clamped)."""
+    info = client.model_info()
+    h = client.build_resume_handle(PROMPT)
+    assert (h.loops_used, h.max_loops) == (info["default_loops"], info["max_loops"])
+    assert client.free_handle(h.handle_id)
+    err = expect(INVALID, "INVALID_ARGUMENT", client.build_resume_handle, PROMPT, l_used=2,
+                 max_loops=info["max_loops"] + 1)
+    assert "exceeds the model's max_loops" in err.message
+    err = expect(INVALID, "INVALID_ARGUMENT", client.build_resume_handle, PROMPT, l_used=5, max_loops=3)
+    assert "L_used=5 exceeds max_loops=3" in err.message

@@ -427,8 +427,12 @@ class WorkerActor:
             ids = self._prompt_ids(p["prompt"])
         except ValueError as e:
             return _status(self.worker_id, e)
-        max_loops = min(p.get("max_loops", 32), self.model.config.max_loops)
-        return await self._build(caller, ids, p.get("l_used", 8), max_loops, p.get("cache_window", 0), p.get("seed"))
+        # the defaults are the model's: l_used its default depth, max_loops its deepest; a
+        # value past them is the Model's error, never clamped
+        cfg = self.model.config
+        max_loops = p.get("max_loops", cfg.max_loops)
+        l_used = p.get("l_used", min(cfg.default_loops, max_loops))
+        return await self._build(caller, ids, l_used, max_loops, p.get("cache_window", 0), p.get("seed"))
 
     def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
         """The error for a handle larger than the whole byte budget (no eviction could fit it),
