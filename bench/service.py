@@ -3,7 +3,7 @@
     python -m bench.service                       # CPU: writes bench/results/service-cpu.json
     python -m bench.service --preset small --device cuda --out bench/results/service-gpu.json
     python -m bench.service --model default --max-seq-len 2048 --concurrency 32 --no-speculative \
-        --out bench/results/service-cpu-serve-defaults.json   # the embedded model as `tinyloop serve` runs it
+        --out /tmp/service-serve-defaults.json   # the embedded model as `tinyloop serve` runs it
 
 Measures, on one worker with the same model file and thread count as the in-process baseline:
 - per-token time (decode) and time to first token, in-process `Model.stream` vs a gRPC client

@@ -82,6 +82,13 @@ class _Worker:
                 metrics.STARTUP.labels(self.label, key[:-2]).set(seconds)
 
 
+def _deadline(context, p: dict) -> None:
+    """The call's remaining time, for the worker: it drops the request if still queued then."""
+    remaining = context.time_remaining()
+    if remaining is not None:
+        p["timeout_s"] = remaining
+
+
 class TinyLoopServicer(pb_grpc.TinyLoopServicer):
     def __init__(self, workers: list[_Worker], options: GatewayOptions):
         self.workers = workers
@@ -263,6 +270,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("Generate", context, e)
             return
+        _deadline(context, p)
         depth = p["speculative"]["verify_loops"] if "speculative" in p else p.get("loops", self.default_loops)
         metrics.DEPTH.labels("Generate", str(depth)).inc()
         async for msg in self._stream("Generate", context, w, request.request_id, "generate", caller, p):
@@ -279,6 +287,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("Resume", context, e)
             return
+        _deadline(context, p)
         metrics.DEPTH.labels("Resume", str(p["new_loops"])).inc()
         async for msg in self._stream("Resume", context, w, request.request_id, "resume", caller,
                                       ref.token, ref.epoch, p):
@@ -296,9 +305,6 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         metrics.INFLIGHT.labels(w.label).inc()
         task = asyncio.current_task()
         self.streams.add(task)
-        remaining = context.time_remaining()
-        if remaining is not None:  # the worker drops the request if it is still queued then
-            args[-1]["timeout_s"] = remaining
         try:
             gen = getattr(w.actor, actor_method).options(num_returns="streaming").remote(key, *args)
             async for ref in gen:

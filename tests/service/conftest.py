@@ -7,7 +7,7 @@ import pytest
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from service_helpers import MAX_SEQ_LEN, start_service
+from service_helpers import MAX_SEQ_LEN, running_service
 
 
 @pytest.fixture(scope="session")
@@ -36,11 +36,8 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def service(ray_cluster, model_path, request):
     prefix = f"w-{request.module.__name__.rsplit('.', 1)[-1]}"
-    actors, gw = start_service(model_path, prefix)
-    yield actors, gw
-    gw.stop(0.5)
-    for a in actors:
-        ray.kill(a, no_restart=True)
+    with running_service(model_path, prefix) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Helpers shared by the service tests (imported by name: tests/ is not a package)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import ray
@@ -18,6 +19,18 @@ def start_service(model_path, prefix: str, n: int = 2, lanes: int = LANES, worke
     actors = workers.spawn(n, workers.WorkerOptions(model_path=model_path, lanes=lanes, **kw), name_prefix=prefix)
     gw = GatewayThread(actors, GatewayOptions(port=0, max_message_bytes=MAX_MESSAGE, **gateway_kw))
     return actors, gw
+
+
+@contextlib.contextmanager
+def running_service(model_path, prefix: str, **kw):
+    """start_service for the length of a with-block: (actors, gateway), both taken down after."""
+    actors, gw = start_service(model_path, prefix, **kw)
+    try:
+        yield actors, gw
+    finally:
+        gw.stop(0.5)
+        for a in actors:
+            ray.kill(a, no_restart=True)
 
 
 def worker_stats(actors) -> list[dict]:

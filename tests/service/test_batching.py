@@ -7,11 +7,10 @@ import time
 
 import grpc
 import pytest
-import ray
 
 from tinyloop.client import TinyLoopClient, TinyLoopError
 
-from service_helpers import start_service, wait_idle, worker_stats
+from service_helpers import running_service, wait_idle, worker_stats
 
 pytestmark = pytest.mark.slow
 LANES = 6
@@ -19,11 +18,8 @@ LANES = 6
 
 @pytest.fixture(scope="module")
 def one_worker(ray_cluster, model_path):
-    actors, gw = start_service(model_path, "w-batching", n=1, lanes=LANES)
-    yield actors, gw
-    gw.stop(0.5)
-    for a in actors:
-        ray.kill(a, no_restart=True)
+    with running_service(model_path, "w-batching", n=1, lanes=LANES) as service:
+        yield service
 
 
 def _collect(address, prompt, kw):
@@ -80,11 +76,8 @@ def test_cancel_mid_batch_frees_the_lane_and_the_others_go_on(one_worker, local_
 @pytest.fixture(scope="module")
 def chunking_worker(ray_cluster, model_path):
     """Prompts prefilled 8 tokens a step: every prompt longer than that is chunked."""
-    actors, gw = start_service(model_path, "w-chunking", n=1, lanes=LANES, worker_kw={"step_tokens": 8})
-    yield actors, gw
-    gw.stop(0.5)
-    for a in actors:
-        ray.kill(a, no_restart=True)
+    with running_service(model_path, "w-chunking", n=1, lanes=LANES, worker_kw={"step_tokens": 8}) as service:
+        yield service
 
 
 def test_every_kind_of_stream_together_equals_its_standalone_run(chunking_worker, local_model):

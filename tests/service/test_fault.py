@@ -10,7 +10,7 @@ import ray
 
 from tinyloop.client import TinyLoopClient, TinyLoopError
 
-from service_helpers import start_service, wait_idle
+from service_helpers import running_service, wait_idle
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 99, 3, 42]
@@ -18,11 +18,8 @@ PROMPT = [5, 17, 99, 3, 42]
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, model_path):
-    actors, gw = start_service(model_path, "w-fault")
-    yield actors, gw
-    gw.stop(0.5)
-    for a in actors:
-        ray.kill(a, no_restart=True)
+    with running_service(model_path, "w-fault") as service:
+        yield service
 
 
 def test_killed_worker_mid_stream(service):

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tinyloop.client import TinyLoopClient, TinyLoopError
 from tinyloop.client import tinyloop_pb2 as pb
 
-from service_helpers import MAX_SEQ_LEN, start_service, wait_idle
+from service_helpers import MAX_SEQ_LEN, running_service, start_service, wait_idle
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 99, 3, 42]
@@ -29,11 +29,8 @@ METHODS = {  # every RPC of the service, and whether it streams
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, model_path):
-    actors, gw = start_service(model_path, "w-hard", n=1, lanes=4)
-    yield actors, gw
-    gw.stop(0.5)
-    for a in actors:
-        ray.kill(a, no_restart=True)
+    with running_service(model_path, "w-hard", n=1, lanes=4) as service:
+        yield service
 
 
 @pytest.fixture()

@@ -5,13 +5,12 @@ the in-process `Model` runs with that seed."""
 from __future__ import annotations
 
 import pytest
-import ray
 from hf_dirs import huginn_config, huginn_tensors, ouro_config, ouro_tensors, write_dir
 
 from tinyloop.client import TinyLoopClient
 from tinyloop.worker import Model
 
-from service_helpers import start_service, wait_idle
+from service_helpers import running_service, wait_idle
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 42, 99, 3, 250, 11]
@@ -26,12 +25,9 @@ def served(request, ray_cluster, tmp_path_factory):
     else:
         cfg = ouro_config(n_kv_heads=2, eos_token_id=1)
         path = write_dir(root, cfg, ouro_tensors(cfg, seed=2))
-    actors, gw = start_service(str(path), f"w-hf-{request.param}", n=1, lanes=2, worker_kw={"max_seq_len": 64})
-    with Model(str(path), device="cpu", dtype="float32", max_seq_len=64, n_slots=2) as local:
+    with running_service(str(path), f"w-hf-{request.param}", n=1, lanes=2, worker_kw={"max_seq_len": 64}) as (
+            actors, gw), Model(str(path), device="cpu", dtype="float32", max_seq_len=64, n_slots=2) as local:
         yield actors, gw, local
-    gw.stop(0.5)
-    for a in actors:
-        ray.kill(a, no_restart=True)
 
 
 def test_seeded_generate_and_resume_equal_in_process(served):

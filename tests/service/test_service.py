@@ -14,7 +14,7 @@ import ray
 from tinyloop.client import AsyncTinyLoopClient, TinyLoopClient, TinyLoopError
 from tinyloop.gateway import handles
 
-from service_helpers import MAX_MESSAGE, start_service, wait_idle, worker_stats
+from service_helpers import MAX_MESSAGE, wait_idle, worker_stats
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 99, 3, 42]

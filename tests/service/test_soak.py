@@ -15,9 +15,8 @@ import pytest
 import ray
 
 from tinyloop.client import TinyLoopClient, TinyLoopError
-from tinyloop.client import tinyloop_pb2 as pb
 
-from service_helpers import start_service, wait_idle
+from service_helpers import running_service, wait_idle
 
 pytestmark = pytest.mark.slow
 CALLERS, CALLS = 6, 16
@@ -38,11 +37,8 @@ BAD = [  # (call arguments, the status and a word of the message)
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, model_path):
-    actors, gw = start_service(model_path, "w-soak", n=2, lanes=4)
-    yield actors, gw
-    gw.stop(0.5)
-    for a in actors:
-        ray.kill(a, no_restart=True)
+    with running_service(model_path, "w-soak", n=2, lanes=4) as service:
+        yield service
 
 
 def _outcome(fn):

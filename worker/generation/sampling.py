@@ -11,39 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyloop.worker.model.counter_hash import shr, splitmix64
+
 # Independent streams at one position.
 STREAM_TOKEN = 0        # the token drawn at a position
 STREAM_ACCEPT = 1       # speculative accept test
 STREAM_RESIDUAL = 2     # speculative resample from the residual distribution
 
-_MASK64 = (1 << 64) - 1
-
-
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the signed int64 torch stores."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    x = x + _GOLDEN
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
-
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int = STREAM_TOKEN) -> torch.Tensor:
     """seed, position (B,) int64 -> (B,) float64 uniforms in [0, 1)."""
-    x = _splitmix64(seed.to(torch.int64) * 4 + stream)
-    x = _splitmix64(x ^ position.to(torch.int64))
-    return _shr(x, 11).to(torch.float64) * (1.0 / (1 << 53))
+    x = splitmix64(seed.to(torch.int64) * 4 + stream)
+    x = splitmix64(x ^ position.to(torch.int64))
+    return shr(x, 11).to(torch.float64) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True)

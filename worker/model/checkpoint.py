@@ -9,9 +9,7 @@ docs/checkpoint.md). `load` also takes a Hugging Face model directory (hf.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,6 +18,7 @@ from safetensors.torch import save_file
 from tinyloop.worker.model.config import LoopedConfig
 from tinyloop.worker.model.errors import CheckpointError
 from tinyloop.worker.model.modules import LoopedTransformer
+from tinyloop.worker.model.safetensors_header import read_header
 
 SUPPORTED_VERSIONS = ("1", "2")
 
@@ -39,31 +38,11 @@ def save(model: LoopedTransformer, path: str | os.PathLike, dtype: torch.dtype =
     os.replace(tmp, path)
 
 
-def _read_header(path: str) -> dict:
-    """Check the safetensors framing ourselves so a truncated file is named as such."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated ({size} bytes, no safetensors header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{path}: truncated (header says {n} bytes, file has {size - 8})")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: truncated (tensor data needs {8 + n + end} bytes, file has {size})")
-    return header
-
-
 def read_config(path: str | os.PathLike) -> tuple[LoopedConfig, dict]:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
-    meta = _read_header(path).get("__metadata__") or {}
+    meta = read_header(path).get("__metadata__") or {}
     version = meta.get("tinyloop.format_version")
     if version is None:
         raise CheckpointError(f"{path}: not a .tinyloop checkpoint (no tinyloop.format_version in metadata)")

@@ -26,12 +26,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
 from tinyloop.worker.model.config import LoopedConfig
 from tinyloop.worker.model.errors import CheckpointError
+from tinyloop.worker.model.safetensors_header import read_header
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -290,25 +290,9 @@ def _ignored(family: str, name: str, cfg: LoopedConfig) -> bool:
 
 # -- safetensors headers -----------------------------------------------------------------------
 def _header(path: str) -> dict:
-    """A safetensors file's header: {name: {"dtype", "shape", "data_offsets"}} (no torch)."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file")
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated ({size} bytes, no safetensors header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{path}: truncated (header says {n} bytes, file has {size - 8})")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    """A safetensors file's tensors: {name: {"dtype", "shape", "data_offsets"}} (no torch)."""
+    header = read_header(path)
     header.pop("__metadata__", None)
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: truncated (tensor data needs {8 + n + end} bytes, file has {size})")
     return header
 
 

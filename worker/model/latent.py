@@ -14,35 +14,18 @@ import math
 
 import torch
 
+from tinyloop.worker.model.counter_hash import shr, splitmix64
 
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the signed int64 torch stores."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
 _STREAM = 0x4C41  # keeps these draws apart from the sampler's streams at the same (seed, position)
 _LO, _HI = (1 + math.erf(-3 / math.sqrt(2))) / 2, (1 + math.erf(3 / math.sqrt(2))) / 2  # CDF at -3, 3
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    x = x + _GOLDEN
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
 
 
 def truncated_normal(seeds: torch.Tensor, positions: torch.Tensor, dim: int) -> torch.Tensor:
     """seeds (B,) int64, positions (B, T) int64 -> (B, T, dim) fp32 standard normals truncated
     to [-3, 3]. No host sync and no generator state: a CUDA graph may capture it."""
-    key = _splitmix64(seeds.to(torch.int64) * 65536 + _STREAM)[:, None, None]            # (B, 1, 1)
-    x = _splitmix64(key ^ positions.to(torch.int64)[..., None])                           # (B, T, 1)
-    x = _splitmix64(x + torch.arange(dim, device=positions.device, dtype=torch.int64))    # (B, T, dim)
-    u = (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))                         # (0, 1)
+    key = splitmix64(seeds.to(torch.int64) * 65536 + _STREAM)[:, None, None]            # (B, 1, 1)
+    x = splitmix64(key ^ positions.to(torch.int64)[..., None])                           # (B, T, 1)
+    x = splitmix64(x + torch.arange(dim, device=positions.device, dtype=torch.int64))    # (B, T, dim)
+    u = (shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))                         # (0, 1)
     v = _LO + u * (_HI - _LO)
     return (torch.special.erfinv(2 * v - 1) * math.sqrt(2)).clamp_(-3.0, 3.0)

@@ -399,14 +399,16 @@ class Runner:
         # rows in non-increasing depth (the batcher's order): iteration i needs only the rows
         # deeper than i, a prefix, so it replays the smallest bucket holding them (the buckets
         # share their buffers; a row of the bucket past that prefix is frozen by its depth)
-        shrink = graphed and all(a >= c for a, c in zip(depths, depths[1:]))
+        shrink = graphed and depths[0] != depths[-1] and all(a >= c for a, c in zip(depths, depths[1:]))
+        active = B  # rows deeper than the iteration: a prefix, shrinking as the iterations go
         for stage in BatchStep.stages(max(depths)):
             if not graphed:
                 step.run(stage)
                 continue
             bucket = b
             if shrink and isinstance(stage, int):
-                active = sum(1 for d in depths if d > stage)
+                while depths[active - 1] <= stage:
+                    active -= 1
                 bucket = next(x for x in self._batch_buckets if x >= active)
             self.graphs.replay("batch", bucket, stage)
         logits = step.logits[:B]

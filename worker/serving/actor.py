@@ -45,8 +45,6 @@ DEFAULT_MAX_HOPS_PER_S = 640.0
 DEFAULT_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval in a worker process (see WorkerActor.__init__)
 DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per token costs ~3 ms of step time on CPU
 
-FINISH_REASONS = ("length", "stop", "safety")
-
 
 def error(code: str, reason: str, message: str) -> dict:
     return {"error": {"code": code, "reason": reason, "message": message}}
@@ -97,14 +95,11 @@ class _Pipe:
     def _due(self, now: float) -> bool:
         return self.end is not None or bool(self.ids) and (not self.flushed or now - self.last >= self.interval())
 
-    def push(self, ev, now: float) -> None:
-        from tinyloop.worker.serving.scheduler import Tokens
-        if isinstance(ev, Tokens):
-            self.ids.extend(ev.ids)
-            if ev.finish is not None:
-                self.end = ev
-        elif self.end is None:
-            self.end = ev
+    def push(self, ids: list[int], end, now: float) -> None:
+        """New ids, and the final event if this one is (None otherwise)."""
+        self.ids.extend(ids)
+        if end is not None and self.end is None:
+            self.end = end
         if self.waiter is not None and not self.waiter.done() and self._due(now):
             self.waiter.set_result(None)
 
@@ -263,11 +258,16 @@ class WorkerActor:
             self._loop.call_soon_threadsafe(self._deliver, events)
 
     def _deliver(self, events) -> None:
+        from tinyloop.worker.serving.scheduler import Tokens
         now = time.monotonic()
         for key, ev in events:
             pipe = self._sinks.get(key)
-            if pipe is not None:  # a job whose caller left gets nothing
-                pipe.push(ev, now)
+            if pipe is None:  # a job whose caller left gets nothing
+                continue
+            if isinstance(ev, Tokens):
+                pipe.push(ev.ids, ev if ev.finish is not None else None, now)
+            else:
+                pipe.push([], ev, now)
 
     def _submit(self, begin, tokens: int = 0, task: bool = False, timeout_s: float | None = None,
                 key: str | None = None):
@@ -378,7 +378,7 @@ class WorkerActor:
         if sink is None:
             return False
         self._leave(key, False)
-        sink.push(_CANCELLED, time.monotonic())
+        sink.push([], _CANCELLED, time.monotonic())
         return True
 
     async def _stream(self, key: str, begin, tokens: int, p: dict, after=None):
@@ -651,6 +651,8 @@ def _next_epoch(index: int) -> int:
     try:
         import ray
         from ray.experimental import internal_kv
+        if not ray.is_initialized():  # asking for the runtime context would start a Ray of its own
+            raise RuntimeError("not in Ray")
         key = f"tinyloop/epoch/{ray.get_runtime_context().get_actor_id()}".encode()
         old = internal_kv._internal_kv_get(key)
         epoch = int(old) + 1 if old else 1

@@ -93,10 +93,8 @@ Event = tuple[str, Tokens | Result | Failed]
 @dataclass
 class StepStats:
     """What one step did (the actor's metrics)."""
-    admitted: int = 0
     prefill_tokens: int = 0
     batch_rows: int = 0
-    alone_steps: int = 0
     seconds: float = 0.0  # the step's wall time on the step thread
 
 
@@ -169,7 +167,6 @@ class Scheduler:
         while self._waiting and self.lanes.free:
             job = self._waiting.popleft()
             self._prefilling[job.key] = (self.lanes.acquire(), job, None)
-            stats.admitted += 1
         self._prefill(events, stats)
         if early is not None and events:
             early(events)
@@ -254,7 +251,6 @@ class Scheduler:
                     del self._batched[lane]
                     self.lanes.release(lane)
         for key, (lane, gen) in list(self._alone.items()):
-            stats.alone_steps += 1
             try:
                 ids = next(gen)
                 events.append((key, Tokens(ids)))
