@@ -111,6 +111,10 @@ def bytes_per_token(cfg: LoopedConfig, loops: int, context: int, elem: int = 2) 
     every cache layer it attends to."""
     layers = cfg.n_prelude + loops * cfg.n_loop_layers + cfg.n_coda
     weights = layers * layer_bytes(cfg, elem) + cfg.vocab_size * cfg.d_model * elem + 2 * cfg.d_model * elem
+    if cfg.inject:  # the adapter (2d -> d) runs before every iteration
+        weights += loops * (2 * cfg.d_model * cfg.d_model + (cfg.d_model if cfg.adapter_bias else 0)) * elem
+    if cfg.loop_final_norm:  # a norm at the end of every iteration (Ouro)
+        weights += loops * cfg.d_model * elem
     kv = layers * 2 * cfg.n_kv_heads * cfg.head_dim * context * elem
     return {"weights": weights, "kv": kv, "total": weights + kv}
 

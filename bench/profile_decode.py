@@ -19,6 +19,7 @@ eager stage math) on the same weights and kernels."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -34,14 +35,16 @@ from tinyloop.worker.runner.stages import PaddedPrefill, prefill_buckets
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench-285m", help="random-init model preset")
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     c = ceilings(dev)
-    cfg = PRESETS["bench-285m"]
-    m = Model(random_checkpoint("bench-285m", cfg), max_seq_len=4096, device="cuda", dtype="bfloat16",
+    cfg = PRESETS[args.preset]
+    cfg = dataclasses.replace(cfg, max_loops=max(cfg.max_loops, args.loops))
+    m = Model(random_checkpoint(args.preset, cfg), max_seq_len=4096, device="cuda", dtype="bfloat16",
               n_slots=1, cuda_graphs=True)
     L, T = args.loops, args.context
     graph_ms = decode_rate(m.runner, L, T, 64)
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
           + f"; {per_token:.3f} ms per token past the second, against the {graph_ms:.3f} ms graph step")
     print(f"generate(prefix {T}, decode 16, L={L}): {gen['wall_ms']:.2f} ms wall, GPU busy {gen['gpu_busy_ms']:.2f} ms "
           f"({gen['gpu_ops']} kernels and copies)")
-    write("profile-decode-cuda", {"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
+    write("profile-decode-cuda" if args.preset == "bench-285m" else f"profile-decode-{args.preset}-cuda", {"preset": args.preset,"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
                                   "floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms,
                                   "kernels": rows, "replay_timeline": timeline, "prefill": pre, "generate": gen},
           args.out_dir)

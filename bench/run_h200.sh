@@ -3,7 +3,7 @@
 # the H200 (offline image: the project is mapped by bench/gpu_env.sh, not pip-installed):
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
-#                                          #   speculative startup (default: all); tiles, load on demand
+#                                          #   speculative startup (default: all); tiles, load, families on demand
 #                                          #   (load: the service under load; carry .whl for Ray)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
@@ -41,7 +41,8 @@ for s in "${steps[@]}"; do
     case $s in
         tests) run tests "${TESTS_S:-200}" python -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/worker/test_gpu_engine.py tests/worker/test_l2_policy.py tests/worker/test_rope_tables.py tests/test_bench.py} -q -p no:cacheprovider ;;
         gemv) run gemv 90 python -m bench.gemv --out-dir "$OUT" ;;
-        profile) run profile 90 python -m bench.profile_decode --out-dir "$OUT" ;;
+        profile) run profile "${PROFILE_S:-90}" python -m bench.profile_decode --out-dir "$OUT" ${PROFILE_ARGS:-} ;;
+        families) run families "${FAMILIES_S:-420}" python -m bench.families --out-dir "$OUT" ${FAMILIES_ARGS:-} ;;
         decode) run decode "${DECODE_S:-240}" python -m bench.decode --out-dir "$OUT" ${DECODE_ARGS:-} ;;
         batch) run batch "${BATCH_S:-120}" python -m bench.batch --out-dir "$OUT" ;;
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
