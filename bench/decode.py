@@ -30,11 +30,11 @@ Sections. Each is written to the JSON as it completes, so a partial run still re
              baseline). It records the compile seconds, ms/token, and at L = 8 the generate
              figure. A mode that fails records its error in place of figures.
              Skip it with --skip-compile.
-  ouro       decode at L = 4 with the Ouro-1.4B shapes (a 24-layer block looped 4x).
 
 The engine's model is built as a worker builds it (`Model(cuda_graphs=True)`, one cache lane):
 every graph captured at load, `graph_capture_s` their seconds (`Model.startup`). Prefill is
-bench/prefill.py. --device cpu --preset tiny runs every section except ouro on a CPU. There
+bench/prefill.py. --device cpu --preset tiny runs every section on a CPU. The Ouro and Huginn shapes are
+bench/families.py. There
 the engine's figure is its eager step (`Runner.decode`), since CUDA graphs are CUDA only.
 """
 from __future__ import annotations
@@ -260,7 +260,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--compile-loops", type=int, nargs="+", default=[GEN_LOOPS])
     ap.add_argument("--compile-modes", nargs="+", default=list(COMPILE_MODES))
-    ap.add_argument("--skip-ouro", action="store_true")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -378,20 +377,6 @@ def main(argv: list[str] | None = None) -> None:
     fast.close()
     if cuda:
         torch.cuda.empty_cache()
-
-    if not args.skip_ouro and cuda:
-        ocfg = PRESETS["ouro-1.4b"]
-        opath = random_checkpoint("ouro-1.4b", ocfg)
-        # every depth's decode graph captured at load; no prefill graphs (nothing here prefills twice)
-        with Model(opath, max_seq_len=1024, device="cuda", dtype="bfloat16", n_slots=1, cuda_graphs=True,
-                   prefill_graph_len=0) as om:
-            b = bytes_per_token(ocfg, 4, args.context)
-            floor_ms = b["total"] / (c["copy_GBps"] * 1e6)
-            ms = decode_rate(om.runner, 4, args.context, 32)
-            result["ouro_1.4b_shapes"] = {"loops": 4, "floor_ms": floor_ms, "graph_ms": ms,
-                                          "graph_vs_floor": ms / floor_ms, "bytes_per_token": b}
-            print(f"Ouro-1.4B shapes L=4: floor {floor_ms:.3f} ms, graphs {ms:.3f} ms ({ms / floor_ms:.2f}x)")
-        save()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ bandwidth floor, on the GPU.
 Each model is a random bf16 checkpoint of the preset (worker/model/config.py): the shapes and
 the per-layer math the Hugging Face loader builds for Ouro-1.4B, Ouro-2.6B (sandwich norms, a
 norm at the end of every UT step) and Huginn-0125 (prelude, a 4-layer recurrent block with input
-injection, coda). Served as a worker serves it (`Model(cuda_graphs=True)`, one cache lane): the
+injection, coda); the `ouro-1.4b` preset keeps a final norm before the head, which Ouro does not
+have (one d-vector more per token). Served as a worker serves it (`Model(cuda_graphs=True)`, one cache lane): the
 captured batch-1 decode graph at each depth replayed in a loop, each replay fed its own greedy
 token (bench/decode.py `decode_rate`), after a prompt of --context random tokens.
 

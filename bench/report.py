@@ -109,7 +109,7 @@ CURRENT = [
     ("decode", "cuda"), ("profile-decode", "cuda"), ("gemv", "cuda"), ("batch", "cuda"),
     ("prefill", "cuda"), ("warmstart", "cuda"), ("speculative", "cuda"), ("service", "gpu"),
     ("startup-*", "cuda"), ("service", "cpu"), ("speculative", "cpu"), ("warmstart", "cpu"),
-    ("context", "cpu"), ("load", "cuda"), ("load", "cpu"),
+    ("context", "cpu"), ("load", "cuda"), ("load", "cpu"), ("families", "cuda"),
 ]
 
 
@@ -319,12 +319,25 @@ def decode_body(r: Result) -> str:
                      DASH, DASH])
     gen_t = table(["fresh generate, prefix 128, decode 16, L = 8", "wall", "TinyLoop Serve × faster",
                    "same tokens as TinyLoop Serve"], gen_rows)
-    o = d.get("ouro_1.4b_shapes") if isinstance(d.get("ouro_1.4b_shapes"), dict) else {}
-    ouro = table(["Ouro-1.4B shapes (24-layer block, random bf16)", "L", "floor", "TinyLoop Serve", "× floor"],
-                 [["decode step", text(o.get("loops")), ms(o.get("floor_ms")),
-                   ms(o.get("graph_ms")), times(o.get("graph_vs_floor"))]])
     return (f"Batch-1 decode, ms per token:\n\n{floor}\n\nThe same steps against the same run's baselines "
-            f"(ms per token; in brackets how many times faster TinyLoop Serve is):\n\n{base}\n\n{gen_t}\n\n{ouro}\n")
+            f"(ms per token; in brackets how many times faster TinyLoop Serve is):\n\n{base}\n\n{gen_t}\n")
+
+
+def families_extra(r: Result) -> list[str]:
+    return [f"Context: {text(r.data.get('context'))} tokens"]
+
+
+def families_body(r: Result) -> str:
+    rows = []
+    for name, m in (r.data.get("models") or {}).items():
+        if not isinstance(m, dict):
+            continue
+        for L, row in (m.get("depths") or {}).items():
+            rows.append([code(name), num(m.get("params"), ".2f", "B", 1e-9), text(L), ms(get(row, "floor_ms")),
+                         ms(get(row, "graph_ms")), times(get(row, "vs_floor")),
+                         num(get(row, "achieved_GBps"), ",.0f", " GB/s")])
+    return table(["shapes", "parameters", "L", "floor", "TinyLoop Serve", "× floor", "achieved"],
+                 rows or [[DASH] * 7]) + "\n"
 
 
 def decode_plot(results: list[Result]) -> str:
@@ -655,7 +668,9 @@ What the benchmarks measure:
   the step keeps in L2 between iterations). Same-run baselines: `bench/baselines.py`'s
   `PlainDecoder` (plain PyTorch on the same weights, static K/V cache, SDPA) eagerly and under
   `torch.compile` in three modes, and the engine through its torch reference ops. Also a fresh
-  generate and the Ouro-1.4B shapes.
+  generate.
+- `bench/families.py`: the same batch-1 decode at the shapes of Ouro-1.4B, Ouro-2.6B and
+  Huginn-0125 (random bf16 weights in the layouts the Hugging Face loader builds), against the floor.
 - `bench/profile_decode.py`: where the decode step's time goes, from the replayed graph's kernel
   timeline; and a fresh generate by max_tokens.
 - `bench/gemv.py`: each projection's GEMV alone, reading its weights from HBM, against the floor and
@@ -690,7 +705,11 @@ files compare only roughly: one GPU's step time moves between hosts, and the hos
 (`bench/ab.py`, whose JSON stays in `bench/results/`).
 """
 
-DECODE_INTRO = "`bench/decode.py` (sections `decode`, `generate_prefix128_decode16_L8`, `compiled`, `ouro`)."
+DECODE_INTRO = "`bench/decode.py` (sections `decode`, `generate_prefix128_decode16_L8`, `compiled`)."
+FAMILIES_INTRO = ("`bench/families.py`: batch-1 decode of random bf16 models at the published shapes of the looped "
+                  "model families, served as a worker serves them (captured decode graphs, one lane), fed their own "
+                  "greedy tokens; the floor counts every weight byte a token reads (the loop block and Huginn's "
+                  "adapter once per iteration) and the K/V of the context.")
 PROFILE_INTRO = ("`bench/profile_decode.py`: the replayed decode step's kernels, traced one by one (CUPTI); "
                  "a kernel's cost is how far it moves the step's end.")
 GEMV_INTRO = ("`bench/gemv.py`: each projection of bench-285m at batch 1, back-to-back calls in one graph, weights "
@@ -727,6 +746,8 @@ def render(results: Path = RESULTS) -> str:
         targets_section(newest),
         section("Batch-1 decode vs the floor", DECODE_INTRO, n(("decode", "cuda")), decode_body, decode_extra,
                 decode_plot(all_results) if results.resolve() == RESULTS.resolve() else ""),
+        section("The published looped models' shapes", FAMILIES_INTRO, n(("families", "cuda")), families_body,
+                families_extra),
         section("Where the decode step's time goes", PROFILE_INTRO, n(("profile-decode", "cuda")), profile_body),
         section("The projections alone", GEMV_INTRO, n(("gemv", "cuda")), gemv_body),
         section("Batched decode", BATCH_INTRO, n(("batch", "cuda")), batch_body, batch_extra),

@@ -152,7 +152,7 @@ def test_service_bench_cpu(tmp_path):
 
 
 DECODE_ARGS = ["--device", "cpu", "--preset", "tiny", "--loops", "1", "8", "--context", "8", "--steps", "3",
-               "--eager-steps", "2", "--repeat", "1", "--skip-ouro"]
+               "--eager-steps", "2", "--repeat", "1"]
 
 
 def run_decode(tmp_path, *extra) -> dict:
@@ -399,3 +399,14 @@ def test_speculative_bench_cpu(tmp_path):
     assert [(row["mode"], row["k_branches"]) for row in r["results"]] == [("chain", 1), ("tree", 2)]
     for row in r["results"]:
         assert row["greedy_parity"] and row["tokens_per_s"] > 0 and 0 <= row["acceptance_rate"] <= 1
+
+
+def test_families_runs_parse_and_refuse_what_does_not_exist():
+    from bench.families import parse_runs
+    assert parse_runs(["ouro-1.4b:4,8", "huginn-3.5b"]) == [("ouro-1.4b", (4, 8)), ("huginn-3.5b", (32,))]
+    with pytest.raises(ValueError, match="unknown preset 'ouro-9b'"):
+        parse_runs(["ouro-9b:4"])
+    with pytest.raises(ValueError, match="depths must be integers"):
+        parse_runs(["ouro-1.4b:four"])
+    with pytest.raises(ValueError, match="depths must be >= 1"):
+        parse_runs(["ouro-1.4b:0"])
