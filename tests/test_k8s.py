@@ -202,6 +202,26 @@ def test_gpu_workers_match_the_gateways_workers(source):
         f"{source}: --ray-address {ns.ray_address} is not the head Service of RayCluster {rc['metadata']['name']}"
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_gateway_places_gpu_workers_before_the_gpu_pods_join(source):
+    """The gateway pod can start while the GPU worker pods are still pulling the image: the
+    cluster then has no GPU yet. With --device cuda every worker still asks num_gpus=1 (Ray
+    holds it until a GPU pod joins); without it the gateway would start CPU workers."""
+    from tinyloop.gateway.workers import placement
+    _, args = _raycluster_and_gateway(_objects_of(source))
+    ns = build_parser().parse_args(args[1:])
+    assert ns.device == "cuda", f"{source}: the gateway runs without --device cuda"
+    assert placement(ns.workers, 0, ns.device) == (ns.workers, True)
+
+
+def test_placement_without_a_device_counts_the_gpus():
+    from tinyloop.gateway.workers import placement
+    assert placement(None, 0, None) == (1, False)     # a CPU machine: one CPU worker
+    assert placement(None, 4, None) == (4, True)      # one per GPU
+    assert placement(2, 1, None) == (2, False)        # fewer GPUs than workers: CPU workers
+    assert placement(2, 2, "cpu") == (2, False)
+
+
 def test_chart_worker_count_follows_its_values():
     """The four-workers rendering really has four (the defaults two): --workers is computed
     from workers.replicas, not written down twice."""
