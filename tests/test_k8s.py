@@ -63,9 +63,10 @@ def _run_helm(*args: str) -> subprocess.CompletedProcess:
 
 
 @lru_cache(maxsize=None)
-def _render(case: str) -> tuple[dict, ...]:
-    p = _run_helm("template", "rel", str(CHART), *CHART_CASES[case])
-    assert p.returncode == 0, f"helm template ({case}) failed:\n{p.stderr}"
+def _render(case: str, k8s_version: str = K8S_VERSIONS[-1]) -> tuple[dict, ...]:
+    # --kube-version: what the chart's kubeVersion is checked against, as a cluster's would be
+    p = _run_helm("template", "rel", str(CHART), "--kube-version", f"{k8s_version}.0", *CHART_CASES[case])
+    assert p.returncode == 0, f"helm template ({case}, Kubernetes {k8s_version}) failed:\n{p.stderr}"
     return tuple(d for d in yaml.safe_load_all(p.stdout) if d)
 
 
@@ -78,10 +79,10 @@ def _manifest_objects() -> list[tuple[str, dict]]:
     return out
 
 
-def _all_objects() -> list[tuple[str, dict]]:
+def _all_objects(k8s_version: str = K8S_VERSIONS[-1]) -> list[tuple[str, dict]]:
     objs = _manifest_objects()
     for case in CHART_CASES:
-        objs += [(f"chart[{case}]", d) for d in _render(case)]
+        objs += [(f"chart[{case}]", d) for d in _render(case, k8s_version)]
     return objs
 
 
@@ -108,7 +109,7 @@ def _raycluster_validator(k8s_version: str) -> jsonschema.Draft202012Validator:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_object_validates_against_its_schema(version):
     kinds, failures = set(), []
-    for where, obj in _all_objects():
+    for where, obj in _all_objects(version):
         kinds.add(obj["kind"])
         if obj["apiVersion"] == "ray.io/v1":
             errors = sorted(_raycluster_validator(version).iter_errors(obj), key=lambda e: list(e.absolute_path))
@@ -276,6 +277,12 @@ def test_values_yaml_validates_against_the_schema():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     errors = list(jsonschema.Draft7Validator(schema).iter_errors(values))
     assert not errors, "values.yaml fails values.schema.json:\n" + "\n".join(f"  {_path(e)}: {e.message}" for e in errors)
+
+
+def test_chart_refuses_kubernetes_older_than_validated():
+    p = _run_helm("template", "rel", str(CHART), "--kube-version", "1.28.0")
+    assert p.returncode != 0 and "kubeVersion" in p.stderr, \
+        f"the chart renders for Kubernetes 1.28, older than the {K8S_VERSIONS[0]} it is validated against"
 
 
 def test_helm_lint_strict_passes():
