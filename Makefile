@@ -1,4 +1,5 @@
 # Set-up and checks on a fresh machine: `make run` (the main job) and `make test` (the suite).
+# The venv also gets the Helm binary the chart tests run (deploy/tools/fetch_helm.py).
 # TORCH is installed before the project so its range (torch>=2.4) is already met: on these
 # CPU machines torch==2.13.0 is a CPU wheel on local disk; on a GPU host the same pin from
 # PyPI is the CUDA build (or set TORCH= to keep a torch you already have).
@@ -10,10 +11,11 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: run test gpu-test proto clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/tools/fetch_helm.py
 	$(PY) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/pip install -q "$(TORCH)")
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/python deploy/tools/fetch_helm.py $(BIN)
 	touch $@
 
 # The main job: the gRPC service on the embedded default model (local Ray, 127.0.0.1:50051).

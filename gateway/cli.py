@@ -22,7 +22,9 @@ def register(sub) -> None:
                    help="cache lanes (concurrent streams) per worker; default: 64 on a GPU, 8 on the CPU, "
                         "within half the free device memory")
     s.add_argument("--max-seq-len", type=int, default=2048)
-    s.add_argument("--device", default=None, help="cpu | cuda (default: cuda when the cluster has GPUs)")
+    s.add_argument("--device", default=None,
+                   help="cpu | cuda: every worker takes a GPU, waiting for one if the cluster has none free yet "
+                        "(default: cuda when the cluster has a GPU for every worker, else cpu)")
     s.add_argument("--dtype", default=None)
     s.add_argument("--handle-budget-mb", type=float, default=1024.0, help="resume-handle bytes per worker")
     s.add_argument("--handle-ttl-s", type=float, default=600.0, help="idle time before a handle expires")

@@ -37,14 +37,24 @@ def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
+def placement(n: int | None, gpus: int, device: str | None) -> tuple[int, bool]:
+    """How many workers, and whether each takes a GPU (num_gpus=1), given the GPUs the cluster
+    has now. `device="cuda"` always takes GPUs: on Kubernetes the gateway can start before the
+    GPU worker pods have joined the Ray cluster, and Ray then holds each actor until a GPU is
+    there, where counting the GPUs now would have made CPU workers. With no device given, GPUs
+    are used when there is one for every worker."""
+    if n is None:
+        n = gpus or 1
+    if device == "cuda":
+        return n, True
+    return n, device is None and gpus >= n
+
+
 def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worker",
           detached: bool = False) -> list:
     """Start n worker actors (default: one per GPU, else one CPU worker). Detached workers
     outlive the gateway that made them (get_if_exists: a restarted gateway re-attaches)."""
-    gpus = cluster_gpus()
-    if n is None:
-        n = gpus or 1
-    use_gpu = gpus >= n and opts.device in (None, "cuda")
+    n, use_gpu = placement(n, cluster_gpus(), opts.device)
     actor_cls = ray.remote(WorkerActor)
     actors = []
     for i in range(n):

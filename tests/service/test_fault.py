@@ -34,10 +34,20 @@ def test_killed_worker_mid_stream(service):
     stream = c.resume(victim.handle_id, 8, max_tokens=2000)
     it = iter(stream)
     assert next(it).ids
+    # a stream on the other worker, in flight across the kill, is not disturbed by it
+    bystander_stream = c.resume(survivor.handle_id, 8, max_tokens=2000)
+    bystander = iter(bystander_stream)
+    got = list(next(bystander).ids)
+    assert got
     ray.kill(actors[0], no_restart=False)
+    assert ray.get(actors[1].stats.remote())["streams"] >= 1, "the bystander stream ended before the kill"
     with pytest.raises(TinyLoopError) as e:
         list(it)
     assert (e.value.code, e.value.reason) == (grpc.StatusCode.UNAVAILABLE, "WORKER_UNAVAILABLE")
+    for chunk in bystander:
+        got += chunk.ids
+    assert len(got) == 2000, f"the stream on worker-1 ended after {len(got)} of 2000 tokens"
+    assert bystander_stream.complete.worker_id == "worker-1"
 
     # The other worker keeps serving while worker-0 restarts: its handle and new work.
     ids, comp = c.resume(survivor.handle_id, 4, max_tokens=5).collect()
