@@ -75,11 +75,26 @@ class _Worker:
     def __init__(self, index: int, actor, info: dict):
         self.index, self.actor, self.info = index, actor, info
         self.inflight = 0
+        # the worker's own count of the jobs it holds or queues, from every gateway in front of
+        # it (its stats, asked for every health interval), and this gateway's in-flight count then
+        self.load, self.inflight_at_poll = 0, 0
         self.label = info["worker_id"]
         self.healthy = True
+        self.lanes = max(1, int(info.get("lanes", 1)))
         for key, seconds in info.get("startup", {}).items():  # worker/api.py Model.startup
             if key.endswith("_s"):
                 metrics.STARTUP.labels(self.label, key[:-2]).set(seconds)
+
+
+    def load_now(self) -> int:
+        """Jobs on the worker now, as far as this gateway can tell: the worker's count at the
+        last poll (every gateway's work: queued and holding a lane), moved by what this gateway
+        placed there or saw end since. Other gateways' changes show at the next poll."""
+        return max(0, self.load + self.inflight - self.inflight_at_poll)
+
+    def polled(self, stats: dict) -> None:
+        self.load = int(stats["queued"]) + int(stats["running"])
+        self.inflight_at_poll = self.inflight
 
 
 def _deadline(context, p: dict) -> None:
@@ -131,14 +146,14 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         await context.abort_with_status(e.to_status())
 
     def _pick(self) -> _Worker:
-        """Least in-flight requests first among healthy workers; ties rotate so equal workers
-        share new work."""
+        """The healthy worker with the smallest share of its lanes taken, by `_Worker.load_now`;
+        ties rotate so equal workers share new work."""
         start = next(self._rr)
         n = len(self.workers)
         live = [self.workers[(start + i) % n] for i in range(n) if self.workers[(start + i) % n].healthy]
         if not live:
             raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", "no worker is available")
-        return min(live, key=lambda w: w.inflight)
+        return min(live, key=lambda w: w.load_now() / w.lanes)
 
     def _worker_failed(self, w: _Worker) -> None:
         """Take a failed worker out of placement until Ray has restarted it (new epoch)."""
@@ -580,7 +595,8 @@ class Gateway:
 
     async def _watch(self) -> None:
         """Ask every placed worker for its stats every `health_interval_s`: a worker that died
-        while idle leaves placement (and health) at once, not at the next request it fails."""
+        while idle leaves placement (and health) at once, not at the next request it fails, and
+        placement sees the load other gateways put on each worker."""
         while True:
             await asyncio.sleep(self.options.health_interval_s)
             for w in self.servicer.workers:
@@ -591,6 +607,7 @@ class Gateway:
                 except (asyncio.TimeoutError, *_ACTOR_ERRORS):
                     self.servicer._worker_failed(w)
                     continue
+                w.polled(stats)
                 metrics.QUEUED.labels(w.label).set(stats["queued"])
                 metrics.RUNNING.labels(w.label).set(stats["active_lanes"])
                 metrics.STEPS.update(w.label, stats["steps"])
