@@ -100,7 +100,8 @@ def free_port() -> int:
 def serve_args(path: str, args, port, mport) -> list[str]:
     return ["serve", "--model", path, "--lanes", str(args.lanes), "--max-seq-len", str(args.max_seq_len),
             "--device", args.device, "--port", str(port), "--metrics-port", str(mport),
-            "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms)]
+            "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms),
+            "--gil-switch-ms", str(args.gil_switch_ms)]
 
 
 def serve(path: str, args, port: int, mport: int, log_path: str) -> subprocess.Popen:
@@ -179,6 +180,7 @@ def main() -> int:
     ap.add_argument("--mixed-depths", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
+    ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--torch-threads", type=int, default=None, help="the in-process ceiling's")
     ap.add_argument("--out-dir", default=None)
@@ -261,7 +263,7 @@ def main() -> int:
                      "weights": "trained" if args.model == "default" else "random bf16",
                      "loops": args.loops, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "lanes": args.lanes, "max_seq_len": args.max_seq_len, "step_tokens": args.step_tokens,
-                     "coalesce_ms": args.coalesce_ms,
+                     "coalesce_ms": args.coalesce_ms, "gil_switch_ms": args.gil_switch_ms,
                      "greedy": True},
         "in_process_one_stream": alone,
         "ceiling": ceil,

@@ -37,6 +37,9 @@ def register(sub) -> None:
     s.add_argument("--max-hops-per-s", type=float, default=640.0,
                    help="Ray hops per second a worker's streams share after their first tokens: with more "
                         "streams than this allows at --coalesce-ms, each stream's chunks come less often")
+    s.add_argument("--gil-switch-ms", type=float, default=0.5,
+                   help="the worker process's interpreter switch interval: how long its torch thread may "
+                        "wait for the GIL while the event loop thread streams tokens")
     s.add_argument("--max-message-mb", type=float, default=4.0)
     s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     s.add_argument("--auth-tokens", default=os.environ.get("TINYLOOP_AUTH_TOKENS"),
@@ -86,6 +89,8 @@ def _serve(args) -> int:
         raise ValueError(f"--coalesce-ms must be >= 0, got {args.coalesce_ms}")
     if not args.max_hops_per_s > 0:
         raise ValueError(f"--max-hops-per-s must be > 0, got {args.max_hops_per_s}")
+    if not args.gil_switch_ms > 0:
+        raise ValueError(f"--gil-switch-ms must be > 0, got {args.gil_switch_ms}")
     if args.step_tokens < 1:
         raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     tokens = parse_tokens(args.auth_tokens)
@@ -97,7 +102,7 @@ def _serve(args) -> int:
                                  handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue,
                                  coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
                                  init_scale=args.init_scale, step_tokens=args.step_tokens,
-                                 max_hops_per_s=args.max_hops_per_s)
+                                 max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

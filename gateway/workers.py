@@ -25,6 +25,7 @@ class WorkerOptions:
     max_queue: int = 256
     coalesce_s: float = 0.05  # = worker.actor.DEFAULT_COALESCE_S
     max_hops_per_s: float = 640.0  # = worker.actor.DEFAULT_MAX_HOPS_PER_S
+    gil_switch_s: float = 0.0005   # = worker.actor.DEFAULT_GIL_SWITCH_S
     num_cpus: float = 1.0
     torch_threads: int | None = None
     max_restarts: int = -1
@@ -68,7 +69,7 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  handle_budget_bytes=opts.handle_budget_bytes, handle_ttl_s=opts.handle_ttl_s,
                  max_queue=opts.max_queue, coalesce_s=opts.coalesce_s, torch_threads=opts.torch_threads,
                  max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens,
-                 max_hops_per_s=opts.max_hops_per_s))
+                 max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s))
     return actors
 
 
