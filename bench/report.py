@@ -110,6 +110,7 @@ CURRENT = [
     ("prefill", "cuda"), ("warmstart", "cuda"), ("speculative", "cuda"), ("service", "gpu"),
     ("startup-*", "cuda"), ("service", "cpu"), ("speculative", "cpu"), ("warmstart", "cpu"),
     ("context", "cpu"), ("load", "cuda"), ("load", "cpu"), ("families", "cuda"),
+    ("recover", "cpu"),
 ]
 
 
@@ -338,6 +339,30 @@ def families_body(r: Result) -> str:
                          num(get(row, "achieved_GBps"), ",.0f", " GB/s")])
     return table(["shapes", "parameters", "L", "floor", "TinyLoop Serve", "× floor", "achieved"],
                  rows or [[DASH] * 7]) + "\n"
+
+
+def recover_extra(r: Result) -> list[str]:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    return [f"Workload: {text(w.get('workers'))} workers of {text(w.get('lanes'))} lanes, {text(w.get('streams'))} "
+            f"greedy streams of {text(w.get('max_tokens'))} tokens at L = {text(w.get('loops'))} on "
+            f"{text(w.get('model'))}; {text(r.data.get('killed'))} killed "
+            f"{text(w.get('kill_after_first_tokens_s'))} s after every stream had its first tokens"]
+
+
+def recover_body(r: Result) -> str:
+    d = r.data
+    rows = [[code(w), text(v.get("streams")), text(v.get("completed")),
+             ", ".join(f"{k}: {n}" for k, n in (v.get("outcomes") or {}).items())]
+            for w, v in sorted((d.get("per_worker") or {}).items()) if isinstance(v, dict)]
+    streams = table(["worker", "streams", "completed", "outcomes"], rows or [[DASH] * 4])
+    rec = d.get("recovery") if isinstance(d.get("recovery"), dict) else {}
+    handles = ", ".join(f"{code(w)}: {text(o)}" for w, o in sorted((d.get("handles_after_kill") or {}).items()))
+    return (f"{streams}\n\nSurvivors' tokens equal to their standalone runs: {yesno(d.get('survivors_exact'))}. "
+            f"Handles built before the kill, resumed after it: {handles or DASH}.\n\n"
+            + table(["from the kill to", "seconds"],
+                    [["the restarted actor answering (model loaded)", num(rec.get("actor_back_s"), ".1f")],
+                     ["the gateway placing work on it", num(rec.get("placed_again_s"), ".1f")],
+                     ["the first request it serves", num(rec.get("serving_again_s"), ".1f")]]) + "\n")
 
 
 def decode_plot(results: list[Result]) -> str:
@@ -706,6 +731,8 @@ files compare only roughly: one GPU's step time moves between hosts, and the hos
 """
 
 DECODE_INTRO = "`bench/decode.py` (sections `decode`, `generate_prefix128_decode16_L8`, `compiled`)."
+RECOVER_INTRO = ("`bench/recover.py`: a real local Ray cluster and gateway; one worker killed as a crash kills it "
+                 "while every worker runs streams; Ray restarts it with a new epoch.")
 FAMILIES_INTRO = ("`bench/families.py`: batch-1 decode of random bf16 models at the published shapes of the looped "
                   "model families, served as a worker serves them (captured decode graphs, one lane), fed their own "
                   "greedy tokens; the floor counts every weight byte a token reads (the loop block and Huginn's "
@@ -764,6 +791,8 @@ def render(results: Path = RESULTS) -> str:
         section("Warm-start resume vs fresh on a CPU", WARM_INTRO, n(("warmstart", "cpu")), warmstart_body,
                 warmstart_extra),
         section("The service under load on a CPU", LOAD_INTRO, n(("load", "cpu")), load_body, load_extra),
+        section("Losing a worker under load on a CPU", RECOVER_INTRO, n(("recover", "cpu")), recover_body,
+                recover_extra),
         section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),
                 context_body, context_extra),
     ]
