@@ -136,17 +136,27 @@ def worker_steps(mport: int) -> dict:
         for part in ("sum", "count"):
             m = re.search(rf'^{name}_{part}{{worker="worker-0"}} ([0-9.e+-]+)$', text, re.M)
             out[f"{name}_{part}"] = float(m.group(1)) if m else 0.0
+    for name in ("tinyloop_worker_step_cpu_seconds_total", "tinyloop_worker_process_cpu_seconds_total",
+                 "tinyloop_worker_stats_clock_seconds"):
+        m = re.search(rf'^{name}{{worker="worker-0"}} ([0-9.e+-]+)$', text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
     return out
 
 
 def step_delta(before: dict, after: dict) -> dict:
-    """What the worker's step loop did during a run: steps, their mean wall time, the mean
-    rows of its batched steps."""
+    """What the worker's step loop did during a run: steps, their mean wall and step-thread CPU
+    time, the mean rows of its batched steps, and the worker process's CPU seconds per second
+    between the two reports (all its threads)."""
     d = {k: after[k] - before[k] for k in after}
     steps = d["tinyloop_worker_step_seconds_count"]
     batched = d["tinyloop_worker_batch_rows_count"]
     return {"steps": steps, "step_ms_mean": steps and 1e3 * d["tinyloop_worker_step_seconds_sum"] / steps,
-            "batch_rows_mean": batched and d["tinyloop_worker_batch_rows_sum"] / batched}
+            "step_cpu_ms_mean": steps and 1e3 * d["tinyloop_worker_step_cpu_seconds_total"] / steps,
+            "batch_rows_mean": batched and d["tinyloop_worker_batch_rows_sum"] / batched,
+            # the worker process's CPU seconds per second of the run, all threads: near 1 with
+            # the step thread waiting, the threads share one interpreter lock
+            "process_cpu_per_wall_s": d["tinyloop_worker_stats_clock_seconds"] and (
+                d["tinyloop_worker_process_cpu_seconds_total"] / d["tinyloop_worker_stats_clock_seconds"])}
 
 
 def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:

@@ -50,6 +50,21 @@ class WorkerSteps:
         yield batch
         yield prefill
         yield seconds
+        from prometheus_client.core import CounterMetricFamily
+        step_cpu = CounterMetricFamily("tinyloop_worker_step_cpu_seconds",
+                                       "CPU time of a worker's step thread in its scheduler steps", labels=["worker"])
+        process_cpu = CounterMetricFamily("tinyloop_worker_process_cpu_seconds",
+                                          "CPU time of a worker's process, all its threads", labels=["worker"])
+        from prometheus_client.core import GaugeMetricFamily
+        clock = GaugeMetricFamily("tinyloop_worker_stats_clock_seconds",
+                                  "the worker's monotonic clock when it reported these counts", labels=["worker"])
+        for worker, s in sorted(self.latest.items()):
+            step_cpu.add_metric([worker], s.get("cpu_seconds_sum", 0.0))
+            process_cpu.add_metric([worker], s.get("process_cpu_seconds", 0.0))
+            clock.add_metric([worker], s.get("clock_s", 0.0))
+        yield step_cpu
+        yield process_cpu
+        yield clock
 
 
 STEPS = WorkerSteps()

@@ -488,6 +488,15 @@ def test_prometheus_metrics_are_served_and_count(client):
     prefill = re.findall(r'^tinyloop_worker_prefill_tokens_per_step_sum\{worker="[^"]+"\} ([0-9.e+]+)$',
                          after, re.M)
     assert rows and prefill and sum(map(float, prefill)) >= len(PROMPT), after
+    # CPU time: a step thread's within its steps' wall time, its process's at least that
+    stepped = [w for w in re.findall(r'tinyloop_worker_step_seconds_sum\{worker="([^"]+)"\}', after)
+               if value(after, "tinyloop_worker_step_seconds_sum", f'worker="{w}"') > 0]
+    assert stepped, after
+    for w in stepped:
+        label = f'worker="{w}"'
+        step_cpu = value(after, "tinyloop_worker_step_cpu_seconds_total", label)
+        assert 0 < step_cpu <= value(after, "tinyloop_worker_step_seconds_sum", label) + 1e-3, after
+        assert value(after, "tinyloop_worker_process_cpu_seconds_total", label) >= step_cpu, after
     # each worker's start-up (Model.startup; on CPU the load alone: nothing is captured)
     loads = re.findall(r'^tinyloop_worker_startup_seconds\{part="load",worker="[^"]+"\} ([0-9.e+-]+)$', after, re.M)
     assert loads and all(float(v) > 0 for v in loads), after

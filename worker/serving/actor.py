@@ -609,7 +609,7 @@ class _StepMetrics:
         self.prefill = [0] * (len(self.PREFILL) + 1)
         self.seconds = [0] * (len(self.SECONDS) + 1)
         self.batch_sum = self.prefill_sum = self.steps = 0
-        self.seconds_sum = 0.0
+        self.seconds_sum = self.cpu_seconds_sum = 0.0
 
     @staticmethod
     def _bucket(bounds, x) -> int:
@@ -625,6 +625,7 @@ class _StepMetrics:
             self.prefill_sum += st.prefill_tokens
             self.seconds[self._bucket(self.SECONDS, st.seconds)] += 1
             self.seconds_sum += st.seconds
+            self.cpu_seconds_sum += st.cpu_seconds
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -632,7 +633,9 @@ class _StepMetrics:
                     "batch_sum": self.batch_sum, "prefill_bounds": list(self.PREFILL),
                     "prefill_counts": list(self.prefill), "prefill_sum": self.prefill_sum,
                     "seconds_bounds": list(self.SECONDS), "seconds_counts": list(self.seconds),
-                    "seconds_sum": self.seconds_sum}
+                    "seconds_sum": self.seconds_sum, "cpu_seconds_sum": self.cpu_seconds_sum,
+                    # every thread of the worker process (the step thread, the event loop, Ray's)
+                    "process_cpu_seconds": time.process_time(), "clock_s": time.monotonic()}
 
 
 def _sampling(p: dict) -> dict:

@@ -95,7 +95,8 @@ class StepStats:
     """What one step did (the actor's metrics)."""
     prefill_tokens: int = 0
     batch_rows: int = 0
-    seconds: float = 0.0  # the step's wall time on the step thread
+    seconds: float = 0.0      # the step's wall time on the step thread
+    cpu_seconds: float = 0.0  # the CPU time the step thread spent in it (the rest it waited: GPU, GIL)
 
 
 class Scheduler:
@@ -152,7 +153,7 @@ class Scheduler:
         step sooner; the return value then holds the rest."""
         events: list[Event] = []
         stats = self.last = StepStats()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with self._lock:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
@@ -173,6 +174,7 @@ class Scheduler:
             events = []
         self._decode(events, stats)
         stats.seconds = time.perf_counter() - t0
+        stats.cpu_seconds = time.thread_time() - c0
         return events
 
     def _prefill(self, events: list[Event], stats: StepStats) -> None:
