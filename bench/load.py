@@ -101,7 +101,7 @@ def serve_args(path: str, args, port, mport) -> list[str]:
     return ["serve", "--model", path, "--lanes", str(args.lanes), "--max-seq-len", str(args.max_seq_len),
             "--device", args.device, "--port", str(port), "--metrics-port", str(mport),
             "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms),
-            "--gil-switch-ms", str(args.gil_switch_ms)]
+            "--gil-switch-ms", str(args.gil_switch_ms), "--max-hops-per-s", str(args.max_hops_per_s)]
 
 
 def serve(path: str, args, port: int, mport: int, log_path: str) -> subprocess.Popen:
@@ -191,6 +191,7 @@ def main() -> int:
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
     ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
+    ap.add_argument("--max-hops-per-s", type=float, default=640.0, help="tinyloop serve's --max-hops-per-s")
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--torch-threads", type=int, default=None, help="the in-process ceiling's")
     ap.add_argument("--out-dir", default=None)
@@ -274,6 +275,7 @@ def main() -> int:
                      "loops": args.loops, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "lanes": args.lanes, "max_seq_len": args.max_seq_len, "step_tokens": args.step_tokens,
                      "coalesce_ms": args.coalesce_ms, "gil_switch_ms": args.gil_switch_ms,
+                     "max_hops_per_s": args.max_hops_per_s,
                      "greedy": True},
         "in_process_one_stream": alone,
         "ceiling": ceil,
