@@ -23,7 +23,7 @@ import torch
 
 from tinyloop.worker.generation.decode import DecodeState, Finish
 from tinyloop.worker.generation.sampling import sample
-from tinyloop.worker.runner.runner import Runner, StepOut
+from tinyloop.worker.runner.runner import DeviceTokens, Runner, StepOut
 from tinyloop.worker.runner.stages import device_tensor
 
 # new token ids and the Finish once the stream ends; or the exception that ended this stream alone
@@ -110,10 +110,11 @@ class Batcher:
                     self.states[lane].advanced(out.row(row))
                 toks, failed = self._sample(lanes, out, [row for row, _ in rows])
                 self._copy_to_host(toks)
-                go_on = {lane: toks[i] for i, lane in enumerate(lanes) if lane not in failed
+                # each stream that goes on: its row of toks (no per-row tensor: one gather, if any)
+                go_on = {lane: i for i, lane in enumerate(lanes) if lane not in failed
                          and self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
             if go_on or len(self.states) > len(lanes):  # or streams joined since: their first token
-                self._launch(go_on, skip=set(lanes) - set(go_on))
+                self._launch(go_on, skip=set(lanes) - set(go_on), values=toks if len(ran) > 1 else None)
             if len(ran) > 1:
                 toks_h = self._host_tokens(len(lanes))
             else:
@@ -135,15 +136,21 @@ class Batcher:
                 del self.states[lane]
         return out
 
-    def _launch(self, on_device: dict[int, torch.Tensor], skip: frozenset | set = frozenset()) -> None:
+    def _launch(self, on_device: dict, skip: frozenset | set = frozenset(),
+                values: torch.Tensor | None = None) -> None:
         """Launch the step of every waiting stream but `skip`. A stream's token is its decided
-        token on the host, or on_device[lane], a one-element device tensor sampled and not read
-        yet (it then runs at the position after the one its host state last ran)."""
+        token on the host, or one sampled on the device and not read yet (it then runs at the
+        position after the one its host state last ran): on_device[lane], a one-element device
+        tensor, or with `values` values[on_device[lane]]."""
         # deepest first: the runner then runs each iteration over the rows that need it only
         lanes = sorted((lane for lane in self.states if lane not in skip),
                        key=lambda lane: (-self.states[lane].req.loops, lane))
         sts = [self.states[lane] for lane in lanes]
-        dev = {i: on_device[lane] for i, lane in enumerate(lanes) if lane in on_device}
+        rows = [i for i, lane in enumerate(lanes) if lane in on_device]
+        if values is None:
+            dev = DeviceTokens.of({i: on_device[lanes[i]] for i in rows})
+        else:
+            dev = DeviceTokens(rows, values, [on_device[lanes[i]] for i in rows]) if rows else None
         out = self.runner.decode(lanes, [st.tok_id for st in sts], [st.pos for st in sts],
                                  [st.req.loops for st in sts], on_device=dev, prev=self._last)
         self._last = out
@@ -155,6 +162,10 @@ class Batcher:
         own key. Greedy rows with no penalty take the step's own argmax (`out.greedy`, whose row
         step_rows[i] is lanes[i]'s: a stream that left drops its row). A group whose sampling raises fails alone: {lane: the exception}
         for its streams (their rows hold token 0), the other groups' streams go on."""
+        if all(self.states[lane].plain_greedy for lane in lanes):  # no grouping (a hash per row) needed
+            if step_rows == list(range(len(lanes))):
+                return out.greedy[:len(lanes)], {}
+            return out.greedy.index_select(0, self._to_device(step_rows)), {}
         groups: dict = {}
         for row, lane in enumerate(lanes):
             groups.setdefault(self.states[lane].req.sampling, []).append(row)

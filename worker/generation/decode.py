@@ -166,6 +166,8 @@ class DecodeState:
         # the tokens seen so far, for the repetition penalty only
         self.seen = seen_mask(runner, [req.prompt]) if req.sampling.repetition_penalty != 1.0 else None
         self.seed = device_tensor([req.seed], device)
+        # greedy with no penalty: a batched step's own argmax is the token (Batcher._sample)
+        self.plain_greedy = req.sampling.greedy and req.sampling.repetition_penalty == 1.0
         self.generated = 0
         self.reason = FINISH_LENGTH
         self.tok: torch.Tensor | None = None     # (1,) the token decided last, on the device

@@ -121,6 +121,27 @@ class StepOut:
         return RowOut(self, i)
 
 
+@dataclass(frozen=True)
+class DeviceTokens:
+    """Tokens of a decode step's rows that are on the device, sampled and not read on the host:
+    row rows[i] runs values[index[i]]. One tensor for many rows, so a batched step hands its
+    sampled tokens to the next with no per-row tensor op."""
+    rows: list[int]
+    values: torch.Tensor  # (n,) int64 on the device
+    index: list[int]
+
+    @classmethod
+    def of(cls, tokens: dict[int, torch.Tensor]) -> "DeviceTokens | None":
+        """From {row: one-element tensor}; None when empty."""
+        if not tokens:
+            return None
+        rows = list(tokens)
+        return cls(rows, torch.stack([tokens[r].view(()) for r in rows]), list(range(len(rows))))
+
+    def as_dict(self) -> dict[int, torch.Tensor]:
+        return {r: self.values[i:i + 1] for r, i in zip(self.rows, self.index)}
+
+
 class RowOut:
     """Row i of a StepOut, with its fields (views) made on first read."""
     __slots__ = ("_step", "_i", "work", "depths", "host")
@@ -347,24 +368,30 @@ class Runner:
     # -- decode ----------------------------------------------------------------------------
     @torch.no_grad()
     def decode(self, lanes: list[int], tokens: list, positions: list[int], depths: list[int], window: int = 0,
-               track_norm: bool = False, on_device: dict[int, torch.Tensor] | None = None,
+               track_norm: bool = False, on_device: "dict[int, torch.Tensor] | DeviceTokens | None" = None,
                prev: StepOut | None = None) -> StepOut:
         """One decode step: row i runs tokens[i] at positions[i] on lanes[i] at depth depths[i].
         A token is a host int or a one-element device tensor (sampled, not read yet); on_device
-        {row: tensor} replaces rows' tokens the same way. prev: the caller's last StepOut,
-        which it lets go (its buffers may be reused without a copy)."""
+        ({row: tensor}, or a DeviceTokens: many rows' tokens in one device tensor) replaces rows'
+        tokens the same way. prev: the caller's last StepOut, which it lets go (its buffers may
+        be reused without a copy)."""
         B = len(lanes)
+        work = self.counters.add(max(depths), sum(depths))
+        if isinstance(on_device, DeviceTokens):
+            if window == 0 and not track_norm and B > 1:
+                return self._decode_batched(lanes, tokens, positions, depths, on_device, work, prev)
+            on_device = on_device.as_dict()
         on_device = dict(on_device or {})
         for i, t in enumerate(tokens):
             if isinstance(t, torch.Tensor):
                 on_device[i] = t
-        work = self.counters.add(max(depths), sum(depths))
         if window == 0 and not track_norm:
             if B == 1 and self.graphs is not None and depths[0] in self.graphs.decode:
                 return self._decode_graph(lanes[0], on_device.get(0, tokens[0]), positions[0], depths[0],
                                           work, prev)
             if B > 1:
-                return self._decode_batched(lanes, tokens, positions, depths, on_device, work, prev)
+                return self._decode_batched(lanes, tokens, positions, depths, DeviceTokens.of(on_device),
+                                            work, prev)
         e = self.engine
         tok = self._device_tokens([0 if isinstance(t, torch.Tensor) else t for t in tokens], on_device)
         pos = self._slots(positions)
@@ -392,9 +419,12 @@ class Runner:
         self._claim("batch", prev)
         host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
         dev = None
-        if on_device:
-            rows = list(on_device)
-            dev = (self._slots(rows), torch.stack([on_device[r].view(()) for r in rows]))
+        if on_device is not None and on_device.rows:
+            n = len(on_device.rows)
+            if on_device.rows == on_device.index == list(range(n)):  # the common case: every row goes on
+                dev = (None, on_device.values[:n])
+            else:
+                dev = (self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index)))
         step.load(list(lanes), host, list(positions), list(depths), dev)
         # rows in non-increasing depth (the batcher's order): iteration i needs only the rows
         # deeper than i, a prefix, so it replays the smallest bucket holding them (the buckets

@@ -151,13 +151,17 @@ class BatchStep(StagedPass):
              on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Rows [0, len(lanes)) from the lists, the rest idle. on_device (row indices, tokens),
         both device tensors: those rows' tokens, sampled on the device and not read on the
-        host yet; they replace the host list's entries."""
+        host yet; they replace the host list's entries (row indices None: rows 0, 1, ...)."""
         pad = self.bucket - len(lanes)
         S = self.engine.cache.max_seq_len
         self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad,
                                 lanes + [0] * pad], self.ctl), non_blocking=True)
         if on_device is not None:
-            self.ctl[0].index_copy_(0, *on_device)
+            rows, values = on_device
+            if rows is None:
+                self.ctl[0, :values.shape[0]].copy_(values)
+            else:
+                self.ctl[0].index_copy_(0, rows, values)
 
 
 def batch_buffers(engine: Engine, bucket: int) -> tuple:
