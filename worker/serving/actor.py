@@ -209,6 +209,11 @@ class WorkerActor:
         self._keys = itertools.count()
         self._sinks: dict[str, _Pipe] = {}  # job key -> where its events go (on the event loop)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # the step thread's events not handed to the event loop yet (_post)
+        self._pending: dict[str, list] = {}
+        self._started: set[str] = set()  # jobs whose first tokens went out, until their end
+        self._flushed = 0.0
+        self._flush_s = min(0.01, coalesce_s / 2)
         self._steps = _StepThread(self.scheduler, self._post)
         self._sweeper: asyncio.Task | None = None
         self._device = str(self.model.device)
@@ -245,29 +250,52 @@ class WorkerActor:
             self.handles.budget_bytes = handle_budget_bytes
         if coalesce_s is not None:
             self.coalesce_s = coalesce_s
+            self._flush_s = min(0.01, coalesce_s / 2)
         self._sweep()
         return await self.stats()
 
     # -- the step thread's events ---------------------------------------------------------
     def _post(self, events, step_stats=None) -> None:
-        """On the step thread: hand events to the event loop (and, at a step's end, its stats
-        to the metrics)."""
+        """On the step thread: gather events per job and hand them to the event loop (and, at
+        a step's end, its stats to the metrics). What is urgent goes at once: a step's early
+        events (first tokens, refusals), a job's first tokens or its end, and everything once
+        the scheduler runs dry. Other tokens go at most every `_flush_s`, merged per job: the
+        streams' consumers send them per hop (`_Pipe`) no sooner anyway, and each hand-over
+        costs the event loop a wake-up and a push per job, Python that shares the interpreter
+        lock with this thread."""
+        from tinyloop.worker.serving.scheduler import Tokens
         if step_stats is not None:
             self._metrics.observe(step_stats)
-        if events:
-            self._loop.call_soon_threadsafe(self._deliver, events)
-
-    def _deliver(self, events) -> None:
-        from tinyloop.worker.serving.scheduler import Tokens
-        now = time.monotonic()
+        urgent = step_stats is None
+        pending, started = self._pending, self._started
         for key, ev in events:
-            pipe = self._sinks.get(key)
-            if pipe is None:  # a job whose caller left gets nothing
-                continue
+            slot = pending.get(key)
+            if slot is None:
+                slot = pending[key] = [[], None]
             if isinstance(ev, Tokens):
-                pipe.push(ev.ids, ev if ev.finish is not None else None, now)
+                slot[0].extend(ev.ids)
+                end = ev if ev.finish is not None else None
             else:
-                pipe.push([], ev, now)
+                end = ev
+            if end is not None:
+                slot[1] = end
+                started.discard(key)
+                urgent = True
+            elif key not in started:
+                started.add(key)
+                urgent = True
+        now = time.monotonic()
+        if pending and (urgent or now - self._flushed >= self._flush_s or not self.scheduler.has_work()):
+            self._pending, self._flushed = {}, now
+            self._loop.call_soon_threadsafe(self._deliver, pending)
+
+    def _deliver(self, pending: dict) -> None:
+        """On the event loop: each job's gathered (ids, end) into its pipe."""
+        now = time.monotonic()
+        for key, (ids, end) in pending.items():
+            pipe = self._sinks.get(key)
+            if pipe is not None:  # a job whose caller left gets nothing
+                pipe.push(ids, end, now)
 
     def _submit(self, begin, tokens: int = 0, task: bool = False, timeout_s: float | None = None,
                 key: str | None = None):
@@ -288,6 +316,7 @@ class WorkerActor:
 
     def _leave(self, key: str, done: bool) -> None:
         self._sinks.pop(key, None)
+        self._started.discard(key)  # a cancelled job posts no end (one set operation: atomic)
         if not done:
             self.scheduler.cancel(key)
             self._steps.wake()
