@@ -23,15 +23,11 @@ no model is given.
 | parameters | {n_params} |
 | checkpoint | fp16 safetensors, {checkpoint_mb} MB |
 | tokenizer | {tokenizer} |
-| depth | default L = {default_loops}, max L = {max_loops}; trained with L ~ uniform[1, {max_train_loops}] per step |
+| depth | default L = {default_loops}, max L = {max_loops}; trained with {depth_dist} per step |
 
 ## Training data
 
-The `.py` sources of the Python {python} standard library {corpus_where} ({n_files}
-files{test_files}; site-packages excluded), byte-level, documents separated by byte
-{doc_sep}. Held out: files whose sha1(relative path) falls in the lowest {heldout_pct}% of the
-hash range ({n_heldout_files} files, {heldout_bytes} bytes); training: {n_train_files} files,
-{train_bytes} bytes. See `train/corpus.py`.
+{training_data}
 
 ## Training
 
@@ -52,8 +48,7 @@ hash range ({n_heldout_files} files, {heldout_bytes} bytes); training: {n_train_
 
 {eval_windows} windows of {eval_seq_len} bytes, evenly spaced over the held-out split; fp32
 math on the shipped fp16 weights (`tinyloop eval-bpb --model worker/assets/default.tinyloop{root_flag}`
-reproduces the table on {repro_where}; another Python version gives a
-slightly different held-out split).
+reproduces the table on {repro_where}).
 
 | L | {loops_header} |
 |---|{loops_rule}|
@@ -74,6 +69,48 @@ correct programs. Trained on {seq_len}-byte windows; quality over longer context
 """
 
 
+STDLIB_DATA = """The `.py` sources of the Python {python} standard library {corpus_where} ({n_files}
+files{test_files}; site-packages excluded), byte-level, documents separated by byte
+{doc_sep}. Held out: files whose sha1(relative path) falls in the lowest {heldout_pct}% of the
+hash range ({n_heldout_files} files, {heldout_bytes} bytes); training: {n_train_files} files,
+{train_bytes} bytes. See `train/corpus.py`."""
+
+PACKAGE_DATA = """The `.py` sources of the Python {python} standard library ({stdlib_files} files,
+{stdlib_bytes} bytes) and of installed packages, each capped at {package_mb} MB, documents
+separated by byte {doc_sep}. Held out whole, never seen in training: {heldout_list}
+({n_heldout_files} files, {heldout_bytes} bytes). Training: the stdlib and {train_list}
+({n_train_files} files, {train_bytes} bytes). See `train/corpus.py` (`build_packages`).
+
+| package | split | files | bytes |
+|---|---|---|---|
+{package_rows}"""
+
+
+def _training_data(corpus: dict) -> str:
+    if corpus.get("split") != "package":
+        return STDLIB_DATA.format(
+            python=corpus["python"], corpus_where=_corpus_where(corpus), n_files=f"{corpus['n_files']:,}",
+            test_files=_test_files(corpus), doc_sep=corpus["doc_sep"],
+            heldout_pct=f"{100 * corpus['heldout_frac']:g}", n_heldout_files=corpus["n_heldout_files"],
+            heldout_bytes=f"{corpus['heldout_bytes']:,}", n_train_files=f"{corpus['n_train_files']:,}",
+            train_bytes=f"{corpus['train_bytes']:,}")
+    held = corpus["heldout_packages"]
+    rows = "\n".join(f"| `{p}` | {'held out' if p in held else 'training'} | {v['files']:,} | {v['bytes']:,} |"
+                     for p, v in corpus["packages"].items())
+    return PACKAGE_DATA.format(
+        python=corpus["python"], stdlib_files=f"{corpus['stdlib_files']:,}", stdlib_bytes=f"{corpus['stdlib_bytes']:,}",
+        package_mb=f"{corpus['package_max_bytes'] / 1e6:g}", doc_sep=corpus["doc_sep"],
+        heldout_list=", ".join(f"`{p}`" for p in held), n_heldout_files=f"{corpus['n_heldout_files']:,}",
+        heldout_bytes=f"{corpus['heldout_bytes']:,}", train_list=", ".join(f"`{p}`" for p in corpus["train_packages"]),
+        n_train_files=f"{corpus['n_train_files']:,}", train_bytes=f"{corpus['train_bytes']:,}", package_rows=rows)
+
+
+def _depth_dist(args: dict) -> str:
+    if args.get("depth_weighting", "uniform") == "deep":
+        return f"P(L) ∝ L over [1, {args['max_train_loops']}]"
+    return f"L ~ uniform[1, {args['max_train_loops']}]"
+
+
 def _corpus_where(corpus: dict) -> str:
     if corpus.get("corpus_root"):
         return f"in the tree given by `--corpus-root {corpus['corpus_root']}`"
@@ -85,6 +122,19 @@ def _test_files(corpus: dict) -> str:
     if n is None:
         return "; test suites included where the installation ships them"
     return f", {n:,} of them in test suites" if n else ", no test suites: the installation ships none"
+
+
+def _repro_flags(corpus: dict) -> str:
+    if corpus.get("split") == "package":
+        return " --heldout-packages " + " ".join(corpus["heldout_packages"])
+    return " --corpus-root DIR" if corpus.get("corpus_root") else ""
+
+
+def _repro_where(corpus: dict) -> str:
+    if corpus.get("split") == "package":
+        return "a machine with the same versions of the held-out packages installed"
+    where = "the same stdlib tree at DIR" if corpus.get("corpus_root") else "the training machine's stdlib"
+    return f"{where}; another Python version gives a slightly different held-out split"
 
 
 def _kept_row(tr: dict) -> str:
@@ -109,13 +159,8 @@ def render(card: dict) -> str:
         head_dim=cfg["d_model"] // cfg["n_heads"], n_params=f"{card['n_params']:,}",
         n_params_m=f"{card['n_params'] / 1e6:.1f}", checkpoint_mb=f"{card['checkpoint_bytes'] / 1e6:.2f}",
         tokenizer="bytes (vocab 256)" if card["tokenizer"] == "byte" else f"BPE (vocab {cfg['vocab_size']})",
-        max_train_loops=args["max_train_loops"], python=corpus["python"], n_files=f"{corpus['n_files']:,}",
-        corpus_where=_corpus_where(corpus),
-        root_flag=" --corpus-root DIR" if corpus.get("corpus_root") else "",
-        repro_where="the same stdlib tree at DIR" if corpus.get("corpus_root") else "the training machine's stdlib", test_files=_test_files(corpus), kept_row=_kept_row(tr),
-        doc_sep=corpus["doc_sep"], heldout_pct=f"{100 * corpus['heldout_frac']:g}",
-        n_heldout_files=corpus["n_heldout_files"], heldout_bytes=f"{corpus['heldout_bytes']:,}",
-        n_train_files=f"{corpus['n_train_files']:,}", train_bytes=f"{corpus['train_bytes']:,}",
+        max_train_loops=args["max_train_loops"], depth_dist=_depth_dist(args), training_data=_training_data(corpus),
+        root_flag=_repro_flags(corpus), repro_where=_repro_where(corpus), kept_row=_kept_row(tr),
         command=card["command"], hardware=card["hardware"], torch=card["torch"],
         train_wall_s=tr["train_wall_s"], total_wall_s=card["total_wall_s"], steps=f"{tr['steps']:,}",
         tokens=f"{tr['tokens']:,}", tok_per_s=f"{tr['tok_per_s']:,}", batch_size=args["batch_size"],

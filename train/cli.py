@@ -29,6 +29,8 @@ def register(sub) -> None:
     t.add_argument("--warmup-steps", type=int, default=200)
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--max-train-loops", type=int, default=12, help="L is drawn from [1, this] per step")
+    t.add_argument("--depth-weighting", choices=["uniform", "deep"], default="uniform",
+                   help="how L is drawn: uniform, or deep (P(L) proportional to L)")
     t.add_argument("--eval-every", type=int, default=250, help="steps between held-out evals (0: end only)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--compile", action="store_true", help="torch.compile each layer (optional)")
@@ -36,6 +38,7 @@ def register(sub) -> None:
     t.add_argument("--corpus-dir", default=DEFAULT_CORPUS_DIR, help="where the built corpus is cached")
     t.add_argument("--corpus-mb", type=float, default=40.0, help="cap on corpus source bytes (MB)")
     t.add_argument("--corpus-root", default=None, metavar="DIR", help=CORPUS_ROOT_HELP)
+    _package_args(t)
     t.add_argument("--out", required=True, help="output .tinyloop (fp16)")
     t.add_argument("--log", default=None, help="JSON-lines loss log")
     t.add_argument("--card", default=None, help="write a model-card JSON here (evaluates the saved file)")
@@ -51,9 +54,31 @@ def register(sub) -> None:
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--corpus-mb", type=float, default=40.0)
     e.add_argument("--corpus-root", default=None, metavar="DIR", help=CORPUS_ROOT_HELP)
+    _package_args(e)
     e.add_argument("--device", default=None)
     e.add_argument("--json", default=None, help="also write the table here")
     e.set_defaults(handler=_eval_bpb)
+
+
+def _package_args(p) -> None:
+    p.add_argument("--packages", nargs="+", default=None, metavar="PKG",
+                   help="train on these installed packages' sources beside the stdlib (needs --heldout-packages)")
+    p.add_argument("--heldout-packages", nargs="+", default=None, metavar="PKG",
+                   help="hold these installed packages out whole (the held-out split)")
+    p.add_argument("--site-packages", default=None, metavar="DIR", help="where the packages are (default: this "
+                   "interpreter's site-packages)")
+    p.add_argument("--package-mb", type=float, default=40.0, help="cap on each package's source bytes (MB)")
+
+
+def _build_corpus(args):
+    from tinyloop.train import corpus
+    if args.packages is not None or args.heldout_packages is not None:
+        if args.corpus_root is not None:
+            raise ValueError("--corpus-root builds a stdlib corpus; with --packages the stdlib is this interpreter's")
+        return corpus.build_packages(args.packages or [], args.heldout_packages or [], args.corpus_dir,
+                                     site=args.site_packages, package_max_bytes=int(args.package_mb * 1e6),
+                                     stdlib_max_bytes=int(args.corpus_mb * 1e6), verbose=True)
+    return corpus.build(args.corpus_dir, root=args.corpus_root, max_bytes=int(args.corpus_mb * 1e6), verbose=True)
 
 
 def _device(name: str | None) -> str:
@@ -80,8 +105,7 @@ def _train(args) -> int:
     from tinyloop.worker.model import checkpoint
     t_start = time.time()
     device = _device(args.device)
-    corp = corpus.build(args.corpus_dir, root=args.corpus_root, max_bytes=int(args.corpus_mb * 1e6),
-                        verbose=True)
+    corp = _build_corpus(args)
     if not corp.info["n_train_files"] or not corp.info["n_heldout_files"]:
         raise ValueError(f"corpus too small: {corp.info['n_train_files']} train and "
                          f"{corp.info['n_heldout_files']} held-out files under --corpus-mb {args.corpus_mb}; "
@@ -101,7 +125,8 @@ def _train(args) -> int:
     targs = trainer.TrainArgs(
         steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seq_len=args.seq_len,
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        max_train_loops=args.max_train_loops, eval_every=args.eval_every, seed=args.seed,
+        max_train_loops=args.max_train_loops, depth_weighting=args.depth_weighting, eval_every=args.eval_every,
+        seed=args.seed,
         compile=args.compile, progress=not args.no_progress,
         eval_loops=tuple(sorted({1, min(4, cfg.max_loops), min(8, cfg.max_loops)})))
     model, summary = trainer.train(cfg, train_tok, held_tok, targs, device, args.log)
@@ -139,7 +164,9 @@ def _train(args) -> int:
 def _eval_bpb(args) -> int:
     from tinyloop.train import evaluate
     res = evaluate.eval_checkpoint(args.model, args.loops, args.windows, args.seq_len, _device(args.device),
-                                   max_bytes=int(args.corpus_mb * 1e6), root=args.corpus_root)
+                                   max_bytes=int(args.corpus_mb * 1e6), root=args.corpus_root,
+                                   heldout_packages=args.heldout_packages, site=args.site_packages,
+                                   package_max_bytes=int(args.package_mb * 1e6))
     for L, v in res["bpb"].items():
         print(f"L={L:>3}  bpb={v:.4f}")
     if args.json:

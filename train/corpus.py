@@ -156,3 +156,92 @@ def build(cache_dir: str | os.PathLike | None = None, root: Path | None = None,
         print(f"corpus: {root} (python {info['python']}): {info['n_train_files']} train files ({train.size / 1e6:.1f} MB), "
               f"{info['n_heldout_files']} held out ({heldout.size / 1e6:.2f} MB), {info['n_test_files']} in test suites")
     return Corpus(train, heldout, info)
+
+
+# -- packages: the sources of installed packages beside the stdlib, held out by whole package --
+
+def site_packages_dir() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def package_files(site: Path, package: str, max_bytes: int) -> list[str]:
+    """Sorted paths (relative to `site`, POSIX) of package's `.py` files, capped at max_bytes;
+    a package that is not installed under `site` is a ValueError naming it."""
+    root = site / package
+    if not root.is_dir():
+        raise ValueError(f"package {package!r} is not installed under {site} (no folder {root})")
+    rels = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+        rels += [Path(dirpath, n).relative_to(site).as_posix() for n in filenames if n.endswith(".py")]
+    rels.sort()
+    kept, total = [], 0
+    for rel in rels:
+        size = (site / rel).stat().st_size
+        if total + size > max_bytes:
+            break
+        kept.append(rel)
+        total += size
+    return kept
+
+
+def build_packages(packages: list[str], heldout_packages: list[str], cache_dir: str | os.PathLike | None = None,
+                   site: Path | None = None, package_max_bytes: int = DEFAULT_MAX_BYTES,
+                   stdlib_max_bytes: int = DEFAULT_MAX_BYTES, verbose: bool = False) -> Corpus:
+    """The stdlib's sources (all training) and those of `packages` (training) and
+    `heldout_packages` (held out, whole: a held-out package's code is never seen in training, so
+    the held-out loss measures code the model has not memorised), each package capped at
+    package_max_bytes. Documents are named "stdlib/<path>" and "<site path>"."""
+    overlap = sorted(set(packages) & set(heldout_packages))
+    if overlap:
+        raise ValueError(f"packages both trained on and held out: {overlap}")
+    if not heldout_packages:
+        raise ValueError("held-out packages: at least one is needed")
+    site = Path(site) if site is not None else site_packages_dir()
+    std = stdlib_dir()
+    std_rels = list_files(std, stdlib_max_bytes) if stdlib_max_bytes > 0 else []
+    per_pkg = {p: package_files(site, p, package_max_bytes) for p in [*packages, *heldout_packages]}
+    sig_src = json.dumps([INFO_VERSION, "packages", str(site), str(std), DOC_SEP, stdlib_max_bytes,
+                          package_max_bytes, sorted(heldout_packages),
+                          [(r, (std / r).stat().st_size) for r in std_rels],
+                          {p: [(r, (site / r).stat().st_size) for r in rels] for p, rels in per_pkg.items()}])
+    sig = hashlib.sha1(sig_src.encode()).hexdigest()[:12]
+    paths = None
+    if cache_dir is not None:
+        cache = Path(cache_dir)
+        paths = {k: cache / f"packages-{sig}-{k}" for k in ("train.npy", "heldout.npy", "info.json")}
+        if all(p.exists() for p in paths.values()):
+            return Corpus(np.load(paths["train.npy"]), np.load(paths["heldout.npy"]),
+                          json.loads(paths["info.json"].read_text()))
+    std_docs = [(f"stdlib/{r}", d) for r, d in _read_docs(std, std_rels)]
+    docs = {p: _read_docs(site, rels) for p, rels in per_pkg.items()}
+    train_docs = std_docs + [doc for p in packages for doc in docs[p]]
+    held = [doc for p in heldout_packages for doc in docs[p]]
+    train, heldout = _join([d for _, d in train_docs]), _join([d for _, d in held])
+    info = {"source": "python sources: the stdlib and installed packages, held out by package",
+            "python": sys.version.split()[0], "stdlib": str(std), "site_packages": str(site), "signature": sig,
+            "split": "package", "doc_sep": DOC_SEP, "stdlib_max_bytes": stdlib_max_bytes,
+            "package_max_bytes": package_max_bytes, "train_packages": list(packages),
+            "heldout_packages": list(heldout_packages),
+            "packages": {p: {"files": len(d), "bytes": sum(len(x) for _, x in d)} for p, d in docs.items()},
+            "stdlib_files": len(std_docs), "stdlib_bytes": sum(len(x) for _, x in std_docs),
+            "n_files": len(train_docs) + len(held), "n_train_files": len(train_docs), "n_heldout_files": len(held),
+            "train_bytes": int(train.size), "heldout_bytes": int(heldout.size),
+            "heldout_files": [r for r, _ in held]}
+    if paths is not None:
+        paths["train.npy"].parent.mkdir(parents=True, exist_ok=True)
+        np.save(paths["train.npy"], train)
+        np.save(paths["heldout.npy"], heldout)
+        paths["info.json"].write_text(json.dumps(info))
+    if verbose:
+        print(f"corpus: stdlib {info['stdlib_bytes'] / 1e6:.1f} MB + {len(packages)} packages, "
+              f"{train.size / 1e6:.1f} MB training; held out {', '.join(heldout_packages)}: "
+              f"{heldout.size / 1e6:.2f} MB", file=sys.stderr)
+    return Corpus(train, heldout, info)
+
+
+def heldout_package_bytes(heldout_packages: list[str], site: Path | None = None,
+                          package_max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+    """The held-out packages' documents alone (reads no training file): what eval-bpb reads."""
+    site = Path(site) if site is not None else site_packages_dir()
+    return _join([d for p in heldout_packages for _, d in _read_docs(site, package_files(site, p, package_max_bytes))])

@@ -55,16 +55,21 @@ def heldout_for(meta: dict, heldout_bytes: np.ndarray) -> tuple[np.ndarray, floa
 
 def eval_checkpoint(path: str, loops_list: list[int], n_windows: int = 256, seq_len: int = 512,
                     device: str = "cpu", max_bytes: int | None = None, batch_size: int = 32,
-                    root: str | None = None) -> dict:
+                    root: str | None = None, heldout_packages: list[str] | None = None, site: str | None = None,
+                    package_max_bytes: int | None = None) -> dict:
     """Bits per byte of a `.tinyloop` file on the held-out split of the stdlib at `root` (default:
-    this interpreter's), fp32 math."""
+    this interpreter's), or on the held-out packages when given (the split of a package corpus),
+    fp32 math."""
     from tinyloop.train import corpus
     from tinyloop.worker.model import checkpoint
     model, meta = checkpoint.load(path, device, torch.float32)
     for L in loops_list:
         if not 1 <= L <= model.config.max_loops:
             raise ValueError(f"loops {L} outside [1, max_loops={model.config.max_loops}]")
-    held = corpus.heldout_bytes(root, max_bytes=max_bytes or corpus.DEFAULT_MAX_BYTES)
+    if heldout_packages:
+        held = corpus.heldout_package_bytes(heldout_packages, site, package_max_bytes or corpus.DEFAULT_MAX_BYTES)
+    else:
+        held = corpus.heldout_bytes(root, max_bytes=max_bytes or corpus.DEFAULT_MAX_BYTES)
     tokens, bpt = heldout_for(meta, held)
     win = windows(tokens, n_windows, seq_len)
     table = bpb_table(model, win, loops_list, bpt, batch_size)

@@ -1,10 +1,11 @@
 """Train a looped transformer with randomized depth (nanoGPT-style, one file).
 
-Each step draws one depth L uniformly from [1, max_train_loops] (all samples of the step share
-it, so a step is one plain forward) -- the model is trained to be useful at every depth, and
-deeper is better because deeper runs see every shallower run's iterations as a prefix. Uniform
-rather than Huginn's log-normal: our block is small and the depths we serve (1..16) are few,
-so each gets an equal share of the updates.
+Each step draws one depth L from [1, max_train_loops] (all samples of the step share it, so a
+step is one plain forward) -- the model is trained to be useful at every depth, and deeper is
+better because deeper runs see every shallower run's iterations as a prefix. `depth_weighting`
+"uniform" gives each depth an equal share of the steps; "deep" draws L with probability
+proportional to L, so the deep depths (the ones "try harder" serves) get most of the updates
+while every shallow depth still trains (each deep step also trains its shallow prefix).
 
 AdamW (fused on CUDA; no decay on norms), linear warm-up then cosine decay to `min_lr_frac`,
 bf16 autocast on CUDA, gradient clipping. The schedule runs on the fraction of the budget
@@ -46,6 +47,7 @@ class TrainArgs:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     max_train_loops: int = 12
+    depth_weighting: str = "uniform"  # "uniform" | "deep": P(L) proportional to L (sample_depth)
     eval_every: int = 250
     eval_windows: int = 64
     eval_loops: tuple[int, ...] = (1, 4, 8)
@@ -53,6 +55,21 @@ class TrainArgs:
     seed: int = 0
     compile: bool = False
     progress: bool = True
+
+
+DEPTH_WEIGHTINGS = ("uniform", "deep")
+
+
+def depth_weights(max_loops: int, weighting: str) -> list[float]:
+    """P(L) for L = 1..max_loops."""
+    if weighting not in DEPTH_WEIGHTINGS:
+        raise ValueError(f"depth_weighting must be one of {DEPTH_WEIGHTINGS}, got {weighting!r}")
+    w = [1.0] * max_loops if weighting == "uniform" else [float(L) for L in range(1, max_loops + 1)]
+    return [x / sum(w) for x in w]
+
+
+def sample_depth(rng: random.Random, max_loops: int, weighting: str) -> int:
+    return rng.choices(range(1, max_loops + 1), weights=depth_weights(max_loops, weighting))[0]
 
 
 def lr_at(args: TrainArgs, step: int, frac: float) -> float:
@@ -80,6 +97,7 @@ def train(cfg: LoopedConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarra
         raise ValueError("set steps or minutes (or both)")
     if args.max_train_loops > cfg.max_loops:
         raise ValueError(f"max_train_loops ({args.max_train_loops}) exceeds max_loops ({cfg.max_loops})")
+    depth_weights(args.max_train_loops, args.depth_weighting)  # a bad weighting fails before any work
     device = torch.device(device)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -143,7 +161,8 @@ def train(cfg: LoopedConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarra
         lr = lr_at(args, step, frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        L = rng.randint(1, args.max_train_loops)
+        L = rng.randint(1, args.max_train_loops) if args.depth_weighting == "uniform" else \
+            sample_depth(rng, args.max_train_loops, args.depth_weighting)
         ix = torch.randint(len(data) - args.seq_len - 1, (args.batch_size,), generator=gen).to(device)
         batch = data[ix[:, None] + span].long()  # (B, T+1)
         x, y = batch[:, :-1], batch[:, 1:]

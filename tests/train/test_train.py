@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from tinyloop.train import corpus, evaluate, trainer
@@ -161,3 +163,97 @@ def test_too_small_corpus_is_a_clear_error(tmp_path, capsys):
                str(tmp_path / "c"), "--out", str(tmp_path / "m.tinyloop"), "--no-progress"])
     assert rc == 2 and "corpus too small" in capsys.readouterr().err
     assert not (tmp_path / "m.tinyloop").exists()
+
+
+def _site(tmp_path):
+    """A site-packages of three small packages, with a cache folder the corpus must skip."""
+    site = tmp_path / "site"
+    for pkg, files in {"alpha": ["__init__.py", "core.py", "sub/x.py"], "beta": ["__init__.py", "b.py"],
+                       "gamma": ["__init__.py", "g.py"]}.items():
+        for rel in files:
+            path = site / pkg / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"# {pkg}/{rel}\ndef f():\n    return {len(rel)}\n" * 10)
+    (site / "alpha" / "__pycache__").mkdir()
+    (site / "alpha" / "__pycache__" / "core.py").write_text("not source\n")
+    return site
+
+
+def test_package_corpus_holds_out_whole_packages(tmp_path):
+    site = _site(tmp_path)
+    corp = corpus.build_packages(["alpha", "beta"], ["gamma"], tmp_path / "cache", site=site,
+                                 stdlib_max_bytes=200_000)
+    info = corp.info
+    assert info["split"] == "package" and info["heldout_files"] == ["gamma/__init__.py", "gamma/g.py"]
+    assert info["packages"]["alpha"]["files"] == 3  # __pycache__ skipped
+    held = corp.heldout.tobytes()
+    assert b"# gamma/g.py" in held and b"# alpha/" not in held and b"# beta/" not in held
+    train = corp.train.tobytes()
+    assert b"# gamma/" not in train and b"# alpha/sub/x.py" in train and b"# beta/b.py" in train
+    assert info["stdlib_files"] > 0 and info["n_train_files"] == info["stdlib_files"] + 5
+    # cached under its signature; the held-out bytes alone read the same documents
+    again = corpus.build_packages(["alpha", "beta"], ["gamma"], tmp_path / "cache", site=site,
+                                  stdlib_max_bytes=200_000)
+    assert again.info == info and np.array_equal(again.train, corp.train)
+    assert corpus.heldout_package_bytes(["gamma"], site).tobytes() == held
+    # a per-package cap keeps each package's first files
+    capped = corpus.build_packages(["alpha"], ["gamma"], site=site, stdlib_max_bytes=0,
+                                   package_max_bytes=len((site / "alpha/__init__.py").read_bytes()))
+    assert capped.info["packages"]["alpha"]["files"] == 1 and capped.info["stdlib_files"] == 0
+
+
+def test_package_corpus_refuses_what_cannot_split(tmp_path):
+    site = _site(tmp_path)
+    with pytest.raises(ValueError, match=r"both trained on and held out: \['beta'\]"):
+        corpus.build_packages(["alpha", "beta"], ["beta"], site=site)
+    with pytest.raises(ValueError, match="at least one is needed"):
+        corpus.build_packages(["alpha"], [], site=site)
+    with pytest.raises(ValueError, match="package 'delta' is not installed under"):
+        corpus.build_packages(["alpha"], ["delta"], site=site)
+
+
+def test_deep_depth_weighting_favours_deep_loops():
+    import random
+    assert trainer.depth_weights(4, "uniform") == [0.25] * 4
+    assert trainer.depth_weights(4, "deep") == [0.1, 0.2, 0.3, 0.4]
+    with pytest.raises(ValueError, match="depth_weighting must be one of"):
+        trainer.depth_weights(4, "shallow")
+    rng = random.Random(0)
+    counts = [0] * 8
+    for _ in range(20_000):
+        counts[trainer.sample_depth(rng, 8, "deep") - 1] += 1
+    expected = [20_000 * L / 36 for L in range(1, 9)]
+    assert all(abs(c - e) < 0.1 * e for c, e in zip(counts, expected)), counts
+
+
+def test_card_describes_a_package_corpus():
+    card = json.loads((Path(__file__).parents[2] / "docs" / "model-card.json").read_text())
+    card["train"]["args"]["depth_weighting"] = "deep"
+    card["corpus"] = {"split": "package", "python": "3.12.3", "stdlib_files": 10, "stdlib_bytes": 1000,
+                      "package_max_bytes": 40_000_000, "doc_sep": 0, "heldout_packages": ["sympy"],
+                      "train_packages": ["torch"], "packages": {"torch": {"files": 5, "bytes": 500},
+                                                                "sympy": {"files": 2, "bytes": 200}},
+                      "n_heldout_files": 2, "heldout_bytes": 202, "n_train_files": 15, "train_bytes": 1510}
+    text = render(card)
+    assert "P(L) ∝ L over [1, " in text and "| `sympy` | held out | 2 | 200 |" in text
+    assert "--heldout-packages sympy" in text and "never seen in training: `sympy`" in text
+
+
+def test_train_and_eval_on_a_package_corpus_through_the_cli(tmp_path, capsys):
+    """`tinyloop train --packages ... --heldout-packages ... --depth-weighting deep --card`, then
+    `tinyloop eval-bpb --heldout-packages ...` on the saved file: the card's figures are the
+    held-out packages' (the same windows, so the same numbers)."""
+    from tinyloop.cli import main
+    site, out, card = _site(tmp_path), tmp_path / "m.tinyloop", tmp_path / "card.json"
+    common = ["--site-packages", str(site), "--heldout-packages", "gamma", "--corpus-mb", "0.2"]
+    rc = main(["train", "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+               "--eval-every", "0", "--max-train-loops", "3", "--depth-weighting", "deep", "--packages", "alpha",
+               "beta", *common, "--corpus-dir", str(tmp_path / "c"), "--out", str(out), "--card", str(card),
+               "--card-loops", "1", "2", "--card-windows", "4", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    c = json.loads(card.read_text())
+    assert c["corpus"]["heldout_packages"] == ["gamma"] and c["train"]["args"]["depth_weighting"] == "deep"
+    js = tmp_path / "bpb.json"
+    assert main(["eval-bpb", "--model", str(out), "--loops", "1", "2", "--windows", "4", "--seq-len", "32",
+                 *common, "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["bpb"] == c["bpb"]
