@@ -437,8 +437,7 @@ class WorkerActor:
     def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
         """The error for a handle larger than the whole byte budget (no eviction could fit it),
         told before any work; None when it can fit."""
-        from tinyloop.worker.generation.resume import handle_nbytes  # torch: not at import time
-        nbytes = handle_nbytes(self.model.config, seq_len, max_loops, window, self.model.dtype)
+        nbytes = self.model.handle_nbytes(seq_len, max_loops, window)
         if self.handles.fits_budget(nbytes):
             return None
         return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
