@@ -52,6 +52,11 @@ class TritonOps(Ops):
         self.rope_decode_attention = rope_decode_attention
         from tinyloop.kernels.tree_attention import tree_attention
         self.tree_attention = tree_attention
+        # store-h caches: the write and the fused decode read; the chunk paths' row reads stay
+        # the torch reference's (gathers, no host sync)
+        from tinyloop.kernels.hcache import h_cache_write, h_decode_attention
+        self.h_cache_write = h_cache_write
+        self.h_decode_attention = h_decode_attention
 
 
 def select_ops(device: torch.device, backend: str | None = None) -> Ops:

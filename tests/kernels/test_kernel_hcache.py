@@ -1,0 +1,78 @@
+"""Store-h kernels (kernels/hcache.py) against their references: the write (h, fp16, int8,
+int4, delta against a chain) and the decode attention that rebuilds K / V from ĥ."""
+import pytest
+import torch
+from kernel_tolerances import DEVICE, assert_close
+
+from tinyloop.kernels.hcache import (HLayer, h_cache_write, h_cache_write_ref, h_decode_attention,
+                                     h_decode_attention_ref, h_rows_ref)
+from tinyloop.kernels.rope import apply_rope_ref  # noqa: F401  (the reference's rotation)
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def make_layer(encoding, n_slots, S, D, G, dtype, chain, g, delta=False):
+    """A layer whose tensors hold random content (a delta layer's anchor and chain too)."""
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    if encoding in ("h", "fp16"):
+        q = rnd(n_slots, S, D).to(DEVICE, dtype if encoding == "h" else F16)
+        return HLayer(encoding, q)
+    width = D if encoding == "int8" else D // 2
+    lo, hi = (-127, 128) if encoding == "int8" else (0, 256)
+    q = torch.randint(lo, hi, (n_slots, S, width), generator=g).to(DEVICE, torch.int8 if encoding == "int8" else torch.uint8)
+    scale = (rnd(n_slots, S, G).abs() * 0.02).to(DEVICE, F16)
+    if not delta:
+        return HLayer(encoding, q, scale)
+    base = rnd(n_slots, S, D).to(DEVICE, F16)
+    cq = torch.randint(-127, 128, (chain, n_slots, S, D), generator=g).to(DEVICE, torch.int8) if chain else None
+    cs = (rnd(chain, n_slots, S, G).abs() * 0.01).to(DEVICE, F16) if chain else None
+    return HLayer("int8", q, scale, base, cq, cs)
+
+
+def clone(layer):
+    c = lambda t: None if t is None else t.clone()  # noqa: E731
+    return HLayer(layer.encoding, c(layer.q), c(layer.scale), c(layer.base), c(layer.chain_q), c(layer.chain_scale))
+
+
+CASES = [("h", False, 0), ("fp16", False, 0), ("int8", False, 0), ("int4", False, 0), ("int8", True, 0),
+         ("int8", True, 3)]
+
+
+@pytest.mark.parametrize("encoding, delta, chain", CASES)
+@pytest.mark.parametrize("D, G", [(40, 5), (96, 3)])
+def test_write_matches_ref(encoding, delta, chain, D, G):
+    g = torch.Generator().manual_seed(D * 10 + chain)
+    layer = make_layer(encoding, 3, 9, D, G, F32, chain, g, delta)
+    h = (torch.randn(2, 4, D, generator=g) * 3).to(DEVICE)
+    idx = torch.tensor([[0, 8, 3, 9], [5, -1, 2, 7]], device=DEVICE)   # 9 and -1: outside, no write
+    slots = torch.tensor([2, 0], device=DEVICE)
+    want, got = clone(layer), clone(layer)
+    h_cache_write_ref(h, idx, slots, want)
+    h_cache_write(h, idx, slots, got)
+    # the rows as read back: a tie rounded the other way would move one element by one step
+    rows = torch.arange(9, device=DEVICE).expand(3, 9)
+    every = torch.arange(3, device=DEVICE)
+    assert_close(h_rows_ref(got, every, rows), h_rows_ref(want, every, rows), "elementwise")
+    if got.scale is not None:
+        assert torch.equal(got.scale, want.scale)
+    assert (got.q != want.q).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("encoding, delta, chain", CASES)
+@pytest.mark.parametrize("H, Hkv, hd, S, dtype", [(4, 2, 16, 37, F32), (3, 3, 32, 20, F32), (8, 2, 32, 33, F16)])
+def test_decode_attention_matches_ref(encoding, delta, chain, H, Hkv, hd, S, dtype):
+    if encoding == "h" and dtype != F32:
+        pytest.skip("h's layer is in the model dtype: covered at fp32")
+    g = torch.Generator().manual_seed(S * 7 + H + chain)
+    D = H * hd  # d_model = n_heads · head_dim; G = n_heads groups
+    layer = make_layer(encoding, 3, S, D, H, dtype, chain, g, delta)
+    wk = (torch.randn(Hkv * hd, D, generator=g) * D ** -0.5).to(DEVICE, dtype)
+    wv = (torch.randn(Hkv * hd, D, generator=g) * D ** -0.5).to(DEVICE, dtype)
+    kb = torch.randn(Hkv * hd, generator=g).to(DEVICE, dtype) if chain else None
+    q = torch.randn(3, 1, H, hd, generator=g).to(DEVICE, dtype)
+    ang = torch.arange(S + 3)[:, None].float() * (1e-2 ** (torch.arange(hd // 2) / (hd // 2)))
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    positions = torch.tensor([S - 1, 4, S], device=DEVICE)  # S: an idle row
+    slots = torch.tensor([1, 2, 0], device=DEVICE)
+    args = (q, positions, layer, wk, wv, kb, cos, sin, hd ** -0.5, slots)
+    assert_close(h_decode_attention(*args), h_decode_attention_ref(*args), "attention")
