@@ -76,3 +76,46 @@ def test_decode_attention_matches_ref(encoding, delta, chain, H, Hkv, hd, S, dty
     slots = torch.tensor([1, 2, 0], device=DEVICE)
     args = (q, positions, layer, wk, wv, kb, cos, sin, hd ** -0.5, slots)
     assert_close(h_decode_attention(*args), h_decode_attention_ref(*args), "attention")
+
+
+# -- GPU: bench-285m's shapes (D 2048, 16 heads of 128, MHA), bf16, graphs ----------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("encoding, delta, chain", [("h", False, 0), ("int8", False, 0), ("int4", False, 0),
+                                                    ("int8", True, 5)])
+@pytest.mark.parametrize("S", [1031, 4096])
+def test_decode_attention_gpu_bench_285m(encoding, delta, chain, S):
+    g = torch.Generator().manual_seed(S + chain)
+    H = Hkv = 16
+    hd, D, B = 128, 2048, 3
+    layer = make_layer(encoding, 4, S, D, H, BF16, chain, g, delta)
+    wk = (torch.randn(Hkv * hd, D, generator=g) * D ** -0.5).to(DEVICE, BF16)
+    wv = (torch.randn(Hkv * hd, D, generator=g) * D ** -0.5).to(DEVICE, BF16)
+    q = torch.randn(B, 1, H, hd, generator=g).to(DEVICE, BF16)
+    ang = torch.arange(S)[:, None].float() * (1e4 ** (-torch.arange(hd // 2) / (hd // 2)))
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    positions = torch.tensor([S - 1, 700, S], device=DEVICE)
+    slots = torch.tensor([3, 0, 1], device=DEVICE)
+    args = (q, positions, layer, wk, wv, None, cos, sin, hd ** -0.5, slots)
+    out = h_decode_attention(*args)
+    assert_close(out, h_decode_attention_ref(*args), "attention")
+    # one captured graph of the write and the read, replayed at other positions
+    h = torch.randn(B, 1, D, generator=g).to(DEVICE, BF16)
+    static_pos = positions.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        h_cache_write(h, static_pos[:, None], slots, layer)
+        h_decode_attention(q, static_pos, layer, wk, wv, None, cos, sin, hd ** -0.5, slots)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h_cache_write(h, static_pos[:, None], slots, layer)
+        got = h_decode_attention(q, static_pos, layer, wk, wv, None, cos, sin, hd ** -0.5, slots)
+    for pos in ([5, S - 2, 0], [S, 1, 2000]):
+        static_pos.copy_(torch.tensor(pos, device=DEVICE))
+        want_layer = clone(layer)
+        h_cache_write_ref(h, static_pos[:, None], slots, want_layer)
+        graph.replay()
+        assert_close(got, h_decode_attention_ref(q, static_pos, want_layer, wk, wv, None, cos, sin, hd ** -0.5,
+                                                 slots), "attention")

@@ -206,3 +206,18 @@ def test_env_switches(env, mode):
 def test_env_switches_refuse_bad_combinations(env, match):
     with pytest.raises(ValueError, match=match):
         Settings.from_env(env)
+
+
+# -- the Triton kernels on the engine's real paths (interpreter on CPU) -------------------------------
+def test_triton_store_h_kernels_in_the_engine(tiny_path, models):
+    """TritonOps' store-h write and fused decode read on the engine's CPU path (the kernels run
+    under the interpreter; delta-int8 takes every branch but int4's unpacking, which the kernel
+    tests cover): a batched decode gives the torch reference's tokens."""
+    from tinyloop.kernels.hcache import h_cache_write, h_decode_attention
+    mode = "delta-int8"
+    with Model(tiny_path, max_seq_len=48, n_slots=3, kv_mode=mode) as m:
+        ops = m.runner.engine.ops
+        ops.h_cache_write, ops.h_decode_attention = h_cache_write, h_decode_attention
+        prompts = [PROMPTS[0], PROMPTS[1][:4]]
+        want = models[mode].generate_batch(prompts, per_lane_loops=[3, 2], max_tokens=3)
+        assert m.generate_batch(prompts, per_lane_loops=[3, 2], max_tokens=3) == want
