@@ -89,6 +89,22 @@ def test_batch_lanes_equal_standalone(models, mode):
         assert g == m.generate(p, loops=L, max_tokens=7)
 
 
+@pytest.mark.parametrize("mode", COMPRESSED)
+def test_chunked_prefill_equals_whole(models, mode):
+    """The scheduler's chunked prefill: a chunk reads the earlier chunks' ĥ from the cache, as
+    the whole prompt's prefill reads its own."""
+    from tinyloop.worker.api import drain
+    from tinyloop.worker.generation.decode import decode_steps
+    m, p = models[mode], PROMPTS[1]
+    req = m.make_request(p, loops=3, max_tokens=6)
+    with m.runner.lanes.hold() as lane:
+        pre = m.start_chunked(req, lane)
+        while (st := pre.run(4)) is None:
+            pass
+        got = drain(p, decode_steps(st))
+    assert got == m.generate(p, loops=3, max_tokens=6)
+
+
 def test_h_ring_window_equals_sliding_window_reference(models):
     m = models["h"]
     for W in (1, 4):
