@@ -485,7 +485,7 @@ def h_decode_attention(q, positions, layer: HLayer, wk, wv, k_bias, cos, sin, sc
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)), BLOCK_N=block_n,
         BLOCK_HALF=max(16, triton.next_power_of_2(hd // 2)), BLOCK_D=BLOCK_D,
         BLOCK_K=16 if interpreting() else 64,
-        INPUT_PRECISION="ieee" if wk.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        INPUT_PRECISION="ieee" if wk.dtype == torch.float32 else "tf32", num_warps=8, num_stages=2)
     _decode_attention_merge_kernel[(B * H,)](
         m, lsum, acc, o, o, 0, H, S, hd, num_splits, split_len, num_splits,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D, PDL=False, ROPE=False,
