@@ -237,3 +237,24 @@ def test_triton_store_h_kernels_in_the_engine(tiny_path, models):
         prompts = [PROMPTS[0], PROMPTS[1][:4]]
         want = models[mode].generate_batch(prompts, per_lane_loops=[3, 2], max_tokens=3)
         assert m.generate_batch(prompts, per_lane_loops=[3, 2], max_tokens=3) == want
+
+
+def test_stage_sets_in_a_compressed_mode(tiny_path, models):
+    """The GPU's bucketed stage sets in delta-int8, run eagerly on the CPU (tests/stage_graphs.py):
+    a padded prefill (pads write their h past the prompt), a batched step with an idle row
+    (position S: no write), verify trees with pads; the tokens of the unbucketed paths."""
+    from stage_graphs import with_stage_graphs
+    mode = "delta-int8"
+    ref, p = models[mode], PROMPTS[1]
+    with Model(tiny_path, max_seq_len=48, n_slots=3, kv_mode=mode) as m:
+        graphs = with_stage_graphs(m, range(1, 6), prefill_graph_len=16)
+        assert m.generate(p, loops=3, max_tokens=6) == ref.generate(p, loops=3, max_tokens=6)
+        handle = m.build_resume_handle(p, L_used=2, max_loops=8)
+        assert m.resume_generate(handle, 5, max_tokens=6) == ref.generate(p, loops=5, max_tokens=6)
+        assert m.generate_tree_speculative(p, max_tokens=6, draft_loops=2, verify_loops=5, draft_ahead=3,
+                                           K_branches=2) == ref.generate(p, loops=5, max_tokens=6)
+        prompts, loops = [p, PROMPTS[0], PROMPTS[0][:3]], [5, 2, 3]
+        assert m.generate_batch(prompts, per_lane_loops=loops, max_tokens=4) == \
+            ref.generate_batch(prompts, per_lane_loops=loops, max_tokens=4)
+        kinds = {k for k, _, _ in graphs.log}
+        assert {"prefill", "verify", "batch"} <= kinds, kinds
