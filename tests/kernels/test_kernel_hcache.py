@@ -6,7 +6,6 @@ from kernel_tolerances import DEVICE, assert_close
 
 from tinyloop.kernels.hcache import (HLayer, h_cache_write, h_cache_write_ref, h_decode_attention,
                                      h_decode_attention_ref, h_rows_ref)
-from tinyloop.kernels.rope import apply_rope_ref  # noqa: F401  (the reference's rotation)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

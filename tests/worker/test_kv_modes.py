@@ -80,7 +80,7 @@ def test_handle_bytes_follow_the_mode(models):
     assert n["h-int4"] < n["h-int8"] < n["delta-int8"] < n["kv"]
 
 
-@pytest.mark.parametrize("mode", KV_MODES)
+@pytest.mark.parametrize("mode", KV_MODES[1:])  # kv: tests/worker/test_batcher.py
 def test_batch_lanes_equal_standalone(models, mode):
     m = models[mode]
     loops = [5, 2, 3]
@@ -123,7 +123,7 @@ def test_compressed_ring_window(models, mode):
     assert m.resume_generate(handle, 3, max_tokens=8) == m.generate(p, loops=3, max_tokens=8, cache_window=4)
 
 
-@pytest.mark.parametrize("mode", KV_MODES)
+@pytest.mark.parametrize("mode", ["h", "h-int4", "delta-int8"])  # kv: tests/worker/test_speculative.py
 def test_speculative_chain_and_tree_equal_generate(models, mode):
     m, p = models[mode], PROMPTS[1]
     want = m.generate(p, loops=5, max_tokens=8)
@@ -181,9 +181,10 @@ def test_h_int4_takes_a_quarter_of_kv_on_bench_285m():
 
 
 def test_lane_count_within_a_budget_follows_the_mode(tiny_path):
-    kw = dict(max_seq_len=32, cache_budget_bytes=1 << 17)
+    kw = dict(max_seq_len=32, cache_budget_bytes=1 << 20)
     with Model(tiny_path, **kw) as kv, Model(tiny_path, kv_mode="h-int4", **kw) as h4:
-        assert h4.n_slots >= kv.n_slots
+        # tiny at 32 positions: a kv lane takes 272 KiB (3 fit), an h-int4 lane 42.5 KiB (the CPU's 8)
+        assert (kv.n_slots, h4.n_slots) == (3, 8)
         assert h4.runner.cache.nbytes < kv.runner.cache.nbytes
 
 
