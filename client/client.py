@@ -99,12 +99,12 @@ def generate_request(prompt, *, loops=None, max_tokens=None, temperature=None, t
                      repetition_penalty=None, seed=None, stop_token_ids=(), cache_window=0,
                      include_text=False, speculative: dict | None = None, return_handle=False,
                      handle_max_loops=None, l_warmup_tokens=0, l_warmup_loops=None, safety_check=False,
-                     safety_norm_threshold=None, request_id=None) -> pb.GenerateRequest:
+                     safety_norm_threshold=None, request_id=None, kv_mode="") -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=_prompt(prompt),
                              sampling=_sampling(temperature, top_k, top_p, repetition_penalty, seed),
                              stop_token_ids=list(stop_token_ids), cache_window=cache_window,
                              include_text=include_text, return_handle=return_handle,
-                             l_warmup_tokens=l_warmup_tokens, safety_check=safety_check)
+                             l_warmup_tokens=l_warmup_tokens, safety_check=safety_check, kv_mode=kv_mode)
     if l_warmup_loops is not None:
         req.l_warmup_loops = l_warmup_loops
     if safety_norm_threshold is not None:
@@ -122,19 +122,19 @@ def generate_request(prompt, *, loops=None, max_tokens=None, temperature=None, t
 
 def resume_request(handle_id, new_loops, *, max_tokens=None, temperature=None, top_k=None, top_p=None,
                    repetition_penalty=None, seed=None, stop_token_ids=(), cache_window=0, include_text=False,
-                   request_id=None) -> pb.ResumeRequest:
+                   request_id=None, kv_mode="") -> pb.ResumeRequest:
     req = pb.ResumeRequest(request_id=request_id or uuid.uuid4().hex, handle_id=handle_id, new_loops=new_loops,
                            sampling=_sampling(temperature, top_k, top_p, repetition_penalty, seed),
                            stop_token_ids=list(stop_token_ids), cache_window=cache_window,
-                           include_text=include_text)
+                           include_text=include_text, kv_mode=kv_mode)
     if max_tokens is not None:
         req.max_tokens = max_tokens
     return req
 
 
-def build_request(prompt, l_used=None, max_loops=None, cache_window=0, seed=None, request_id=None):
+def build_request(prompt, l_used=None, max_loops=None, cache_window=0, seed=None, request_id=None, kv_mode=""):
     req = pb.BuildResumeHandleRequest(request_id=request_id or uuid.uuid4().hex, prompt=_prompt(prompt),
-                                      cache_window=cache_window)
+                                      cache_window=cache_window, kv_mode=kv_mode)
     if seed is not None:
         req.seed = seed
     if l_used is not None:

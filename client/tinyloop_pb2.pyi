@@ -59,7 +59,7 @@ class SpeculativeOptions(_message.Message):
     def __init__(self, draft_loops: _Optional[int] = ..., verify_loops: _Optional[int] = ..., draft_ahead: _Optional[int] = ..., k_branches: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "speculative", "return_handle", "handle_max_loops", "l_warmup_tokens", "l_warmup_loops", "safety_check", "safety_norm_threshold")
+    __slots__ = ("request_id", "prompt", "loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "speculative", "return_handle", "handle_max_loops", "l_warmup_tokens", "l_warmup_loops", "safety_check", "safety_norm_threshold", "kv_mode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     LOOPS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class GenerateRequest(_message.Message):
     L_WARMUP_LOOPS_FIELD_NUMBER: _ClassVar[int]
     SAFETY_CHECK_FIELD_NUMBER: _ClassVar[int]
     SAFETY_NORM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     loops: int
@@ -90,10 +91,11 @@ class GenerateRequest(_message.Message):
     l_warmup_loops: int
     safety_check: bool
     safety_norm_threshold: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., return_handle: _Optional[bool] = ..., handle_max_loops: _Optional[int] = ..., l_warmup_tokens: _Optional[int] = ..., l_warmup_loops: _Optional[int] = ..., safety_check: _Optional[bool] = ..., safety_norm_threshold: _Optional[float] = ...) -> None: ...
+    kv_mode: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., return_handle: _Optional[bool] = ..., handle_max_loops: _Optional[int] = ..., l_warmup_tokens: _Optional[int] = ..., l_warmup_loops: _Optional[int] = ..., safety_check: _Optional[bool] = ..., safety_norm_threshold: _Optional[float] = ..., kv_mode: _Optional[str] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("request_id", "handle_id", "new_loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text")
+    __slots__ = ("request_id", "handle_id", "new_loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "kv_mode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_LOOPS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class ResumeRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle_id: str
     new_loops: int
@@ -110,7 +113,8 @@ class ResumeRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_window: int
     include_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., handle_id: _Optional[str] = ..., new_loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ...) -> None: ...
+    kv_mode: str
+    def __init__(self, request_id: _Optional[str] = ..., handle_id: _Optional[str] = ..., new_loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., kv_mode: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")
@@ -159,20 +163,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., loop_iterations: _Optional[int] = ..., loop_token_iterations: _Optional[int] = ..., accepted_per_verify: _Optional[float] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class BuildResumeHandleRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "l_used", "max_loops", "cache_window", "seed")
+    __slots__ = ("request_id", "prompt", "l_used", "max_loops", "cache_window", "seed", "kv_mode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     L_USED_FIELD_NUMBER: _ClassVar[int]
     MAX_LOOPS_FIELD_NUMBER: _ClassVar[int]
     CACHE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     l_used: int
     max_loops: int
     cache_window: int
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., l_used: _Optional[int] = ..., max_loops: _Optional[int] = ..., cache_window: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    kv_mode: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., l_used: _Optional[int] = ..., max_loops: _Optional[int] = ..., cache_window: _Optional[int] = ..., seed: _Optional[int] = ..., kv_mode: _Optional[str] = ...) -> None: ...
 
 class BuildResumeHandleResponse(_message.Message):
     __slots__ = ("request_id", "handle_id", "seq_len", "loops_used", "max_loops", "nbytes", "worker_id", "expires_in_s")
@@ -303,7 +309,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "d_model", "default_loops", "max_loops", "max_seq_len", "eos_id", "workers", "config_json")
+    __slots__ = ("model_name", "vocab_size", "d_model", "default_loops", "max_loops", "max_seq_len", "eos_id", "workers", "config_json", "kv_mode", "kv_bytes_per_token_layer")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     D_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +319,8 @@ class ModelInfoResponse(_message.Message):
     EOS_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_LAYER_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     d_model: int
@@ -322,7 +330,9 @@ class ModelInfoResponse(_message.Message):
     eos_id: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     config_json: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., d_model: _Optional[int] = ..., default_loops: _Optional[int] = ..., max_loops: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_id: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., config_json: _Optional[str] = ...) -> None: ...
+    kv_mode: str
+    kv_bytes_per_token_layer: float
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., d_model: _Optional[int] = ..., default_loops: _Optional[int] = ..., max_loops: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_id: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., config_json: _Optional[str] = ..., kv_mode: _Optional[str] = ..., kv_bytes_per_token_layer: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "epoch", "device", "lanes", "active_lanes", "handles", "handle_bytes", "alive")

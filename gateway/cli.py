@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from tinyloop.worker.model.settings import KV_MODES  # torch-free: the mode names only
+
 
 def register(sub) -> None:
     s = sub.add_parser("serve", help="serve the model over gRPC (gateway + Ray worker actors)")
@@ -22,6 +24,10 @@ def register(sub) -> None:
                    help="cache lanes (concurrent streams) per worker; default: 64 on a GPU, 8 on the CPU, "
                         "within half the free device memory")
     s.add_argument("--max-seq-len", type=int, default=2048)
+    s.add_argument("--kv-mode", default=None, choices=KV_MODES,
+                   help="what the KV cache stores (docs/kv-cache.md): kv (K and V), h (the layer input, K/V "
+                        "rebuilt at read), h-int8 / h-int4 (h quantized per head), delta-int8 (h0 + int8 deltas "
+                        "per iteration); default: the workers' TINYLOOP_KV_* environment, else kv")
     s.add_argument("--device", default=None,
                    help="cpu | cuda: every worker takes a GPU, waiting for one if the cluster has none free yet "
                         "(default: cuda when the cluster has a GPU for every worker, else cpu)")
@@ -102,7 +108,8 @@ def _serve(args) -> int:
                                  handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue,
                                  coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
                                  init_scale=args.init_scale, step_tokens=args.step_tokens,
-                                 max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3)
+                                 max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
+                                 kv_mode=args.kv_mode)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

@@ -277,6 +277,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                     if not request.safety_norm_threshold > 0:
                         raise invalid(f"safety_norm_threshold must be > 0, got {request.safety_norm_threshold}")
                     p["safety_norm_threshold"] = request.safety_norm_threshold
+            if request.kv_mode:
+                p["kv_mode"] = request.kv_mode
             if request.return_handle:
                 p["return_handle"] = True
                 if request.HasField("handle_max_loops"):
@@ -299,6 +301,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                  "include_text": request.include_text, "stop_token_ids": self._stops(request.stop_token_ids)}
             self._max_tokens(request, p)
             self._sampling(request.sampling, p)
+            if request.kv_mode:
+                p["kv_mode"] = request.kv_mode
         except ServiceError as e:
             await self._fail("Resume", context, e)
             return
@@ -391,6 +395,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             caller = self._enter("BuildResumeHandle", context)
             # unset fields stay unset: their defaults are the model's, which the worker knows
             p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window}
+            if request.kv_mode:
+                p["kv_mode"] = request.kv_mode
             for name in ("l_used", "max_loops", "seed"):
                 if request.HasField(name):
                     p[name] = getattr(request, name)
@@ -494,7 +500,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         resp = pb.ModelInfoResponse(model_name=i["model_path"].rsplit("/", 1)[-1], vocab_size=i["vocab_size"],
                                     d_model=i["d_model"], default_loops=i["default_loops"],
                                     max_loops=i["max_loops"], max_seq_len=i["max_seq_len"], eos_id=i["eos_id"],
-                                    config_json=json.dumps(i["config"], default=str, sort_keys=True))
+                                    config_json=json.dumps(i["config"], default=str, sort_keys=True),
+                                    kv_mode=i["kv_mode"], kv_bytes_per_token_layer=i["kv_bytes_per_token_layer"])
         stats = await asyncio.gather(*(asyncio.wait_for(_ref(w.actor.info.remote()), 5.0) for w in self.workers),
                                      return_exceptions=True)
         for w, s in zip(self.workers, stats):

@@ -25,10 +25,10 @@ from tinyloop.worker.generation.resume import ResumeHandle
 from tinyloop.worker.generation.sampling import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
 from tinyloop.worker.model import checkpoint
-from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.cache import check_kv_mode, lane_bytes, make_cache
 from tinyloop.worker.model.errors import HandleFreed, LanesBusy, ModelClosed, OutOfMemory, OutOfRange, TooLong
 from tinyloop.worker.model.ops import select_ops
-from tinyloop.worker.model.settings import Settings
+from tinyloop.worker.model.settings import KV_MODES, Settings
 from tinyloop.worker.model.tokenizer import from_metadata
 from tinyloop.worker.runner.runner import Runner, RunnerSettings
 
@@ -78,13 +78,20 @@ class Model:
     lanes, only on the buckets. A call holds the model's lock, so one Model is safe to share
     between threads; the Ray actor instead runs requests on separate lanes, batching their
     decode steps (generation/batcher.py). `startup`: seconds spent loading and capturing, by
-    part, the graph count and the graph pool's bytes."""
+    part, the graph count and the graph pool's bytes.
+
+    kv_mode: what the cache stores (docs/kv-cache.md): "kv" (K and V), "h" (the normalized
+    layer input, K / V rebuilt from it at read), "h-int8" / "h-int4" (h quantized per head),
+    "delta-int8" (h⁰ plus int8 Δh per later iteration); None: `settings.kv_mode` (the
+    environment's TINYLOOP_KV_* switches), else "kv". Fixed for the Model's life: a call that
+    names another mode is a ValueError."""
 
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  n_slots: int | None = None, backend: str | None = None, cuda_graphs: bool | None = None,
                  prefill_graph_len: int | None = None, cache_budget_bytes: int | None = None,
-                 settings: Settings | None = None, max_loops: int | None = None, init_scale: float = 1.0):
+                 settings: Settings | None = None, max_loops: int | None = None, init_scale: float = 1.0,
+                 kv_mode: str | None = None):
         if path is None:
             from tinyloop.worker.model.default_model import default_model_path
             path = default_model_path()
@@ -100,7 +107,7 @@ class Model:
             raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale}")
         # explicit arguments win over `settings`, which defaults to the environment's
         settings = (Settings.from_env() if settings is None else settings).replace(
-            backend=backend, cuda_graphs=cuda_graphs, prefill_graph_len=prefill_graph_len)
+            backend=backend, cuda_graphs=cuda_graphs, prefill_graph_len=prefill_graph_len, kv_mode=kv_mode)
         self.settings = settings
         self.prefill_graph_len = settings.prefill_graph_len
         t0 = time.perf_counter()
@@ -113,6 +120,7 @@ class Model:
         self.init_scale = float(init_scale)
         self.config = model.config
         self.max_seq_len = min(max_seq_len, self.config.max_seq_len)
+        self.kv_mode = check_kv_mode(settings.kv_mode or "kv", self.config, self.config.max_loops)
         self.tokenizer = from_metadata(meta)
         self._module = model
         if n_slots is None:
@@ -122,7 +130,8 @@ class Model:
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
                                 settings.l2_keep_fraction, settings.l2_stream)
         cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
-        cache = KVCache(self.config, n_slots, self.max_seq_len, self.config.max_loops, self.device, self.dtype)
+        cache = make_cache(self.kv_mode, self.config, n_slots, self.max_seq_len, self.config.max_loops,
+                           self.device, self.dtype)
         self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len))
         self.n_slots = n_slots
         # seconds by part and graph count: what a worker's start-up cost (the actor logs it)
@@ -136,8 +145,7 @@ class Model:
 
     def _lanes_within(self, budget: int | None) -> int:
         cfg = self.config
-        per_lane = 2 * cfg.n_cache_layers(cfg.max_loops) * cfg.n_kv_heads * cfg.head_dim * self.max_seq_len \
-            * torch.empty((), dtype=self.dtype).element_size()
+        per_lane = lane_bytes(self.kv_mode, cfg, self.max_seq_len, cfg.max_loops, self.dtype)
         budget = default_cache_budget(self.device) if budget is None else budget
         fit = budget // per_lane
         if fit < 1:
@@ -177,6 +185,24 @@ class Model:
     @property
     def counters(self):
         return self.runner.counters
+
+    @property
+    def kv_bytes_per_token_layer(self) -> float:
+        """The cache's bytes per token per cache layer in its kv_mode, measured from its tensors."""
+        return self.runner.cache.bytes_per_token_layer()
+
+    def handle_nbytes(self, seq_len: int, max_loops: int, cache_window: int = 0) -> int:
+        """Bytes a resume handle of a seq_len-token prompt holds in this Model's kv_mode."""
+        return resume_mod.handle_nbytes(self.runner.cache, seq_len, max_loops, cache_window)
+
+    def check_kv_mode(self, kv_mode) -> None:
+        """A call's kv_mode: None or this Model's; anything else is a ValueError."""
+        if kv_mode is None or kv_mode == self.kv_mode:
+            return
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {kv_mode!r}")
+        raise ValueError(f"kv_mode={kv_mode!r} differs from this model's kv_mode {self.kv_mode!r}: the cache's "
+                         f"mode is fixed when the model is loaded (Model(kv_mode=...), tinyloop serve --kv-mode)")
 
     # -- argument checks ----------------------------------------------------------------
     def _prompt(self, prompt, name: str = "prompt") -> list[int]:
@@ -262,12 +288,13 @@ class Model:
                      repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,
                      l_warmup_L=None, safety_check=False,
                      safety_norm_threshold=DEFAULT_SAFETY_NORM_THRESHOLD, stop_token_ids=None,
-                     speculative=None) -> Request:
+                     speculative=None, kv_mode=None) -> Request:
         """Validate `generate`'s arguments into a Request (the Ray actor uses this too).
 
         speculative: None, or {draft_loops, verify_loops, draft_ahead, k_branches} for
         self-speculative decoding (verify_loops then is the request's depth)."""
         self._check_open()
+        self.check_kv_mode(kv_mode)
         ids = self._prompt(prompt)
         L = self._loops(loops)
         self._fit(len(ids), max_tokens)
@@ -322,22 +349,24 @@ class Model:
     def generate(self, prompt, loops=None, max_tokens=128, temperature=0.0, top_k=50, top_p=1.0,
                  repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,
                  l_warmup_L=None, safety_check=False,
-                 safety_norm_threshold=DEFAULT_SAFETY_NORM_THRESHOLD, stop_token_ids=None) -> Generation:
+                 safety_norm_threshold=DEFAULT_SAFETY_NORM_THRESHOLD, stop_token_ids=None,
+                 kv_mode=None) -> Generation:
         """-> the full token stream (prompt + generated) as a `Generation` (a list of ints with
         `.finish_reason` and `.stats`)."""
         req = self.make_request(prompt, loops, max_tokens, temperature, top_k, top_p, repetition_penalty,
                                 seed, cache_window, l_warmup_tokens, l_warmup_L, safety_check,
-                                safety_norm_threshold, stop_token_ids)
+                                safety_norm_threshold, stop_token_ids, kv_mode=kv_mode)
         with self._lock, self._lane() as lane:
             self._seat(lane, req.seed)
             return drain(req.prompt, stream(self.runner, lane, req))
 
     def generate_batch(self, prompts, per_lane_loops=None, max_tokens=128, temperature=0.0, top_k=50,
                        top_p=1.0, repetition_penalty=1.0, seed=None, cache_window=0,
-                       stop_token_ids=None) -> list[Generation]:
+                       stop_token_ids=None, kv_mode=None) -> list[Generation]:
         """Lanes of different prompts and depths in one batched decode; lane i equals
         `generate(prompts[i], loops=per_lane_loops[i])`. seed: one int for all lanes or a list."""
         self._check_open()
+        self.check_kv_mode(kv_mode)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
         ids = [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
@@ -417,10 +446,11 @@ class Model:
 
     # -- warm-start resume --------------------------------------------------------------
     def build_resume_handle(self, prompt, L_used=8, max_loops=32, cache_window=0, lane=None,
-                            seed=None) -> ResumeHandle:
+                            seed=None, kv_mode=None) -> ResumeHandle:
         """Prefill once at L_used; the handle can then resume at any new_L in [L_used, max_loops].
         seed: the prompt's initial latent state's (input injection only; None: a random one)."""
         self._check_open()
+        self.check_kv_mode(kv_mode)
         ids = self._prompt(prompt)
         if L_used < 0:
             raise ValueError(f"L_used must be >= 0, got {L_used}")
@@ -445,9 +475,10 @@ class Model:
 
     def make_resume_request(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
                             top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,
-                            stop_token_ids=None) -> tuple[ResumeHandle, int, Request]:
+                            stop_token_ids=None, kv_mode=None) -> tuple[ResumeHandle, int, Request]:
         """Validate `resume_generate`'s arguments (the Ray actor uses this too)."""
         self._check_open()
+        self.check_kv_mode(kv_mode)
         if not isinstance(handle, ResumeHandle):
             raise ValueError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
         if self.runner is None or handle.owner != id(self.runner):
@@ -490,11 +521,11 @@ class Model:
 
     def resume_generate(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
                         top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,
-                        stop_token_ids=None, lane=None) -> Generation:
+                        stop_token_ids=None, lane=None, kv_mode=None) -> Generation:
         """Extend the handle to new_L (iterations [L_used, new_L) only) and decode. The handle is
         not modified; many resumes on one handle never disturb each other."""
         rr = self.make_resume_request(handle, new_L, max_tokens, temperature, top_k, top_p, cache_window,
-                                      repetition_penalty, seed, stop_token_ids)
+                                      repetition_penalty, seed, stop_token_ids, kv_mode)
         with self._lock, self._lane(lane) as lane:
             return drain(handle.prompt, self.stream_resume(rr, lane))
 

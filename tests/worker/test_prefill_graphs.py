@@ -228,7 +228,7 @@ def test_resume_handles_through_bucket_stages(pair, T):
     try:
         torch.testing.assert_close(hg.residual, hr.residual, atol=1e-4, rtol=1e-3)  # padded GEMM shapes
         used = g.config.n_prelude + 2 * g.config.n_loop_layers
-        torch.testing.assert_close(hg.k[:used], hr.k[:used], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(hg.state["k"][:used], hr.state["k"][:used], atol=1e-4, rtol=1e-3)
         for new_L in (2, 5, 8):
             graphs.log.clear()
             bg, br = g.counters.snapshot(), ref.counters.snapshot()

@@ -6,6 +6,7 @@ import torch
 from tinyloop.worker import Model
 from tinyloop.worker.model.config import LoopedConfig
 from tinyloop.worker.generation.resume import handle_nbytes
+from tinyloop.worker.model.cache import make_cache
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12]]
 
@@ -40,7 +41,7 @@ def test_resume_runs_only_the_missing_iterations(tiny_model):
 def test_many_resumes_on_one_handle_do_not_disturb_it(tiny_model):
     p = PROMPTS[0]
     h = tiny_model.build_resume_handle(p, L_used=2, max_loops=16)
-    k0, r0 = h.k.clone(), h.residual.clone()
+    k0, r0 = h.state["k"].clone(), h.residual.clone()
     first = tiny_model.resume_generate(h, 4, max_tokens=8)
     tiny_model.resume_generate(h, 12, max_tokens=8)
     tiny_model.generate(PROMPTS[1], loops=7, max_tokens=8)
@@ -48,21 +49,21 @@ def test_many_resumes_on_one_handle_do_not_disturb_it(tiny_model):
     # bit for bit, as bytes: the layers past L_used are allocated but never written (as the
     # reference's handle), so they hold whatever the allocator left, NaN patterns included,
     # which torch.equal on floats would call unequal to themselves
-    assert torch.equal(h.k.view(torch.uint8), k0.view(torch.uint8))
+    assert torch.equal(h.state["k"].view(torch.uint8), k0.view(torch.uint8))
     assert torch.equal(h.residual.view(torch.uint8), r0.view(torch.uint8))
 
 
 def test_resume_with_window(tiny_model):
     p = PROMPTS[1]
     h = tiny_model.build_resume_handle(p, L_used=2, max_loops=8, cache_window=5)
-    assert h.nbytes() == handle_nbytes(tiny_model.config, len(p), 8, 5, torch.float32)
+    assert h.nbytes() == tiny_model.handle_nbytes(len(p), 8, 5)
     assert tiny_model.resume_generate(h, 6, max_tokens=8) == tiny_model.generate(p, loops=6, max_tokens=8, cache_window=5)
 
 
 def test_handle_accessors_and_free(tiny_model):
     h = tiny_model.build_resume_handle(PROMPTS[0], L_used=4, max_loops=10)
     assert (h.seq_len(), h.loops_used(), h.max_loops()) == (5, 4, 10)
-    assert h.nbytes() == handle_nbytes(tiny_model.config, 5, 10, 0, torch.float32) > 0
+    assert h.nbytes() == tiny_model.handle_nbytes(5, 10) > 0
     tiny_model.free_resume_handle(h)
     tiny_model.free_resume_handle(h)
     assert h.nbytes() == 0
@@ -194,5 +195,6 @@ def test_handle_bytes_follow_the_reference_table(seq, max_loops, mb):
     (seq, D) residual the handle must keep, about 1.5 %."""
     cfg = LoopedConfig(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=16, d_ff=5632, n_prelude=2,
                        n_loop_layers=1, n_coda=0, max_loops=64, default_loops=8)
-    got = handle_nbytes(cfg, seq, max_loops, 0, torch.float16) / 2**20
+    cache = make_cache("kv", cfg, 1, 1, cfg.max_loops, torch.device("meta"), torch.float16)
+    got = handle_nbytes(cache, seq, max_loops, 0) / 2**20
     assert mb <= got <= mb * 1.02

@@ -15,20 +15,20 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.worker.generation.decode import DecodeState, Request, TokenStream, decode_steps
-from tinyloop.worker.model.config import LoopedConfig
+from tinyloop.worker.model.cache import CacheParts
 from tinyloop.worker.runner.runner import Runner
 
 _ids = itertools.count(1)
 
 
-def handle_nbytes(cfg: LoopedConfig, seq_len: int, max_loops: int, cache_window: int,
-                  dtype: torch.dtype) -> int:
-    """Bytes a handle holds: K and V for n_prelude + max_loops·n_loop_layers layers over
-    seq_len positions (or the window), plus the (seq_len, residual_width) residual."""
-    elem = torch.empty((), dtype=dtype).element_size()
+def handle_nbytes(cache: CacheParts, seq_len: int, max_loops: int, cache_window: int) -> int:
+    """Bytes a handle holds: the cache's encoding (its kv_mode) of n_prelude +
+    max_loops·n_loop_layers layers over seq_len positions (or the window), plus the
+    (seq_len, residual_width) residual in the model dtype."""
+    cfg = cache.config
     positions = min(seq_len, cache_window) if cache_window else seq_len
-    layers = cfg.n_prelude + max_loops * cfg.n_loop_layers
-    return 2 * layers * cfg.n_kv_heads * positions * cfg.head_dim * elem + seq_len * cfg.residual_width * elem
+    layers = list(range(cfg.n_prelude + max_loops * cfg.n_loop_layers))
+    return cache.bytes_for(layers, positions) + seq_len * cfg.residual_width * cache.dtype.itemsize
 
 
 @dataclass(eq=False)
@@ -38,9 +38,9 @@ class ResumeHandle:
     _loops_used: int
     _max_loops: int
     cache_window: int
-    k: torch.Tensor | None     # (layers, Hkv, positions, hd)
-    v: torch.Tensor | None
+    state: dict[str, torch.Tensor] | None  # the cache's parts (CacheParts.copy_out), in its kv_mode
     residual: torch.Tensor | None  # (1, T, D): enters iteration L_used
+    kv_mode: str = "kv"
     id: int = 0
 
     def __post_init__(self):
@@ -56,16 +56,16 @@ class ResumeHandle:
         return self._max_loops
 
     def nbytes(self) -> int:
-        if self.k is None:
+        if self.state is None:
             return 0
-        return self.k.nbytes + self.v.nbytes + self.residual.nbytes
+        return sum(t.nbytes for t in self.state.values()) + self.residual.nbytes
 
     @property
     def freed(self) -> bool:
-        return self.k is None
+        return self.state is None
 
     def free(self) -> None:
-        self.k = self.v = self.residual = None
+        self.state = self.residual = None
 
 
 def build(runner: Runner, lane: int, prompt: list[int], L_used: int, max_loops: int,
@@ -76,13 +76,9 @@ def build(runner: Runner, lane: int, prompt: list[int], L_used: int, max_loops: 
     positions = min(T, cache_window) if cache_window else T
     n_layers = cfg.n_prelude + max_loops * cfg.n_loop_layers
     used = cfg.n_prelude + L_used * cfg.n_loop_layers
-    shape = (n_layers, cfg.n_kv_heads, positions, cfg.head_dim)
-    k = torch.empty(shape, dtype=cache.k.dtype, device=runner.device)
-    v = torch.empty(shape, dtype=cache.v.dtype, device=runner.device)
     x = runner.build(lane, list(prompt), L_used, cache_window).residual
-    k[:used] = cache.k[:used, lane, :, :positions]
-    v[:used] = cache.v[:used, lane, :, :positions]
-    return ResumeHandle(id(runner), list(prompt), L_used, max_loops, cache_window, k, v, x)
+    state = cache.copy_out(lane, used, n_layers, positions)
+    return ResumeHandle(id(runner), list(prompt), L_used, max_loops, cache_window, state, x, cache.mode)
 
 
 def resume(runner: Runner, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> TokenStream:
@@ -95,9 +91,7 @@ def start(runner: Runner, lane: int, handle: ResumeHandle, new_L: int, req: Requ
     state that decides the first token."""
     cfg, cache = runner.config, runner.cache
     used = cfg.n_prelude + handle.loops_used() * cfg.n_loop_layers
-    n_pos = handle.k.shape[2]
-    cache.k[:used, lane, :, :n_pos] = handle.k[:used]
-    cache.v[:used, lane, :, :n_pos] = handle.v[:used]
+    cache.copy_in(lane, handle.state, used)
     out = runner.extend(lane, handle.residual, handle.loops_used(), new_L, 0, req.window,
                         req.safety_threshold is not None)
     st = DecodeState(runner, lane, req, out.logits, out.norm, out.work)

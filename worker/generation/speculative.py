@@ -316,9 +316,4 @@ def _move_path(runner: Runner, lane: int, pos: int, path: list[int], loops: int)
     if not moves:
         return
     cache = runner.cache
-    device = cache.k.device
-    layers = torch.tensor(cache.layers_for(loops), device=device)[:, None]   # (layers, 1)
-    src = torch.tensor([s for s, _ in moves], device=device)[None]           # (1, moves)
-    dst = torch.tensor([d for _, d in moves], device=device)[None]
-    for buf in (cache.k, cache.v):
-        buf[layers, lane, :, dst] = buf[layers, lane, :, src]  # (layers, moves, Hkv, hd); gathered first
+    cache.move(lane, cache.layers_for(loops), [s for s, _ in moves], [d for _, d in moves])

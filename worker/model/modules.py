@@ -38,7 +38,13 @@ def l2_bytes(device: torch.device) -> int:
 
 # attend(q (B,T,H,hd), k (B,T,Hkv,hd), v (B,T,Hkv,hd)) -> (B,H,T,hd). It receives the raw
 # projections and applies RoPE itself, so that the GPU path can fuse RoPE with the cache write.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# An attend with `needs_h` true (a store-h cache, runner/hattend.py) is called attend(q, k, v, h)
+# with h (B,T,D), the normalized input the projections were computed from.
+Attend = Callable[..., torch.Tensor]
+
+
+def needs_h(attend: Attend) -> bool:
+    return getattr(attend, "needs_h", False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -123,15 +129,17 @@ class Attention(nn.Module):
             q, k, v = linear(x, self.wq.weight), linear(x, self.wk.weight), linear(x, self.wv.weight)
             if hasattr(self, "q_bias"):
                 q, k = q + self.q_bias, k + self.k_bias
-        return linear(self.attend(q, k, v, attend), self.wo.weight)
+        return linear(self.attend(q, k, v, attend, x), self.wo.weight)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Projected q (B, T, H·hd), k / v (B, T, Hkv·hd) -> attention output (B, T, H·hd)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend,
+               h: torch.Tensor | None = None) -> torch.Tensor:
+        """Projected q (B, T, H·hd), k / v (B, T, Hkv·hd) of the normalized input h (B, T, D)
+        -> attention output (B, T, H·hd)."""
         B, T, _ = q.shape
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        out = attend(q, k, v)  # (B, H, T, hd)
+        out = attend(q, k, v, h) if needs_h(attend) else attend(q, k, v)  # (B, H, T, hd)
         return out.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -228,7 +236,9 @@ class Block(nn.Module):
         att, ffn, gemv, ev = self.attention, self.feed_forward, self.gemv, self.eviction
         qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
                    eviction_policy=ev("wqkv"))
-        out = att.attend(*att.biased(qkv).split(att._sizes(), -1), attend)
+        # the projection norms its input itself; a store-h cache needs that input as a tensor
+        h = self.attention_norm(x) if needs_h(attend) else None
+        out = att.attend(*att.biased(qkv).split(att._sizes(), -1), attend, h)
         if self.sum_norm:
             # the post-norms read the residual sums: each one launch after its projection
             x = self.post_attention_norm.add(gemv(out, att.wo.weight, eviction_policy=ev("wo")), x)[0]

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.kernels.decode_attention import decode_attention_ref, rope_decode_attention_ref
+from tinyloop.kernels.hcache import h_cache_write_ref, h_decode_attention_ref, h_encode_ref, h_rows_ref
 from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
 from tinyloop.kernels.tree_attention import tree_attention_ref
 
@@ -21,6 +22,15 @@ class Ops:
     decode_attention = staticmethod(decode_attention_ref)
     rope_decode_attention = staticmethod(rope_decode_attention_ref)
     tree_attention = staticmethod(tree_attention_ref)
+    # store-h caches (kernels/hcache.py)
+    h_cache_write = staticmethod(h_cache_write_ref)
+    h_rows = staticmethod(h_rows_ref)
+    h_decode_attention = staticmethod(h_decode_attention_ref)
+
+    @staticmethod
+    def h_encoded(layer, h, slots, idx):
+        """ĥ (B, T, D) fp32: h at positions idx as the layer would store it (nothing written)."""
+        return h_encode_ref(layer, h, slots, idx)[2]
 
 
 class TritonOps(Ops):
@@ -42,6 +52,11 @@ class TritonOps(Ops):
         self.rope_decode_attention = rope_decode_attention
         from tinyloop.kernels.tree_attention import tree_attention
         self.tree_attention = tree_attention
+        # store-h caches: the write and the fused decode read; the chunk paths' row reads stay
+        # the torch reference's (gathers, no host sync)
+        from tinyloop.kernels.hcache import h_cache_write, h_decode_attention
+        self.h_cache_write = h_cache_write
+        self.h_decode_attention = h_decode_attention
 
 
 def select_ops(device: torch.device, backend: str | None = None) -> Ops:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 EVICTION_POLICIES = ("evict_first", "evict_last", "")
+# the KV cache modes (worker/model/cache.py; docs/kv-cache.md): K/V, or the normalized layer
+# input h (model dtype, int8, int4) that K / V are rebuilt from, or h⁰ + int8 Δh per iteration
+KV_MODES = ("kv", "h", "h-int8", "h-int4", "delta-int8")
 
 
 @dataclass(frozen=True)
@@ -19,15 +22,19 @@ class Settings:
     a weight once for every lane). l2_keep_fraction: the share of the device's L2 that the
     shared block's largest projections may keep between iterations ("evict_last"); every
     other weight of a decode step loads with l2_stream, so that it passes through L2 without
-    evicting them (a token reads the shared block L times and every other weight once)."""
+    evicting them (a token reads the shared block L times and every other weight once).
+    kv_mode: what the cache stores (KV_MODES); None: "kv"."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
     fused_rows: int = 1
     l2_keep_fraction: float = 0.7
     l2_stream: str = "evict_first"
+    kv_mode: str | None = None
 
     def __post_init__(self):
+        if self.kv_mode is not None and self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}, got {self.kv_mode!r}")
         if self.backend not in (None, "torch", "triton"):
             raise ValueError(f"backend must be 'torch' or 'triton', got {self.backend!r}")
         if self.prefill_graph_len < 0:
@@ -47,7 +54,7 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """Defaults overridden by TINYLOOP_BACKEND, TINYLOOP_CUDA_GRAPHS (0/1),
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION and
-        TINYLOOP_L2_STREAM."""
+        TINYLOOP_L2_STREAM; kv_mode by the reference runtime's switches (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
         kinds = {"backend": str, "cuda_graphs": lambda v: v not in ("0", "false", "no", ""),
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str}
@@ -59,7 +66,31 @@ class Settings:
                     values[name] = parse(raw)
                 except ValueError:
                     raise ValueError(f"TINYLOOP_{name.upper()}={raw!r} is not a valid {name}") from None
-        return cls(**values)
+        return cls(**values, kv_mode=kv_mode_from_env(env))
+
+
+def kv_mode_from_env(env: Mapping[str, str]) -> str | None:
+    """The reference runtime's variables: TINYLOOP_KV_H_MODE=1 stores h (with TINYLOOP_KV_INT8=1
+    or TINYLOOP_KV_INT4=1 quantized), TINYLOOP_KV_DELTA=1 stores h⁰ + int8 Δh; none set: None.
+    A combination that names no mode is a ValueError naming the valid ones."""
+    def on(name: str) -> bool:
+        raw = env.get(f"TINYLOOP_KV_{name}", "0")
+        if raw not in ("0", "1"):
+            raise ValueError(f"TINYLOOP_KV_{name}={raw!r}: expected 0 or 1")
+        return raw == "1"
+    h, int8, int4, delta = on("H_MODE"), on("INT8"), on("INT4"), on("DELTA")
+    valid = ("TINYLOOP_KV_H_MODE=1 [+ TINYLOOP_KV_INT8=1 | TINYLOOP_KV_INT4=1] or TINYLOOP_KV_DELTA=1 alone")
+    if delta:
+        if h or int8 or int4:
+            raise ValueError(f"TINYLOOP_KV_DELTA=1 combines with no other TINYLOOP_KV_* switch; valid: {valid}")
+        return "delta-int8"
+    if int8 and int4:
+        raise ValueError(f"TINYLOOP_KV_INT8=1 and TINYLOOP_KV_INT4=1 exclude each other; valid: {valid}")
+    if (int8 or int4) and not h:
+        raise ValueError(f"TINYLOOP_KV_INT{8 if int8 else 4}=1 needs TINYLOOP_KV_H_MODE=1; valid: {valid}")
+    if not h:
+        return None
+    return "h-int8" if int8 else "h-int4" if int4 else "h"
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> str:

@@ -16,9 +16,10 @@ from typing import Callable
 
 import torch
 
-from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.cache import CacheParts
 from tinyloop.worker.model.modules import Attend, LoopedTransformer
 from tinyloop.worker.model.ops import Ops, causal_attention, masked_attention
+from tinyloop.worker.runner.hattend import HAttend
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Counters:
 @dataclass
 class Engine:
     model: LoopedTransformer
-    cache: KVCache
+    cache: CacheParts
     ops: Ops
 
     def __post_init__(self):
@@ -132,7 +133,7 @@ class Engine:
         self._trace(p, "embed", x)
         x = self.model.embedded(x)
         for j, layer in enumerate(self.model.prelude):
-            x = layer(x, self._attend(j, p))
+            x = layer(x, self._attend(j, p, layer.attention))
             self._trace(p, f"pre.{j}", x)
         seeds = self.cache.seeds.index_select(0, p.slots) if self.config.inject else None
         return self.model.loop_input(x, seeds, p.positions)
@@ -157,7 +158,8 @@ class Engine:
         for i in range(start, stop):
             n = x.shape[0] if lane_loops is None else sum(d > i for d in lane_loops)
             q = p if n == x.shape[0] else p.narrow(n)
-            attends = [self._attend(cfg.loop_layer_index(i, j), q) for j in range(cfg.n_loop_layers)]
+            attends = [self._attend(cfg.loop_layer_index(i, j), q, self.model.loop[j].attention)
+                       for j in range(cfg.n_loop_layers)]
             y = self.model.iteration(x[:n], attends)
             if depth is not None:
                 y = torch.where((depth > i)[:, None, None], y, x)
@@ -173,7 +175,7 @@ class Engine:
         """The residual after the last iteration -> the coda's output (B, T, D)."""
         x = self.model.exit_loop(x)
         for j, layer in enumerate(self.model.coda):
-            x = layer(x, self._attend(self.cache.coda_layer(j), p))
+            x = layer(x, self._attend(self.cache.coda_layer(j), p, layer.attention))
             self._trace(p, f"coda.{j}", x)
         return x
 
@@ -195,7 +197,11 @@ class Engine:
         return self.logits(x[:, -1:] if last_only else x, p)
 
     # -- attention against the cache -----------------------------------------------------
-    def _attend(self, layer: int, p: Pass) -> Attend:
+    def _attend(self, layer: int, p: Pass, attention) -> Attend:
+        """The attend of cache layer `layer` for `attention` (whose W_k / W_v a store-h cache
+        rebuilds K / V with)."""
+        if self.cache.mode != "kv":
+            return HAttend(self, layer, p, attention)
         kc = self.cache.k[layer]  # (n_slots, Hkv, S, hd): rows pick their slot (p.slots)
         vc = self.cache.v[layer]
         ops, scale, W, model, slots = self.ops, self.scale, p.window, self.model, p.slots

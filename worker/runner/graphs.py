@@ -81,10 +81,10 @@ class Graphs:
     graphs (kind "prefill", "batch", "verify"); `decode[loops]` the batch-1 steps."""
 
     def __init__(self, engine: Engine):
-        if engine.cache.k.device.type != "cuda":
+        if engine.cache.device.type != "cuda":
             raise ValueError("CUDA graphs need the engine on a CUDA device")
         self.engine = engine
-        self.device = engine.cache.k.device
+        self.device = engine.cache.device
         self.pool = torch.cuda.graph_pool_handle()
         self.decode: dict[int, DecodeGraph] = {}
         self.stages: dict[tuple, torch.cuda.CUDAGraph] = {}

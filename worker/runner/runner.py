@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyloop.worker.model.cache import KVCache
+from tinyloop.worker.model.cache import CacheParts
 from tinyloop.worker.model.errors import LanesBusy
 from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.ops import Ops
@@ -222,11 +222,11 @@ class TreeRun:
 
 
 class Runner:
-    def __init__(self, model: LoopedTransformer, cache: KVCache, ops: Ops, settings: RunnerSettings):
+    def __init__(self, model: LoopedTransformer, cache: CacheParts, ops: Ops, settings: RunnerSettings):
         self.engine = Engine(model, cache, ops)
         self.model, self.cache, self.ops, self.settings = model, cache, ops, settings
         self.config = model.config
-        self.device = cache.k.device
+        self.device = cache.device
         self.counters = Counters()
         self.lanes = LanePool(cache.n_slots)
         self.graphs = None

@@ -86,7 +86,7 @@ class PaddedPrefill(StagedPass):
 
     def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
         tokens, last, slot, x, logits = buffers if buffers is not None else prefill_buffers(engine, bucket)
-        device = engine.cache.k.device
+        device = engine.cache.device
         self.engine, self.bucket = engine, bucket
         self.tokens, self.x = tokens[:, :bucket], x[:, :bucket]   # (1, bucket), (1, bucket, D)
         self.last, self.slot, self.logits = last, slot, logits    # (1,) index T-1, (1,) slot, (1, V)
@@ -115,7 +115,7 @@ class PaddedPrefill(StagedPass):
 def prefill_buffers(engine: Engine, bucket: int) -> tuple:
     """Static buffers of a padded prefill of up to `bucket` tokens: tokens, last index, slot,
     residual, logits."""
-    cfg, device = engine.config, engine.cache.k.device
+    cfg, device = engine.config, engine.cache.device
     dtype = engine.model.tok_embeddings.weight.dtype
     return (torch.zeros(1, bucket, dtype=torch.long, device=device),
             torch.zeros(1, dtype=torch.long, device=device),
@@ -167,7 +167,7 @@ class BatchStep(StagedPass):
 def batch_buffers(engine: Engine, bucket: int) -> tuple:
     """Static buffers of a batched decode step of up to `bucket` rows: (tokens, positions,
     depths, slots), residual, logits."""
-    cfg, device = engine.config, engine.cache.k.device
+    cfg, device = engine.config, engine.cache.device
     dtype = engine.model.tok_embeddings.weight.dtype
     return (torch.zeros(4, bucket, dtype=torch.long, device=device),
             torch.zeros(bucket, 1, cfg.residual_width, dtype=dtype, device=device),
@@ -200,7 +200,7 @@ class TreeStages(StagedPass):
     ancestor. A tree runs only where its pads stay inside the cache (`fits`)."""
 
     def __init__(self, engine: Engine, bucket: int):
-        cfg, device = engine.config, engine.cache.k.device
+        cfg, device = engine.config, engine.cache.device
         dtype = engine.model.tok_embeddings.weight.dtype
         self.engine, self.bucket = engine, bucket
         self.tokens = torch.zeros(1, bucket, dtype=torch.long, device=device)

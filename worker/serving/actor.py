@@ -183,7 +183,7 @@ class WorkerActor:
                  max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
                  step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
-                 max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S):
+                 max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None):
         import sys
 
         import torch
@@ -200,7 +200,7 @@ class WorkerActor:
         self.worker_id = f"worker-{index}"
         self.epoch = _next_epoch(index)
         self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes,
-                           max_loops=max_loops, init_scale=init_scale)
+                           max_loops=max_loops, init_scale=init_scale, kv_mode=kv_mode)
         self.lanes = self.model.n_slots
         self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens))
         self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
@@ -229,7 +229,8 @@ class WorkerActor:
                 "device": self._device, "lanes": self.lanes, "model_path": self.model.path,
                 "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "default_loops": cfg.default_loops,
                 "max_loops": cfg.max_loops, "max_seq_len": self.model.max_seq_len, "eos_id": cfg.eos_id,
-                "config": _config_dict(cfg), "startup": self.model.startup, **(await self.stats())}
+                "config": _config_dict(cfg), "startup": self.model.startup, "kv_mode": self.model.kv_mode,
+                "kv_bytes_per_token_layer": self.model.kv_bytes_per_token_layer, **(await self.stats())}
 
     async def stats(self) -> dict:
         """Worker-side counts: what the tests use to prove nothing leaks, and the gateway's
@@ -351,7 +352,8 @@ class WorkerActor:
             ids = self._prompt_ids(p["prompt"])
             kwargs = dict(loops=p.get("loops"), max_tokens=p.get("max_tokens", 128),
                           stop_token_ids=p.get("stop_token_ids") or None,
-                          cache_window=p.get("cache_window", 0), **_sampling(p), **_depth_and_safety(p))
+                          cache_window=p.get("cache_window", 0), kv_mode=p.get("kv_mode"), **_sampling(p),
+                          **_depth_and_safety(p))
             if p.get("speculative"):
                 kwargs["speculative"] = p["speculative"]
             req = self.model.make_request(ids, **kwargs)
@@ -387,7 +389,7 @@ class WorkerActor:
             return
         try:
             rr = self.model.make_resume_request(entry.handle, p["new_loops"], max_tokens=p.get("max_tokens", 128),
-                                                cache_window=p.get("cache_window", 0),
+                                                cache_window=p.get("cache_window", 0), kv_mode=p.get("kv_mode"),
                                                 stop_token_ids=p.get("stop_token_ids") or None, **_sampling(p))
         except (ValueError, RuntimeError) as e:
             yield _status(self.worker_id, e)
@@ -454,6 +456,7 @@ class WorkerActor:
     async def build_handle(self, caller: str, p: dict) -> dict:
         try:
             ids = self._prompt_ids(p["prompt"])
+            self.model.check_kv_mode(p.get("kv_mode"))
         except ValueError as e:
             return _status(self.worker_id, e)
         # the defaults are the model's: l_used its default depth, max_loops its deepest; a
@@ -466,8 +469,7 @@ class WorkerActor:
     def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
         """The error for a handle larger than the whole byte budget (no eviction could fit it),
         told before any work; None when it can fit."""
-        from tinyloop.worker.generation.resume import handle_nbytes  # torch: not at import time
-        nbytes = handle_nbytes(self.model.config, seq_len, max_loops, window, self.model.dtype)
+        nbytes = self.model.handle_nbytes(seq_len, max_loops, window)
         if self.handles.fits_budget(nbytes):
             return None
         return error("RESOURCE_EXHAUSTED", "HANDLE_BUDGET_EXHAUSTED",
