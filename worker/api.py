@@ -24,7 +24,7 @@ from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, 
 from tinyloop.worker.generation.resume import ResumeHandle
 from tinyloop.worker.generation.sampling import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
-from tinyloop.worker.model import checkpoint
+from tinyloop.worker.model import checkpoint, quant_checkpoint
 from tinyloop.worker.model.cache import KVCache
 from tinyloop.worker.model.errors import HandleFreed, LanesBusy, ModelClosed, OutOfMemory, OutOfRange, TooLong
 from tinyloop.worker.model.ops import select_ops
@@ -109,6 +109,8 @@ class Model:
         self.dtype = _dtype(dtype, self.device)
         self.path = os.fspath(path)
         model, meta = checkpoint.load(self.path, self.device, self.dtype, max_loops)
+        # the weights as stored ("float32", "bfloat16", ...) or their quantized format
+        self.weight_format = quant_checkpoint.use_settings(model, meta, self.path, settings, self.dtype)
         model.init_scale = float(init_scale)
         self.init_scale = float(init_scale)
         self.config = model.config
@@ -121,6 +123,7 @@ class Model:
         if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
                                 settings.l2_keep_fraction, settings.l2_stream)
+            quant_checkpoint.use_kernels(model, ops.int4)
         cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
         cache = KVCache(self.config, n_slots, self.max_seq_len, self.config.max_loops, self.device, self.dtype)
         self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len))

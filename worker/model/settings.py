@@ -19,13 +19,18 @@ class Settings:
     a weight once for every lane). l2_keep_fraction: the share of the device's L2 that the
     shared block's largest projections may keep between iterations ("evict_last"); every
     other weight of a decode step loads with l2_stream, so that it passes through L2 without
-    evicting them (a token reads the shared block L times and every other weight once)."""
+    evicting them (a token reads the shared block L times and every other weight once).
+    cancel_round / cross_iter_round: a quantized model's shared block alternates its rounding
+    between even and odd iterations (the file's sign channel), or draws it per iteration
+    (quant_checkpoint.use_rounding); neither: round to nearest at every iteration."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
     fused_rows: int = 1
     l2_keep_fraction: float = 0.7
     l2_stream: str = "evict_first"
+    cancel_round: bool = False
+    cross_iter_round: bool = False
 
     def __post_init__(self):
         if self.backend not in (None, "torch", "triton"):
@@ -38,6 +43,13 @@ class Settings:
             raise ValueError(f"l2_keep_fraction must be in [0, 1], got {self.l2_keep_fraction}")
         if self.l2_stream not in EVICTION_POLICIES:
             raise ValueError(f"l2_stream must be one of {EVICTION_POLICIES}, got {self.l2_stream!r}")
+        if self.cancel_round and self.cross_iter_round:
+            raise ValueError("cancel_round and cross_iter_round are two roundings of one weight: pick one")
+
+    @property
+    def rounding(self) -> str:
+        """The shared block's quantized rounding across iterations (quant_checkpoint.ROUNDINGS)."""
+        return "cancel" if self.cancel_round else "stochastic" if self.cross_iter_round else "nearest"
 
     def replace(self, **changes) -> "Settings":
         """A copy with `changes`; None values keep the field as it is."""
@@ -46,11 +58,13 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """Defaults overridden by TINYLOOP_BACKEND, TINYLOOP_CUDA_GRAPHS (0/1),
-        TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION and
-        TINYLOOP_L2_STREAM."""
+        TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
+        TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1) and TINYLOOP_CROSS_ITER_ROUND (0/1)."""
         env = os.environ if environ is None else environ
-        kinds = {"backend": str, "cuda_graphs": lambda v: v not in ("0", "false", "no", ""),
-                 "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str}
+        flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
+        kinds = {"backend": str, "cuda_graphs": flag,
+                 "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
+                 "cancel_round": flag, "cross_iter_round": flag}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")
