@@ -189,3 +189,17 @@ def use_settings(model: LoopedTransformer, meta: dict, path: str, settings, dtyp
         return str(dtype).removeprefix("torch.")
     use_rounding(model, settings.rounding)
     return spec.describe() + ("" if settings.rounding == "nearest" else f" ({settings.rounding} rounding)")
+
+
+def dequantized(model: LoopedTransformer, dtype: torch.dtype = torch.float32) -> LoopedTransformer:
+    """The model with every quantized weight (its iteration variants' included) replaced, in
+    place, by an nn.Linear holding `dequantize(dtype)`: the float model a quantized one must
+    compute exactly (the parity tests' and the error benchmarks' reference)."""
+    for m in list(_all_modules(model)):
+        for name, q in list(m._modules.items()):
+            if isinstance(q, QuantLinear):
+                w = q.weight.dequantize(dtype)
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                lin.weight = nn.Parameter(w, requires_grad=False)
+                m._modules[name] = lin
+    return model
