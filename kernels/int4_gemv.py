@@ -350,8 +350,10 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, norm_weight=None, eps=1e
     flags["ARGMAX"] = argmax_key is not None
     half_g = triton.next_power_of_2(group_size // 2)
     if interpreting():
-        _int4_gemv_kernel[(triton.cdiv(N, 8),)](*args, **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8,
-                                                BLOCK_G=2, HALF_G=half_g)
+        # wide tiles: the interpreter's cost is per program and per op, hardly per element
+        bn, bg = min(128, triton.next_power_of_2(N)), min(4, triton.next_power_of_2(K // group_size))
+        _int4_gemv_kernel[(triton.cdiv(N, bn),)](*args, **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=bn,
+                                                 BLOCK_G=bg, HALF_G=half_g)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
     key = (N, K, group_size, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
@@ -381,8 +383,9 @@ def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags):
     # fp32 dots for fp32 x (exact products, no tf32) and for bf16 under the interpreter (gemv's reason)
     dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
     if interpreting():
-        _int4_matmul_kernel[(triton.cdiv(M, 16), triton.cdiv(N, 16))](*args, **flags, DOT_F32=dot_f32, BLOCK_M=16,
-                                                                     BLOCK_N=16, BLOCK_K=64)
+        bn = min(64, max(16, triton.next_power_of_2(N)))
+        _int4_matmul_kernel[(triton.cdiv(M, 16), triton.cdiv(N, bn))](*args, **flags, DOT_F32=dot_f32, BLOCK_M=16,
+                                                                     BLOCK_N=bn, BLOCK_K=64)
         return y
     bm, bn, bk, warps, stages = default_matmul_tile(M, N)
     _int4_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, **flags, DOT_F32=dot_f32, BLOCK_M=bm,

@@ -208,7 +208,7 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) @ W.T."""
-        if self.kernels is not None and x.is_cuda:
+        if self.kernels is not None:
             return self.kernels[1](x, self.qweight, self.scales, self.zeros, self.group_size)
         from tinyloop.worker.model.modules import linear
         return linear(x, self.dequantize(x.dtype))
