@@ -3,7 +3,7 @@
 # the H200 (offline image: the project is mapped by bench/gpu_env.sh, not pip-installed):
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
-#                                          #   speculative startup (default: all); tiles, load on demand
+#                                          #   speculative startup (default: all); tiles, load, quant on demand
 #                                          #   (load: the service under load; carry .whl for Ray)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
@@ -55,6 +55,7 @@ for s in "${steps[@]}"; do
             args="--out-dir $(cd "$OUT/base" && pwd)"
             [ "$what" = decode ] && args="$args ${DECODE_ARGS:-}"
             run "$s" "${BASE_S:-150}" bash -c "cd '$BASE' && unset PYTHONPATH && source bench/gpu_env.sh && TINYLOOP_COMMIT='${BASE_COMMIT:-}' python -m bench.$what $args" ;;
+        quant) run quant "${QUANT_S:-300}" python -m bench.quant_decode --out-dir "$OUT" ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
 from ._launch import use_pdl
-from .gemv import EVICTION_POLICIES, MAX_ROWS, _argmax_key_max, _dot_wt
+from .gemv import EVICTION_POLICIES, MAX_ROWS, _argmax_key_max, _device_name, _dot_wt
 
 
 @triton.jit
@@ -279,10 +279,6 @@ def default_matmul_tile(M: int, N: int) -> tuple[int, int, int, int, int]:
     if M <= 16:
         return 16, 32 if N <= 4096 else 64, 128, 4, 3
     return 64, 64, 128, 4, 3
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _check(op, x, qweight, scales, zeros, group_size, swiglu=False):
