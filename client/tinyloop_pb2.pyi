@@ -303,7 +303,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "d_model", "default_loops", "max_loops", "max_seq_len", "eos_id", "workers", "config_json")
+    __slots__ = ("model_name", "vocab_size", "d_model", "default_loops", "max_loops", "max_seq_len", "eos_id", "workers", "config_json", "weight_format")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     D_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,7 @@ class ModelInfoResponse(_message.Message):
     EOS_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     d_model: int
@@ -322,7 +323,8 @@ class ModelInfoResponse(_message.Message):
     eos_id: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     config_json: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., d_model: _Optional[int] = ..., default_loops: _Optional[int] = ..., max_loops: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_id: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., config_json: _Optional[str] = ...) -> None: ...
+    weight_format: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., d_model: _Optional[int] = ..., default_loops: _Optional[int] = ..., max_loops: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_id: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., config_json: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "epoch", "device", "lanes", "active_lanes", "handles", "handle_bytes", "alive")

@@ -479,7 +479,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         resp = pb.ModelInfoResponse(model_name=i["model_path"].rsplit("/", 1)[-1], vocab_size=i["vocab_size"],
                                     d_model=i["d_model"], default_loops=i["default_loops"],
                                     max_loops=i["max_loops"], max_seq_len=i["max_seq_len"], eos_id=i["eos_id"],
-                                    config_json=json.dumps(i["config"], default=str, sort_keys=True))
+                                    config_json=json.dumps(i["config"], default=str, sort_keys=True),
+                                    weight_format=i.get("weight_format", ""))
         stats = await asyncio.gather(*(asyncio.wait_for(_ref(w.actor.info.remote()), 5.0) for w in self.workers),
                                      return_exceptions=True)
         for w, s in zip(self.workers, stats):

@@ -224,7 +224,7 @@ class WorkerActor:
                 "device": self._device, "lanes": self.lanes, "model_path": self.model.path,
                 "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "default_loops": cfg.default_loops,
                 "max_loops": cfg.max_loops, "max_seq_len": self.model.max_seq_len, "eos_id": cfg.eos_id,
-                "config": _config_dict(cfg), "startup": self.model.startup, **(await self.stats())}
+                "config": _config_dict(cfg), "weight_format": self.model.weight_format, "startup": self.model.startup, **(await self.stats())}
 
     async def stats(self) -> dict:
         """Worker-side counts: what the tests use to prove nothing leaks, and the gateway's
