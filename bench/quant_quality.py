@@ -1,8 +1,10 @@
 """Quality of quantized weights on the embedded default model (CPU): held-out bits per byte at
 L = 1, 4, 8, 16 (train/evaluate.py's windows) and greedy agreement with the float model over
-128 tokens, for fp32, bf16, RTN-4, RTN-4 + cancel, GPTQ-4 and GPTQ-4 + cancel (GPTQ calibrated
-on the training corpus at the model's default depth, its shared block's Hessian summed over
-every iteration). Writes bench/results/quant-quality-cpu.json.
+128 tokens, for fp32 (the float model), RTN-4, RTN-4 + cancel, GPTQ-4, GPTQ-4 + cancel and
+GPTQ-4 dual-bit (an INT2 copy of the shared block for iterations 0..3); --bf16 adds the float
+model in bf16 (slow on a CPU). GPTQ is calibrated on the training corpus at the model's default
+depth, its shared block's Hessian summed over every iteration. Writes
+bench/results/quant-quality-cpu.json.
 
     python -m bench.quant_quality [--group-size 64] [--calib-tokens 32768] [--windows 32]
 """
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -66,22 +69,22 @@ def main(argv: list[str] | None = None) -> None:
             quantize_file(src, path, QuantSpec(4, args.group_size, method, cancel_round=True,
                                                calib_tokens=args.calib_tokens if method == "gptq" else 0))
             timings[f"quantize_{method}_s"] = round(time.perf_counter() - t, 1)
-        variants = {"fp32": (src, "nearest", torch.float32), "bf16": (src, "nearest", torch.bfloat16),
-                    "rtn-4": (files["rtn"], "nearest", torch.float32),
-                    "rtn-4+cancel": (files["rtn"], "cancel", torch.float32),
-                    "gptq-4": (files["gptq"], "nearest", torch.float32),
-                    "gptq-4+cancel": (files["gptq"], "cancel", torch.float32)}
+        variants = {"fp32": (src, Settings(), torch.float32),
+                    **({"bf16": (src, Settings(), torch.bfloat16)} if args.bf16 else {}),
+                    "rtn-4": (files["rtn"], Settings(), torch.float32),
+                    "rtn-4+cancel": (files["rtn"], Settings(cancel_round=True), torch.float32),
+                    "gptq-4": (files["gptq"], Settings(), torch.float32),
+                    "gptq-4+cancel": (files["gptq"], Settings(cancel_round=True), torch.float32),
+                    "gptq-4+dual-bit": (files["gptq"], Settings(dual_bit=True), torch.float32)}
         with Model(src, n_slots=1) as ref:
             ref_out = [ref.generate(p, loops=cfg.default_loops, max_tokens=GREEDY_TOKENS)[len(p):] for p in prompts]
-        for name, (path, rounding, dtype) in variants.items():
+        for name, (path, settings, dtype) in variants.items():
             t = time.perf_counter()
-            model, _ = checkpoint.load(path, "cpu", dtype)
-            if rounding != "nearest":
-                quant_checkpoint.use_rounding(model, rounding)
+            model, meta = checkpoint.load(path, "cpu", dtype)
+            fmt = quant_checkpoint.use_settings(model, meta, str(path), settings, dtype)
             bpb = bpb_table(model, win, LOOPS, bpt, batch_size=8)
-            row = {"bpb": {str(L): round(v, 4) for L, v in bpb.items()}}
+            row = {"weights": fmt, "bpb": {str(L): round(v, 4) for L, v in bpb.items()}}
             if name != "fp32":
-                settings = Settings(cancel_round=rounding == "cancel")
                 with Model(path, n_slots=1, dtype=dtype, settings=settings) as m:
                     row["greedy"] = agreement(m, ref_out, prompts, cfg.default_loops)
             rows[name] = row

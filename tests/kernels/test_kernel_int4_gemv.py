@@ -16,10 +16,10 @@ GPU_SHAPES = [(6144, 2048, False), (2048, 2048, False), (11264, 2048, True), (20
               (32000, 2048, False)]
 
 
-def quantized(N, K, G, g):
-    qweight = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+def quantized(N, K, G, g, bits=4):
+    qweight = torch.randint(0, 256, (N, K * bits // 8), generator=g, dtype=torch.uint8)
     scales = (torch.rand(N, K // G, generator=g) * 0.02 + 0.001).to(torch.float16)
-    zeros = torch.randint(0, 16, (N, K // G), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 1 << bits, (N, K // G), generator=g, dtype=torch.uint8)
     return qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
 
 
@@ -85,6 +85,20 @@ def test_int4_matmul_matches_ref(M, N, K, G, dtype):
     assert_close(y, int4_matmul_ref(x, *q, G), "projection")
 
 
+@pytest.mark.parametrize("M", [1, 3, 20])
+@pytest.mark.parametrize("N,K,G", [(13, 96, 48), (8, 64, 32)])
+def test_int2_matches_ref(M, N, K, G):
+    """Dual-bit's INT2 copy (four codes a byte) through both kernels, with the decode options."""
+    g = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, 1, K, generator=g).to(DEVICE)
+    q = quantized(2 * N, K, G, g, bits=2)
+    kw = {"norm_weight": torch.rand(K, generator=g).to(DEVICE), "swiglu": True}
+    if M <= 16:
+        assert_close(int4_gemv(x, *q, G, bits=2, **kw), int4_gemv_ref(x, *q, G, bits=2, **kw), "projection")
+        assert_close(int4_gemv(x, *q, G, bits=2, pdl=True), int4_gemv_ref(x, *q, G, bits=2), "projection")
+    assert_close(int4_matmul(x, *q, G, bits=2), int4_matmul_ref(x, *q, G, bits=2), "projection")
+
+
 def test_int4_ref_is_the_float_gemv_of_the_dequantized_weight():
     g = torch.Generator().manual_seed(0)
     q = quantized(8, 64, 32, g)
@@ -98,8 +112,10 @@ def test_int4_rejects_bad_inputs():
     g = torch.Generator().manual_seed(0)
     q = quantized(8, 64, 32, g)
     x = torch.randn(1, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="group_size must be even and divide K = 64, got 24"):
+    with pytest.raises(ValueError, match="group_size must be a multiple of 2 dividing K = 64, got 24"):
         int4_gemv(x, *q, 24)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        int4_gemv(x, *q, 32, bits=3)
     with pytest.raises(ValueError, match=r"qweight must be \(N, K/2\) = \(N, 48\) uint8"):
         int4_gemv(torch.randn(1, 96, device=DEVICE), *q, 32)
     with pytest.raises(ValueError, match="scales dtype"):

@@ -46,6 +46,9 @@ def test_pack_and_rtn_round_trip():
     # the pair of even and odd iterations lands within a quarter step of every weight whose
     # correction stays a code (not at the clamped ends of a group's range)
     pair = (qw.dequantize() + qw.odd().dequantize()) / 2 - w
+    int2 = qw.int2()
+    assert int2.qweight.shape == (7, 96 // 4) and int2.zeros.max() <= 3
+    assert (int2.dequantize() - qw.dequantize()).abs().max() <= int2.scales.float().max() / 2 + 1e-6
     inner = (quant.unpack4(t["qweight"]) > 0) & (quant.unpack4(t["qweight"]) < quant.QMAX)
     assert (pair.abs() <= step / 4 + 1e-6)[inner].all()
     assert pair.pow(2).mean() < 0.5 * err.pow(2).mean()
@@ -89,15 +92,18 @@ def test_quantized_model_equals_its_dequantized_float_model(files):
         assert klq == pytest.approx(klf, rel=1e-4, abs=1e-6)
 
 
-@pytest.mark.parametrize("rounding", ["cancel", "stochastic"])
-def test_rounding_across_iterations_equals_its_float_reference(files, rounding):
-    """Iteration i runs the block's variant i (even: the codes, odd: codes + sign channel; or a
-    draw per iteration) on every path: the engine's decode equals the full forward of the float
-    model holding the same variants."""
+@pytest.mark.parametrize("rounding,settings,described", [
+    ("cancel", dict(cancel_round=True), "cancel rounding"),
+    ("stochastic", dict(cross_iter_round=True), "stochastic rounding"),
+    ("dual-bit", dict(dual_bit=True, dual_bit_switch=1), "int2 iterations 0-1"),
+])
+def test_rounding_across_iterations_equals_its_float_reference(files, rounding, settings, described):
+    """Iteration i runs the block's variant i (even: the codes, odd: codes + sign channel; a
+    draw per iteration; INT2 up to the switch, INT4 after) on every path: the engine's decode
+    equals the full forward of the float model holding the same variants."""
     _, q, _ = files
-    settings = Settings(cancel_round=rounding == "cancel", cross_iter_round=rounding == "stochastic")
-    with Model(q, n_slots=2, settings=settings) as mq:
-        assert mq.weight_format == f"int4-g32-rtn+cancel ({rounding} rounding)"
+    with Model(q, n_slots=2, settings=Settings(**settings)) as mq:
+        assert mq.weight_format == f"int4-g32-rtn+cancel ({described})"
         out = mq.generate(P, loops=5, max_tokens=6)
         logits, _ = mq.score_with_uncertainty(P, 2, 5)  # iterations 0-1, then 2-4 resumed
         ref = quant_checkpoint.dequantized(mq._module)
@@ -148,6 +154,10 @@ def test_rounding_settings_need_the_sign_channel(files, tmp_path):
     assert main(["quantize", str(src), str(plain), "--group-size", "32"]) == 0
     with pytest.raises(ValueError, match=r"needs the shared block quantized with its sign channel"):
         Model(plain, settings=Settings(cross_iter_round=True))
+    with pytest.raises(ValueError, match="dual-bit applies to quantized weights"):
+        Model(src, settings=Settings(dual_bit=True))
     with pytest.raises(ValueError, match="pick one"):
         Settings(cancel_round=True, cross_iter_round=True)
     assert Settings.from_env({"TINYLOOP_CANCEL_ROUND": "1"}).rounding == "cancel"
+    env = Settings.from_env({"TINYLOOP_DUAL_BIT": "1", "TINYLOOP_DUAL_BIT_SWITCH": "5"})
+    assert (env.dual_bit, env.dual_bit_switch) == (True, 5)

@@ -51,11 +51,13 @@ def step_logits(m: Model, loops: int, toks: list[int], T0: int) -> torch.Tensor:
 
 
 def test_int4_decode_step_matches_the_reference(qpath):
-    """With cancel rounding: iterations 0 and 1 run the two variants of the block, each fused."""
-    with model(qpath, cancel_round=True) as ref, model(qpath, cancel_round=True) as fused:
+    """Cancel rounding and dual-bit up to iteration 0: iteration 0 runs the INT2 copy, 1 the
+    odd INT4 variant, 2 the codes, each fused."""
+    s = dict(cancel_round=True, dual_bit=True, dual_bit_switch=0)
+    with model(qpath, **s) as ref, model(qpath, **s) as fused:
         rows = fast(fused, 1)
-        toks = PROMPT + ref.generate(PROMPT, loops=2, max_tokens=3)[len(PROMPT):]
-        want, got = step_logits(ref, 2, toks, len(PROMPT)), step_logits(fused, 2, toks, len(PROMPT))
+        toks = PROMPT + ref.generate(PROMPT, loops=3, max_tokens=3)[len(PROMPT):]
+        want, got = step_logits(ref, 3, toks, len(PROMPT)), step_logits(fused, 3, toks, len(PROMPT))
         assert 1 in rows, "the fused INT4 step never ran"
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4
 

@@ -109,40 +109,49 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], -1).reshape(packed.shape[0], -1)
 
 
+def pack2(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in [0, 3], K % 4 == 0 -> (N, K/4) uint8, column 4j + c in bits [2c, 2c + 2)."""
+    q = q.to(torch.uint8)
+    return q[:, 0::4] | (q[:, 1::4] << 2) | (q[:, 2::4] << 4) | (q[:, 3::4] << 6)
+
+
+def unpack2(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/4) uint8 -> (N, K) uint8 codes in [0, 3]."""
+    return torch.stack([(packed >> s) & 0x3 for s in (0, 2, 4, 6)], -1).reshape(packed.shape[0], -1)
+
+
 def pack_sign(d: torch.Tensor) -> torch.Tensor:
     """(N, K) corrections in {-1, 0, 1}, K % 4 == 0 -> (N, K/4) uint8, two bits (d + 1) each."""
-    c = (d + 1).to(torch.uint8)
-    return c[:, 0::4] | (c[:, 1::4] << 2) | (c[:, 2::4] << 4) | (c[:, 3::4] << 6)
+    return pack2(d + 1)
 
 
 def unpack_sign(packed: torch.Tensor) -> torch.Tensor:
     """(N, K/4) uint8 -> (N, K) int8 corrections in {-1, 0, 1}."""
-    parts = [(packed >> s) & 0x3 for s in (0, 2, 4, 6)]
-    return (torch.stack(parts, -1).reshape(packed.shape[0], -1).to(torch.int8) - 1)
+    return unpack2(packed).to(torch.int8) - 1
 
 
 # -- round to nearest ---------------------------------------------------------------------
-def group_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(w: torch.Tensor, group_size: int, qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) fp32 -> scales (N, G) fp16, zeros (N, G) uint8: each group's [min, max] (0
-    included) over 16 codes. The scale is rounded to fp16 first, and the codes are taken
+    included) over qmax + 1 codes. The scale is rounded to fp16 first, and the codes are taken
     against that rounded scale, so the stored pair is what the rounding used."""
     N, K = w.shape
     g = w.reshape(N, K // group_size, group_size)
     lo = g.amin(-1).clamp(max=0)
     hi = g.amax(-1).clamp(min=0)
-    scale = ((hi - lo) / QMAX).to(torch.float16)
+    scale = ((hi - lo) / qmax).to(torch.float16)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
-    zero = torch.round(-lo / scale.float()).clamp(0, QMAX).to(torch.uint8)
+    zero = torch.round(-lo / scale.float()).clamp(0, qmax).to(torch.uint8)
     return scale, zero
 
 
-def codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+def codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, qmax: int = QMAX
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) -> (q (N, K) uint8 round-to-nearest codes, t (N, K) fp32 the unrounded codes)."""
     s = scales.float().repeat_interleave(group_size, 1)
     z = zeros.float().repeat_interleave(group_size, 1)
     t = w.float() / s + z
-    return torch.round(t).clamp(0, QMAX).to(torch.uint8), t
+    return torch.round(t).clamp(0, qmax).to(torch.uint8), t
 
 
 def sign_channel(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -182,8 +191,9 @@ class QuantWeight:
     (the model's `use_fast_path`); None: the torch reference, dequantize then multiply."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 sign: torch.Tensor | None = None):
+                 sign: torch.Tensor | None = None, bits: int = 4):
         self.qweight, self.scales, self.zeros, self.group_size, self.sign = qweight, scales, zeros, group_size, sign
+        self.bits = bits  # 4, or 2 for dual-bit's copy (`int2`): codes pack2's way
         self.kernels: tuple[Callable, Callable] | None = None
 
     @classmethod
@@ -192,7 +202,7 @@ class QuantWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qweight.shape[0], 2 * self.qweight.shape[1]
+        return self.qweight.shape[0], 8 // self.bits * self.qweight.shape[1]
 
     @property
     def device(self) -> torch.device:
@@ -204,35 +214,37 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_codes(unpack4(self.qweight), self.scales, self.zeros, self.group_size).to(dtype)
+        q = unpack4(self.qweight) if self.bits == 4 else unpack2(self.qweight)
+        return dequantize_codes(q, self.scales, self.zeros, self.group_size).to(dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) @ W.T."""
         if self.kernels is not None:
-            return self.kernels[1](x, self.qweight, self.scales, self.zeros, self.group_size)
+            return self.kernels[1](x, self.qweight, self.scales, self.zeros, self.group_size, self.bits)
         from tinyloop.worker.model.modules import linear
         return linear(x, self.dequantize(x.dtype))
 
     def gemv(self, x: torch.Tensor, **options) -> torch.Tensor:
         """kernels.gemv's call (decode step: norm, SwiGLU, residual, argmax epilogues) on this weight."""
-        return self.kernels[0](x, self.qweight, self.scales, self.zeros, self.group_size, **options)
+        return self.kernels[0](x, self.qweight, self.scales, self.zeros, self.group_size, bits=self.bits, **options)
 
     @staticmethod
     def cat(weights: list["QuantWeight"]) -> "QuantWeight":
         """The weights stacked along the output dim (a fused projection): rows are independent."""
-        g = {w.group_size for w in weights}
+        g = {(w.group_size, w.bits) for w in weights}
         if len(g) != 1:
-            raise ValueError(f"fused weights must share one group size, got {sorted(g)}")
+            raise ValueError(f"fused weights must share one (group size, bits), got {sorted(g)}")
         signs = [w.sign for w in weights]
         sign = None if any(s is None for s in signs) else torch.cat(signs)
+        group_size, bits = g.pop()
         return QuantWeight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
-                           torch.cat([w.zeros for w in weights]), g.pop(), sign)
+                           torch.cat([w.zeros for w in weights]), group_size, sign, bits)
 
     def split(self, sizes: list[int]) -> list["QuantWeight"]:
         """Row blocks of these sizes, views of this weight's tensors."""
         parts = [t.split(sizes) if t is not None else [None] * len(sizes)
                  for t in (self.qweight, self.scales, self.zeros, self.sign)]
-        out = [QuantWeight(q, s, z, self.group_size, sg) for q, s, z, sg in zip(*parts)]
+        out = [QuantWeight(q, s, z, self.group_size, sg, self.bits) for q, s, z, sg in zip(*parts)]
         for w in out:
             w.kernels = self.kernels
         return out
@@ -256,9 +268,16 @@ class QuantWeight:
         return QuantWeight(pack4(q.to(torch.uint8)), self.scales, self.zeros, self.group_size)
 
 
-def weight_nbytes(w) -> int:
-    """Bytes of a weight, float tensor or quantized (modules.Block.eviction's L2 budget)."""
-    return w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size()
+    def int2(self) -> "QuantWeight":
+        """Dual-bit's copy: this weight requantized to 2 bits (round to nearest of its
+        dequantized values, each group's [min, max] over 4 codes), half the bytes to read."""
+        if self.group_size % 4:
+            raise ValueError(f"dual-bit packs four 2-bit codes a byte: it needs a group size that is a multiple "
+                             f"of 4, got {self.group_size}")
+        w = self.dequantize()
+        scales, zeros = group_params(w, self.group_size, 3)
+        return QuantWeight(pack2(codes(w, scales, zeros, self.group_size, 3)[0]), scales, zeros, self.group_size,
+                           bits=2)
 
 
 def route_gemv(gemv: Callable) -> Callable:

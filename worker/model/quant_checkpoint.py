@@ -140,36 +140,55 @@ def block_variant(layer: Block, weight_of: Callable[[QuantWeight], QuantWeight])
 ROUNDINGS = ("nearest", "cancel", "stochastic")
 
 
-def use_rounding(model: LoopedTransformer, rounding: str, seed: int = 0) -> None:
-    """The shared block's weights by iteration: "nearest" the file's codes every iteration;
-    "cancel" the codes at even iterations and q + d (the sign channel) at odd ones;
-    "stochastic" an independent draw per iteration (QuantWeight.stochastic), one weight set
-    per iteration up to max_loops (so memory grows with max_loops). Call before use_fast_path."""
+def use_rounding(model: LoopedTransformer, rounding: str, seed: int = 0, dual_bit_switch: int | None = None) -> None:
+    """The shared block's weights by iteration (model.loop_variants): "nearest" the file's codes
+    every iteration; "cancel" the codes at even iterations and q + d (the sign channel) at odd
+    ones; "stochastic" an independent draw per iteration (QuantWeight.stochastic), one weight
+    set per iteration up to max_loops (memory grows with max_loops). dual_bit_switch s:
+    iterations 0..s run an INT2 copy of the block made now from its INT4 codes
+    (QuantWeight.int2), the later ones as `rounding` says. Call before use_fast_path."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if rounding == "nearest":
-        model.loop_variants = []
-        return
     loop = list(model.loop)
     weights = [m.weight for layer in loop for m in layer.modules() if isinstance(m, QuantLinear)]
-    if not weights or any(w.sign is None for w in weights):
+    if rounding != "nearest" and (not weights or any(w.sign is None for w in weights)):
         raise ValueError(f"{rounding} rounding needs the shared block quantized with its sign channel "
                          f"(`tinyloop quantize --cancel-round`)")
-    if rounding == "cancel":
-        odd = [block_variant(layer, QuantWeight.odd) for layer in loop]
-        model.loop_variants = [model.loop, nn.ModuleList(odd)]
-        return
-    g = torch.Generator().manual_seed(seed)
-    model.loop_variants = [nn.ModuleList(block_variant(layer, lambda w: w.stochastic(g)) for layer in loop)
-                           for _ in range(model.config.max_loops)]
+    if rounding == "nearest":
+        variants = [model.loop]
+    elif rounding == "cancel":
+        variants = [model.loop, nn.ModuleList(block_variant(layer, QuantWeight.odd) for layer in loop)]
+    else:
+        g = torch.Generator().manual_seed(seed)
+        variants = [nn.ModuleList(block_variant(layer, lambda w: w.stochastic(g)) for layer in loop)
+                    for _ in range(model.config.max_loops)]
+    if dual_bit_switch is not None:
+        if not weights:
+            raise ValueError("dual-bit needs a quantized shared block (`tinyloop quantize`)")
+        if dual_bit_switch < 0:
+            raise ValueError(f"dual_bit_switch must be >= 0, got {dual_bit_switch}")
+        int2 = nn.ModuleList(block_variant(layer, QuantWeight.int2) for layer in loop)
+        L = model.config.max_loops
+        variants = [int2 if i <= dual_bit_switch else variants[i % len(variants)] for i in range(L)]
+    model.loop_variants = [] if variants == [model.loop] else variants
 
 
 def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable]) -> None:
-    """Every quantized weight of the model (fused ones included) on the Triton launchers."""
+    """Every quantized weight of the model (fused ones included) on the Triton launchers, after
+    model.use_fast_path. With several weight sets of the shared block (loop_variants), the L2
+    budget that Block.eviction gives the block is shared among them in proportion to their
+    bytes, since they are all read by one token."""
     for m in _all_modules(model):
         for w in vars(m).values():
             if isinstance(w, QuantWeight):
                 w.kernels = kernels
+    distinct = list({id(v): v for v in model.loop_variants}.values())
+    if len(distinct) > 1:
+        nbytes = [sum(w.nbytes for layer in v for w in layer.projections().values()) for v in distinct]
+        for v, n in zip(distinct, nbytes):
+            for layer in v:
+                layer.l2_keep_fraction *= n / sum(nbytes)
+                layer._l2_kept = None
 
 
 def _all_modules(model: LoopedTransformer) -> Iterable[nn.Module]:
@@ -179,16 +198,21 @@ def _all_modules(model: LoopedTransformer) -> Iterable[nn.Module]:
 
 
 def use_settings(model: LoopedTransformer, meta: dict, path: str, settings, dtype: torch.dtype) -> str:
-    """A loaded model's rounding across iterations as `settings` say (Settings.rounding), its
-    quantized weights on `dtype`'s path -> the weight format, as ModelInfo reports it."""
+    """A loaded model's shared block by iteration as `settings` say (Settings.rounding,
+    dual_bit) -> the weight format, as ModelInfo reports it."""
     spec = spec_of(meta, path)
     if spec is None:
-        if settings.rounding != "nearest":
-            raise ValueError(f"{settings.rounding} rounding applies to quantized weights; {path} holds "
-                             f"float weights (`tinyloop quantize --cancel-round` writes them)")
+        if settings.rounding != "nearest" or settings.dual_bit:
+            what = "dual-bit" if settings.dual_bit else f"{settings.rounding} rounding"
+            raise ValueError(f"{what} applies to quantized weights; {path} holds float weights "
+                             f"(`tinyloop quantize` writes them)")
         return str(dtype).removeprefix("torch.")
-    use_rounding(model, settings.rounding)
-    return spec.describe() + ("" if settings.rounding == "nearest" else f" ({settings.rounding} rounding)")
+    dual = spec.dual_bit if settings.dual_bit is None else settings.dual_bit
+    use_rounding(model, settings.rounding, dual_bit_switch=settings.dual_bit_switch if dual else None)
+    extra = [] if settings.rounding == "nearest" else [f"{settings.rounding} rounding"]
+    if dual:
+        extra.append(f"int2 iterations 0-{settings.dual_bit_switch}")
+    return spec.describe() + (f" ({', '.join(extra)})" if extra else "")
 
 
 def dequantized(model: LoopedTransformer, dtype: torch.dtype = torch.float32) -> LoopedTransformer:

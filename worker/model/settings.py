@@ -22,7 +22,9 @@ class Settings:
     evicting them (a token reads the shared block L times and every other weight once).
     cancel_round / cross_iter_round: a quantized model's shared block alternates its rounding
     between even and odd iterations (the file's sign channel), or draws it per iteration
-    (quant_checkpoint.use_rounding); neither: round to nearest at every iteration."""
+    (quant_checkpoint.use_rounding); neither: round to nearest at every iteration. dual_bit:
+    iterations 0..dual_bit_switch run an INT2 copy of the quantized shared block made at load
+    (None: as the file says, `tinyloop quantize --dual-bit`)."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -31,6 +33,8 @@ class Settings:
     l2_stream: str = "evict_first"
     cancel_round: bool = False
     cross_iter_round: bool = False
+    dual_bit: bool | None = None
+    dual_bit_switch: int = 3
 
     def __post_init__(self):
         if self.backend not in (None, "torch", "triton"):
@@ -45,6 +49,8 @@ class Settings:
             raise ValueError(f"l2_stream must be one of {EVICTION_POLICIES}, got {self.l2_stream!r}")
         if self.cancel_round and self.cross_iter_round:
             raise ValueError("cancel_round and cross_iter_round are two roundings of one weight: pick one")
+        if self.dual_bit_switch < 0:
+            raise ValueError(f"dual_bit_switch must be >= 0, got {self.dual_bit_switch}")
 
     @property
     def rounding(self) -> str:
@@ -59,12 +65,13 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """Defaults overridden by TINYLOOP_BACKEND, TINYLOOP_CUDA_GRAPHS (0/1),
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
-        TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1) and TINYLOOP_CROSS_ITER_ROUND (0/1)."""
+        TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
+        TINYLOOP_DUAL_BIT (0/1) and TINYLOOP_DUAL_BIT_SWITCH."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
-                 "cancel_round": flag, "cross_iter_round": flag}
+                 "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")
