@@ -3,7 +3,8 @@
     source bench/gpu_env.sh && python -m bench.quant_decode --out-dir $OUT   # -> quant-decode-cuda.json
 
 bench-285m with random weights, bf16, and the same weights as RTN INT4 (group size 128, every
-projection quantized; embeddings and head stay bf16). For each format at L = 4, 8, 16, 32: the
+projection quantized; embeddings and head stay bf16), and the INT4 file served dual-bit (an
+INT2 copy of the shared block for iterations 0..3). For each format at L = 4, 8, 16, 32: the
 engine's captured batch-1 decode graph replayed in a loop, fed its own greedy token
 (bench/decode.py's `decode_rate`), beside its floors: bytes a token reads over the copy
 bandwidth, and the HBM floor, less the shared block's bytes the step keeps in L2
@@ -26,6 +27,7 @@ from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
 from tinyloop.worker.model.quant import QuantSpec
 from tinyloop.worker.model.quantize import quantize_file
+from tinyloop.worker.model.settings import Settings
 
 
 def layer_bytes(block) -> int:
@@ -34,26 +36,29 @@ def layer_bytes(block) -> int:
     return sum(m.weight.nbytes for m in (att.wq, att.wk, att.wv, att.wo, ffn.w1, ffn.w2, ffn.w3))
 
 
-def block_bytes(model: Model) -> tuple[int, int]:
-    """(bytes of the shared block's projections, of those the decode step keeps in L2: the
-    fused projections `Block.eviction` hints "evict_last", CUDA only)."""
-    total = kept = 0
-    for block in model._module.loop:
-        total += layer_bytes(block)
-        if model.device.type == "cuda":
-            kept += sum(w.nbytes for name, w in block.projections().items() if block.eviction(name) == "evict_last")
-    return total, kept
+def kept_bytes(block) -> int:
+    """Bytes of a layer's fused projections the decode step keeps in L2 (`Block.eviction`:
+    "evict_last"; CUDA only, after the model's fast path)."""
+    return sum(w.nbytes for name, w in block.projections().items() if block.eviction(name) == "evict_last")
 
 
-def token_bytes(model: Model, loops: int, context: int) -> int:
-    """Bytes a decode token reads: each layer's projections (the shared block's once per
-    iteration), the head, the embedding row, and the K/V of `context` positions per layer."""
+def token_bytes(model: Model, loops: int, context: int) -> tuple[int, int]:
+    """(bytes a decode token reads, of those the HBM need not serve): each layer's projections
+    (iteration i's weight set of the shared block, `loop_variants`), the head, the embedding
+    row, the K/V of `context` positions per layer; the second, every use of a set's L2-kept
+    projections but its first."""
     net, cfg = model._module, model.config
-    weights = sum(layer_bytes(b) for b in [*net.prelude, *net.coda]) + loops * sum(layer_bytes(b) for b in net.loop)
+    sets = [net.loop_variants[i % len(net.loop_variants)] if net.loop_variants else net.loop for i in range(loops)]
+    weights = sum(layer_bytes(b) for b in [*net.prelude, *net.coda]) + sum(layer_bytes(b) for v in sets for b in v)
+    cached = 0
+    if model.device.type == "cuda":
+        distinct = {id(v): v for v in sets}.values()
+        cached = sum(kept_bytes(b) for v in sets for b in v) - sum(kept_bytes(b) for v in distinct for b in v)
     head = net.tok_embeddings.weight if net.output is None else net.output.weight
     elem = head.element_size()
     layers = cfg.n_prelude + loops * cfg.n_loop_layers + cfg.n_coda
-    return weights + head.nbytes + cfg.d_model * elem + layers * 2 * cfg.n_kv_heads * cfg.head_dim * context * elem
+    kv = layers * 2 * cfg.n_kv_heads * cfg.head_dim * context * elem
+    return weights + head.nbytes + cfg.d_model * elem + kv, cached
 
 
 def slope(xs: list[int], ys: list[float]) -> float:
@@ -91,20 +96,22 @@ def main(argv: list[str] | None = None) -> None:
     bf16_layer = bytes_per_token(cfg, 1, 0, 2)["weights"] - bytes_per_token(cfg, 0, 0, 2)["weights"]
     per_iteration_floor = bf16_layer / gbps  # the bf16 block read from HBM once an iteration
     rows: dict[str, list] = {}
-    for fmt, path in (("bf16", src), ("int4", qpath)):
+    formats = (("bf16", src, Settings()), ("int4", qpath, Settings()), ("int4-dual-bit", qpath, Settings(dual_bit=True)))
+    for fmt, path, settings in formats:
         # no prefill graphs: the benchmark times decode only (bench/decode.py's decode_runner)
-        model = Model(path, max_seq_len=1024, device=dev, dtype=dtype, n_slots=1, cuda_graphs=False,
-                      prefill_graph_len=0)
+        model = Model(path, max_seq_len=1024, device=dev, dtype=dtype, n_slots=1,
+                      settings=settings.replace(cuda_graphs=False, prefill_graph_len=0))
         runner = decode_runner(model, args.loops) if cuda else model.runner
-        total, kept = block_bytes(model)
-        result.setdefault("block", {})[fmt] = {"bytes": total, "l2_kept_bytes": kept,
-                                               "format": model.weight_format}
+        blocks = {"bytes": sum(layer_bytes(b) for b in model._module.loop), "format": model.weight_format}
+        if cuda:
+            blocks["l2_kept_bytes"] = sum(kept_bytes(b) for b in model._module.loop)
+        result.setdefault("block", {})[fmt] = blocks
         rows[fmt] = []
         for L in tqdm(args.loops, desc=f"decode {fmt}"):
-            b = token_bytes(model, L, args.context)
+            b, cached = token_bytes(model, L, args.context)
             ms = decode_rate(runner, L, args.context, args.steps, args.repeat)
             floor = b / gbps
-            hbm_floor = (b - (L - 1) * kept) / gbps
+            hbm_floor = (b - cached) / gbps
             rows[fmt].append({"loops": L, "ms": ms, "bytes_per_token": b, "floor_ms": floor,
                               "hbm_floor_ms": hbm_floor, "vs_floor": ms / floor, "vs_hbm_floor": ms / hbm_floor})
             print(f"{fmt} L={L}: {ms:.3f} ms/token (floor {floor:.3f}, HBM floor {hbm_floor:.3f})")
