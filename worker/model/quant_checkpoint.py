@@ -120,10 +120,6 @@ def install(model: LoopedTransformer, weights: dict[str, QuantWeight]) -> None:
         setattr(model.get_submodule(parent), name, QuantLinear(w))
 
 
-def quantized_layers(model: LoopedTransformer) -> bool:
-    return any(isinstance(m, QuantLinear) for m in model.modules())
-
-
 def block_variant(layer: Block, weight_of: Callable[[QuantWeight], QuantWeight]) -> Block:
     """A copy of a shared-block layer with each quantized weight w replaced by weight_of(w),
     sharing everything else (norms, biases) with the layer."""
