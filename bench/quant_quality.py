@@ -1,12 +1,12 @@
 """Quality of quantized weights on the embedded default model (CPU): held-out bits per byte at
 L = 1, 4, 8, 16 (train/evaluate.py's windows) and greedy agreement with the float model over
-128 tokens, for fp32 (the float model), RTN-4, RTN-4 + cancel, GPTQ-4, GPTQ-4 + cancel and
-GPTQ-4 dual-bit (an INT2 copy of the shared block for iterations 0..3); --bf16 adds the float
-model in bf16 (slow on a CPU). GPTQ is calibrated on the training corpus at the model's default
+128 tokens, for fp32 (the float model), RTN-4, GPTQ-4, GPTQ-4 + cancel and GPTQ-4 dual-bit
+(an INT2 copy of the shared block for iterations 0..3); --rtn-cancel adds RTN-4 + cancel,
+--bf16 the float model in bf16 (slow on a CPU). GPTQ is calibrated on the training corpus at the model's default
 depth, its shared block's Hessian summed over every iteration. Writes
 bench/results/quant-quality-cpu.json.
 
-    python -m bench.quant_quality [--group-size 64] [--calib-tokens 32768] [--windows 32]
+    python -m bench.quant_quality [--group-size 64] [--calib-tokens 16384] [--windows 16] [--prompts 2]
 """
 from __future__ import annotations
 
@@ -47,11 +47,12 @@ def agreement(model: Model, ref_outputs: list[list[int]], prompts: list[list[int
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--calib-tokens", type=int, default=32768)
-    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--calib-tokens", type=int, default=16384)
+    ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--rtn-cancel", action="store_true", help="add RTN-4 + cancel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         variants = {"fp32": (src, Settings(), torch.float32),
                     **({"bf16": (src, Settings(), torch.bfloat16)} if args.bf16 else {}),
                     "rtn-4": (files["rtn"], Settings(), torch.float32),
-                    "rtn-4+cancel": (files["rtn"], Settings(cancel_round=True), torch.float32),
+                    **({"rtn-4+cancel": (files["rtn"], Settings(cancel_round=True), torch.float32)}
+                       if args.rtn_cancel else {}),
                     "gptq-4": (files["gptq"], Settings(), torch.float32),
                     "gptq-4+cancel": (files["gptq"], Settings(cancel_round=True), torch.float32),
                     "gptq-4+dual-bit": (files["gptq"], Settings(dual_bit=True), torch.float32)}
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                     row["greedy"] = agreement(m, ref_out, prompts, cfg.default_loops)
             rows[name] = row
             timings[f"{name}_s"] = round(time.perf_counter() - t, 1)
-            print(name, row)
+            print(name, row, flush=True)
     base = rows["fp32"]["bpb"]
     for name, row in rows.items():
         row["bpb_vs_fp32_pct"] = {L: round(100 * (v / base[L] - 1), 2) for L, v in row["bpb"].items()}
