@@ -309,7 +309,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "d_model", "default_loops", "max_loops", "max_seq_len", "eos_id", "workers", "config_json", "kv_mode", "kv_bytes_per_token_layer")
+    __slots__ = ("model_name", "vocab_size", "d_model", "default_loops", "max_loops", "max_seq_len", "eos_id", "workers", "config_json", "kv_mode", "kv_bytes_per_token_layer", "weight_format")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     D_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,7 @@ class ModelInfoResponse(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     KV_MODE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_LAYER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     d_model: int
@@ -332,7 +333,8 @@ class ModelInfoResponse(_message.Message):
     config_json: str
     kv_mode: str
     kv_bytes_per_token_layer: float
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., d_model: _Optional[int] = ..., default_loops: _Optional[int] = ..., max_loops: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_id: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., config_json: _Optional[str] = ..., kv_mode: _Optional[str] = ..., kv_bytes_per_token_layer: _Optional[float] = ...) -> None: ...
+    weight_format: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., d_model: _Optional[int] = ..., default_loops: _Optional[int] = ..., max_loops: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_id: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., config_json: _Optional[str] = ..., kv_mode: _Optional[str] = ..., kv_bytes_per_token_layer: _Optional[float] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "epoch", "device", "lanes", "active_lanes", "handles", "handle_bytes", "alive")

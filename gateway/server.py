@@ -501,7 +501,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                                     d_model=i["d_model"], default_loops=i["default_loops"],
                                     max_loops=i["max_loops"], max_seq_len=i["max_seq_len"], eos_id=i["eos_id"],
                                     config_json=json.dumps(i["config"], default=str, sort_keys=True),
-                                    kv_mode=i["kv_mode"], kv_bytes_per_token_layer=i["kv_bytes_per_token_layer"])
+                                    kv_mode=i["kv_mode"], kv_bytes_per_token_layer=i["kv_bytes_per_token_layer"],
+                                    weight_format=i.get("weight_format", ""))
         stats = await asyncio.gather(*(asyncio.wait_for(_ref(w.actor.info.remote()), 5.0) for w in self.workers),
                                      return_exceptions=True)
         for w, s in zip(self.workers, stats):

@@ -24,7 +24,7 @@ from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, 
 from tinyloop.worker.generation.resume import ResumeHandle
 from tinyloop.worker.generation.sampling import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
-from tinyloop.worker.model import checkpoint
+from tinyloop.worker.model import checkpoint, quant_checkpoint
 from tinyloop.worker.model.cache import check_kv_mode, lane_bytes, make_cache
 from tinyloop.worker.model.errors import HandleFreed, LanesBusy, ModelClosed, OutOfMemory, OutOfRange, TooLong
 from tinyloop.worker.model.ops import select_ops
@@ -116,11 +116,17 @@ class Model:
         self.dtype = _dtype(dtype, self.device)
         self.path = os.fspath(path)
         model, meta = checkpoint.load(self.path, self.device, self.dtype, max_loops)
+        # the weights as stored ("float32", "bfloat16", ...) or their quantized format
+        self.weight_format = quant_checkpoint.use_settings(model, meta, self.path, settings, self.dtype)
         model.init_scale = float(init_scale)
         self.init_scale = float(init_scale)
         self.config = model.config
         self.max_seq_len = min(max_seq_len, self.config.max_seq_len)
         self.kv_mode = check_kv_mode(settings.kv_mode or "kv", self.config, self.config.max_loops)
+        if self.kv_mode != "kv" and quant_checkpoint.spec_of(meta, self.path) is not None:
+            # the store-h read rebuilds K and V with float W_k / W_v; quantized weights have none
+            raise ValueError(f"kv_mode {self.kv_mode!r} rebuilds K and V from float W_k / W_v, and {self.path} "
+                             f"holds quantized weights ({self.weight_format}): use kv_mode 'kv'")
         self.tokenizer = from_metadata(meta)
         self._module = model
         if n_slots is None:
@@ -129,6 +135,7 @@ class Model:
         if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
                                 settings.l2_keep_fraction, settings.l2_stream)
+            quant_checkpoint.use_kernels(model, ops.int4)
         cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
         cache = make_cache(self.kv_mode, self.config, n_slots, self.max_seq_len, self.config.max_loops,
                            self.device, self.dtype)

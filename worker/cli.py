@@ -1,4 +1,4 @@
-"""`tinyloop generate` (in-process), `tinyloop init-model` and `tinyloop convert`."""
+"""`tinyloop generate` (in-process), `tinyloop init-model`, `tinyloop convert` and `tinyloop quantize`."""
 from __future__ import annotations
 
 import sys
@@ -37,6 +37,21 @@ def register(sub) -> None:
                    help="max_loops stored in the file (default: 2x the model's default depth)")
     c.set_defaults(handler=_convert)
 
+    q = sub.add_parser("quantize", help="write a .tinyloop file's projections as INT4 (docs/checkpoint.md)")
+    q.add_argument("input", help="a float .tinyloop file")
+    q.add_argument("output", help="the quantized .tinyloop file to write")
+    q.add_argument("--bits", type=int, default=4, help="bits a weight (4)")
+    q.add_argument("--group-size", type=int, default=128, help="columns sharing a scale and zero; divides every "
+                                                            "projection's input dimension")
+    q.add_argument("--method", default="rtn", help="rtn (round to nearest) | gptq (calibrated on the training corpus)")
+    q.add_argument("--calib-tokens", type=int, default=65536, help="gptq: calibration tokens")
+    q.add_argument("--calib-loops", type=int, default=None, help="gptq: calibration depth (default: the model's)")
+    q.add_argument("--cancel-round", action="store_true",
+                   help="store the shared block's sign channel (TINYLOOP_CANCEL_ROUND, TINYLOOP_CROSS_ITER_ROUND)")
+    q.add_argument("--dual-bit", action="store_true", help="mark the file for dual-bit serving (needs --bits 4)")
+    q.add_argument("--corpus-root", default=None, help="gptq: the stdlib tree to calibrate on (default: this Python's)")
+    q.set_defaults(handler=_quantize)
+
     i = sub.add_parser("init-model", help="write a random-init .tinyloop checkpoint")
     i.add_argument("--preset", required=True, help="tiny | small | bench-285m | ouro-1.4b | ouro-2.6b | huginn-3.5b")
     i.add_argument("--seed", type=int, default=0)
@@ -67,6 +82,24 @@ def _generate(args) -> int:
             finish = stop.value
         print(f"\n[finish: {finish.reason}, {finish.stats['completion_tokens']} tokens, "
               f"L={req.loops}]", file=sys.stderr)
+    return 0
+
+
+def _quantize(args) -> int:
+    from tqdm import tqdm
+
+    from tinyloop.worker.model.quant import QuantSpec
+    from tinyloop.worker.model.quantize import quantize_file
+    if args.dual_bit and args.bits != 4:
+        raise ValueError(f"--dual-bit makes its INT2 copy from INT4 weights: it needs --bits 4, got --bits {args.bits}")
+    spec = QuantSpec(args.bits, args.group_size, args.method, args.cancel_round,
+                     args.calib_tokens if args.method == "gptq" else 0, args.dual_bit)
+
+    def bar(steps, desc):
+        return tqdm(steps, desc=desc, unit="step" if desc == "calibrating" else "weight", file=sys.stderr)
+    out = quantize_file(args.input, args.output, spec, bar, args.calib_loops, args.corpus_root)
+    print(f"wrote {args.output}: {out['format']}, {out['projections']} projections, "
+          f"{out['bytes'] / 1e6:.1f} MB (from {out['source_bytes'] / 1e6:.1f} MB)")
     return 0
 
 

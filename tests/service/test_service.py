@@ -280,6 +280,7 @@ def test_scoring_and_info(client, local_model):
     info = client.model_info()
     assert info["vocab_size"] == local_model.config.vocab_size
     assert info["max_loops"] == local_model.config.max_loops
+    assert info["weight_format"] == "float32"
     assert [w["worker_id"] for w in info["workers"]] == ["worker-0", "worker-1"]
     assert all(w["alive"] for w in info["workers"])
 

@@ -1,7 +1,7 @@
 """`.tinyloop` checkpoints: one safetensors file, the config as JSON in its metadata.
 
 Metadata keys: `tinyloop.format_version` ("1", or "2" for a config that uses a field added
-since: `LoopedConfig.format_version`) and `tinyloop.config` (LoopedConfig as JSON);
+since: `LoopedConfig.format_version`; "3" for quantized weights, quant_checkpoint.py) and `tinyloop.config` (LoopedConfig as JSON);
 optionally `tinyloop.tokenizer` (an HF `tokenizer.json` as a string) and `tinyloop.source`
 (what a converted file was converted from). Tensor names follow Llama (see
 docs/checkpoint.md). `load` also takes a Hugging Face model directory (hf.py).
@@ -20,9 +20,7 @@ from tinyloop.worker.model.errors import CheckpointError
 from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.safetensors_header import read_header
 
-SUPPORTED_VERSIONS = ("1", "2")
-
-
+SUPPORTED_VERSIONS = ("1", "2", "3")
 
 
 def save(model: LoopedTransformer, path: str | os.PathLike, dtype: torch.dtype = torch.float16,
@@ -69,16 +67,31 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu",
     if os.path.isdir(path):
         from tinyloop.worker.model import hf
         return hf.load(path, device, dtype, max_loops)
+    from tinyloop.worker.model import quant_checkpoint
     cfg, meta = read_config(path)
+    spec = quant_checkpoint.spec_of(meta, path)
     if max_loops is not None:
         cfg = with_max_loops(cfg, max_loops, path)
     with torch.device("meta"):
         model = LoopedTransformer(cfg)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    quantized = {} if spec is None else quant_checkpoint.file_names(cfg, spec)
+    if spec is not None:
+        # the projections' nn.Linear weights give way to the stored quantized tensors
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()
+                    if k.removesuffix(".weight") not in quant_checkpoint.projection_names(cfg)}
+    else:
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state = {}
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             names = set(f.keys())
+            missing = sorted(set(quantized) - names)
+            if missing:
+                raise CheckpointError(f"{path}: missing quantized tensor(s) {missing[:5]}"
+                                      + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+            if spec is not None:
+                quant_checkpoint.install(model, quant_checkpoint.read_quantized(f, path, cfg, spec, device))
+            names -= set(quantized)
             missing = sorted(set(expected) - names)
             if missing:
                 raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}"

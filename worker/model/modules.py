@@ -55,7 +55,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     products runs the M = 1 kernel for every lane, so a lane of a batched decode step is
     bitwise the step it would take alone (tests/worker/test_batcher.py checks the logits).
     Not on CUDA: there a row-wise bmm would read the weight once per lane, and a batched
-    decode is bandwidth-bound on exactly those reads."""
+    decode is bandwidth-bound on exactly those reads.
+
+    A weight that is not a tensor (quant.QuantWeight, GPTQ's calibration recorder) computes
+    the product itself."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x)
     if x.is_cpu and x.dim() == 3 and x.shape[0] > 1 and x.shape[1] == 1:
         return torch.bmm(x, weight.t().expand(x.shape[0], -1, -1))  # (B, 1, out)
     return F.linear(x, weight)
@@ -108,6 +113,10 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """One (q|k|v) projection for inference: a single larger GEMV per layer instead of
         three. wq/wk/wv become views into the fused weight, so nothing is stored twice."""
+        if not isinstance(self.wq.weight, torch.Tensor):  # quantized: row blocks of the fused weight
+            self.wqkv = type(self.wq.weight).cat([self.wq.weight, self.wk.weight, self.wv.weight])
+            self.wq.weight, self.wk.weight, self.wv.weight = self.wqkv.split(self._sizes())
+            return
         w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]).detach()
         self.wqkv = w
         self.wq.weight.data, self.wk.weight.data, self.wv.weight.data = w.split(self._sizes())
@@ -152,6 +161,10 @@ class FeedForward(nn.Module):
 
     def fuse(self) -> None:
         """One (gate|up) projection for inference; w1/w3 become views into it."""
+        if not isinstance(self.w1.weight, torch.Tensor):  # quantized, as Attention.fuse
+            self.w13 = type(self.w1.weight).cat([self.w1.weight, self.w3.weight])
+            self.w1.weight, self.w3.weight = self.w13.split([self.w1.weight.shape[0]] * 2)
+            return
         w = torch.cat([self.w1.weight, self.w3.weight]).detach()
         self.w13 = w
         self.w1.weight.data, self.w3.weight.data = w.chunk(2)
@@ -207,7 +220,7 @@ class Block(nn.Module):
         if self._l2_kept is None:
             weights = self.projections()
             budget = self.l2_keep_fraction * l2_bytes(weights["wo"].device)
-            nbytes = {n: w.numel() * w.element_size() * self.loop_layers for n, w in weights.items()}
+            nbytes = {n: w.nbytes * self.loop_layers for n, w in weights.items()}  # (quantized: packed bytes)
             self._l2_kept = l2_keep(nbytes, budget)
         return "evict_last" if name in self._l2_kept else self.l2_stream
 
@@ -266,6 +279,10 @@ class LoopedTransformer(nn.Module):
         for layer in self.loop:
             layer.loop_layers = cfg.n_loop_layers
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        # weight variants of the shared block by iteration: iteration i runs loop_variants[i %
+        # len] (quantized rounding that alternates across iterations, quant_checkpoint.py);
+        # empty: every iteration runs `loop`. Runtime state, never in a checkpoint.
+        self.loop_variants: list[nn.ModuleList] = []
         self.loop_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.loop_final_norm else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.final_norm else None
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -318,7 +335,7 @@ class LoopedTransformer(nn.Module):
         `Block.eviction` says (settings.Settings: l2_keep_fraction, l2_stream)."""
         self.gemv, self.gemv_rows = gemv, gemv_rows if gemv is not None else 0
         self.l2_stream = l2_stream
-        for m in self.modules():
+        for m in [*self.modules(), *(m for variant in self.loop_variants for m in variant.modules())]:
             if isinstance(m, (Attention, FeedForward)):
                 m.fuse()
                 if isinstance(m, FeedForward):
@@ -382,17 +399,19 @@ class LoopedTransformer(nn.Module):
             seeds = torch.zeros(e.shape[0], dtype=torch.long, device=e.device)
         return torch.cat([self.initial_state(seeds, positions), e], -1)
 
-    def iteration(self, x: torch.Tensor, attends: list[Attend]) -> torch.Tensor:
-        """One application of the shared block (all its layers), plus the per-loop norm. With
+    def iteration(self, x: torch.Tensor, attends: list[Attend], index: int = 0) -> torch.Tensor:
+        """Iteration `index` of the shared block (all its layers), plus the per-loop norm. With
         input injection x is (state | e): the adapter of that concatenation starts the
-        iteration, and e rides along unchanged."""
+        iteration, and e rides along unchanged. The index picks the block's weight variant
+        (loop_variants); a host int, so a captured stage of iteration i holds its variant."""
         e = None
         if self.adapter is not None:
             e = x[..., self.config.d_model:]
             x = linear(x, self.adapter.weight)
             if self.adapter.bias is not None:
                 x = x + self.adapter.bias
-        for layer, attend in zip(self.loop, attends):
+        loop = self.loop_variants[index % len(self.loop_variants)] if self.loop_variants else self.loop
+        for layer, attend in zip(loop, attends):
             x = layer(x, attend)
         if self.loop_norm is not None:
             x = self.loop_norm(x)
@@ -456,8 +475,8 @@ class LoopedTransformer(nn.Module):
         for layer in self.prelude:
             x = layer(x, attend)
         x = self.loop_input(x, seeds, pos.expand(B, T))
-        for _ in range(loops):
-            x = self.iteration(x, [attend] * len(self.loop))
+        for i in range(loops):
+            x = self.iteration(x, [attend] * len(self.loop), i)
         x = self.exit_loop(x)
         for layer in self.coda:
             x = layer(x, attend)

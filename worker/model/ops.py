@@ -40,8 +40,12 @@ class TritonOps(Ops):
     def __init__(self):
         from tinyloop.kernels.decode_attention import decode_attention, rope_decode_attention
         from tinyloop.kernels.gemv import gemv
-        # the fused projection serves up to Settings.fused_rows lanes (Model passes it)
-        self.gemv = gemv
+        from tinyloop.kernels.int4_gemv import int4_gemv, int4_matmul
+        from tinyloop.worker.model.quant import route_gemv
+        # the fused projection serves up to Settings.fused_rows lanes (Model passes it); a
+        # quantized weight takes the INT4 launchers (fused epilogues alike)
+        self.gemv = route_gemv(gemv)
+        self.int4 = (int4_gemv, int4_matmul)
         from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
         from tinyloop.kernels.swiglu import swiglu

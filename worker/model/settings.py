@@ -23,7 +23,12 @@ class Settings:
     shared block's largest projections may keep between iterations ("evict_last"); every
     other weight of a decode step loads with l2_stream, so that it passes through L2 without
     evicting them (a token reads the shared block L times and every other weight once).
-    kv_mode: what the cache stores (KV_MODES); None: "kv"."""
+    kv_mode: what the cache stores (KV_MODES); None: "kv".
+    cancel_round / cross_iter_round: a quantized model's shared block alternates its rounding
+    between even and odd iterations (the file's sign channel), or draws it per iteration
+    (quant_checkpoint.use_rounding); neither: round to nearest at every iteration. dual_bit:
+    iterations 0..dual_bit_switch run an INT2 copy of the quantized shared block made at load
+    (None: as the file says, `tinyloop quantize --dual-bit`)."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -31,6 +36,10 @@ class Settings:
     l2_keep_fraction: float = 0.7
     l2_stream: str = "evict_first"
     kv_mode: str | None = None
+    cancel_round: bool = False
+    cross_iter_round: bool = False
+    dual_bit: bool | None = None
+    dual_bit_switch: int = 3
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -45,6 +54,15 @@ class Settings:
             raise ValueError(f"l2_keep_fraction must be in [0, 1], got {self.l2_keep_fraction}")
         if self.l2_stream not in EVICTION_POLICIES:
             raise ValueError(f"l2_stream must be one of {EVICTION_POLICIES}, got {self.l2_stream!r}")
+        if self.cancel_round and self.cross_iter_round:
+            raise ValueError("cancel_round and cross_iter_round are two roundings of one weight: pick one")
+        if self.dual_bit_switch < 0:
+            raise ValueError(f"dual_bit_switch must be >= 0, got {self.dual_bit_switch}")
+
+    @property
+    def rounding(self) -> str:
+        """The shared block's quantized rounding across iterations (quant_checkpoint.ROUNDINGS)."""
+        return "cancel" if self.cancel_round else "stochastic" if self.cross_iter_round else "nearest"
 
     def replace(self, **changes) -> "Settings":
         """A copy with `changes`; None values keep the field as it is."""
@@ -53,11 +71,15 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """Defaults overridden by TINYLOOP_BACKEND, TINYLOOP_CUDA_GRAPHS (0/1),
-        TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION and
-        TINYLOOP_L2_STREAM; kv_mode by the reference runtime's switches (`kv_mode_from_env`)."""
+        TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
+        TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
+        TINYLOOP_DUAL_BIT (0/1) and TINYLOOP_DUAL_BIT_SWITCH; kv_mode by the reference runtime's
+        switches (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
-        kinds = {"backend": str, "cuda_graphs": lambda v: v not in ("0", "false", "no", ""),
-                 "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str}
+        flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
+        kinds = {"backend": str, "cuda_graphs": flag,
+                 "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
+                 "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")

@@ -160,7 +160,7 @@ class Engine:
             q = p if n == x.shape[0] else p.narrow(n)
             attends = [self._attend(cfg.loop_layer_index(i, j), q, self.model.loop[j].attention)
                        for j in range(cfg.n_loop_layers)]
-            y = self.model.iteration(x[:n], attends)
+            y = self.model.iteration(x[:n], attends, i)
             if depth is not None:
                 y = torch.where((depth > i)[:, None, None], y, x)
             x = y if n == x.shape[0] else torch.cat([y, x[n:]], 0)

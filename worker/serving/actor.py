@@ -229,7 +229,7 @@ class WorkerActor:
                 "device": self._device, "lanes": self.lanes, "model_path": self.model.path,
                 "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "default_loops": cfg.default_loops,
                 "max_loops": cfg.max_loops, "max_seq_len": self.model.max_seq_len, "eos_id": cfg.eos_id,
-                "config": _config_dict(cfg), "startup": self.model.startup, "kv_mode": self.model.kv_mode,
+                "config": _config_dict(cfg), "weight_format": self.model.weight_format, "startup": self.model.startup, "kv_mode": self.model.kv_mode,
                 "kv_bytes_per_token_layer": self.model.kv_bytes_per_token_layer, **(await self.stats())}
 
     async def stats(self) -> dict:

@@ -1,0 +1,141 @@
+"""The INT4 kernels against their references: odd row counts, group sizes that are not powers
+of two, every fused option, decode (M = 1), batched rows and prefill-sized GEMMs."""
+import pytest
+import torch
+from kernel_tolerances import DEVICE, assert_close
+
+from tinyloop.kernels.gemv import ARGMAX_KEY_NONE, argmax_key_ref, gemv_ref
+from tinyloop.kernels.int4_gemv import (int4_dequantize_ref, int4_gemv, int4_gemv_ref, int4_matmul,
+                                        int4_matmul_ref)
+
+CASES = [  # (N, K, G): a group of 32 (two a step), 48 (bytes a group not a power of two), one group a row
+    (8, 64, 32), (13, 96, 48), (24, 192, 64), (7, 128, 128),
+]
+# (N, K, swiglu) of bench-285m's projections at G = 128 (wqkv, wo, w13, w2, head)
+GPU_SHAPES = [(6144, 2048, False), (2048, 2048, False), (11264, 2048, True), (2048, 5632, False),
+              (32000, 2048, False)]
+
+
+def quantized(N, K, G, g, bits=4):
+    qweight = torch.randint(0, 256, (N, K * bits // 8), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(N, K // G, generator=g) * 0.02 + 0.001).to(torch.float16)
+    zeros = torch.randint(0, 1 << bits, (N, K // G), generator=g, dtype=torch.uint8)
+    return qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,G", CASES)
+@pytest.mark.parametrize("norm,swiglu,residual", [
+    (False, False, False), (True, False, False), (False, False, True), (True, True, False),
+])
+def test_int4_gemv_matches_ref(N, K, G, dtype, norm, swiglu, residual, pdl):
+    g = torch.Generator().manual_seed(N * 1000 + K)
+    x = (3 * torch.randn(1, 1, K, generator=g)).to(DEVICE, dtype)
+    q = quantized(2 * N if swiglu else N, K, G, g)
+    kw = {}
+    if norm:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
+        kw["eps"] = 1e-5
+    if residual:
+        kw["residual"] = torch.randn(1, 1, N, generator=g).to(DEVICE, dtype)
+    y = int4_gemv(x, *q, G, swiglu=swiglu, pdl=pdl, **kw)
+    assert y.shape == (1, 1, N)
+    assert_close(y, int4_gemv_ref(x, *q, G, swiglu=swiglu, **kw), "projection")
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16])
+@pytest.mark.parametrize("norm,swiglu,residual", [(True, True, False), (False, False, True)])
+def test_int4_gemv_rows_match_ref(rows, norm, swiglu, residual):
+    """A batched decode step's fused projection (M > 1: the GEMM kernel with gemv's epilogues)."""
+    N, K, G = 13, 96, 48
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, K, generator=g).to(DEVICE)
+    q = quantized(2 * N if swiglu else N, K, G, g)
+    kw = {"norm_weight": torch.rand(K, generator=g).to(DEVICE)} if norm else {}
+    if residual:
+        kw["residual"] = torch.randn(rows, 1, N, generator=g).to(DEVICE)
+    assert_close(int4_gemv(x, *q, G, swiglu=swiglu, **kw), int4_gemv_ref(x, *q, G, swiglu=swiglu, **kw),
+                 "projection")
+
+
+def test_int4_gemv_argmax_and_float32_logits():
+    g = torch.Generator().manual_seed(3)
+    N, K, G = 70, 64, 32
+    x = torch.randn(1, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    q = quantized(N, K, G, g)
+    key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.int64, device=DEVICE)
+    y = int4_gemv(x, *q, G, out_dtype=torch.float32, argmax_key=key)
+    assert y.dtype == torch.float32
+    plain = int4_gemv(x, *q, G)
+    assert torch.equal(y, plain.float())  # the plain call's values, widened
+    assert key.item() == argmax_key_ref(plain).item()
+    assert_close(plain, int4_gemv_ref(x, *q, G), "projection")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 5, 37])
+@pytest.mark.parametrize("N,K,G", [(13, 96, 48), (40, 256, 128)])
+def test_int4_matmul_matches_ref(M, N, K, G, dtype):
+    g = torch.Generator().manual_seed(M + N)
+    x = torch.randn(1, M, K, generator=g).to(DEVICE, dtype)
+    q = quantized(N, K, G, g)
+    y = int4_matmul(x, *q, G)
+    assert y.shape == (1, M, N)
+    assert_close(y, int4_matmul_ref(x, *q, G), "projection")
+
+
+@pytest.mark.parametrize("M", [1, 3, 20])
+@pytest.mark.parametrize("N,K,G", [(13, 96, 48), (8, 64, 32)])
+def test_int2_matches_ref(M, N, K, G):
+    """Dual-bit's INT2 copy (four codes a byte) through both kernels, with the decode options."""
+    g = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, 1, K, generator=g).to(DEVICE)
+    q = quantized(2 * N, K, G, g, bits=2)
+    kw = {"norm_weight": torch.rand(K, generator=g).to(DEVICE), "swiglu": True}
+    if M <= 16:
+        assert_close(int4_gemv(x, *q, G, bits=2, **kw), int4_gemv_ref(x, *q, G, bits=2, **kw), "projection")
+        assert_close(int4_gemv(x, *q, G, bits=2, pdl=True), int4_gemv_ref(x, *q, G, bits=2), "projection")
+    assert_close(int4_matmul(x, *q, G, bits=2), int4_matmul_ref(x, *q, G, bits=2), "projection")
+
+
+def test_int4_ref_is_the_float_gemv_of_the_dequantized_weight():
+    g = torch.Generator().manual_seed(0)
+    q = quantized(8, 64, 32, g)
+    x = torch.randn(1, 1, 64, generator=g).to(DEVICE)
+    w = int4_dequantize_ref(*q, 32)
+    assert_close(int4_gemv(x, *q, 32), gemv_ref(x, w), "projection")
+    assert_close(int4_matmul(x, *q, 32), x @ w.t(), "projection")
+
+
+def test_int4_rejects_bad_inputs():
+    g = torch.Generator().manual_seed(0)
+    q = quantized(8, 64, 32, g)
+    x = torch.randn(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="group_size must be a multiple of 2 dividing K = 64, got 24"):
+        int4_gemv(x, *q, 24)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        int4_gemv(x, *q, 32, bits=3)
+    with pytest.raises(ValueError, match=r"qweight must be \(N, K/2\) = \(N, 48\) uint8"):
+        int4_gemv(torch.randn(1, 96, device=DEVICE), *q, 32)
+    with pytest.raises(ValueError, match="scales dtype"):
+        int4_matmul(x, q[0], q[1].float(), q[2], 32)
+    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows"):
+        int4_gemv(torch.randn(17, 64, device=DEVICE), *q, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES)
+def test_int4_bench_285m_shapes(N, K, swiglu):
+    g = torch.Generator().manual_seed(N)
+    q = quantized(2 * N if swiglu else N, K, 128, g)
+    x = torch.randn(1, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    nw = torch.rand(K, generator=g).to(DEVICE, torch.bfloat16)
+    for pdl in (False, True):
+        assert_close(int4_gemv(x, *q, 128, norm_weight=nw, swiglu=swiglu, pdl=pdl, eviction_policy="evict_last"),
+                     int4_gemv_ref(x, *q, 128, norm_weight=nw, swiglu=swiglu), "projection")
+    for M in (4, 16, 300):
+        xm = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+        assert_close(int4_matmul(xm, q[0][:N], q[1][:N], q[2][:N], 128), int4_matmul_ref(xm, q[0][:N], q[1][:N],
+                                                                                          q[2][:N], 128), "projection")
