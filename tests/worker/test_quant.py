@@ -188,3 +188,19 @@ def test_loop_hessian_sums_every_iteration(files):
     torch.testing.assert_close(h1[names[0]], h3[names[0]])
     assert (h1[names[1]] - h3[names[1]]).abs().max() > 1e-6
     assert isinstance(model.loop[0].feed_forward.w2.weight, torch.nn.Parameter)  # restored
+
+
+def test_store_h_modes_refuse_quantized_weights(tmp_path):
+    """The store-h read rebuilds K and V with float W_k / W_v: a quantized checkpoint cannot use
+    those modes, and says so (kv stays available)."""
+    from tinyloop.worker import Model
+    from tinyloop.worker.model.default_model import default_model_path
+    from tinyloop.worker.model.quant import QuantSpec
+    from tinyloop.worker.model.quantize import quantize_file
+    out = tmp_path / "q.tinyloop"
+    quantize_file(default_model_path(), out, QuantSpec(group_size=64))
+    for mode in ("h", "h-int4", "delta-int8"):
+        with pytest.raises(ValueError, match=rf"kv_mode '{mode}' rebuilds K and V .* quantized weights"):
+            Model(out, max_seq_len=64, kv_mode=mode)
+    with Model(out, max_seq_len=64, kv_mode="kv") as m:
+        assert m.kv_mode == "kv" and m.weight_format.startswith("int4")
