@@ -110,7 +110,8 @@ CURRENT = [
     ("prefill", "cuda"), ("warmstart", "cuda"), ("speculative", "cuda"), ("service", "gpu"),
     ("startup-*", "cuda"), ("service", "cpu"), ("speculative", "cpu"), ("warmstart", "cpu"),
     ("context", "cpu"), ("load", "cuda"), ("load", "cpu"), ("families", "cuda"),
-    ("recover", "cpu"),
+    ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
+    ("quant-error", "cpu"), ("quant-quality", "cpu"),
 ]
 
 
@@ -173,6 +174,10 @@ def pct(x, nd: int = 1) -> str:
         return DASH
     s = format(x, f"+.{nd}f") + " %"
     return "−" + s[1:] if s.startswith("-") else s
+
+
+def share(x) -> str:  # a fraction in, a percentage out
+    return num(x, ".1f", " %", 100)
 
 
 def count(x) -> str:
@@ -363,6 +368,64 @@ def recover_body(r: Result) -> str:
                     [["the restarted actor answering (model loaded)", num(rec.get("actor_back_s"), ".1f")],
                      ["the gateway placing work on it", num(rec.get("placed_again_s"), ".1f")],
                      ["the first request it serves", num(rec.get("serving_again_s"), ".1f")]]) + "\n")
+
+
+def kv_decode_body(r: Result) -> str:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    rows = [[code(x.get("mode")), text(x.get("context")), ms(x.get("per_token_ms")), times(x.get("vs_kv")),
+             num(x.get("bytes_per_token_layer"), ",.0f", " B"), num(x.get("cache_mb_read_per_token"), ",.1f", " MB"),
+             num(x.get("rebuild_gmac_per_token"), ",.1f")]
+            for x in r.data.get("rows") or [] if isinstance(x, dict)]
+    return (f"{code(w.get('preset'))}, L = {text(w.get('loops'))}, one stream, greedy.\n\n"
+            + table(["mode", "context", "per token", "× kv", "bytes / token / layer", "cache read / token",
+                     "K/V rebuild GMAC / token"], rows or [[DASH] * 7]) + "\n")
+
+
+def kv_quality_body(r: Result) -> str:
+    rows = [[text(x.get("loops")), code(x.get("mode")), num(x.get("bytes_per_token_layer"), ",.1f"),
+             num(x.get("ppl"), ".4f"), num(x.get("kl"), ".2e"), share(x.get("top1")), share(x.get("top5"))]
+            for x in r.data.get("rows") or [] if isinstance(x, dict)]
+    ratio = r.data.get("kl_ratio_delta_over_h_int8")
+    extra = "" if not isinstance(ratio, dict) else "KL of h-int8 over delta-int8's: " + ", ".join(
+        f"L = {L}: {times(1 / v if isnum(v) and v else None, 0)}" for L, v in ratio.items()) + ".\n"
+    return table(["L", "mode", "bytes / token / layer", "PPL", "KL(kv ‖ mode)", "top-1 vs kv", "top-5 vs kv"],
+                 rows or [[DASH] * 7]) + "\n\n" + extra
+
+
+def quant_decode_body(r: Result) -> str:
+    d = r.data
+    rows = []
+    for fmt, xs in (d.get("decode") or {}).items():
+        for x in xs if isinstance(xs, list) else []:
+            rows.append([code(fmt), text(x.get("loops")), ms(x.get("ms")), ms(x.get("floor_ms")),
+                         ms(x.get("hbm_floor_ms")), times(x.get("vs_floor"))])
+    slope = d.get("slope_ms_per_iteration") if isinstance(d.get("slope_ms_per_iteration"), dict) else {}
+    g = d.get("goal") if isinstance(d.get("goal"), dict) else {}
+    return (table(["weights", "L", "per token", "floor", "HBM floor", "× floor"], rows or [[DASH] * 6])
+            + "\n\nms per extra iteration: " + ", ".join(f"{code(k)} {ms(v)}" for k, v in slope.items())
+            + f"; one iteration of the bf16 block from HBM: {ms(d.get('bf16_hbm_floor_ms_per_iteration'))}. "
+            + f"INT4 at L = 8 over bf16: {times(g.get('int4_over_bf16_at_8'))}.\n")
+
+
+def quant_error_body(r: Result) -> str:
+    loops = r.data.get("loops") or []
+    errs = r.data.get("relative_error") if isinstance(r.data.get("relative_error"), dict) else {}
+    show = [i for i, L in enumerate(loops) if L in (1, 2, 4, 8, 16)]
+    rows = [[text(name)] + [num(v[i], ".3f") if i < len(v) else DASH for i in show] for name, v in errs.items()]
+    return (f"Relative error of the residual after L iterations, ‖h_L(quantized) − h_L(float)‖ / ‖h_L(float)‖, "
+            f"model {text(r.data.get('model'))}, weights {text(r.data.get('weights'))}.\n\n"
+            + table(["rounding"] + [f"L = {loops[i]}" for i in show], rows or [[DASH]]) + "\n\n"
+            + "![error against L](quant-error-vs-L.png)\n")
+
+
+def quant_quality_body(r: Result) -> str:
+    res = r.data.get("results") if isinstance(r.data.get("results"), dict) else {}
+    depths = sorted({L for v in res.values() if isinstance(v, dict) for L in (v.get("bpb") or {})}, key=int)
+    rows = [[code(name)] + [f"{num(get(v, 'bpb', L), '.4f')} ({num(get(v, 'bpb_vs_fp32_pct', L), '+.1f', ' %')})"
+                            for L in depths]
+            + [share(get(v, "greedy", "token_agreement"))] for name, v in res.items() if isinstance(v, dict)]
+    return ("Held-out bits per byte (change against fp32) and greedy tokens equal to fp32's.\n\n"
+            + table(["weights"] + [f"L = {L}" for L in depths] + ["greedy tokens equal"], rows or [[DASH]]) + "\n")
 
 
 def decode_plot(results: list[Result]) -> str:
@@ -731,6 +794,16 @@ files compare only roughly: one GPU's step time moves between hosts, and the hos
 """
 
 DECODE_INTRO = "`bench/decode.py` (sections `decode`, `generate_prefix128_decode16_L8`, `compiled`)."
+KV_DECODE_INTRO = ("`bench/kv_decode.py`: per KV cache mode (docs/kv-cache.md) and context length, a prompt "
+                   "prefilled then greedy tokens from the captured decode graph; the store-h modes rebuild K and V "
+                   "from the stored h for every position they read.")
+KV_QUALITY_INTRO = ("`bench/kv_quality.py`: held-out prompts, 16 teacher-forced decode tokens each with the cache "
+                    "written and read in the mode, against `kv`.")
+QUANT_DECODE_INTRO = ("`bench/quant_decode.py`: bench-285m (random weights) in bf16 and as RTN INT4 (and INT4 served "
+                      "dual-bit), batch-1 decode from the captured graphs, same run; floors from each format's bytes.")
+QUANT_ERROR_INTRO = ("`bench/quant_error.py`: the shared block quantized, the rest float; the error of the residual "
+                     "against the float model by depth, for each rounding across iterations (docs/quantization.md).")
+QUANT_QUALITY_INTRO = "`bench/quant_quality.py`: the embedded default model's held-out split, per weight format."
 RECOVER_INTRO = ("`bench/recover.py`: a real local Ray cluster and gateway; one worker killed as a crash kills it "
                  "while every worker runs streams; Ray restarts it with a new epoch.")
 FAMILIES_INTRO = ("`bench/families.py`: batch-1 decode of random bf16 models at the published shapes of the looped "
@@ -791,6 +864,14 @@ def render(results: Path = RESULTS) -> str:
         section("Warm-start resume vs fresh on a CPU", WARM_INTRO, n(("warmstart", "cpu")), warmstart_body,
                 warmstart_extra),
         section("The service under load on a CPU", LOAD_INTRO, n(("load", "cpu")), load_body, load_extra),
+        section("KV cache modes: decode on the GPU", KV_DECODE_INTRO, n(("kv-decode", "cuda")), kv_decode_body),
+        section("KV cache modes: quality on a CPU", KV_QUALITY_INTRO, n(("kv-quality", "cpu")), kv_quality_body),
+        section("Quantized weights: decode on the GPU", QUANT_DECODE_INTRO, n(("quant-decode", "cuda")),
+                quant_decode_body),
+        section("Quantized weights: error across iterations on a CPU", QUANT_ERROR_INTRO, n(("quant-error", "cpu")),
+                quant_error_body),
+        section("Quantized weights: quality on a CPU", QUANT_QUALITY_INTRO, n(("quant-quality", "cpu")),
+                quant_quality_body),
         section("Losing a worker under load on a CPU", RECOVER_INTRO, n(("recover", "cpu")), recover_body,
                 recover_extra),
         section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),
