@@ -441,6 +441,33 @@ def _m_bucket(m: int) -> int:
     return 4 if m <= 4 else 8 if m <= 8 else MAX_ROWS
 
 
+def check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, eviction_policy):
+    """The fused options' checks, shared by gemv and int4_gemv: -> (the empty output, the
+    residual made contiguous)."""
+    K = x.shape[-1]
+    if norm_weight is not None:
+        check_dtype(op, "norm_weight", norm_weight, FLOAT_DTYPES)
+        check_shape(op, "norm_weight", norm_weight, (K,))
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"{op}: out_dtype must be x's dtype {x.dtype} or torch.float32, got {out_dtype}")
+    out_shape = (*x.shape[:-1], N)
+    if residual is not None:
+        check_shape(op, "residual", residual, out_shape)
+        if residual.dtype != x.dtype:
+            raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
+        residual = residual.contiguous()
+    if argmax_key is not None:
+        if M != 1:
+            raise ValueError(f"{op}: argmax_key takes one row of x (M = 1), got M = {M}")
+        check_shape(op, "argmax_key", argmax_key, (1,))
+        check_dtype(op, "argmax_key", argmax_key, (torch.int64,))
+    if eviction_policy not in EVICTION_POLICIES:
+        raise ValueError(f"{op}: eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
+    y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+    return y, residual
+
+
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
          argmax_key=None, eviction_policy=""):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
@@ -492,26 +519,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         if N % 2:
             raise ValueError(f"{op}: swiglu needs a (gate | up) weight with an even row count, got {N}")
         N //= 2
-    if norm_weight is not None:
-        check_dtype(op, "norm_weight", norm_weight, FLOAT_DTYPES)
-        check_shape(op, "norm_weight", norm_weight, (K,))
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"{op}: out_dtype must be x's dtype {x.dtype} or torch.float32, got {out_dtype}")
-    out_shape = (*x.shape[:-1], N)
-    if residual is not None:
-        check_shape(op, "residual", residual, out_shape)
-        if residual.dtype != x.dtype:
-            raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
-        residual = residual.contiguous()
-    if argmax_key is not None:
-        if M != 1:
-            raise ValueError(f"{op}: argmax_key takes one row of x (M = 1), got M = {M}")
-        check_shape(op, "argmax_key", argmax_key, (1,))
-        check_dtype(op, "argmax_key", argmax_key, (torch.int64,))
-    if eviction_policy not in EVICTION_POLICIES:
-        raise ValueError(f"{op}: eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
-    y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+    y, residual = check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, eviction_policy)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy)
     if M > 1:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
 from ._launch import use_pdl
-from .gemv import EVICTION_POLICIES, MAX_ROWS, _argmax_key_max, _device_name, _dot_wt
+from .gemv import MAX_ROWS, _argmax_key_max, _device_name, _dot_wt, check_options
 
 
 @triton.jit
@@ -328,26 +328,7 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_ROWS} rows, "
                          f"got shape {tuple(x.shape)} (M = {M})")
-    if norm_weight is not None:
-        check_dtype(op, "norm_weight", norm_weight, FLOAT_DTYPES)
-        check_shape(op, "norm_weight", norm_weight, (K,))
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"{op}: out_dtype must be x's dtype {x.dtype} or torch.float32, got {out_dtype}")
-    out_shape = (*x.shape[:-1], N)
-    if residual is not None:
-        check_shape(op, "residual", residual, out_shape)
-        if residual.dtype != x.dtype:
-            raise ValueError(f"{op}: residual dtype {residual.dtype} must equal x dtype {x.dtype}")
-        residual = residual.contiguous()
-    if argmax_key is not None:
-        if M != 1:
-            raise ValueError(f"{op}: argmax_key takes one row of x (M = 1), got M = {M}")
-        check_shape(op, "argmax_key", argmax_key, (1,))
-        check_dtype(op, "argmax_key", argmax_key, (torch.int64,))
-    if eviction_policy not in EVICTION_POLICIES:
-        raise ValueError(f"{op}: eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
-    y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+    y, residual = check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, eviction_policy)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy, BITS=bits)
     nw = None if norm_weight is None else norm_weight.contiguous()

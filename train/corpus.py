@@ -63,16 +63,20 @@ def is_heldout(rel_path: str, heldout_frac: float = DEFAULT_HELDOUT_FRAC) -> boo
 def list_files(root: Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
     """Sorted relative paths (POSIX separators) of the kept sources, capped at `max_bytes`."""
     root = Path(root) if root is not None else stdlib_dir()
+    return _sources(root, root, max_bytes)
+
+
+def _sources(base: Path, tree: Path, max_bytes: int) -> list[str]:
+    """Sorted paths (relative to `base`, POSIX) of the `.py` files under `tree`, SKIP_DIRS
+    left out, the first of them kept while their sizes sum to at most max_bytes."""
     rels = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(tree):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
-        for name in filenames:
-            if name.endswith(".py"):
-                rels.append(Path(dirpath, name).relative_to(root).as_posix())
+        rels += [Path(dirpath, n).relative_to(base).as_posix() for n in filenames if n.endswith(".py")]
     rels.sort()
     kept, total = [], 0
     for rel in rels:
-        size = (root / rel).stat().st_size
+        size = (base / rel).stat().st_size
         if total + size > max_bytes:
             break
         kept.append(rel)
@@ -170,19 +174,7 @@ def package_files(site: Path, package: str, max_bytes: int) -> list[str]:
     root = site / package
     if not root.is_dir():
         raise ValueError(f"package {package!r} is not installed under {site} (no folder {root})")
-    rels = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
-        rels += [Path(dirpath, n).relative_to(site).as_posix() for n in filenames if n.endswith(".py")]
-    rels.sort()
-    kept, total = [], 0
-    for rel in rels:
-        size = (site / rel).stat().st_size
-        if total + size > max_bytes:
-            break
-        kept.append(rel)
-        total += size
-    return kept
+    return _sources(site, root, max_bytes)
 
 
 def build_packages(packages: list[str], heldout_packages: list[str], cache_dir: str | os.PathLike | None = None,
