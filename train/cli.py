@@ -8,6 +8,7 @@ import sys
 
 DIMS = ("d_model", "n_heads", "n_kv_heads", "d_ff", "n_prelude", "n_loop_layers", "n_coda",
         "default_loops", "max_loops", "max_seq_len")
+CARD_PROMPTS = ("def fibonacci(n):\n", "import os\n", "class Stack:\n")
 DEFAULT_CORPUS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tinyloop", "corpus")
 CORPUS_ROOT_HELP = ("build the corpus from the stdlib tree at DIR (its .py files) instead of this "
                     "interpreter's stdlib")
@@ -21,6 +22,8 @@ def register(sub) -> None:
                        help=f"override the preset's {name}")
     t.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     t.add_argument("--vocab-size", type=int, default=16384, help="BPE vocabulary size (--tokenizer bpe)")
+    t.add_argument("--bpe-sample-mb", type=float, default=None,
+                   help="learn the BPE merges from an evenly strided sample of this many MB of the train split")
     t.add_argument("--minutes", type=float, default=None, help="wall-time budget of the training loop")
     t.add_argument("--steps", type=int, default=None, help="step budget (the first budget reached ends)")
     t.add_argument("--batch-size", type=int, default=64)
@@ -44,6 +47,10 @@ def register(sub) -> None:
     t.add_argument("--card", default=None, help="write a model-card JSON here (evaluates the saved file)")
     t.add_argument("--card-loops", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     t.add_argument("--card-windows", type=int, default=256)
+    t.add_argument("--card-prompts", nargs="+", default=list(CARD_PROMPTS),
+                   help="the card's greedy samples start from these prompts")
+    t.add_argument("--card-sample-loops", type=int, nargs="+", default=[2, 8, 16])
+    t.add_argument("--card-sample-tokens", type=int, default=64)
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(handler=_train)
 
@@ -113,7 +120,8 @@ def _train(args) -> int:
     tokenizer_json, bytes_per_token = None, 1.0
     if args.tokenizer == "bpe":
         from tinyloop.train import bpe
-        train_tok, held_tok, tokenizer_json = bpe.build(corp, args.vocab_size, args.corpus_dir)
+        sample = int(args.bpe_sample_mb * 1e6) if args.bpe_sample_mb else None
+        train_tok, held_tok, tokenizer_json = bpe.build(corp, args.vocab_size, args.corpus_dir, sample)
         vocab = bpe.vocab_size_of(tokenizer_json)
         bytes_per_token = corp.heldout.size / held_tok.size
         print(f"bpe: vocab {vocab}, {train_tok.size / 1e6:.1f}M train tokens, "
@@ -128,7 +136,8 @@ def _train(args) -> int:
         max_train_loops=args.max_train_loops, depth_weighting=args.depth_weighting, eval_every=args.eval_every,
         seed=args.seed,
         compile=args.compile, progress=not args.no_progress,
-        eval_loops=tuple(sorted({1, min(4, cfg.max_loops), min(8, cfg.max_loops)})))
+        # The best checkpoint is the one with the lowest held-out loss at the deepest trained L.
+        eval_loops=tuple(sorted({1, min(4, cfg.max_loops), min(8, cfg.max_loops), args.max_train_loops})))
     model, summary = trainer.train(cfg, train_tok, held_tok, targs, device, args.log)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     checkpoint.save(model, args.out, dtype=torch.float16, tokenizer_json=tokenizer_json)
@@ -153,12 +162,28 @@ def _train(args) -> int:
             "eval": {"windows": args.card_windows, "seq_len": args.seq_len,
                      "bytes_per_token": bytes_per_token, "dtype": "fp32 math on the fp16 checkpoint"},
             "bpb": {str(L): round(v, 4) for L, v in bpb.items()},
+            "samples": _samples(args.out, "cpu", args.card_prompts,
+                                [L for L in args.card_sample_loops if L <= cfg.max_loops], args.card_sample_tokens),
             "total_wall_s": round(time.time() - t_start, 1),
         }
         with open(args.card, "w") as f:
             json.dump(card, f, indent=1)
         print("held-out bits/byte: " + "  ".join(f"L={L}: {v:.3f}" for L, v in bpb.items()), file=sys.stderr)
     return 0
+
+
+def _samples(path: str, device: str, prompts: list[str], loops: list[int], max_tokens: int) -> list[dict]:
+    """Greedy continuations of the saved checkpoint (fp32 math on the CPU, as `make run`), one per
+    prompt and depth."""
+    from tinyloop.worker.api import Model
+    out = []
+    with Model(path, device=device, dtype="float32", max_seq_len=512) as m:
+        for prompt in prompts:
+            ids = m.tokenizer.encode(prompt)
+            for L in loops:
+                gen = list(m.generate(ids, loops=L, max_tokens=max_tokens))
+                out.append({"prompt": prompt, "loops": L, "text": m.tokenizer.decode(gen[len(ids):])})
+    return out
 
 
 def _eval_bpb(args) -> int:

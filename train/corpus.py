@@ -237,3 +237,41 @@ def heldout_package_bytes(heldout_packages: list[str], site: Path | None = None,
     """The held-out packages' documents alone (reads no training file): what eval-bpb reads."""
     site = Path(site) if site is not None else site_packages_dir()
     return _join([d for p in heldout_packages for _, d in _read_docs(site, package_files(site, p, package_max_bytes))])
+
+
+def installed_packages(site: Path | None = None, min_bytes: int = 0) -> dict[str, int]:
+    """{top-level folder under site-packages: bytes of its .py sources} for the folders holding
+    at least min_bytes, largest first (metadata and cache folders left out)."""
+    site = Path(site) if site is not None else site_packages_dir()
+    sizes = {}
+    for d in sorted(site.iterdir()):
+        if not d.is_dir() or "." in d.name or d.name in SKIP_DIRS or d.name.startswith("__"):
+            continue
+        n = sum((site / r).stat().st_size for r in _sources(site, d, 1 << 62))
+        if n >= min_bytes:
+            sizes[d.name] = n
+    return dict(sorted(sizes.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description="the installed packages a package corpus can use")
+    p.add_argument("--list-packages", action="store_true", required=True,
+                   help="print one package name per line, largest first")
+    p.add_argument("--min-mb", type=float, default=0.3, help="leave out packages with fewer MB of .py")
+    p.add_argument("--exclude", nargs="*", default=[], help="leave these out (e.g. the held-out ones)")
+    p.add_argument("--site-packages", default=None)
+    p.add_argument("--json", default=None, help="also write {package: .py bytes} of every package here")
+    a = p.parse_args(argv)
+    sizes = installed_packages(a.site_packages, 0)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"site_packages": str(a.site_packages or site_packages_dir()),
+                                            "py_bytes": sizes}, indent=1))
+    for name, n in sizes.items():
+        if n >= a.min_mb * 1e6 and name not in a.exclude:
+            print(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

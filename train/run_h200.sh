@@ -1,41 +1,40 @@
 #!/usr/bin/env bash
-# Train the embedded default model on one GPU (~8 min of training, ~8.5 min wall), from the
-# repository root, with the project installed first (package-dir mapping defeats PYTHONPATH):
+# Train the embedded default model on one GPU, from the repository root (~9 min wall on an H200):
 #
-#   source bench/gpu_env.sh && CORPUS_TAR=.corpus/stdlib.tar.gz bash train/run_h200.sh
+#   source bench/gpu_env.sh && bash train/run_h200.sh
 #
 # Writes to $OUT (default ./out): default.tinyloop (fp16), train_log.jsonl, model_card.json,
-# model-card.md. Override MINUTES / PRESET, or append `tinyloop train` flags as arguments.
+# model-card.md, packages.json (the .py bytes of every installed package).
 #
-# Corpus. Without CORPUS_TAR it is built from this machine's own stdlib (cached in /tmp). The GPU
-# image's Python ships no test suites, so its stdlib is only ~10 MB of .py: the model sees it
-# ~15 times in 8 minutes, overfits, and held-out loss stops falling with depth. CORPUS_TAR names
-# a tarball of a fuller stdlib's .py files (test suites included, ~31 MB for Python 3.11), made
-# on a CI machine, whose Python does ship them, and carried here; it is unpacked to
-# /tmp/stdlib-src and passed as --corpus-root, so the held-out split is the CI machine's too.
-# Make it from the repository root (an optional PYTHON_VERSION file at the top of the tree names
-# the version in the model card):
-#
-#   D=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])'); mkdir -p .corpus
-#   python -c 'import sys; print(sys.version.split()[0])' > .corpus/PYTHON_VERSION
-#   (cd "$D" && find . -name '*.py' -not -path '*-packages*' -not -path '*__pycache__*' | sort) > /tmp/py.txt
-#   tar czf .corpus/stdlib.tar.gz -C "$D" -T /tmp/py.txt -C .corpus PYTHON_VERSION
+# Corpus: this interpreter's stdlib and every installed package holding at least MIN_PKG_MB of
+# .py sources (each capped at --package-mb), except HELDOUT, held out whole. The held-out
+# package is one the CI machine installs too (a dependency of torch), so the CI test of the
+# shipped model reads the same package's code, never seen in training. The BPE merges are learnt
+# from a strided 40 MB sample of the training split. MINUTES (default: what is left of a
+# 9.5-minute budget after the corpus is built) bounds the training loop.
 set -euo pipefail
 OUT="${OUT:-out}"
-MINUTES="${MINUTES:-8}"
 PRESET="${PRESET:-default}"
+HELDOUT="${HELDOUT:-networkx}"
+MIN_PKG_MB="${MIN_PKG_MB:-0.3}"
+BUDGET_S="${BUDGET_S:-570}"
 mkdir -p "$OUT"
-corpus_args=()
-if [[ -n "${CORPUS_TAR:-}" ]]; then
-    rm -rf /tmp/stdlib-src && mkdir -p /tmp/stdlib-src
-    tar xzf "$CORPUS_TAR" -C /tmp/stdlib-src
-    corpus_args=(--corpus-root /tmp/stdlib-src)
-fi
+t0=$(date +%s)
 python -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
       "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
-python -m tinyloop.cli train --preset "$PRESET" --minutes "$MINUTES" \
-    --batch-size 64 --seq-len 512 --lr 2e-3 --warmup-steps 200 --max-train-loops 12 --eval-every 500 \
-    --corpus-dir /tmp/tinyloop-corpus "${corpus_args[@]}" --out "$OUT/default.tinyloop" \
-    --log "$OUT/train_log.jsonl" --card "$OUT/model_card.json" --card-loops 1 2 4 8 16 "$@"
-python -m tinyloop.train.card "$OUT/model_card.json" -o "$OUT/model-card.md"
+mapfile -t PKGS < <(python -m tinyloop.train.corpus --list-packages --min-mb "$MIN_PKG_MB" \
+    --exclude "$HELDOUT" --json "$OUT/packages.json")
+echo "training packages (${#PKGS[@]}): ${PKGS[*]}"
+common=(--preset "$PRESET" --tokenizer bpe --vocab-size 2048 --bpe-sample-mb 40
+        --packages "${PKGS[@]}" --heldout-packages "$HELDOUT" --package-mb 25 --corpus-mb 40
+        --corpus-dir /tmp/tinyloop-corpus --batch-size 128 --seq-len 512 --lr 2e-3 --warmup-steps 200
+        --max-train-loops 16 --depth-weighting deep)
+# One step first: builds and caches the corpus and the BPE ids, so the budget left is known.
+python -m tinyloop.cli train "${common[@]}" --steps 1 --no-progress --out /tmp/warm.tinyloop
+MINUTES="${MINUTES:-$(python -c "print(round(($BUDGET_S - ($(date +%s) - $t0) - 75) / 60, 2))")}"
+echo "training for $MINUTES minutes"
+python -m tinyloop.cli train "${common[@]}" --minutes "$MINUTES" --eval-every 500 \
+    --out "$OUT/default.tinyloop" --log "$OUT/train_log.jsonl" --card "$OUT/model_card.json" \
+    --card-loops 1 2 4 8 12 16 "$@"
+python -m tinyloop.train.card "$OUT/model_card.json" -o "$OUT/model-card.md" || true
 ls -l "$OUT"
