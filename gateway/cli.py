@@ -1,6 +1,7 @@
 """`tinyloop serve`: start (or join) Ray, create the worker actors, run the gateway."""
 from __future__ import annotations
 
+import argparse
 import os
 
 from tinyloop.worker.model.settings import KV_MODES  # torch-free: the mode names only
@@ -38,6 +39,9 @@ def register(sub) -> None:
     s.add_argument("--step-tokens", type=int, default=512,
                    help="prompt tokens prefilled per scheduler step beside the decode step: longer prompts "
                         "are prefilled in chunks of this many, so running streams keep a token per step")
+    s.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
+                   help="a step's fresh prompts that fit its budget whole prefill in one padded pass "
+                        "(--no-prefill-together: one pass each)")
     s.add_argument("--coalesce-ms", type=float, default=50.0,
                    help="after a stream's first token, tokens are sent per Ray hop at most this often")
     s.add_argument("--max-hops-per-s", type=float, default=640.0,
@@ -109,7 +113,7 @@ def _serve(args) -> int:
                                  coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
                                  init_scale=args.init_scale, step_tokens=args.step_tokens,
                                  max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
-                                 kv_mode=args.kv_mode)
+                                 kv_mode=args.kv_mode, prefill_together=args.prefill_together)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

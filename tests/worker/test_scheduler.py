@@ -170,3 +170,33 @@ def test_options_are_checked():
         SchedulerOptions(step_tokens=0)
     with pytest.raises(ValueError, match="max_queue must be >= 0"):
         SchedulerOptions(max_queue=-1)
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_fresh_prompts_of_one_step_prefill_together_and_equal_their_standalone_runs(tiny_path, together):
+    # Three lanes, three prompts of different lengths and depths arriving in one step: with
+    # prefill_together they take one padded pass (deepest row first), and each stream's tokens
+    # are still its standalone run's.
+    prompts = {"a": (LONG[:5], 2), "b": (LONG[3:17], 6), "c": (LONG[10:19], 4)}
+    with Model(tiny_path, max_seq_len=128, n_slots=3) as m:
+        s = Scheduler(m.runner, SchedulerOptions(step_tokens=64, prefill_together=together))
+        for key, (prompt, loops) in prompts.items():
+            s.submit(job(m, key, prompt, loops=loops, max_tokens=9))
+        tokens, ends, steps = run(s)
+        assert max(st.prefilled_together for st in steps) == (3 if together else 0)
+        for key, (prompt, loops) in prompts.items():
+            assert tokens[key] == alone(m, prompt, loops=loops, max_tokens=9), key
+
+
+def test_prompts_past_the_padding_cap_prefill_apart(tiny_path):
+    # 2·step_tokens padded tokens at most: a long prompt beside a short one would pad the short
+    # one to the long one's length, so it takes its own pass.
+    with Model(tiny_path, max_seq_len=128, n_slots=3) as m:
+        s = Scheduler(m.runner, SchedulerOptions(step_tokens=40))
+        s.submit(job(m, "long", LONG[:40], loops=3, max_tokens=4))
+        s.submit(job(m, "short", LONG[:3], loops=3, max_tokens=4))
+        s.submit(job(m, "short2", LONG[5:8], loops=3, max_tokens=4))
+        tokens, _, steps = run(s)
+        assert steps[0].prefilled_together == 0 and steps[1].prefilled_together == 2
+        for key, prompt in (("long", LONG[:40]), ("short", LONG[:3]), ("short2", LONG[5:8])):
+            assert tokens[key] == alone(m, prompt, loops=3, max_tokens=4), key

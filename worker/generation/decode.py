@@ -108,6 +108,29 @@ class Prefill:
         return DecodeState(self.runner, self.lane, req, out.logits, self._norm, self.work)
 
 
+    @property
+    def joinable(self) -> bool:
+        """Whether `prefill_together` can take it: nothing prefilled yet, the full cache, no
+        safety check (a chunk's norm is tracked per prompt only by `run`)."""
+        return self.done == 0 and not self.req.window and self.req.safety_threshold is None
+
+
+def prefill_together(prefills: list[Prefill]) -> list[DecodeState]:
+    """Whole fresh prompts of several lanes in one pass (`Runner.prefill_many`): their decode
+    states, each what its own `run(len(prompt))` gives."""
+    if not all(pre.joinable for pre in prefills):
+        raise ValueError("prefill_together takes fresh prompts on the full cache with no safety check")
+    runner = prefills[0].runner
+    outs = runner.prefill_many([pre.lane for pre in prefills], [list(pre.req.prompt) for pre in prefills],
+                               [pre.req.loops for pre in prefills])
+    states = []
+    for pre, out in zip(prefills, outs):
+        pre.work = pre.work.plus(out.work)
+        pre.done = len(pre.req.prompt)
+        states.append(DecodeState(runner, pre.lane, pre.req, out.logits, None, pre.work))
+    return states
+
+
 def decode_steps(st: "DecodeState", pipelined: bool = True) -> TokenStream:
     """One stream decoding alone: decide a token, then run the model on it, until it finishes.
 

@@ -302,6 +302,35 @@ class Runner:
         return ChunkOut(logits, work, norm=p.norm_max)
 
     @torch.no_grad()
+    def prefill_many(self, lanes: list[int], prompts: list[list[int]], depths: list[int]) -> list[ChunkOut]:
+        """Fresh prompts into their lanes in one pass, each at its own depth: their last logits
+        (1, V) each, as `prefill` gives them one by one. The prompts are right-padded to the
+        longest: a pad token sits after every real one, so causal attention keeps it out of
+        the real tokens' values; its K/V land in the lane's cache past the prompt, where the
+        lane's decode steps write before they read. Rows run deepest first, so an iteration
+        advances a prefix of the batch (run_loops' lane_loops). Full cache, no norm tracking:
+        the callers' other prompts take `prefill`."""
+        if not (len(lanes) == len(prompts) == len(depths)) or not lanes:
+            raise ValueError(f"prefill_many needs as many lanes, prompts and depths, at least one: "
+                             f"{len(lanes)}, {len(prompts)}, {len(depths)}")
+        if any(not t for t in prompts):
+            raise ValueError("prefill_many: every prompt needs at least one token")
+        order = sorted(range(len(lanes)), key=lambda i: -depths[i])
+        T = max(len(t) for t in prompts)
+        tokens = [prompts[i] + [0] * (T - len(prompts[i])) for i in order]
+        e = self.engine
+        p = e.make_pass(self._slots([lanes[i] for i in order]), self._arange(0, T).repeat(len(order), 1), T)
+        loops = [depths[i] for i in order]
+        x = e.run_loops(e.embed_prelude(self._slots(tokens), p), p, 0, loops[0], lane_loops=loops)
+        x = e.coda(x, p)
+        last = self._slots([len(prompts[i]) - 1 for i in order])
+        logits = e.logits(x[torch.arange(len(order), device=x.device), last][:, None], p)[:, -1]
+        out: list[ChunkOut | None] = [None] * len(lanes)
+        for row, i in enumerate(order):
+            out[i] = ChunkOut(logits[row:row + 1], self.counters.add(depths[i], depths[i] * len(prompts[i])))
+        return out
+
+    @torch.no_grad()
     def chunk(self, lane: int, tokens: list[int], first_pos: int, loops: int, window: int = 0,
               track_norm: bool = False) -> ChunkOut:
         """A prompt's tokens at positions [first_pos, first_pos + T) of `lane` at depth `loops`,

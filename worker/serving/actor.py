@@ -183,7 +183,8 @@ class WorkerActor:
                  max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
                  step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
-                 max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None):
+                 max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
+                 prefill_together: bool = True):
         import sys
 
         import torch
@@ -202,7 +203,8 @@ class WorkerActor:
         self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes,
                            max_loops=max_loops, init_scale=init_scale, kv_mode=kv_mode)
         self.lanes = self.model.n_slots
-        self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens))
+        self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens,
+                                                                       prefill_together=prefill_together))
         self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
         self.coalesce_s = coalesce_s
         self.max_hops_per_s = max_hops_per_s

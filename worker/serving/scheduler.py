@@ -13,7 +13,8 @@ Each `step`:
    chunk of at most what is left of the budget (the first always gets one chunk, so a step
    always makes progress; a job that starts whole, such as a resume, waits for a step whose
    budget it fits or that it opens). A long prompt is cut into chunks over several steps, and the
-   streams decoding meanwhile get a token every step instead of waiting for the whole prompt;
+   streams decoding meanwhile get a token every step instead of waiting for the whole prompt.
+   The fresh prompts that fit the step whole prefill together, in one pass;
 4. runs one batched decode step (`Batcher.step`) for every stream in the batcher and one step
    of each stream that steps alone (speculative decoding, L scheduling, the safety check, a
    sliding window), and returns what happened as events.
@@ -32,15 +33,19 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tinyloop.worker.generation.batcher import Batcher
-from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, decode_steps
+from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, decode_steps, prefill_together
 
 
 @dataclass(frozen=True)
 class SchedulerOptions:
     """max_queue: jobs that may wait for a lane (more are refused, `QueueFull`). step_tokens:
-    prompt tokens prefilled per step beside the decode step (the chunk size of a long prompt)."""
+    prompt tokens prefilled per step beside the decode step (the chunk size of a long prompt).
+    prefill_together: the fresh prompts of a step that fit it whole prefill in one pass
+    (`Runner.prefill_many`, right-padded to the longest, at most 2·step_tokens padded tokens)
+    instead of one pass each; off, each takes its own (on CUDA, a replayed graph)."""
     max_queue: int = 256
     step_tokens: int = 512
+    prefill_together: bool = True
 
     def __post_init__(self):
         if self.max_queue < 0:
@@ -94,6 +99,7 @@ Event = tuple[str, Tokens | Result | Failed]
 class StepStats:
     """What one step did (the actor's metrics)."""
     prefill_tokens: int = 0
+    prefilled_together: int = 0  # prompts of the step's shared prefill pass (0: none ran)
     batch_rows: int = 0
     seconds: float = 0.0      # the step's wall time on the step thread
     cpu_seconds: float = 0.0  # the CPU time the step thread spent in it (the rest it waited: GPU, GIL)
@@ -179,6 +185,7 @@ class Scheduler:
 
     def _prefill(self, events: list[Event], stats: StepStats) -> None:
         budget = self.o.step_tokens
+        together: list[tuple[str, int, Job, Prefill]] = []
         for key, (lane, job, pre) in list(self._prefilling.items()):
             if budget <= 0 or (pre is None and budget < self.o.step_tokens and job.tokens > budget):
                 break  # in arrival order: a job that starts whole waits for a step it fits (or opens)
@@ -193,6 +200,11 @@ class Scheduler:
                         del self._prefilling[key]
                         self._started(key, lane, job, got, events)
                         continue
+                if self._joins(together, pre, budget):
+                    together.append((key, lane, job, pre))
+                    budget -= pre.remaining
+                    stats.prefill_tokens += pre.remaining
+                    continue
                 n = min(budget, pre.remaining)
                 st = pre.run(n)
                 budget -= n
@@ -207,6 +219,33 @@ class Scheduler:
             else:
                 del self._prefilling[key]
                 self._started(key, lane, job, st, events)
+        if together:
+            self._prefill_together(together, events)
+
+    def _joins(self, together: list, pre: Prefill, budget: int) -> bool:
+        if not (self.o.prefill_together and pre.joinable and pre.remaining <= budget):
+            return False
+        longest = max([pre.remaining, *(p.remaining for _, _, _, p in together)])
+        return (len(together) + 1) * longest <= 2 * self.o.step_tokens
+
+    def _prefill_together(self, together: list[tuple[str, int, Job, Prefill]], events: list[Event]) -> None:
+        """The step's whole fresh prompts: one pass for two or more (one failure fails them all:
+        the pass is shared), the plain chunk for one."""
+        try:
+            if len(together) == 1:
+                states = [together[0][3].run(together[0][3].remaining)]
+            else:
+                states = prefill_together([pre for _, _, _, pre in together])
+                self.last.prefilled_together = len(together)
+        except Exception as e:
+            for key, lane, _, _ in together:
+                del self._prefilling[key]
+                self.lanes.release(lane)
+                events.append((key, Failed(e)))
+            return
+        for (key, lane, job, _), st in zip(together, states):
+            del self._prefilling[key]
+            self._started(key, lane, job, st, events)
 
     def _started(self, key: str, lane: int, job: Job, got, events: list[Event]) -> None:
         """The job's prefill is done (or it was a task): where it goes from here."""
