@@ -102,7 +102,8 @@ def serve_args(path: str, args, port, mport) -> list[str]:
             "--device", args.device, "--port", str(port), "--metrics-port", str(mport),
             "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms),
             "--gil-switch-ms", str(args.gil_switch_ms), "--max-hops-per-s", str(args.max_hops_per_s),
-            "--prefill-together" if args.prefill_together else "--no-prefill-together"]
+            "--prefill-together" if args.prefill_together else "--no-prefill-together",
+            "--speculative-max-running", str(args.speculative_max_running)]
 
 
 def serve(path: str, args, port: int, mport: int, log_path: str) -> subprocess.Popen:
@@ -192,6 +193,8 @@ def main() -> int:
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
                     help="tinyloop serve's --prefill-together")
+    ap.add_argument("--speculative-max-running", type=int, default=4,
+                    help="tinyloop serve's --speculative-max-running")
     ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
     ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
     ap.add_argument("--max-hops-per-s", type=float, default=640.0, help="tinyloop serve's --max-hops-per-s")
@@ -279,6 +282,7 @@ def main() -> int:
                      "loops": args.loops, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "lanes": args.lanes, "max_seq_len": args.max_seq_len, "step_tokens": args.step_tokens,
                      "prefill_together": args.prefill_together,
+                     "speculative_max_running": args.speculative_max_running,
                      "coalesce_ms": args.coalesce_ms, "gil_switch_ms": args.gil_switch_ms,
                      "max_hops_per_s": args.max_hops_per_s,
                      "greedy": True},

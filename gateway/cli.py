@@ -42,6 +42,9 @@ def register(sub) -> None:
     s.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
                    help="a step's fresh prompts that fit its budget whole prefill in one padded pass "
                         "(--no-prefill-together: one pass each)")
+    s.add_argument("--speculative-max-running", type=int, default=4,
+                   help="a greedy speculative request decodes in the batched step instead (the same tokens) "
+                        "when this many streams already run on its worker (0: always speculative)")
     s.add_argument("--coalesce-ms", type=float, default=50.0,
                    help="after a stream's first token, tokens are sent per Ray hop at most this often")
     s.add_argument("--max-hops-per-s", type=float, default=640.0,
@@ -101,6 +104,8 @@ def _serve(args) -> int:
         raise ValueError(f"--max-hops-per-s must be > 0, got {args.max_hops_per_s}")
     if not args.gil_switch_ms > 0:
         raise ValueError(f"--gil-switch-ms must be > 0, got {args.gil_switch_ms}")
+    if args.speculative_max_running < 0:
+        raise ValueError(f"--speculative-max-running must be >= 0, got {args.speculative_max_running}")
     if args.step_tokens < 1:
         raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     tokens = parse_tokens(args.auth_tokens)
@@ -113,7 +118,8 @@ def _serve(args) -> int:
                                  coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
                                  init_scale=args.init_scale, step_tokens=args.step_tokens,
                                  max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
-                                 kv_mode=args.kv_mode, prefill_together=args.prefill_together)
+                                 kv_mode=args.kv_mode, prefill_together=args.prefill_together,
+                                 speculative_max_running=args.speculative_max_running)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

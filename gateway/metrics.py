@@ -58,13 +58,22 @@ class WorkerSteps:
         from prometheus_client.core import GaugeMetricFamily
         clock = GaugeMetricFamily("tinyloop_worker_stats_clock_seconds",
                                   "the worker's monotonic clock when it reported these counts", labels=["worker"])
+        together = CounterMetricFamily("tinyloop_worker_prompts_prefilled_together",
+                                       "prompts a worker prefilled in a pass shared with others", labels=["worker"])
+        not_spec = CounterMetricFamily("tinyloop_worker_speculative_batched",
+                                       "greedy speculative requests a busy worker decoded in its batched step "
+                                       "instead (the same tokens)", labels=["worker"])
         for worker, s in sorted(self.latest.items()):
+            together.add_metric([worker], s.get("prefilled_together", 0))
+            not_spec.add_metric([worker], s.get("batched_not_speculative", 0))
             step_cpu.add_metric([worker], s.get("cpu_seconds_sum", 0.0))
             process_cpu.add_metric([worker], s.get("process_cpu_seconds", 0.0))
             clock.add_metric([worker], s.get("clock_s", 0.0))
         yield step_cpu
         yield process_cpu
         yield clock
+        yield together
+        yield not_spec
 
 
 STEPS = WorkerSteps()

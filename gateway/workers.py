@@ -33,6 +33,7 @@ class WorkerOptions:
     init_scale: float = 1.0       # Huginn's initial latent state scale (0: zero state)
     step_tokens: int = 512        # prompt tokens prefilled per scheduler step (= worker.serving.actor's default)
     prefill_together: bool = True  # a step's fresh prompts prefill in one pass (SchedulerOptions)
+    speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
     kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings
 
 
@@ -72,7 +73,8 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  max_queue=opts.max_queue, coalesce_s=opts.coalesce_s, torch_threads=opts.torch_threads,
                  max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens,
                  max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s, kv_mode=opts.kv_mode,
-                 prefill_together=opts.prefill_together))
+                 prefill_together=opts.prefill_together,
+                 speculative_max_running=opts.speculative_max_running))
     return actors
 
 

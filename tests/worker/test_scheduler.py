@@ -200,3 +200,27 @@ def test_prompts_past_the_padding_cap_prefill_apart(tiny_path):
         assert steps[0].prefilled_together == 0 and steps[1].prefilled_together == 2
         for key, prompt in (("long", LONG[:40]), ("short", LONG[:3]), ("short2", LONG[5:8])):
             assert tokens[key] == alone(m, prompt, loops=3, max_tokens=4), key
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_a_busy_worker_decodes_greedy_speculative_streams_in_the_batch(tiny_path, limit):
+    # With one stream already running and speculative_max_running = 1, a greedy speculative job
+    # starts through its batched alternative and joins the batched step; with 0 it speculates
+    # alone. Either way its tokens are the standalone speculative run's (= generate at
+    # verify_loops).
+    import dataclasses
+    spec = dict(draft_loops=1, verify_loops=4, draft_ahead=3)
+    with Model(tiny_path, max_seq_len=128, n_slots=3) as m:
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=limit))
+        s.submit(job(m, "plain", LONG[:6], loops=3, max_tokens=20))
+        first = [s.step(), s.step()]  # the plain stream holds a lane and decodes
+        assert all(key == "plain" for evs in first for key, _ in evs)
+        req = m.make_request(LONG[8:15], max_tokens=10, speculative=spec)
+        plain = dataclasses.replace(req, speculative=None)
+        s.submit(Job("spec", lambda lane: m.stream(req, lane), tokens=7,
+                     batched=lambda lane: m.start_chunked(plain, lane)))
+        tokens, _, steps = run(s)
+        assert sum(st.batched_not_speculative for st in steps) == (1 if limit else 0)
+        assert max(st.batch_rows for st in steps) == (2 if limit else 1)
+        want = list(m.generate_speculative(LONG[8:15], max_tokens=10, **spec))[7:]
+        assert tokens["spec"] == want == alone(m, LONG[8:15], loops=4, max_tokens=10)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -184,7 +185,7 @@ class WorkerActor:
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
                  step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
                  max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
-                 prefill_together: bool = True):
+                 prefill_together: bool = True, speculative_max_running: int = 4):
         import sys
 
         import torch
@@ -204,7 +205,8 @@ class WorkerActor:
                            max_loops=max_loops, init_scale=init_scale, kv_mode=kv_mode)
         self.lanes = self.model.n_slots
         self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens,
-                                                                       prefill_together=prefill_together))
+                                                                       prefill_together=prefill_together,
+                                                                       speculative_max_running=speculative_max_running))
         self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
         self.coalesce_s = coalesce_s
         self.max_hops_per_s = max_hops_per_s
@@ -301,7 +303,7 @@ class WorkerActor:
                 pipe.push(ids, end, now)
 
     def _submit(self, begin, tokens: int = 0, task: bool = False, timeout_s: float | None = None,
-                key: str | None = None):
+                key: str | None = None, batched=None):
         """Queue a job on the scheduler under `key` (the gateway's stream key, or a new one):
         (key, its event queue); _Refused when the queue is full."""
         from tinyloop.worker.serving.scheduler import Job, QueueFull
@@ -310,7 +312,7 @@ class WorkerActor:
         sink = self._sinks[key] = _Pipe(self._hop_interval)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         try:
-            self.scheduler.submit(Job(key, begin, tokens=tokens, deadline=deadline, task=task))
+            self.scheduler.submit(Job(key, begin, tokens=tokens, deadline=deadline, task=task, batched=batched))
         except QueueFull as e:
             del self._sinks[key]
             raise _Refused(error("RESOURCE_EXHAUSTED", "QUEUE_FULL", f"{self.worker_id}: {e}")) from None
@@ -377,11 +379,15 @@ class WorkerActor:
                 return
             # the handle's latent state is the request's own (input injection)
             after = lambda: self._build(caller, ids, req.loops, max_loops, req.window, req.seed)  # noqa: E731
+        batched = None
         if req.speculative:
             begin = lambda lane: self.model.stream(req, lane)  # noqa: E731
+            if req.sampling.greedy:  # the same tokens as plain decoding at verify_loops
+                plain = dataclasses.replace(req, speculative=None)
+                batched = lambda lane: self.model.start_chunked(plain, lane)  # noqa: E731
         else:
             begin = lambda lane: self.model.start_chunked(req, lane)  # noqa: E731
-        async for item in self._stream(key, begin, len(ids), p, after):
+        async for item in self._stream(key, begin, len(ids), p, after, batched=batched):
             yield item
 
     async def resume(self, key: str, caller: str, token: bytes, epoch: int, p: dict):
@@ -414,11 +420,12 @@ class WorkerActor:
         sink.push([], _CANCELLED, time.monotonic())
         return True
 
-    async def _stream(self, key: str, begin, tokens: int, p: dict, after=None):
-        """Run a stream job: begin(lane) -> a Prefill, a DecodeState or a token generator."""
+    async def _stream(self, key: str, begin, tokens: int, p: dict, after=None, batched=None):
+        """Run a stream job: begin(lane) -> a Prefill, a DecodeState or a token generator
+        (batched: Job.batched)."""
         from tinyloop.worker.serving.scheduler import Failed
         try:
-            key, sink = self._submit(begin, tokens, timeout_s=p.get("timeout_s"), key=key)
+            key, sink = self._submit(begin, tokens, timeout_s=p.get("timeout_s"), key=key, batched=batched)
         except _Refused as e:
             yield e.args[0]
             return
@@ -643,6 +650,7 @@ class _StepMetrics:
         self.seconds = [0] * (len(self.SECONDS) + 1)
         self.batch_sum = self.prefill_sum = self.steps = 0
         self.seconds_sum = self.cpu_seconds_sum = 0.0
+        self.prefilled_together = self.batched_not_speculative = 0
 
     @staticmethod
     def _bucket(bounds, x) -> int:
@@ -659,6 +667,8 @@ class _StepMetrics:
             self.seconds[self._bucket(self.SECONDS, st.seconds)] += 1
             self.seconds_sum += st.seconds
             self.cpu_seconds_sum += st.cpu_seconds
+            self.prefilled_together += st.prefilled_together
+            self.batched_not_speculative += st.batched_not_speculative
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -667,6 +677,8 @@ class _StepMetrics:
                     "prefill_counts": list(self.prefill), "prefill_sum": self.prefill_sum,
                     "seconds_bounds": list(self.SECONDS), "seconds_counts": list(self.seconds),
                     "seconds_sum": self.seconds_sum, "cpu_seconds_sum": self.cpu_seconds_sum,
+                    "prefilled_together": self.prefilled_together,
+                    "batched_not_speculative": self.batched_not_speculative,
                     # every thread of the worker process (the step thread, the event loop, Ray's)
                     "process_cpu_seconds": time.process_time(), "clock_s": time.monotonic()}
 

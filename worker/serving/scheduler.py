@@ -42,16 +42,24 @@ class SchedulerOptions:
     prompt tokens prefilled per step beside the decode step (the chunk size of a long prompt).
     prefill_together: the fresh prompts of a step that fit it whole prefill in one pass
     (`Runner.prefill_many`, right-padded to the longest, at most 2·step_tokens padded tokens)
-    instead of one pass each; off, each takes its own (on CUDA, a replayed graph)."""
+    instead of one pass each; off, each takes its own (on CUDA, a replayed graph).
+    speculative_max_running: a job with a batched alternative (`Job.batched`: a greedy
+    speculative stream) starts speculative only while fewer streams than this hold lanes, and
+    otherwise decodes in the batched step: a speculative stream steps alone, one draft-and-verify
+    after the other, and under load the shared step serves its tokens for less (the policy of
+    vLLM's speculative_disable_by_batch_size). 0: always speculative."""
     max_queue: int = 256
     step_tokens: int = 512
     prefill_together: bool = True
+    speculative_max_running: int = 4
 
     def __post_init__(self):
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
+        if self.speculative_max_running < 0:
+            raise ValueError(f"speculative_max_running must be >= 0, got {self.speculative_max_running}")
 
 
 class QueueFull(Exception):
@@ -69,6 +77,10 @@ class Job:
     tokens: int = 0               # prompt tokens its begin prefills at once (budget accounting)
     deadline: float | None = None  # time.monotonic() past which a still-queued job is dropped
     task: bool = False            # begin's return value is the answer; the lane is free after it
+    # begin of the same stream decoded in the batch, where that gives the same tokens (a greedy
+    # speculative stream: its tokens are generate's at verify_loops); taken when the worker is
+    # busy (SchedulerOptions.speculative_max_running)
+    batched: Callable[[int], object] | None = None
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -100,6 +112,7 @@ class StepStats:
     """What one step did (the actor's metrics)."""
     prefill_tokens: int = 0
     prefilled_together: int = 0  # prompts of the step's shared prefill pass (0: none ran)
+    batched_not_speculative: int = 0  # speculative jobs started in the batch instead (busy worker)
     batch_rows: int = 0
     seconds: float = 0.0      # the step's wall time on the step thread
     cpu_seconds: float = 0.0  # the CPU time the step thread spent in it (the rest it waited: GPU, GIL)
@@ -191,7 +204,7 @@ class Scheduler:
                 break  # in arrival order: a job that starts whole waits for a step it fits (or opens)
             try:
                 if pre is None:
-                    got = job.begin(lane)
+                    got = self._begin(job, lane, stats)
                     if isinstance(got, Prefill):
                         pre = got
                     else:
@@ -221,6 +234,13 @@ class Scheduler:
                 self._started(key, lane, job, st, events)
         if together:
             self._prefill_together(together, events)
+
+    def _begin(self, job: Job, lane: int, stats: StepStats):
+        limit = self.o.speculative_max_running
+        if job.batched is not None and limit and len(self._batched) + len(self._alone) >= limit:
+            stats.batched_not_speculative += 1
+            return job.batched(lane)
+        return job.begin(lane)
 
     def _joins(self, together: list, pre: Prefill, budget: int) -> bool:
         if not (self.o.prefill_together and pre.joinable and pre.remaining <= budget):
