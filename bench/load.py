@@ -139,7 +139,8 @@ def worker_steps(mport: int) -> dict:
             m = re.search(rf'^{name}_{part}{{worker="worker-0"}} ([0-9.e+-]+)$', text, re.M)
             out[f"{name}_{part}"] = float(m.group(1)) if m else 0.0
     for name in ("tinyloop_worker_step_cpu_seconds_total", "tinyloop_worker_process_cpu_seconds_total",
-                 "tinyloop_worker_stats_clock_seconds"):
+                 "tinyloop_worker_stats_clock_seconds", "tinyloop_worker_prompts_prefilled_together_total",
+                 "tinyloop_worker_speculative_batched_total"):
         m = re.search(rf'^{name}{{worker="worker-0"}} ([0-9.e+-]+)$', text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
@@ -155,6 +156,8 @@ def step_delta(before: dict, after: dict) -> dict:
     return {"steps": steps, "step_ms_mean": steps and 1e3 * d["tinyloop_worker_step_seconds_sum"] / steps,
             "step_cpu_ms_mean": steps and 1e3 * d["tinyloop_worker_step_cpu_seconds_total"] / steps,
             "batch_rows_mean": batched and d["tinyloop_worker_batch_rows_sum"] / batched,
+            "prompts_prefilled_together": d["tinyloop_worker_prompts_prefilled_together_total"],
+            "speculative_batched": d["tinyloop_worker_speculative_batched_total"],
             # the worker process's CPU seconds per second of the run, all threads: near 1 with
             # the step thread waiting, the threads share one interpreter lock
             "process_cpu_per_wall_s": d["tinyloop_worker_stats_clock_seconds"] and (

@@ -489,6 +489,8 @@ def test_prometheus_metrics_are_served_and_count(client):
     prefill = re.findall(r'^tinyloop_worker_prefill_tokens_per_step_sum\{worker="[^"]+"\} ([0-9.e+]+)$',
                          after, re.M)
     assert rows and prefill and sum(map(float, prefill)) >= len(PROMPT), after
+    for name in ("tinyloop_worker_prompts_prefilled_together_total", "tinyloop_worker_speculative_batched_total"):
+        assert re.search(rf'^{name}\{{worker="worker-0"\}} [0-9.e+]+$', after, re.M), name
     # CPU time: a step thread's within its steps' wall time, its process's at least that
     stepped = [w for w in re.findall(r'tinyloop_worker_step_seconds_sum\{worker="([^"]+)"\}', after)
                if value(after, "tinyloop_worker_step_seconds_sum", f'worker="{w}"') > 0]

@@ -462,3 +462,15 @@ def test_startup_records_the_capture(pair):
     assert all(s[k] > 0 for k in ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs_s", "batch_graphs_s"))
     assert s["graph_bytes"] > 0 and s["lanes"] == 2
     assert ref.startup["graphs"] == 0 and ref.startup["load_s"] > 0
+
+
+def test_prompts_prefilled_together_equal_their_own_prefills_on_gpu(pair):
+    # Runner.prefill_many (one padded pass, Triton ops, fp32) against each prompt's own
+    # prefill on the same model: the same last logits, and the next greedy step's from each lane.
+    fast, _ = pair
+    prompts, depths = [PROMPTS[1], PROMPTS[0]], [2, 5]
+    r = fast.runner
+    together = r.prefill_many([0, 1], prompts, depths)
+    for lane, (prompt, L) in enumerate(zip(prompts, depths)):
+        alone = r.prefill(lane, prompt, L)
+        assert torch.allclose(together[lane].logits, alone.logits, rtol=1e-4, atol=1e-4), lane
