@@ -245,6 +245,11 @@ class Runner:
             from tinyloop.worker.runner.graphs import Graphs
             self.graphs = Graphs(self.engine)
 
+    @property
+    def prefill_graphs(self) -> bool:
+        """Whether a fresh prompt prefills by replaying captured graphs (CUDA, graphs on)."""
+        return bool(self._prefill_buckets)
+
     # -- start-up --------------------------------------------------------------------------
     def capture(self, loops: list[int], progress=None) -> dict:
         """Capture every graph for depths up to max(loops): the batch-1 decode step of each
