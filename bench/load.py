@@ -102,9 +102,8 @@ def serve_args(path: str, args, port, mport) -> list[str]:
             "--device", args.device, "--port", str(port), "--metrics-port", str(mport),
             "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms),
             "--gil-switch-ms", str(args.gil_switch_ms), "--max-hops-per-s", str(args.max_hops_per_s),
-            "--speculative-max-running", str(args.speculative_max_running)] + (
-            [] if args.prefill_together is None else
-            ["--prefill-together" if args.prefill_together else "--no-prefill-together"])
+            "--speculative-max-running", str(args.speculative_max_running),
+            "--prefill-together" if args.prefill_together else "--no-prefill-together"]
 
 
 def serve(path: str, args, port: int, mport: int, log_path: str) -> subprocess.Popen:
@@ -195,7 +194,7 @@ def main() -> int:
     ap.add_argument("--mixed", type=int, default=64, help="streams of the mixed run (0: none)")
     ap.add_argument("--mixed-depths", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--step-tokens", type=int, default=512)
-    ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=None,
+    ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
                     help="tinyloop serve's --prefill-together")
     ap.add_argument("--speculative-max-running", type=int, default=4,
                     help="tinyloop serve's --speculative-max-running")

@@ -39,10 +39,9 @@ def register(sub) -> None:
     s.add_argument("--step-tokens", type=int, default=512,
                    help="prompt tokens prefilled per scheduler step beside the decode step: longer prompts "
                         "are prefilled in chunks of this many, so running streams keep a token per step")
-    s.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=None,
-                   help="a step's fresh prompts that fit its budget whole prefill in one padded pass "
-                        "(--no-prefill-together: one pass each; default: together where prefill has no "
-                        "captured graphs, i.e. on CPU)")
+    s.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
+                   help="a step's fresh prompts that fit its budget whole prefill together: one padded pass "
+                        "(on CUDA, multi-row prefill graphs) instead of one each")
     s.add_argument("--speculative-max-running", type=int, default=4,
                    help="a greedy speculative request decodes in the batched step instead (the same tokens) "
                         "when this many streams already run on its worker (0: always speculative)")

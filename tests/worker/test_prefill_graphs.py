@@ -239,3 +239,27 @@ def test_resume_handles_through_bucket_stages(pair, T):
     finally:
         g.free_resume_handle(hg)
         ref.free_resume_handle(hr)
+
+
+def test_prompts_prefilled_together_replay_multi_row_graphs(config_path):
+    """Runner.prefill_many on a graphed runner: prompts grouped by depth, then length, into the
+    4- and 2-row prefill graphs (rows × bucket <= 512), each row at its own depth, the rest
+    through their own bucket graphs; every prompt's last logits equal its own prefill's, and
+    the lanes decode on from there as after their own prefill."""
+    with Model(config_path, max_seq_len=MAX_SEQ, n_slots=7) as m:
+        g = with_stage_graphs(m, [8], prefill_graph_len=MAX_SEQ)
+        r = m.runner
+        lengths, depths = [5, 17, 30, 9, 12, 40, 3], [3, 8, 3, 5, 8, 2, 8]
+        prompts = [prompt(T, T) for T in lengths]
+        want = [r.prefill(i, p, L).logits.clone() for i, (p, L) in enumerate(zip(prompts, depths))]
+        after = [r.decode([i], [7], [len(p)], [L]).logits.clone() for i, (p, L) in enumerate(zip(prompts, depths))]
+        g.log.clear()
+        got = r.prefill_many(list(range(7)), prompts, depths)
+        # 7 prompts: one group of 4 (the deepest: depths 8, 8, 8, 5), one of 2, one alone
+        assert [b for b, s in g.replayed("prefill4") if s == "coda"] == [32]
+        assert len(g.replayed("prefill4")) == 8 + 2 and len(g.replayed("prefill2")) == 3 + 2
+        assert len([s for _, s in g.replayed("prefill") if s == "coda"]) == 1
+        for i, (p, L) in enumerate(zip(prompts, depths)):
+            assert ((got[i].logits - want[i]).norm() / want[i].norm()) < 1e-3, i
+            step = r.decode([i], [7], [len(p)], [L]).logits
+            assert ((step - after[i]).norm() / after[i].norm()) < 1e-3, i

@@ -44,10 +44,14 @@ from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages,
 class RunnerSettings:
     """cuda_graphs: capture at start-up (CUDA only). prefill_graph_len: the longest prompt the
     prefill graphs cover (0: prefill stays eager). verify_buckets: the node counts the verify
-    graphs are built for (a chain of the default draft_ahead 4, and the longest tree)."""
+    graphs are built for (a chain of the default draft_ahead 4, and the longest tree).
+    prefill_rows: the prompt counts of the multi-row prefill graphs (`prefill_many`), each for
+    the length buckets whose rows × bucket is at most prefill_rows_len tokens."""
     cuda_graphs: bool = False
     prefill_graph_len: int = 2048
     verify_buckets: tuple[int, ...] = (5, 17)
+    prefill_rows: tuple[int, ...] = (2, 4)
+    prefill_rows_len: int = 512
 
 
 class LanePool:
@@ -235,6 +239,10 @@ class Runner:
         self._batch_buckets = batch_buckets(cache.n_slots) if settings.cuda_graphs else []
         self._verify_buckets = [b for b in settings.verify_buckets if b <= S] if settings.cuda_graphs else []
         self._prefill: dict[int, PaddedPrefill] = {}
+        # (rows, bucket) of the multi-row prefill graphs
+        self._rows_buckets = [(r, b) for r in settings.prefill_rows if r > 1 for b in self._prefill_buckets
+                              if r * b <= settings.prefill_rows_len]
+        self._prefill_rows: dict[tuple[int, int], PaddedPrefill] = {}
         self._batch: dict[int, BatchStep] = {}
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
@@ -244,11 +252,6 @@ class Runner:
         if settings.cuda_graphs:
             from tinyloop.worker.runner.graphs import Graphs
             self.graphs = Graphs(self.engine)
-
-    @property
-    def prefill_graphs(self) -> bool:
-        """Whether a fresh prompt prefills by replaying captured graphs (CUDA, graphs on)."""
-        return bool(self._prefill_buckets)
 
     # -- start-up --------------------------------------------------------------------------
     def capture(self, loops: list[int], progress=None) -> dict:
@@ -271,6 +274,11 @@ class Runner:
         for b in self._prefill_buckets:
             pre = self._prefill_stages(b)
             parts += [("prefill_graphs_s", stage("prefill", b, s, pre, lambda pre=pre, b=b: pre.load_tokens(0, [0] * b)))
+                      for s in PaddedPrefill.stages(top)]
+        for r, b in self._rows_buckets:
+            pre = self._rows_stages(r, b)
+            parts += [("prefill_graphs_s", stage(f"prefill{r}", b, s, pre,
+                                                 lambda pre=pre, r=r, b=b: pre.load_prompts([0] * r, [[0] * b] * r, [top] * r)))
                       for s in PaddedPrefill.stages(top)]
         for b in self._verify_buckets:
             ts = self._tree_stages(b)
@@ -320,6 +328,8 @@ class Runner:
                              f"{len(lanes)}, {len(prompts)}, {len(depths)}")
         if any(not t for t in prompts):
             raise ValueError("prefill_many: every prompt needs at least one token")
+        if self._prefill_buckets:
+            return self._prefill_many_graphed(lanes, prompts, depths)
         order = sorted(range(len(lanes)), key=lambda i: -depths[i])
         T = max(len(t) for t in prompts)
         tokens = [prompts[i] + [0] * (T - len(prompts[i])) for i in order]
@@ -333,6 +343,34 @@ class Runner:
         out: list[ChunkOut | None] = [None] * len(lanes)
         for row, i in enumerate(order):
             out[i] = ChunkOut(logits[row:row + 1], self.counters.add(depths[i], depths[i] * len(prompts[i])))
+        return out
+
+    def _prefill_many_graphed(self, lanes: list[int], prompts: list[list[int]], depths: list[int]) -> list[ChunkOut]:
+        """prefill_many on captured graphs: the prompts grouped by depth and then length into
+        the largest captured row counts (a group's rows share one replay of each stage), the
+        rest one by one through their own prefill graphs."""
+        out: list[ChunkOut | None] = [None] * len(lanes)
+        todo = sorted(range(len(lanes)), key=lambda i: (-depths[i], -len(prompts[i])))
+        for rows in sorted({r for r, _ in self._rows_buckets}, reverse=True):
+            rest = []
+            while len(todo) >= rows:
+                group, todo = todo[:rows], todo[rows:]
+                L = max(depths[i] for i in group)
+                pre = self._rows_graph(rows, max(len(prompts[i]) for i in group), L)
+                if pre is None:
+                    rest += group[:1]
+                    todo = group[1:] + todo
+                    continue
+                pre.load_prompts([lanes[i] for i in group], [list(prompts[i]) for i in group],
+                                 [depths[i] for i in group])
+                for stage in PaddedPrefill.stages(L):
+                    self.graphs.replay(f"prefill{rows}", pre.bucket, stage)
+                logits = pre.logits.clone()  # the buffer is the next group's
+                for row, i in enumerate(group):
+                    out[i] = ChunkOut(logits[row:row + 1], self.counters.add(depths[i], depths[i] * len(prompts[i])))
+            todo = rest + todo
+        for i in todo:
+            out[i] = self.prefill(lanes[i], list(prompts[i]), depths[i])
         return out
 
     @torch.no_grad()
@@ -530,6 +568,18 @@ class Runner:
     def _run_padded(self, pre: PaddedPrefill, stages: list) -> None:
         for stage in stages:
             self.graphs.replay("prefill", pre.bucket, stage)
+
+    def _rows_stages(self, rows: int, b: int) -> PaddedPrefill:
+        if (rows, b) not in self._prefill_rows:
+            self._prefill_rows[(rows, b)] = PaddedPrefill(self.engine, b, rows=rows)
+        return self._prefill_rows[(rows, b)]
+
+    def _rows_graph(self, rows: int, T: int, loops: int) -> PaddedPrefill | None:
+        """The captured `rows`-row prefill for prompts of up to T tokens at depths up to loops."""
+        b = next((b for r, b in self._rows_buckets if r == rows and b >= T), None)
+        if b is None or not self.graphs.covers(f"prefill{rows}", b, PaddedPrefill.stages(loops)):
+            return None
+        return self._rows_stages(rows, b)
 
     def _prefill_stages(self, b: int) -> PaddedPrefill:
         if b not in self._prefill:

@@ -82,19 +82,41 @@ class PaddedPrefill(StagedPass):
     Pads sit at positions T..bucket-1 and write K/V there. That is harmless: attention is
     causal, so no real token sees them, and every later step writes a position before it
     attends to it. The buffers may be views of larger ones shared by every bucket
-    (`prefill_buffers`): their stages never run at once."""
+    (`prefill_buffers`): their stages never run at once.
 
-    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
-        tokens, last, slot, x, logits = buffers if buffers is not None else prefill_buffers(engine, bucket)
+    rows > 1: that many prompts, each on its own slot and at its own depth (`depth`, as a
+    batched decode step's rows: an iteration keeps a row's result only below its depth), the
+    prompts padded to the bucket each; `load_prompts` fills every row (a multi-row pass has no
+    idle row: a row writes its slot's cache)."""
+
+    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None, rows: int = 1):
+        tokens, last, slot, x, logits = buffers if buffers is not None else prefill_buffers(engine, bucket, rows)
         device = engine.cache.device
-        self.engine, self.bucket = engine, bucket
-        self.tokens, self.x = tokens[:, :bucket], x[:, :bucket]   # (1, bucket), (1, bucket, D)
-        self.last, self.slot, self.logits = last, slot, logits    # (1,) index T-1, (1,) slot, (1, V)
-        self.p = engine.make_pass(slot, torch.arange(bucket, device=device)[None], bucket)
+        self.engine, self.bucket, self.rows = engine, bucket, rows
+        # (rows, bucket), (rows, bucket, D)
+        self.tokens, self.x = tokens[:rows, :bucket], x[:rows, :bucket]
+        # (rows,) index T-1 of each row, (rows,) slots, (rows, V)
+        self.last, self.slot, self.logits = last[:rows], slot[:rows], logits[:rows]
+        if rows > 1:
+            self.depth = torch.zeros(rows, dtype=torch.long, device=device)
+            self._rows = torch.arange(rows, device=device)
+        self.p = engine.make_pass(self.slot, torch.arange(bucket, device=device).repeat(rows, 1), bucket)
         self.p.rope_rows()  # now, outside any capture: every stage's graph reads them (see Pass)
 
     def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.engine.logits(h.index_select(1, self.last))[:, -1]
+        if self.rows == 1:
+            return self.engine.logits(h.index_select(1, self.last))[:, -1]
+        return self.engine.logits(h[self._rows, self.last][:, None])[:, -1]
+
+    def load_prompts(self, lanes: list[int], prompts: list[list[int]], depths: list[int]) -> None:
+        """Every row's prompt, lane and depth (as many of each as rows)."""
+        if not (len(lanes) == len(prompts) == len(depths) == self.rows):
+            raise ValueError(f"a {self.rows}-row prefill takes {self.rows} prompts, got {len(prompts)}")
+        self.tokens.copy_(_pinned([t + [PAD_ID] * (self.bucket - len(t)) for t in prompts], self.tokens),
+                          non_blocking=True)
+        self.last.copy_(_pinned([len(t) - 1 for t in prompts], self.last), non_blocking=True)
+        self.slot.copy_(_pinned(lanes, self.slot), non_blocking=True)
+        self.depth.copy_(_pinned(depths, self.depth), non_blocking=True)
 
     def load_tokens(self, lane: int, tokens: list[int]) -> None:
         self.tokens.copy_(_pinned([tokens + [PAD_ID] * (self.bucket - len(tokens))], self.tokens),
@@ -112,16 +134,16 @@ class PaddedPrefill(StagedPass):
         self.slot.fill_(lane)
 
 
-def prefill_buffers(engine: Engine, bucket: int) -> tuple:
-    """Static buffers of a padded prefill of up to `bucket` tokens: tokens, last index, slot,
-    residual, logits."""
+def prefill_buffers(engine: Engine, bucket: int, rows: int = 1) -> tuple:
+    """Static buffers of a padded prefill of up to `rows` prompts of up to `bucket` tokens:
+    tokens, last index, slot, residual, logits."""
     cfg, device = engine.config, engine.cache.device
     dtype = engine.model.tok_embeddings.weight.dtype
-    return (torch.zeros(1, bucket, dtype=torch.long, device=device),
-            torch.zeros(1, dtype=torch.long, device=device),
-            torch.zeros(1, dtype=torch.long, device=device),
-            torch.zeros(1, bucket, cfg.residual_width, dtype=dtype, device=device),
-            torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=device))
+    return (torch.zeros(rows, bucket, dtype=torch.long, device=device),
+            torch.zeros(rows, dtype=torch.long, device=device),
+            torch.zeros(rows, dtype=torch.long, device=device),
+            torch.zeros(rows, bucket, cfg.residual_width, dtype=dtype, device=device),
+            torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=device))
 
 
 class BatchStep(StagedPass):

@@ -185,7 +185,7 @@ class WorkerActor:
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
                  step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
                  max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
-                 prefill_together: bool | None = None, speculative_max_running: int = 4):
+                 prefill_together: bool = True, speculative_max_running: int = 4):
         import sys
 
         import torch

@@ -42,9 +42,8 @@ class SchedulerOptions:
     prompt tokens prefilled per step beside the decode step (the chunk size of a long prompt).
     prefill_together: the fresh prompts of a step that fit it whole prefill in one pass
     (`Runner.prefill_many`, right-padded to the longest, at most 2·step_tokens padded tokens)
-    instead of one pass each. None (the default): where the runner has no prefill graphs (CPU),
-    since one eager pass for many prompts beats one eager pass each, but on CUDA a captured
-    graph per prompt beats one eager pass for all (bench/results/load-policies-ab-cuda.json).
+    instead of one pass each (on CUDA, the runner's multi-row prefill graphs: one eager pass
+    for all loses to a captured graph per prompt there, bench/results/load-policies-ab-cuda.json).
     speculative_max_running: a job with a batched alternative (`Job.batched`: a greedy
     speculative stream) starts speculative only while fewer streams than this hold lanes, and
     otherwise decodes in the batched step: a speculative stream steps alone, one draft-and-verify
@@ -52,7 +51,7 @@ class SchedulerOptions:
     vLLM's speculative_disable_by_batch_size). 0: always speculative."""
     max_queue: int = 256
     step_tokens: int = 512
-    prefill_together: bool | None = None
+    prefill_together: bool = True
     speculative_max_running: int = 4
 
     def __post_init__(self):
@@ -127,8 +126,6 @@ class Scheduler:
         self.o = options
         self.clock = clock
         self.batcher = Batcher(runner)
-        self._together = (options.prefill_together if options.prefill_together is not None
-                          else not runner.prefill_graphs)
         self._lock = threading.Lock()
         self._inbox: list[Job] = []
         self._cancels: set[str] = set()
@@ -247,7 +244,7 @@ class Scheduler:
         return job.begin(lane)
 
     def _joins(self, together: list, pre: Prefill, budget: int) -> bool:
-        if not (self._together and pre.joinable and pre.remaining <= budget):
+        if not (self.o.prefill_together and pre.joinable and pre.remaining <= budget):
             return False
         longest = max([pre.remaining, *(p.remaining for _, _, _, p in together)])
         return (len(together) + 1) * longest <= 2 * self.o.step_tokens
