@@ -47,8 +47,16 @@ no cache slot) and stores k_new, v_new into slot p_b. Every program reads slots 
 p_b)) only, never slot p_b itself, so no program reads what another writes; an idle lane reads
 no slot at all (batched decode pads with idle lanes, which must cost nothing). A lane with one
 active split (p_b <= SPLIT_LEN, every idle lane, or MAX_ACTIVE = 1) has o written by that split:
-acc / l, which is the merge of one partial bit for bit. The merge kernel reads positions too
-(before its wait), skips such a lane and merges the active splits of the others. As with
+acc / l, which is the merge of one partial bit for bit. A lane with more active splits is merged
+in one of two ways (the launcher's ``merge``). "split" (MERGE): each of its group's programs
+stores its partial, then counts itself in on the (lane, kv head)'s arrival counter (an atomic
+add, acquire-release at GPU scope, after a barrier so that all its threads' stores come first);
+the program that sees every other one in merges the group's active splits in split order and
+sets the counter back to zero, so no merge kernel launches, and o is the same whichever program
+comes last. The counters live in one zeroed buffer per device (`_counters`), made outside any
+graph capture; two launches on one device must not run at once (a decode step's never do: one
+stream). "kernel": the merge kernel after the split kernel reads positions too (before its
+wait), skips one-split lanes and merges the active splits of the others. As with
 decode_attention the grids depend on B, Hkv and S only. The slot is the position itself: a ring
 buffer (slot = position % W, every slot valid once wrapped) is not served by this op.
 
