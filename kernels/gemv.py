@@ -84,18 +84,40 @@ def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr, EVICT: tl.con
     return w, up
 
 
+# Bytes one thread of `_l2_prefetch` asks L2 for (one bulk prefetch), and the threads a program
+# issues them from (a (128,) tensor: one element a thread at 4 warps).
+L2_PREFETCH_BYTES = 1024
+_PF_BYTES = tl.constexpr(L2_PREFETCH_BYTES)
+_PF_THREADS = tl.constexpr(128)
+
+
 @triton.jit
-def _skip_inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) in fp32 of the (K,) row x (the post-norm's scale with SKIP),
-    summed over BLOCK_K chunks: every program computes it the same way, so every program's
+def _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid):
+    """Ask L2 for a slice of one of two byte ranges (bulk prefetches, cp.async.bulk.prefetch.L2:
+    nothing comes back to the program): even programs cover the first range, odd ones the
+    second, program p its (p // 2)-th slice of _PF_THREADS * _PF_BYTES bytes. The ranges are the
+    weights the projection after the next will read first (the decode step's gate|up rows):
+    issued before the PDL wait, they use the memory bandwidth that the attention kernel still
+    running leaves idle."""
+    offs = (pid // 2).to(tl.int64) * (_PF_THREADS * _PF_BYTES) + tl.arange(0, _PF_THREADS).to(tl.int64) * _PF_BYTES
+    if pid % 2 == 0:
+        base, n = pf1_ptr, pf1_len
+    else:
+        base, n = pf2_ptr, pf2_len
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }",
+        "=r,l,r", [base + offs, (offs < n).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _skip_inv_rms(x_ptr, K, eps, BLOCK_KP: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) in fp32 of the (K,) row x (the post-norm's scale with SKIP), from
+    one load of the whole row (BLOCK_KP >= K): one round trip to memory before the main loop,
+    whose loads of x then hit L1. Every program computes it the same way, so every program's
     input equals the h that program 0 writes."""
-    cols = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        ss += xv * xv
-    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    k = tl.arange(0, BLOCK_KP)
+    xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(xv * xv, axis=0) / K + eps)
 
 
 @triton.jit
@@ -132,6 +154,10 @@ def _gemv_kernel(
     skip_ptr,  # (K,) the residual the post-norm adds to, read only when SKIP
     pw_ptr,  # (K,) the post-norm weight, read only when SKIP
     h_ptr,  # (K,) skip + rmsnorm(x) * pw, written by program 0 only when SKIP
+    pf1_ptr,  # uint8: the first byte range L2_PF prefetches
+    pf2_ptr,  # uint8: the second
+    pf1_len,
+    pf2_len,
     N,
     K,
     stride_w,
@@ -145,9 +171,11 @@ def _gemv_kernel(
     EVICT: tl.constexpr,  # the weight loads' L2 eviction policy: "", "evict_first", "evict_last"
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
+    L2_PF: tl.constexpr,  # prefetch the byte ranges into L2 before the PDL wait (`_l2_prefetch`)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
+    BLOCK_KP: tl.constexpr,  # K padded to a power of two (the `_gemv` heuristic): SKIP's first pass
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,12 +192,14 @@ def _gemv_kernel(
         # PDL wait, and each row is reduced straight from the products (no accumulator tile,
         # and the same sums as the loop's single iteration).
         w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
+        if L2_PF:
+            _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         skip_inv = 0.0
         if SKIP:
-            skip_inv = _skip_inv_rms(x_ptr, K, skip_eps, BLOCK_K)
+            skip_inv = _skip_inv_rms(x_ptr, K, skip_eps, BLOCK_KP)
         xv, ss = _x_chunk(x_ptr, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32), NORM,
                           SKIP, skip_ptr, pw_ptr, h_ptr, skip_inv, pid)
         y = tl.sum(w.to(tl.float32) * xv, axis=1)
@@ -187,13 +217,17 @@ def _gemv_kernel(
             # the wait, and x, the residual and everything after wait for the previous kernel's
             # writes.
             w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
+            if L2_PF:
+                _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid)
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
                 tl.extra.cuda.gdc_wait()
+        elif L2_PF:
+            _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid)
         skip_inv = 0.0
         if SKIP:
             # a first pass over x for the post-norm's scale; the loop then builds h chunk by chunk
-            skip_inv = _skip_inv_rms(x_ptr, K, skip_eps, BLOCK_K)
+            skip_inv = _skip_inv_rms(x_ptr, K, skip_eps, BLOCK_KP)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + cols
             xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM, SKIP, skip_ptr, pw_ptr, h_ptr, skip_inv, pid)
@@ -245,7 +279,8 @@ def _argmax_key_max(key_ptr, y, rows, row_mask, N):
 
 
 # Every M = 1 launch goes through this: a tile as wide as K takes the one-chunk path.
-_gemv = triton.heuristics({"ONE_CHUNK": lambda args: args["BLOCK_K"] >= args["K"]})(_gemv_kernel)
+_gemv = triton.heuristics({"ONE_CHUNK": lambda args: args["BLOCK_K"] >= args["K"],
+                           "BLOCK_KP": lambda args: triton.next_power_of_2(args["K"])})(_gemv_kernel)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the tiles that bench-285m's projections and the
@@ -536,8 +571,28 @@ def _check_skip(op, x, M, skip, skip_norm_weight):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _check_l2_prefetch(op, x, M, l2_prefetch):
+    """-> (first range as uint8, its length rounded down to whole prefetch blocks, second, its
+    length), or None without the option."""
+    if l2_prefetch is None:
+        return None
+    if M != 1:
+        raise ValueError(f"{op}: l2_prefetch takes one row of x (M = 1), got M = {M}")
+    if not isinstance(l2_prefetch, (tuple, list)) or len(l2_prefetch) != 2 or not all(
+            isinstance(t, torch.Tensor) for t in l2_prefetch):
+        raise ValueError(f"{op}: l2_prefetch must be two tensors (the byte ranges to prefetch), got {l2_prefetch!r}")
+    out = []
+    for i, t in enumerate(l2_prefetch):
+        if t.device != x.device:
+            raise ValueError(f"{op}: l2_prefetch[{i}] must be on x's device {x.device}, got {t.device}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{op}: l2_prefetch[{i}] must be contiguous and 16-byte aligned")
+        out += [t.reshape(-1).view(torch.uint8), t.nbytes // L2_PREFETCH_BYTES * L2_PREFETCH_BYTES]
+    return tuple(out)
+
+
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
-         argmax_key=None, eviction_policy="", skip=None, skip_norm_weight=None, skip_eps=1e-6):
+         argmax_key=None, eviction_policy="", skip=None, skip_norm_weight=None, skip_eps=1e-6, l2_prefetch=None):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -561,7 +616,12 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     skip, skip_norm_weight (M = 1): the projection's input is h = skip + rms_norm(x,
     skip_norm_weight, skip_eps) (a sandwich-norm layer's post-norm and residual add, rounded
     as kernels.rmsnorm's skip= path rounds it) instead of x; returns (y, h), h (..., K) written
-    by the kernel's program 0 (module docstring)."""
+    by the kernel's program 0 (module docstring).
+    l2_prefetch (M = 1): two contiguous tensors on x's device (16-byte aligned), whose bytes the
+    kernel's programs ask L2 for before their PDL wait (`_l2_prefetch`: as many whole
+    L2_PREFETCH_BYTES blocks of each as half the grid's programs cover, 128 blocks a program),
+    the weights a later projection reads first, fetched while the kernel before this one runs.
+    y does not depend on it; under the interpreter nothing is prefetched."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if skip is not None:
@@ -597,6 +657,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         N //= 2
     y, residual = check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, eviction_policy)
     h = _check_skip(op, x, M, skip, skip_norm_weight)
+    pf = _check_l2_prefetch(op, x, M, l2_prefetch)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy)
     if M > 1:
@@ -607,16 +668,20 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     s1, pw, h1 = (x1, x1, x1) if h is None else (skip.reshape(K).contiguous(), skip_norm_weight.contiguous(),
                                                  h.view(K))
 
+    pf1, pf1_len, pf2, pf2_len = pf if pf is not None else (x1, 0, x1, 0)
+
     def args(out, key=argmax_key):
         return (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
                 out if residual is None else residual, out, out if key is None else key, s1, pw, h1,
-                N, K, weight.stride(0), float(eps), float(skip_eps))
+                pf1, pf2, pf1_len, pf2_len, N, K, weight.stride(0), float(eps), float(skip_eps))
     flags["ARGMAX"] = argmax_key is not None
     flags["SKIP"] = h is not None
     out = y if h is None else (y, h)
     if interpreting():
-        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
+        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, L2_PF=False, BLOCK_N=8,
+                                    BLOCK_K=64)
         return out
+    flags["L2_PF"] = pf is not None
     pdl = use_pdl(x.device) if pdl is None else pdl
     t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, flags["SKIP"])
     if t is None:

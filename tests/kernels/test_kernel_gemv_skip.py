@@ -116,3 +116,53 @@ def test_gemv_skip_gpu_bf16_in_a_graph(N, K, swiglu):
         assert_close(y, want_y, "projection")
         runs.append((y.clone(), h.clone()))
     assert torch.equal(runs[0][0], runs[2][0]) and torch.equal(runs[0][1], runs[2][1])
+
+
+def test_gemv_l2_prefetch_leaves_y_unchanged():
+    """l2_prefetch (the bytes of a later projection asked of L2 before the PDL wait) changes
+    what the memory holds, never what is computed: y bitwise the call's without it (under the
+    interpreter nothing is prefetched; tests/kernels' GPU test runs the prefetch)."""
+    x, skip, pw, w, kw = _inputs(24, 192, torch.bfloat16, norm=True)
+    later = torch.randn(64, 96, device=DEVICE).to(torch.bfloat16)
+    want = gemv(x, w, **kw)
+    assert torch.equal(gemv(x, w, l2_prefetch=(later[:8], later[32:40]), **kw), want)
+    y, h = gemv(x, w, skip=skip, skip_norm_weight=pw, l2_prefetch=(later[:8], later[32:40]), **kw)
+    assert torch.equal((y, h)[0], gemv(x, w, skip=skip, skip_norm_weight=pw, **kw)[0])
+
+
+def test_gemv_l2_prefetch_rejects_bad_inputs():
+    x, _, _, w, _ = _inputs(8, 16, torch.float32)
+    t = torch.zeros(64, device=DEVICE)
+    with pytest.raises(ValueError, match="l2_prefetch must be two tensors"):
+        gemv(x, w, l2_prefetch=(t,))
+    with pytest.raises(ValueError, match=r"l2_prefetch takes one row of x \(M = 1\), got M = 2"):
+        gemv(x.expand(2, 1, 16).contiguous(), w, l2_prefetch=(t, t))
+    with pytest.raises(ValueError, match=r"l2_prefetch\[1\] must be contiguous and 16-byte aligned"):
+        gemv(x, w, l2_prefetch=(t, t.view(8, 8).t()))
+    with pytest.raises(ValueError, match=r"l2_prefetch\[0\] must be contiguous and 16-byte aligned"):
+        gemv(x, w, l2_prefetch=(t[1:], t))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemv_l2_prefetch_gpu_in_a_graph():
+    """The Ouro-1.4B wo projection prefetching gate|up's first rows (both halves, 6 MiB each)
+    with PDL, in a CUDA graph behind another kernel: y bitwise the plain call's at every replay."""
+    x, _, _, w, _ = _inputs(2048, 2048, torch.bfloat16)
+    w13 = (torch.randn(2 * 5632, 2048, device="cuda") / 45).to(torch.bfloat16)
+    rows = 6 * 2**20 // (2048 * 2)
+    pf = (w13[:rows], w13[5632:5632 + rows])
+    want = gemv(x, w)
+    xs = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemv(xs * 1, w, l2_prefetch=pf)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = gemv(xs * 1, w, l2_prefetch=pf)  # behind the multiply's kernel, as behind the attention
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)

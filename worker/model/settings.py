@@ -37,7 +37,10 @@ class Settings:
     "split", the last program of the lane's split kernel to finish merges them (no launch of
     its own); "kernel", a merge kernel after the split kernel (kernels/decode_attention.py).
     attention_split_len: the shortest split of a lane's cached slots the decode attention
-    spreads a context over (a context of at most this many slots takes one split)."""
+    spreads a context over (a context of at most this many slots takes one split).
+    l2_prefetch_mb: a one-lane decode step's wo projection asks L2 for this many MiB of the
+    gate|up weight's first rows before its PDL wait, so the memory reads them while the
+    attention kernel runs (0: none; kernels.gemv's l2_prefetch)."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -52,6 +55,7 @@ class Settings:
     fuse_post_norm: bool = True
     attention_merge: str = "split"
     attention_split_len: int = 128
+    l2_prefetch_mb: float = 0.0
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -72,6 +76,8 @@ class Settings:
             raise ValueError(f"dual_bit_switch must be >= 0, got {self.dual_bit_switch}")
         if self.attention_merge not in ATTENTION_MERGES:
             raise ValueError(f"attention_merge must be one of {ATTENTION_MERGES}, got {self.attention_merge!r}")
+        if not 0.0 <= self.l2_prefetch_mb < 1024:
+            raise ValueError(f"l2_prefetch_mb must be in [0, 1024), got {self.l2_prefetch_mb}")
         if self.attention_split_len < 1:
             raise ValueError(f"attention_split_len must be >= 1, got {self.attention_split_len}")
 
@@ -90,14 +96,15 @@ class Settings:
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
         TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_FUSE_POST_NORM (0/1),
-        TINYLOOP_ATTENTION_MERGE and TINYLOOP_ATTENTION_SPLIT_LEN; kv_mode by the reference
+        TINYLOOP_ATTENTION_MERGE, TINYLOOP_ATTENTION_SPLIT_LEN and TINYLOOP_L2_PREFETCH_MB; kv_mode by the reference
         runtime's switches (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
                  "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
-                 "fuse_post_norm": flag, "attention_merge": str, "attention_split_len": int}
+                 "fuse_post_norm": flag, "attention_merge": str, "attention_split_len": int,
+                 "l2_prefetch_mb": float}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")
