@@ -758,9 +758,11 @@ What the benchmarks measure:
   `torch.compile` in three modes, and the engine through its torch reference ops. Also a fresh
   generate.
 - `bench/families.py`: the same batch-1 decode at the shapes of Ouro-1.4B, Ouro-2.6B and
-  Huginn-0125 (random bf16 weights in the layouts the Hugging Face loader builds), against the floor.
+  Huginn-0125 (random bf16 weights in the layouts the Hugging Face loader builds), against the floor;
+  `--variant NAME:settings.FIELD=value` A/Bs Settings in the same run (e.g. the sandwich post-norms
+  fused or launched, the attention's merge in its split kernel or a kernel of its own).
 - `bench/profile_decode.py`: where the decode step's time goes, from the replayed graph's kernel
-  timeline; and a fresh generate by max_tokens.
+  timeline, per `--variant` as bench/families.py's; and a fresh generate by max_tokens.
 - `bench/gemv.py`: each projection's GEMV alone, reading its weights from HBM, against the floor and
   cuBLAS.
 - `bench/batch.py`: B streams stepped together by the worker's batcher against one stream alone.
