@@ -8,6 +8,7 @@ projection, and the last layer's meets the iteration's end. On CPU the kernels r
 Triton interpreter."""
 import dataclasses
 
+import pytest
 import torch
 from model_zoo import TINY, write_checkpoint
 
@@ -74,3 +75,19 @@ def test_post_norms_in_the_prologues_match_the_launches(tmp_path, loops=2):
                 assert n["prologue"] == 0 and n["post_norm_launch"] == 2 * layers + prompt_norms, n
             assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4, fuse
             assert m.generate(PROMPT, loops=loops, max_tokens=3) == toks
+
+
+def test_settings_of_the_decode_step_fusions():
+    """fuse_post_norm, attention_merge, attention_split_len and l2_prefetch_mb: their defaults,
+    their environment variables, and a ValueError naming a bad value."""
+    from tinyloop.worker.model.settings import Settings
+    s = Settings()
+    assert (s.fuse_post_norm, s.attention_merge, s.attention_split_len, s.l2_prefetch_mb) == (True, "split", 128, 0.0)
+    s = Settings.from_env({"TINYLOOP_FUSE_POST_NORM": "0", "TINYLOOP_ATTENTION_MERGE": "kernel",
+                           "TINYLOOP_ATTENTION_SPLIT_LEN": "256", "TINYLOOP_L2_PREFETCH_MB": "12"})
+    assert (s.fuse_post_norm, s.attention_merge, s.attention_split_len, s.l2_prefetch_mb) == (False, "kernel", 256, 12.0)
+    for bad, match in (({"attention_merge": "tree"}, "attention_merge must be one of"),
+                       ({"attention_split_len": 0}, "attention_split_len must be >= 1"),
+                       ({"l2_prefetch_mb": -1.0}, r"l2_prefetch_mb must be in \[0, 1024\)")):
+        with pytest.raises(ValueError, match=match):
+            Settings(**bad)
