@@ -335,15 +335,24 @@ def families_extra(r: Result) -> list[str]:
 
 def families_body(r: Result) -> str:
     rows = []
+    variants = r.data.get("variants") if isinstance(r.data.get("variants"), dict) else {}
+    ab = len(variants) > 1  # an A/B run (--variant): a row per variant, its settings below
     for name, m in (r.data.get("models") or {}).items():
         if not isinstance(m, dict):
             continue
-        for L, row in (m.get("depths") or {}).items():
-            rows.append([code(name), num(m.get("params"), ".2f", "B", 1e-9), text(L), ms(get(row, "floor_ms")),
-                         ms(get(row, "graph_ms")), times(get(row, "vs_floor")),
-                         num(get(row, "achieved_GBps"), ",.0f", " GB/s")])
-    return table(["shapes", "parameters", "L", "floor", "TinyLoop Serve", "× floor", "achieved"],
-                 rows or [[DASH] * 7]) + "\n"
+        by_variant = m.get("variants") if ab and isinstance(m.get("variants"), dict) else {None: m}
+        for v, vm in by_variant.items():
+            for L, row in ((vm.get("depths") if isinstance(vm, dict) else None) or {}).items():
+                rows.append([code(name), *([code(v)] if ab else []), num(m.get("params"), ".2f", "B", 1e-9), text(L),
+                             ms(get(row, "floor_ms")), ms(get(row, "graph_ms")), times(get(row, "vs_floor")),
+                             num(get(row, "achieved_GBps"), ",.0f", " GB/s")])
+    head = ["shapes", *(["variant"] if ab else []), "parameters", "L", "floor", "TinyLoop Serve", "× floor", "achieved"]
+    out = table(head, rows or [[DASH] * len(head)]) + "\n"
+    if ab:
+        out += "\nVariants (Settings over the environment's):\n\n" + table(
+            ["variant", "settings"], [[code(v), ", ".join(f"`{k}={x}`" for k, x in f.items()) or "none"]
+                                      for v, f in variants.items() if isinstance(f, dict)]) + "\n"
+    return out
 
 
 def recover_extra(r: Result) -> list[str]:
