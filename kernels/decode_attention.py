@@ -67,7 +67,8 @@ runs (and waits for its partials), and the projection after the merge starts loa
 weights while the merge drains. decode_attention's split and merge kernels read nothing
 before the wait. rope_decode_attention's split kernel loads positions[b] and its cos / sin rows
 before it (and a program with no slot of its lane exits there), with ``slots`` its lane's
-cache slot too, and its merge kernel loads positions[b], since they never come from the
+cache slot too, with ``prefetch_kv`` it asks L2 for its split's cached slots (bulk prefetches:
+the slots before a lane's position come from earlier passes), and its merge kernel loads positions[b], since they never come from the
 projection launched just before (which writes q, k, v): the contract is that positions, slots
 and the tables are not written by a kernel launched with PDL since the last ordinary launch in
 the stream (only such a kernel can still be running). The engine's tables never change, and it
@@ -111,6 +112,7 @@ from ._checks import (
     slots_arg,
 )
 from ._launch import use_pdl
+from ._prefetch import bulk_prefetch_l2
 from .rope import rope_cache_write_ref
 
 LOG2E = math.log2(math.e)
@@ -297,6 +299,7 @@ def _rope_decode_attention_split_kernel(
     PDL: tl.constexpr,
     SLOTS: tl.constexpr,
     MERGE: tl.constexpr,  # the lane's last split program merges its splits (no merge kernel)
+    PREFETCH_KV: tl.constexpr,  # ask L2 for the split's cached K / V before the PDL wait
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -327,6 +330,11 @@ def _rope_decode_attention_split_kernel(
     sin = tl.where(first, -sin, sin)
     # The row's cache slot, before the wait too: slots come from where positions do.
     lane = _cache_lane(slots_ptr, stride_slots, b, SLOTS)
+    if PREFETCH_KV:
+        # The split's cached slots [start, end) come from earlier passes, never from the kernels
+        # of this one (module docstring): L2 can fetch them while the projection before drains.
+        _prefetch_slots(k_cache_ptr + lane * stride_kc_b + kvh * stride_kc_h,
+                        v_cache_ptr + lane * stride_vc_b + kvh * stride_vc_h, start, end, HD)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v: the projection launched just before writes them
 
@@ -379,6 +387,19 @@ def _rope_decode_attention_split_kernel(
                 tl.store(cnt, 0)
                 _merge_group(m_ptr, l_ptr, acc_ptr, o_ptr, b, heads, H, HD, NUM_SPLITS, n_active,
                              mask_g, offs_d, mask_d, BLOCK_G, BLOCK_D)
+
+
+@triton.jit
+def _prefetch_slots(k_base, v_base, start, end, HD):
+    """Bulk L2 prefetches of slots [start, end) of one (lane, kv head)'s K and V rows (slot-
+    contiguous rows of HD elements, HD * element size a multiple of 16 bytes: the launcher's
+    condition), up to 64 KB of each: 128 pieces of 512 bytes (a multiple of 16, as the rows)."""
+    piece = tl.arange(0, 128).to(tl.int64) * 512
+    row = HD * (k_base.dtype.element_ty.primitive_bitwidth // 8)  # bytes a slot
+    first = start.to(tl.int64) * row
+    nbytes = tl.minimum(tl.maximum((end - start).to(tl.int64) * row - piece, 0), 512).to(tl.int32)
+    bulk_prefetch_l2(k_base.to(tl.pointer_type(tl.uint8)) + first + piece, nbytes)
+    bulk_prefetch_l2(v_base.to(tl.pointer_type(tl.uint8)) + first + piece, nbytes)
 
 
 @triton.jit
@@ -569,7 +590,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None, lane_split_len=None, has_slots=False, merge="kernel"):
+                     max_active=None, lane_split_len=None, has_slots=False, merge="kernel", prefetch_kv=False):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd). has_slots: the SLOTS constexpr (inputs and strides then carry the
@@ -605,7 +626,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
         SLOTS=has_slots,
-        **({"MERGE": counters is not None} if rope else {}),
+        **({"MERGE": counters is not None, "PREFETCH_KV": prefetch_kv and not interpreting()} if rope else {}),
         num_warps=4,
         num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
@@ -648,7 +669,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None):
 
 
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
-                          lane_split_len=None, slots=None, merge="split"):
+                          lane_split_len=None, slots=None, merge="split", prefetch_kv=False):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
     and longer ones than split_len."""
@@ -660,7 +681,8 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), stride_slots, *k_cache.stride(), *v_cache.stride()),
                             q, Hkv, S, scale, split_len, positions, max_active, lane_split_len,
-                            has_slots=slots is not None, merge=merge)
+                            has_slots=slots is not None, merge=merge,
+                            prefetch_kv=prefetch_kv and _slot_rows_contiguous(k_cache, v_cache))
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
@@ -676,6 +698,13 @@ def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
 MERGES = ("split", "kernel")  # rope_decode_attention's merge=
 
 
+def _slot_rows_contiguous(k_cache, v_cache) -> bool:
+    """Whether each (lane, kv head)'s slots are one contiguous run of rows whose size is a
+    multiple of 16 bytes in both caches: what prefetch_kv's bulk prefetches need."""
+    return all(c.stride(3) == 1 and c.stride(2) == c.shape[3] and (c.shape[3] * c.element_size()) % 16 == 0
+               and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+
+
 def _check_merge_options(op, merge, lane_split_len):
     if merge not in MERGES:
         raise ValueError(f"{op}: merge must be one of {MERGES}, got {merge!r}")
@@ -685,7 +714,7 @@ def _check_merge_options(op, merge, lane_split_len):
 
 
 def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, *, merge="split",
-                          lane_split_len=None):
+                          lane_split_len=None, prefetch_kv=False):
     """RoPE + cache write of one new token per lane + decode attention, in one split launch (and
     the merge kernel with merge="kernel"): q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables
     (P >= S, hd // 2) gathered at positions (B,) int64, caches (B, Hkv, S, hd) written in place
@@ -701,7 +730,12 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
     device must not run at once, as a decode step's never do); "kernel": the merge kernel after
     the split kernel. Both merge in split order: a fixed shape gives the same o at every call.
     lane_split_len: the shortest split of a lane's cached slots (default LANE_SPLIT_LEN), capped
-    at the grid's split length."""
+    at the grid's split length.
+    prefetch_kv: each active split program asks L2 for its cached K / V slots (up to 64 KB of
+    each) before its PDL wait, where each (lane, kv head)'s slots are contiguous rows of a
+    multiple of 16 bytes (else, and under the interpreter, nothing is prefetched): the cached
+    slots before a lane's position must not be written by a kernel launched with PDL since the
+    last ordinary launch (as positions; the engine's passes write them in earlier passes)."""
     op = "rope_decode_attention"
     _check_merge_options(op, merge, lane_split_len)
     _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots)
@@ -710,7 +744,7 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
     split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
     lane = LANE_SPLIT_LEN if lane_split_len is None else lane_split_len
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
-                                  _one_wave(B, Hkv, q.device), min(split_len, lane), slots, merge)
+                                  _one_wave(B, Hkv, q.device), min(split_len, lane), slots, merge, bool(prefetch_kv))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
@@ -744,12 +778,12 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=None):
 
 
 def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, *, merge="split",
-                              lane_split_len=None):
+                              lane_split_len=None, prefetch_kv=False):
     """The spec, in plain torch: rope_cache_write at rows p_b of the tables then decode_attention
     over p_b + 1 slots for a live lane; an idle lane (p_b outside [0, S)) writes nothing and
     outputs its own v, rounded to the cache dtype as if it had gone through the cache. Writes the
     caches in place. With slots, each row alone on its cache slot's view (its writes land there).
-    (merge and lane_split_len change how the kernels split the work, not what they compute.)"""
+    (merge, lane_split_len and prefetch_kv change how the kernels run, not what they compute.)"""
     _check_merge_options("rope_decode_attention_ref", merge, lane_split_len)
     if slots is not None:
         return by_slot("rope_decode_attention_ref", slots, q.shape[0], k_cache, lambda b, s:

@@ -66,6 +66,7 @@ import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
 from ._launch import use_pdl
+from ._prefetch import bulk_prefetch_l2
 
 # An argmax key no row's key is below: what `argmax_key` holds before a projection maxes it.
 ARGMAX_KEY_NONE = -(2**63)
@@ -104,9 +105,7 @@ def _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid):
         base, n = pf1_ptr, pf1_len
     else:
         base, n = pf2_ptr, pf2_len
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }",
-        "=r,l,r", [base + offs, (offs < n).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    bulk_prefetch_l2(base + offs, tl.where(offs < n, _PF_BYTES, 0).to(tl.int32))
 
 
 @triton.jit

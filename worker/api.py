@@ -132,7 +132,8 @@ class Model:
         if n_slots is None:
             n_slots = self._lanes_within(cache_budget_bytes)
         ops = select_ops(self.device, settings.backend, attention_merge=settings.attention_merge,
-                         attention_split_len=settings.attention_split_len)
+                         attention_split_len=settings.attention_split_len,
+                         attention_prefetch=settings.attention_prefetch)
         if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
                                 settings.l2_keep_fraction, settings.l2_stream, settings.fuse_post_norm,

@@ -330,6 +330,21 @@ def test_rope_decode_attention_gpu_bf16(positions, Hkv):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("positions", [[129, 2048, 0, 700], [2047, 5, 128, 1500]])
+def test_rope_decode_attention_gpu_prefetch_kv(positions):
+    """prefetch_kv (bulk L2 prefetches of each split's cached slots before the PDL wait) on the
+    H200: the output bitwise the one without, both merges, in bf16 at hd 128."""
+    B, H, Hkv, hd, S = 4, 16, 16, 128, 2048
+    for merge in ("split", "kernel"):
+        outs = []
+        for prefetch in (False, True):
+            got = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=9)
+            outs.append(rope_decode_attention(*got[:8], hd ** -0.5, merge=merge, prefetch_kv=prefetch))
+        assert torch.equal(outs[0], outs[1]), merge
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("merge", ["split", "kernel"])
 @pytest.mark.parametrize("split_len, max_active", [(None, None), (64, None), (256, 3)])
 def test_rope_decode_attention_gpu_cuda_graph(split_len, max_active, merge):
@@ -420,11 +435,15 @@ def test_rope_decode_attention_merges(merge, H, Hkv):
 
 def test_rope_decode_attention_lane_split_len():
     """lane_split_len: a context of at most that many slots in one split, a longer one over
-    several, each as the reference."""
+    several, each as the reference; prefetch_kv (L2 prefetches of the cached slots: none under
+    the interpreter) leaves the output bitwise as it is."""
     S = 130
     for lane_split_len in (8, 64, 256):
-        run_both(lambda *a: rope_decode_attention(*a, lane_split_len=lane_split_len), 4, 4, 2, 16, S, F32,
-                 [100, 60, 9, S], seed=lane_split_len, scale=0.3)
+        out, _ = run_both(lambda *a: rope_decode_attention(*a, lane_split_len=lane_split_len), 4, 4, 2, 16, S, F32,
+                          [100, 60, 9, S], seed=lane_split_len, scale=0.3)
+        again = make_inputs(4, 4, 2, 16, S, F32, [100, 60, 9, S], seed=lane_split_len)
+        assert torch.equal(rope_decode_attention(*again[:8], 0.3, lane_split_len=lane_split_len, prefetch_kv=True),
+                           out)
 
 
 @pytest.mark.parametrize("bad, match", [

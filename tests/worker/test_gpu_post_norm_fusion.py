@@ -22,7 +22,7 @@ OURO_LIKE = dataclasses.replace(TINY, norm="sandwich", loop_final_norm=True, fin
                                 n_coda=0, n_loop_layers=3, d_model=256, n_heads=2, n_kv_heads=2, d_ff=704,
                                 tie_embeddings=False, max_seq_len=512)
 VARIANTS = {"fused": {}, "launched": {"fuse_post_norm": False, "attention_merge": "kernel"},
-            "prefetch": {"l2_prefetch_mb": 0.25}, "torch": {"backend": "torch"}}
+            "prefetch": {"l2_prefetch_mb": 0.25, "attention_prefetch": True}, "torch": {"backend": "torch"}}
 
 
 def steps(path, variant: str, prompt: list[int], loops: int, n: int) -> torch.Tensor:

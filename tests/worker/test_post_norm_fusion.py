@@ -82,10 +82,13 @@ def test_settings_of_the_decode_step_fusions():
     their environment variables, and a ValueError naming a bad value."""
     from tinyloop.worker.model.settings import Settings
     s = Settings()
-    assert (s.fuse_post_norm, s.attention_merge, s.attention_split_len, s.l2_prefetch_mb) == (True, "split", 128, 0.0)
+    assert (s.fuse_post_norm, s.attention_merge, s.attention_split_len, s.l2_prefetch_mb,
+            s.attention_prefetch) == (True, "split", 128, 0.0, False)
     s = Settings.from_env({"TINYLOOP_FUSE_POST_NORM": "0", "TINYLOOP_ATTENTION_MERGE": "kernel",
-                           "TINYLOOP_ATTENTION_SPLIT_LEN": "256", "TINYLOOP_L2_PREFETCH_MB": "12"})
-    assert (s.fuse_post_norm, s.attention_merge, s.attention_split_len, s.l2_prefetch_mb) == (False, "kernel", 256, 12.0)
+                           "TINYLOOP_ATTENTION_SPLIT_LEN": "256", "TINYLOOP_L2_PREFETCH_MB": "12",
+                           "TINYLOOP_ATTENTION_PREFETCH": "1"})
+    assert (s.fuse_post_norm, s.attention_merge, s.attention_split_len, s.l2_prefetch_mb,
+            s.attention_prefetch) == (False, "kernel", 256, 12.0, True)
     for bad, match in (({"attention_merge": "tree"}, "attention_merge must be one of"),
                        ({"attention_split_len": 0}, "attention_split_len must be >= 1"),
                        ({"l2_prefetch_mb": -1.0}, r"l2_prefetch_mb must be in \[0, 1024\)")):

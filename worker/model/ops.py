@@ -36,11 +36,13 @@ class Ops:
 
 
 class TritonOps(Ops):
-    """Triton kernels for the decode hot path (CUDA only). attention_merge, attention_split_len:
-    the decode attention's merge= and lane_split_len= (settings.Settings)."""
+    """Triton kernels for the decode hot path (CUDA only). attention_merge, attention_split_len,
+    attention_prefetch: the decode attention's merge=, lane_split_len= and prefetch_kv=
+    (settings.Settings)."""
     name = "triton"
 
-    def __init__(self, attention_merge: str = "split", attention_split_len: int | None = None):
+    def __init__(self, attention_merge: str = "split", attention_split_len: int | None = None,
+                 attention_prefetch: bool = False):
         from tinyloop.kernels.decode_attention import decode_attention, rope_decode_attention
         from tinyloop.kernels.gemv import gemv
         from tinyloop.kernels.int4_gemv import int4_gemv, int4_matmul
@@ -57,7 +59,8 @@ class TritonOps(Ops):
         self.rope_cache_write = rope_cache_write
         self.decode_attention = decode_attention
         self.rope_decode_attention = functools.partial(rope_decode_attention, merge=attention_merge,
-                                                       lane_split_len=attention_split_len)
+                                                       lane_split_len=attention_split_len,
+                                                       prefetch_kv=attention_prefetch)
         from tinyloop.kernels.tree_attention import tree_attention
         self.tree_attention = tree_attention
         # store-h caches: the write and the fused decode read; the chunk paths' row reads stay

@@ -40,7 +40,9 @@ class Settings:
     spreads a context over (a context of at most this many slots takes one split).
     l2_prefetch_mb: a one-lane decode step's wo projection asks L2 for this many MiB of the
     gate|up weight's first rows before its PDL wait, so the memory reads them while the
-    attention kernel runs (0: none; kernels.gemv's l2_prefetch)."""
+    attention kernel runs (0: none; kernels.gemv's l2_prefetch). attention_prefetch: the decode
+    attention's split programs ask L2 for their cached K / V before their PDL wait, while the
+    q|k|v projection drains (kernels/decode_attention.py's prefetch_kv)."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -56,6 +58,7 @@ class Settings:
     attention_merge: str = "split"
     attention_split_len: int = 128
     l2_prefetch_mb: float = 0.0
+    attention_prefetch: bool = False
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -96,7 +99,8 @@ class Settings:
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
         TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_FUSE_POST_NORM (0/1),
-        TINYLOOP_ATTENTION_MERGE, TINYLOOP_ATTENTION_SPLIT_LEN and TINYLOOP_L2_PREFETCH_MB; kv_mode by the reference
+        TINYLOOP_ATTENTION_MERGE, TINYLOOP_ATTENTION_SPLIT_LEN, TINYLOOP_L2_PREFETCH_MB and TINYLOOP_ATTENTION_PREFETCH (0/1);
+        kv_mode by the reference
         runtime's switches (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
@@ -104,7 +108,7 @@ class Settings:
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
                  "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
                  "fuse_post_norm": flag, "attention_merge": str, "attention_split_len": int,
-                 "l2_prefetch_mb": float}
+                 "l2_prefetch_mb": float, "attention_prefetch": flag}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")
