@@ -522,6 +522,15 @@ def default_tile(K: int, G: int) -> tuple[str, int, int, int, int]:
     return "bytes", 4, max(1, min(triton.next_power_of_2(K // G), max(1, 1024 // G))), 4, 2
 
 
+def default_matmul_tile(M: int, N: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM: 16-row tiles for a batched
+    decode step (still bound by the weight read: wide N tiles, one weight tile a program for
+    every row), 64 x 64 for prefill (the dot's inputs reused across the tile)."""
+    if M <= 16:
+        return 16, 32 if N <= 4096 else 64, 128, 4, 3
+    return 64, 64, 128, 4, 3
+
+
 def _m_bucket(m: int) -> int:
     """MATMUL_TILES' row bucket: 2-4, 5-8, 9-16, 17-64, then 65 and more."""
     return 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 65
