@@ -167,7 +167,7 @@ def _compile(jobs: list) -> list:
 def precompile(jobs: list, n: int) -> dict:
     """Compile every job in n worker processes (round-robin chunks) -> {(name, bits, tile, M): why failed}."""
     if n <= 1 or not jobs:
-        return {j[:4]: why for *j, why in _compile(jobs)}
+        return {tuple(f[:4]): f[4] for f in _compile(jobs)}
     chunks = [jobs[i::n] for i in range(n)]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:

@@ -340,15 +340,10 @@ def _pair_weights(p, zc, s_hi, s_lo, WDT: tl.constexpr):
 
 
 @triton.jit
-def _x_mma(xv, dtype):
-    """x at the columns of a (BLOCK_G, WORDS_G, 8) word tile, fp32 (times the norm weight: exact,
-    up to twice x's bits) -> the dot's left operand (16, 8·BLOCK_G·WORDS_G) in x's dtype: row 0
-    x's leading part, row 1 the rest (exact: x·nw's 16 bits fit two bf16), the other rows zero;
-    columns in `_mma_weights`' order (column c = 4h + 2j1 + j0 of a word at 4j1 + 2j0 + h)."""
-    GB: tl.constexpr = xv.shape[0]
-    WG: tl.constexpr = xv.shape[1]
-    # column c = 4h + 2j1 + j0 of a word -> position 4j1 + 2j0 + h
-    xp = tl.reshape(tl.permute(tl.reshape(xv, (GB, WG, 2, 2, 2)), (0, 1, 3, 4, 2)), (GB * WG * 8,))
+def _x_mma(xp, dtype):
+    """x (8·BLOCK_G·WORDS_G,) fp32 in the weights' column order (times the norm weight: exact, up to
+    twice x's bits) -> the dot's left operand (16, 8·BLOCK_G·WORDS_G) in x's dtype: row 0 x's
+    leading part, row 1 the rest (exact: x·nw's 16 bits fit two bf16), the other rows zero."""
     if dtype == tl.bfloat16:
         hi_bits = xp.to(tl.uint32, bitcast=True) & 0xFFFF0000
         hi = hi_bits.to(tl.float32, bitcast=True)
@@ -365,19 +360,20 @@ def _x_mma(xv, dtype):
 def _mma_weights(wd, s, z, WDT: tl.constexpr, MAGIC):
     """Words wd (BLOCK_N, BLOCK_G, WORDS_G) int32 with their groups' scales and zeros (BLOCK_N,
     BLOCK_G) -> the weights (BLOCK_N, 8·BLOCK_G·WORDS_G) in x's dtype, exact (`_pair_weights`),
-    word by word in the order (j1, j0, h) of field j = 2j1 + j0 + 4h: each pair (fields j, j + 4)
-    is one 32-bit register, adjacent in the tile."""
+    word by word in the order (j1, j0, e) of field j = 2j1 + j0 + 4(1 - e): each pair (fields j + 4,
+    j) is one 32-bit register, adjacent in the tile. (Joined high half first: the order in which
+    Triton keeps a joined pair in one register as the AND/OR made it, with no half swaps.)"""
     zc, s_hi, s_lo = _pair_consts(s[:, :, None, None], z[:, :, None, None], WDT)
     PD: tl.constexpr = tl.float16 if WDT == 1 else tl.bfloat16
     m = ((wd >> 0) & 0x000F000F) | MAGIC
-    w0 = _pair_weights(tl.join(m.to(tl.uint16), (m >> 16).to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    w0 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
     m = ((wd >> 4) & 0x000F000F) | MAGIC
-    w1 = _pair_weights(tl.join(m.to(tl.uint16), (m >> 16).to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    w1 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
     m = ((wd >> 8) & 0x000F000F) | MAGIC
-    w2 = _pair_weights(tl.join(m.to(tl.uint16), (m >> 16).to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    w2 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
     m = ((wd >> 12) & 0x000F000F) | MAGIC
-    w3 = _pair_weights(tl.join(m.to(tl.uint16), (m >> 16).to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
-    # (R, GB, WG, h) each; joined (R, GB, WG, h, j0, j1), then h innermost
+    w3 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    # (R, GB, WG, e) each; joined (R, GB, WG, e, j0, j1), then e innermost
     w = tl.permute(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (0, 1, 2, 5, 4, 3))
     R: tl.constexpr = wd.shape[0]
     GB: tl.constexpr = wd.shape[1]
@@ -436,14 +432,14 @@ def _int4_gemv_mma_kernel(
     NG = K // G
     gl = tl.arange(0, BLOCK_G)
     us = tl.arange(0, WORDS_G)
-    cs = tl.arange(0, 8)
 
     r64 = rows.to(tl.int64)
     q_rows, s_rows, z_rows = q_ptr + r64[:, None] * NW, s_ptr + r64[:, None] * NG, z_ptr + r64[:, None] * NG
     up = r64 + N
     uq_rows, us_rows, uz_rows = q_ptr + up[:, None] * NW, s_ptr + up[:, None] * NG, z_ptr + up[:, None] * NG
 
-    ss = tl.zeros([BLOCK_G, WORDS_G, 8], dtype=tl.float32)  # (ss and acc_up are dead code unless NORM / SWIGLU)
+    ps = tl.arange(0, BLOCK_G * WORDS_G * 8)
+    ss = tl.zeros([BLOCK_G * WORDS_G * 8], dtype=tl.float32)  # (ss and acc_up are dead code unless NORM / SWIGLU)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if PREFETCH:
@@ -461,8 +457,12 @@ def _int4_gemv_mma_kernel(
             wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, NG, WPG, EVICT)
             if SWIGLU:
                 uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, NG, WPG, EVICT)
-        k = gs[:, None, None] * G + (us * 8)[None, :, None] + cs[None, None, :]
-        km = (gs < NG)[:, None, None] & (us < WPG)[None, :, None]
+        # x in the weights' column order (`_mma_weights`): position 4j1 + 2j0 + e of a word is
+        # its column 4(1 - e) + 2j1 + j0, gathered straight from x (a few KB, in L1 after the
+        # first row)
+        g_of = g0 + ps // (WORDS_G * 8)
+        k = g_of * G + (ps // 8 % WORDS_G) * 8 + 4 - 4 * (ps & 1) + 2 * ((ps >> 2) & 1) + ((ps >> 1) & 1)
+        km = (g_of < NG) & (ps // 8 % WORDS_G < WPG)
         xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
         if NORM:
             ss += xv * xv
@@ -481,7 +481,7 @@ def _int4_gemv_mma_kernel(
 
     # gemv's epilogue
     if NORM:
-        inv_rms = tl.rsqrt(tl.sum(tl.sum(tl.sum(ss, axis=2), axis=1), axis=0) / K + eps)
+        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         y *= inv_rms
     y = y.to(dtype).to(tl.float32)
     if SWIGLU:
