@@ -56,14 +56,32 @@ def shapes(preset: str) -> list[dict]:
     ]
 
 
-def gemv_candidates(K: int, G: int, bits: int) -> list[tuple]:
-    """M = 1 tiles to try: the bytes kernel (BLOCK_N rows x BLOCK_G groups a step) and, for INT4
-    with whole int32 words a group, the mma kernel; BLOCK_G no more than the row's groups."""
+SMS_TWICE = 264  # two programs an SM of the H200's 132: the split mma tiles' least grid
+
+
+def split_choices(rows: int, bn: int, steps: int) -> list[int]:
+    """SPLIT_K for an mma tile: the least power of two that gives SMS_TWICE programs, and twice
+    that, each at most the row's steps (no slice left without a step); 1 where the row blocks
+    alone are enough."""
+    blocks = -(-rows // bn)
+    s = 1
+    while blocks * s < SMS_TWICE and s < steps:
+        s *= 2
+    return sorted({min(s, steps), min(2 * s, steps)} if s > 1 else {1, min(2, steps)})
+
+
+def gemv_candidates(K: int, G: int, bits: int, rows: int = 2048) -> list[tuple]:
+    """M = 1 tiles to try for a projection of `rows` output rows: the bytes kernel (BLOCK_N rows x
+    BLOCK_G groups a step) and, for INT4 with whole int32 words a group, the mma kernel with the
+    K splits that fill the SMs (`split_choices`); BLOCK_G no more than the row's groups."""
     ng = K // G
-    tiles = [("bytes", bn, bg, w, st) for bn in (2, 4, 8) for bg in (2, 4, 8) for w, st in ((4, 1), (4, 2))]
-    tiles += [("bytes", 4, 8, 8, 2), ("bytes", 8, 8, 8, 1), ("bytes", 16, 4, 8, 1)]
+    tiles = [("bytes", bn, bg, w, st, 1) for bn in (2, 4, 8) for bg in (4, 8) for w, st in ((4, 1), (4, 2))]
+    tiles += [("bytes", 16, 4, 8, 1, 1), q4.default_tile(K, G)]
     if bits == 4 and G % 8 == 0:
-        tiles += [("mma", bn, bg, w, 1) for bn in (16, 32, 64) for bg in (1, 2, 4) for w in (4, 8)]
+        for bn, bg, w in [(bn, bg, w) for bn in (16, 32, 64) for bg in (1, 2, 4) for w in (4, 8)] + \
+                [(128, 1, 8), (128, 2, 8)]:
+            if bg <= triton.next_power_of_2(ng):
+                tiles += [("mma", bn, bg, w, 1, s) for s in split_choices(rows, bn, -(-ng // bg))]
     return [t for t in dict.fromkeys(tiles) if t[2] <= triton.next_power_of_2(ng)]
 
 
@@ -208,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         for s in shapes(args.preset):
             N = s["rows"] // 2 if s["swiglu"] else s["rows"]
             flags = (s["norm"], s["swiglu"], s["residual"])
-            work.append((s, bits, 1, gemv_candidates(s["K"], G, bits), (N, s["K"], G, bits, *flags, pdl)))
+            work.append((s, bits, 1, gemv_candidates(s["K"], G, bits, N), (N, s["K"], G, bits, *flags, pdl)))
             for M in args.rows:
                 work.append((s, bits, M, matmul_candidates(M, N), (q4._m_bucket(M), N, s["K"], G, bits, *flags)))
     jobs = [(s, G, bits, t, M) for s, bits, M, cands, _ in work for t in cands]

@@ -383,8 +383,8 @@ def _mma_weights(wd, s, z, WDT: tl.constexpr, MAGIC):
 
 @triton.jit
 def _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, NG, WPG: tl.constexpr, EVICT: tl.constexpr):
-    """Words us of groups gs of the program's rows (BLOCK_N, BLOCK_G, WORDS_G) int32, and the
-    groups' scales and zeros (BLOCK_N, BLOCK_G)."""
+    """Words us of groups gs (those below NG: the program's slice) of the program's rows (BLOCK_N,
+    BLOCK_G, WORDS_G) int32, and the groups' scales and zeros (BLOCK_N, BLOCK_G)."""
     g_mask = gs < NG
     m = row_mask[:, None, None] & g_mask[None, :, None] & (us < WPG)[None, None, :]
     wd = tl.load(q_rows[:, :, None] + (gs[:, None] * WPG + us[None, :])[None, :, :], mask=m, other=0,
@@ -393,6 +393,27 @@ def _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, NG, WPG: tl.cons
     s = tl.load(s_rows + gs[None, :], mask=mg, other=0.0, eviction_policy=EVICT)
     z = tl.load(z_rows + gs[None, :], mask=mg, other=0, eviction_policy=EVICT)
     return wd, s, z
+
+
+@triton.jit
+def _epilogue(y, yu, ss_sum, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM: tl.constexpr,
+              SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr):
+    """gemv's epilogue on the rows' fp32 sums y (and yu, SwiGLU's up rows), ss_sum the sum of x^2."""
+    if NORM:
+        inv_rms = tl.rsqrt(ss_sum / K + eps)
+        y *= inv_rms
+    y = y.to(dtype).to(tl.float32)
+    if SWIGLU:
+        if NORM:
+            yu *= inv_rms
+        yu = yu.to(dtype).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * yu
+    if RESIDUAL:
+        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    y = y.to(dtype)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    if ARGMAX:
+        _argmax_key_max(key_ptr, y.to(tl.float32), rows, row_mask, N)
 
 
 @triton.jit
@@ -405,11 +426,14 @@ def _int4_gemv_mma_kernel(
     res_ptr,  # (N,) residual, read only when RESIDUAL
     y_ptr,  # (N,)
     key_ptr,  # (1,) int64, written only when ARGMAX
+    part_ptr,  # (SPLIT_K, 2, N) fp32: each K slice's row sums (SPLIT_K > 1)
+    sq_ptr,  # (programs, SPLIT_K) fp32: each K slice's sum of x^2 (SPLIT_K > 1, NORM)
+    cnt_ptr,  # (programs,) int32, zero between launches: the K slices done (SPLIT_K > 1)
     N,
     K,
     NW,  # words a row (K / 8)
     eps,
-    MAGIC,  # `_PAIR_MAGIC` of x's dtype (an argument: a register operand, not an immediate rebuilt per use)
+    MAGIC,  # the pair magic of x's dtype (an argument: a register operand, not an immediate rebuilt per use)
     NORM: tl.constexpr,
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
@@ -423,13 +447,19 @@ def _int4_gemv_mma_kernel(
     BLOCK_N: tl.constexpr,  # >= 16 (tl.dot)
     BLOCK_G: tl.constexpr,  # groups a step
     WORDS_G: tl.constexpr,  # next_power_of_2(G / 8): words a group row
+    SPLIT_K: tl.constexpr,  # programs a row block, each a slice of the groups
 ):
     WPG: tl.constexpr = G // 8
     pid = tl.program_id(0)
+    pk = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     dtype = x_ptr.dtype.element_ty
     NG = K // G
+    # this program's groups [g_lo, g_hi): whole steps, the slices in order along K
+    per = tl.cdiv(tl.cdiv(NG, BLOCK_G), SPLIT_K) * BLOCK_G
+    g_lo = pk * per
+    g_hi = tl.minimum(NG, g_lo + per)
     gl = tl.arange(0, BLOCK_G)
     us = tl.arange(0, WORDS_G)
 
@@ -444,25 +474,25 @@ def _int4_gemv_mma_kernel(
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if PREFETCH:
         # the weights never depend on the previous kernel: the first tile goes out before the wait
-        wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gl, us, row_mask, NG, WPG, EVICT)
+        wd, s, z = _load_group_words(q_rows, s_rows, z_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
         uwd, usc, uz = wd, s, z
         if SWIGLU:
-            uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gl, us, row_mask, NG, WPG, EVICT)
+            uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-    for g0 in range(0, NG, BLOCK_G):
+    for g0 in range(g_lo, g_hi, BLOCK_G):
         gs = g0 + gl
         if not PREFETCH:
-            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, NG, WPG, EVICT)
+            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, g_hi, WPG, EVICT)
             if SWIGLU:
-                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, NG, WPG, EVICT)
+                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG, EVICT)
         # x in the weights' column order (`_mma_weights`): position 4j1 + 2j0 + e of a word is
         # its column 4(1 - e) + 2j1 + j0, gathered straight from x (a few KB, in L1 after the
         # first row)
         g_of = g0 + ps // (WORDS_G * 8)
         k = g_of * G + (ps // 8 % WORDS_G) * 8 + 4 - 4 * (ps & 1) + 2 * ((ps >> 2) & 1) + ((ps >> 1) & 1)
-        km = (g_of < NG) & (ps // 8 % WORDS_G < WPG)
+        km = (g_of < g_hi) & (ps // 8 % WORDS_G < WPG)
         xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
         if NORM:
             ss += xv * xv
@@ -472,36 +502,49 @@ def _int4_gemv_mma_kernel(
         if SWIGLU:
             acc_up = _dot_wt(xb, _mma_weights(uwd, usc, uz, WDT, MAGIC), acc_up, DOT_F32)
         if PREFETCH:
-            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs + BLOCK_G, us, row_mask, NG, WPG, EVICT)
+            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG, EVICT)
             if SWIGLU:
-                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs + BLOCK_G, us, row_mask, NG, WPG,
+                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG,
                                                  EVICT)
     # rows 0 and 1 of the dot: x's leading part and the rest (`_x_mma`)
     y = tl.sum(acc, axis=0)
-
-    # gemv's epilogue
-    if NORM:
-        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-        y *= inv_rms
-    y = y.to(dtype).to(tl.float32)
-    if SWIGLU:
-        yu = tl.sum(acc_up, axis=0)
+    yu = tl.sum(acc_up, axis=0)
+    if SPLIT_K == 1:
+        _epilogue(y, yu, tl.sum(ss, axis=0), rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM, SWIGLU,
+                  RESIDUAL, ARGMAX)
+    else:
+        # Each slice leaves its sums; the last of a row block to finish (the counter) adds them in
+        # slice order -- one order whichever finishes last, so the rows are summed the same way
+        # every launch -- and runs the epilogue, then sets the counter back for the next launch.
+        # (Everything here follows the PDL wait: the next launch cannot reach its counters first.)
+        tl.store(part_ptr + pk * 2 * N + rows, y, mask=row_mask)
+        if SWIGLU:
+            tl.store(part_ptr + (pk * 2 + 1) * N + rows, yu, mask=row_mask)
         if NORM:
-            yu *= inv_rms
-        yu = yu.to(dtype).to(tl.float32)
-        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * yu
-    if RESIDUAL:
-        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    y = y.to(dtype)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
-    if ARGMAX:
-        _argmax_key_max(key_ptr, y.to(tl.float32), rows, row_mask, N)
+            tl.store(sq_ptr + pid * SPLIT_K + pk, tl.sum(ss, axis=0))
+        tl.debug_barrier()  # every thread's sums stored before the (one-thread, releasing) count
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            yu = tl.zeros([BLOCK_N], dtype=tl.float32)
+            ss_sum = 0.0
+            for i in tl.static_range(SPLIT_K):
+                # .cg: from L2, never a line of this buffer an earlier launch left in this SM's L1
+                y += tl.load(part_ptr + i * 2 * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    yu += tl.load(part_ptr + (i * 2 + 1) * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    ss_sum += tl.load(sq_ptr + pid * SPLIT_K + i, cache_modifier=".cg")
+            _epilogue(y, yu, ss_sum, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM, SWIGLU,
+                      RESIDUAL, ARGMAX)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed")
 
 
-# M = 1 tiles: (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages), kernel "bytes"
-# (`_int4_gemv_kernel`: any group size and bits, fp32 FMAs) or "mma" (`_int4_gemv_mma_kernel`:
-# INT4, group size a multiple of 8, bf16 / fp16 x, BLOCK_N >= 16, the products on the tensor
-# cores). Fixed per device name, then (N, K, G, bits, NORM, SWIGLU, RESIDUAL, PDL); a shape
+# M = 1 tiles: (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages, SPLIT_K), kernel "bytes"
+# (`_int4_gemv_kernel`: any group size and bits, fp32 FMAs, SPLIT_K 1) or "mma"
+# (`_int4_gemv_mma_kernel`: INT4, group size a multiple of 8, bf16 / fp16 x, BLOCK_N >= 16, the
+# products on the tensor cores, SPLIT_K programs a row block each summing a slice of K, added in
+# slice order by the last to finish: wide row blocks still fill the SMs). Fixed per device name, then (N, K, G, bits, NORM, SWIGLU, RESIDUAL, PDL); a shape
 # without an entry takes `default_tile`. bench/int4_tiles.py sweeps them on the GPU and prints
 # the entries to paste here (each tile fixes the order every row is summed in, so the table,
 # not a per-process autotuner, decides).
@@ -515,11 +558,11 @@ MATMUL_TILES: dict[str, dict[tuple, tuple[int, int, int, int, int]]] = {}
 GEMV_KERNELS = ("bytes", "mma")
 
 
-def default_tile(K: int, G: int) -> tuple[str, int, int, int, int]:
+def default_tile(K: int, G: int) -> tuple[str, int, int, int, int, int]:
     """The M = 1 tile of a shape TILES does not hold: the bytes kernel, 1024 columns a step (512
     contiguous bytes of a row) over 4 rows, 2 KB a step: one 16-byte load per thread of 4 warps,
     and bench-285m's 2048-row projections launch 512 programs (untimed: the sweep's baseline)."""
-    return "bytes", 4, max(1, min(triton.next_power_of_2(K // G), max(1, 1024 // G))), 4, 2
+    return "bytes", 4, max(1, min(triton.next_power_of_2(K // G), max(1, 1024 // G))), 4, 2, 1
 
 
 def default_matmul_tile(M: int, N: int) -> tuple[int, int, int, int, int]:
@@ -536,16 +579,20 @@ def _m_bucket(m: int) -> int:
     return 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 65
 
 
-def as_tile(t) -> tuple[str, int, int, int, int]:
-    """An M = 1 tile as (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages); a 4-tuple is a bytes
-    kernel's. Bad tiles -> ValueError."""
+def as_tile(t) -> tuple[str, int, int, int, int, int]:
+    """An M = 1 tile as (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages, SPLIT_K); a 4-tuple is a
+    bytes kernel's, a 5-tuple one with SPLIT_K 1. Bad tiles -> ValueError."""
     t = tuple(t)
     if len(t) == 4:
         t = ("bytes", *t)
-    if len(t) != 5 or t[0] not in GEMV_KERNELS or not all(isinstance(v, int) and v > 0 for v in t[1:]):
+    if len(t) == 5:
+        t = (*t, 1)
+    if len(t) != 6 or t[0] not in GEMV_KERNELS or not all(isinstance(v, int) and v > 0 for v in t[1:]):
         raise ValueError(f"int4_gemv: a tile is (kernel in {GEMV_KERNELS}, BLOCK_N, BLOCK_G, num_warps, "
-                         f"num_stages) of positive ints, got {t!r}")
-    kind, bn, bg, warps, _ = t
+                         f"num_stages, SPLIT_K) of positive ints, got {t!r}")
+    kind, bn, bg, warps, _, split = t
+    if kind == "bytes" and split != 1:
+        raise ValueError(f"int4_gemv: the bytes kernel does not split K (SPLIT_K 1), got {t!r}")
     if bn & (bn - 1) or bg & (bg - 1) or warps & (warps - 1):
         raise ValueError(f"int4_gemv: BLOCK_N, BLOCK_G and num_warps must be powers of two, got {t!r}")
     if kind == "mma" and bn < 16:
@@ -619,13 +666,13 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
                              f"bf16 or fp16 x, got bits={bits}, group_size={group_size}, x {x.dtype}")
     elif interpreting():
         # wide tiles: the interpreter's cost is per program and per op, hardly per element
-        t = ("bytes", min(128, triton.next_power_of_2(N)), min(4, triton.next_power_of_2(K // group_size)), 4, 1)
+        t = ("bytes", min(128, triton.next_power_of_2(N)), min(4, triton.next_power_of_2(K // group_size)), 4, 1, 1)
     else:
         key = (N, K, group_size, bits, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
         t = as_tile(TILES.get(_device_name(x.device), {}).get(key) or default_tile(K, group_size))
         if t[0] == "mma" and not mma_fits(x, qweight, group_size, bits):
             t = default_tile(K, group_size)  # (an fp32 x or a misaligned view of a tabled shape)
-    kind, bn, bg, warps, stages = t
+    kind, bn, bg, warps, stages, split = t
     launch = {} if interpreting() else dict(num_warps=warps, num_stages=stages, launch_pdl=pdl)
     flags["ARGMAX"] = argmax_key is not None
     rest = (x1 if nw is None else nw, y if residual is None else residual, y, y if argmax_key is None else argmax_key)
@@ -633,15 +680,34 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     if kind == "mma":
         flags.pop("BITS")
         magic = 0x64006400 if x.dtype == torch.float16 else 0x43004300
-        _int4_gemv_mma_kernel[grid](x1, qweight.view(torch.int32), scales, zeros, *rest, N, K, K // 8, float(eps),
-                                    magic, **flags, PREFETCH=pdl, PDL=pdl and not interpreting(), G=group_size,
-                                    WDT=1 if x.dtype == torch.float16 else 0, DOT_F32=interpreting(), BLOCK_N=bn,
-                                    BLOCK_G=bg, WORDS_G=triton.next_power_of_2(group_size // 8), **launch)
+        parts, sq, cnt = _split_buffers(x.device, N, grid[0], split) if split > 1 else (y, y, y)
+        _int4_gemv_mma_kernel[(grid[0], split)](
+            x1, qweight.view(torch.int32), scales, zeros, *rest, parts, sq, cnt, N, K, K // 8, float(eps), magic,
+            **flags, PREFETCH=pdl, PDL=pdl and not interpreting(), G=group_size,
+            WDT=1 if x.dtype == torch.float16 else 0, DOT_F32=interpreting(), BLOCK_N=bn, BLOCK_G=bg,
+            WORDS_G=triton.next_power_of_2(group_size // 8), SPLIT_K=split, **launch)
         return y
     _int4_gemv_kernel[grid](x1, qweight, scales, zeros, *rest, N, K, group_size, float(eps), **flags, PREFETCH=pdl,
                             PDL=pdl and not interpreting(), BLOCK_N=bn, BLOCK_G=bg,
                             BYTES_G=triton.next_power_of_2(group_size * bits // 8), **launch)
     return y
+
+
+# The split mma launches' buffers, by (device, N, row blocks, SPLIT_K): each slice's row sums, its
+# sum of x^2, and the row blocks' counters (zero between launches: the last slice sets its block's
+# back). Launches of one shape share them one after another, in stream order, as a decode step
+# (and its captured graph) runs them; they are made by the first (eager) launch of a shape.
+_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_buffers(device: torch.device, N: int, blocks: int, split: int):
+    key = (device, N, blocks, split)
+    b = _SPLIT_BUFFERS.get(key)
+    if b is None:
+        b = _SPLIT_BUFFERS[key] = (torch.empty(split * 2 * N, dtype=torch.float32, device=device),
+                                   torch.empty(blocks * split, dtype=torch.float32, device=device),
+                                   torch.zeros(blocks, dtype=torch.int32, device=device))
+    return b
 
 
 def int4_matmul(x, qweight, scales, zeros, group_size, bits=4, eviction_policy="", tile=None):

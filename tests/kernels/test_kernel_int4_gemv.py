@@ -143,10 +143,14 @@ def test_int4_bench_285m_shapes(N, K, swiglu):
 
 # -- the mma kernel (int32 words, tensor-core products) and the exact dequantization ---------------
 MMA_CASES = [  # (N, K, G, tile): rows not a multiple of BLOCK_N, a group of 48 (6 words, padded to 8),
-    (24, 192, 64, ("mma", 16, 2, 4, 1)),  # groups a step beyond the row's (masked), one group a row
-    (40, 96, 48, ("mma", 32, 1, 4, 1)),
-    (16, 256, 32, ("mma", 16, 4, 4, 1)),
+    (24, 192, 64, ("mma", 16, 2, 4, 1)),  # groups a step beyond the row's (masked), one group a row;
+    (40, 96, 48, ("mma", 32, 1, 4, 1)),  # then K split into slices (SPLIT_K): even, uneven (the last
+    (16, 256, 32, ("mma", 16, 4, 4, 1)),  # slice short), one slice left empty, groups of 48
     (20, 128, 128, ("mma", 16, 2, 4, 1)),
+    (40, 256, 32, ("mma", 16, 2, 4, 1, 4)),
+    (24, 160, 32, ("mma", 16, 1, 4, 1, 2)),
+    (16, 192, 32, ("mma", 16, 2, 4, 1, 4)),
+    (24, 192, 48, ("mma", 16, 1, 4, 1, 2)),
 ]
 
 
@@ -235,12 +239,32 @@ def test_int4_gemv_tile_refusals():
         int4_gemv(x.bfloat16(), *q, 32, tile=("mma", 8, 1, 4, 1))
     with pytest.raises(ValueError, match="powers of two"):
         int4_gemv(x, *q, 32, tile=("bytes", 3, 1, 4, 1))
+    with pytest.raises(ValueError, match="does not split K"):
+        int4_gemv(x, *q, 32, tile=("bytes", 4, 1, 4, 1, 2))
     with pytest.raises(ValueError, match="a tile is"):
         int4_gemv(x, *q, 32, tile=("warp", 4, 1, 4, 1))
     with pytest.raises(ValueError, match="a tile is"):
         int4_matmul(torch.randn(3, 64, device=DEVICE), *q, 32, tile=(16, 8, 64, 4, 1))
     with pytest.raises(ValueError, match="a dot's K"):
         int4_matmul(torch.randn(3, 64, device=DEVICE), *q, 32, tile=(16, 16, 16, 4, 1))
+
+
+def test_int4_gemv_split_k_is_one_order():
+    """A split launch sums each row in slice order whichever slice finishes last: repeated calls
+    are bit-identical, the float32 logits are the bf16 ones widened, and the argmax key is theirs
+    (the counters set back after every launch)."""
+    g = torch.Generator().manual_seed(4)
+    N, K, G = 40, 256, 32
+    q = quantized(N, K, G, g)
+    x = torch.randn(1, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    tile = ("mma", 16, 1, 4, 1, 4)
+    first = int4_gemv(x, *q, G, tile=tile)
+    for _ in range(3):
+        assert torch.equal(int4_gemv(x, *q, G, tile=tile), first)
+    key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.int64, device=DEVICE)
+    y = int4_gemv(x, *q, G, tile=tile, out_dtype=torch.float32, argmax_key=key)
+    assert torch.equal(y, first.float()) and key.item() == argmax_key_ref(first).item()
+    assert_close(first, int4_gemv_ref(x, *q, G), "projection")
 
 
 @pytest.mark.parametrize("tile", [(16, 16, 64, 4, 1), (16, 32, 128, 4, 2)])
