@@ -1,35 +1,51 @@
-"""INT4 projections with the dequantization fused: a GEMV for the decode step and a GEMM for
+"""INT4 projections with the dequantization fused: GEMVs for the decode step and a GEMM for
 every other row count; INT2 (dual-bit's copy of the shared block) by the same kernels.
 
     y = x @ W.T,   W[n, k] = ((q[n, k] - zeros[n, g]) * scales[n, g]).to(x.dtype),  g = k // G
 
 Layouts (worker/model/quant.py): ``qweight`` uint8 (N, K/CPB) with CPB = 8 / bits codes a byte,
 column CPB·j + c in bits [c·bits, (c + 1)·bits) of byte j (INT4: column 2j in the low nibble,
-2j+1 in the high one); ``scales`` float16 (N, K/G); ``zeros`` uint8 (N, K/G); G (the group size)
-a multiple of CPB dividing K. The dequantized weight is exact in fp32 and rounded to x's dtype
-before it multiplies, so each kernel computes what kernels/gemv.py computes with the weight
-`int4_dequantize_ref` gives: same options, same rounding points, the same tolerance.
+2j+1 in the high one); ``scales`` float16 (N, K/G); ``zeros`` uint8 (N, K/G), below 2^bits; G
+(the group size) a multiple of CPB dividing K. The dequantized weight is exact in fp32 and
+rounded to x's dtype before it multiplies, so each kernel computes what kernels/gemv.py computes
+with the weight `int4_dequantize_ref` gives: same options, same rounding points, the same
+tolerance. The kernels reach that weight without a conversion instruction (Hopper issues them
+at a fraction of the other ALU ops' rate, and a decode step's INT4 projections, their weights in
+L2, are bound by the instructions spent per weight, not by the bytes): the code becomes the
+float 2^m + q by one AND/OR into a float's mantissa, and the weight comes from 16-bit float
+pair arithmetic that rounds once (`_pair_weights`; the block comment above `_pair_consts`).
 
 ``int4_gemv`` takes kernels.gemv's call (``norm_weight``, ``swiglu``, ``residual``,
 ``argmax_key``, ``out_dtype``, ``eviction_policy``, ``pdl``) for 1 <= M <= 16 rows.
 
-- M = 1 (``_int4_gemv_kernel``): one program per BLOCK_N output rows, looping over the groups
-  BLOCK_G at a time: a (BLOCK_N, BLOCK_G, G/CPB) tile of bytes, each code position c against
-  x's columns CPB·j + c, the group's scale and zero broadcast along the last axis (no gather).
-  Summed once at the end, as gemv's accumulator tile is; no split-K, so the epilogues need no
-  atomics. With ``pdl`` the first tile of weights is loaded before the wait on the previous
-  kernel and each next one a step ahead (gemv's PREFETCH).
+- M = 1, the bytes kernel (``_int4_gemv_kernel``, any group size and bits, any float x): one
+  program per BLOCK_N output rows, looping over the groups BLOCK_G at a time: a (BLOCK_N,
+  BLOCK_G, G/CPB) tile of bytes, each code position c against x's columns CPB·j + c, the group's
+  scale and zero broadcast along the last axis (no gather), fp32 FMAs summed once at the end.
+- M = 1, the mma kernel (``_int4_gemv_mma_kernel``: INT4, G a multiple of 8, bf16 / fp16 x):
+  the codes read as int32 words (8 columns each) a (BLOCK_N, BLOCK_G, G/8) tile a step, each
+  word's fields j and j + 4 dequantized as one 16-bit pair, and the products on the tensor cores:
+  x is the dot's left operand, its row 0 x's leading bf16 part and row 1 the rest (with the
+  norm, x · norm_weight has up to 16 bits: two bf16 hold it exactly, so the fp32 product of the
+  unfused path is kept), the other 14 rows zero. BLOCK_N >= 16 (tl.dot), so a 2048-row
+  projection has few row blocks: SPLIT_K programs share a row block, each summing a slice of the
+  groups; the block's last to finish (an atomic count) adds the slices' sums in slice order and
+  runs the epilogue, so the order is one whichever finishes last.
 - M > 1 (``_int4_matmul_kernel``): a (BLOCK_M, BLOCK_N) tile of y per program, K in BLOCK_K
   chunks, the chunk's bytes loaded once and dequantized in registers (each byte's scale and
   zero gathered by its group), one tl.dot per code position (x's columns CPB·j + c). The
   decode step's options ride in its epilogue as in gemv's batched kernel.
 
+With ``pdl`` the M = 1 kernels load their first tile of weights before the wait on the previous
+kernel and each next one a step ahead (gemv's PREFETCH).
+
 ``int4_matmul`` is that GEMM without options for any number of rows (prefill, verify, a
 batched decode step's projections).
 
-Row order: every launch takes a fixed tile per shape (the module's tables; the interpreter one
-tile), never an autotuner's, and a float32 y or the argmax epilogue use the plain call's tile,
-so each row is summed in one order whatever is asked of the call.
+Row order: every launch takes a fixed tile per shape (`TILES`, `MATMUL_TILES`, else the
+defaults; the interpreter one tile; ``tile=`` an explicit one, for sweeps and tests), never an
+autotuner's, and a float32 y or the argmax epilogue use the plain call's tile, so each row is
+summed in one order whatever is asked of the call. bench/int4_tiles.py sweeps the tiles.
 """
 import math
 
@@ -278,17 +294,18 @@ def _int4_matmul_kernel(
     tl.store(y_ptr + out_offs, y.to(dtype).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# -- word kernels: the weight read as int32 words, dequantized two codes an instruction ------------
+# -- the exact dequantization, without conversion instructions ------------------------------------
 #
-# A word holds CPW = 32 / BITS codes, column CPW·u + f in bits [f·BITS, (f + 1)·BITS) (the byte
-# layout above, read little-endian). One AND/OR with a magic exponent turns fields j and j + J
-# (J = CPW / 2) into the two halves of a 16-bit-float pair, 2^m + q each (bf16 128 + q, fp16
-# 1024 + q): no int-to-float conversion (a slow instruction on Hopper), and every step after it
-# runs on packed pairs. The weight of x's dtype is then exact, as the spec rounds it:
+# A code q becomes the 16-bit float 2^m + q by an OR into its mantissa (bf16 128 + q, fp16
+# 1024 + q): no int-to-float conversion. The mma kernel reads int32 words (column 8u + f in bits
+# [4f, 4f + 4), the byte layout above read little-endian), and one AND/OR of a word shifted by 4j
+# puts fields j and j + 4 in the two halves of one 32-bit register: a 16-bit float pair, so every
+# step after it runs on packed pairs, two weights an instruction. The weight of x's dtype is then
+# exact, as the spec rounds it:
 #   n = (2^m + q) - (2^m + z)                                  exact (small integers)
 #   bf16: w = fma(n, s_hi, n * s_lo) = RN_bf16(n · s)          s = s_hi + s_lo, s_hi s truncated
 #         to bf16's 8 bits, s_lo the <= 3 bits left of fp16's 11; n · s_lo (<= 7 bits) is exact in
-#         bf16, so the fma rounds the exact n · s once
+#         bf16, so the fma rounds the exact n · s once (no fp32 product rounded to bf16 after)
 #   fp16: w = n * s = RN_fp16(n · s)                           one rounding of the exact product
 #   fp32: w = float(n) * s                                     exact
 # (n is exact because z < 2^BITS, which quant.group_params guarantees.)

@@ -282,7 +282,7 @@ def test_int4_matmul_explicit_tiles(tile):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES[:4])
 @pytest.mark.parametrize("tile", [("mma", 16, 2, 4, 1), ("mma", 32, 4, 8, 1), ("mma", 64, 1, 4, 1),
-                                  ("bytes", 4, 8, 4, 2)])
+                                  ("mma", 64, 2, 4, 1, 8), ("mma", 128, 1, 8, 1, 4), ("bytes", 4, 8, 4, 2)])
 def test_int4_mma_bench_285m_shapes(N, K, swiglu, tile):
     """The sweep's kernels at bench-285m's shapes: parity with every option the step passes, and
     the weight exact (one-hot columns)."""
