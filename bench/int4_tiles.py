@@ -186,7 +186,15 @@ def precompile(jobs: list, n: int) -> dict:
     """Compile every job in n worker processes (round-robin chunks) -> {(name, bits, tile, M): why failed}."""
     if n <= 1 or not jobs:
         return {tuple(f[:4]): f[4] for f in _compile(jobs)}
-    chunks = [jobs[i::n] for i in range(n)]
+    # jobs that compile the same kernel (options, bits, tile; N and K are not specialized on) go
+    # to one worker, so that it compiles once and the others find it in the cache
+    groups: dict[tuple, list] = {}
+    for j in jobs:
+        s, G, bits, tile, M = j
+        groups.setdefault((s["norm"], s["swiglu"], s["residual"], G, bits, tuple(tile), M > 1), []).append(j)
+    chunks = [[] for _ in range(n)]
+    for i, g in enumerate(sorted(groups.values(), key=len, reverse=True)):
+        min(chunks, key=len).extend(g)
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
         out = {}
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[4], help="4, and 2 for dual-bit's INT2 copy")
     ap.add_argument("--rows", type=int, nargs="*", default=[4, 16], help="M > 1 row counts for the GEMM's tiles")
     ap.add_argument("--calls", type=int, default=20, help="calls a hot graph")
-    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="compile workers")
+    ap.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 1) - 2)), help="compile workers")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing new candidates after this")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -221,14 +229,17 @@ def main(argv: list[str] | None = None) -> None:
     G = args.group_size
     result = {"hardware": hardware(dev), "device_name": name, "preset": args.preset, "group_size": G, "pdl": pdl,
               "calls": args.calls, "gemv": [], "matmul": [], "skipped": [], "failed": []}
-    work = []  # (shape, bits, M, candidates, table key)
-    for bits in args.bits:
-        for s in shapes(args.preset):
-            N = s["rows"] // 2 if s["swiglu"] else s["rows"]
-            flags = (s["norm"], s["swiglu"], s["residual"])
-            work.append((s, bits, 1, gemv_candidates(s["K"], G, bits, N), (N, s["K"], G, bits, *flags, pdl)))
-            for M in args.rows:
-                work.append((s, bits, M, matmul_candidates(M, N), (q4._m_bucket(M), N, s["K"], G, bits, *flags)))
+    work = []  # (shape, bits, M, candidates, table key): every M = 1 sweep first (the decode step's)
+    for M in [1, *args.rows]:
+        for bits in args.bits:
+            for s in shapes(args.preset):
+                N = s["rows"] // 2 if s["swiglu"] else s["rows"]
+                flags = (s["norm"], s["swiglu"], s["residual"])
+                if M == 1:
+                    work.append((s, bits, 1, gemv_candidates(s["K"], G, bits, N), (N, s["K"], G, bits, *flags, pdl)))
+                else:
+                    work.append((s, bits, M, matmul_candidates(M, N),
+                                 (q4._m_bucket(M), N, s["K"], G, bits, *flags)))
     jobs = [(s, G, bits, t, M) for s, bits, M, cands, _ in work for t in cands]
     t0 = time.monotonic()
     failed = precompile(jobs, args.jobs)

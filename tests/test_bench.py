@@ -436,6 +436,13 @@ def test_int4_tiles_sweep_candidates_and_refusals(tmp_path):
     gemv_tiles, mm_tiles = int4_tiles.load_tiles(str(path))
     assert gemv_tiles == {key: ("mma", 32, 2, 4, 1)}
     assert mm_tiles == {(4, 2048, 2048, 128, 4, False, False, True): (16, 32, 128, 4, 3)}
+    # a candidate's call and its check against the reference, as the sweep makes them (tiny shape)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tiny = {"name": "w13", "rows": 32, "K": 64, "norm": True, "swiglu": True, "residual": False}
+    w, x, nw, res = int4_tiles.make_weight(tiny, 32, 4, dev)
+    for tile, M in ((("mma", 16, 1, 4, 1, 2), 1), (("bytes", 4, 2, 4, 1, 1), 1), ((16, 16, 64, 4, 1), 3)):
+        fn = int4_tiles.call(tiny, w, x, nw, res, 32, 4, tile, M)
+        assert int4_tiles.check(fn, tiny, w, x, nw, res, 32, 4, M) is None
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             int4_tiles.main([])
