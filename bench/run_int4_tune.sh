@@ -31,7 +31,7 @@ run() {  # run NAME SECONDS CMD...: time-limited, logged, never aborts the scrip
     echo "== $name: rc=$rc in $((SECONDS - t0))s"
 }
 
-run int4-tests "${TESTS_S:-100}" python -m pytest -m gpu tests/kernels/test_kernel_int4_gemv.py -q -p no:cacheprovider
+run int4-tests "${TESTS_S:-150}" python -m pytest -m gpu tests/kernels/test_kernel_int4_gemv.py -q -p no:cacheprovider
 run int4-tiles "${SWEEP_S:-200}" python -m bench.int4_tiles --out-dir "$OUT" --budget-s "${BUDGET_S:-150}"
 formats=(bf16 int4)
 tiles=()

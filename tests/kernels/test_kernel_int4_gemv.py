@@ -281,21 +281,19 @@ def test_int4_matmul_explicit_tiles(tile):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES[:4])
-@pytest.mark.parametrize("tile", [("mma", 16, 2, 4, 1), ("mma", 32, 4, 8, 1), ("mma", 64, 1, 4, 1),
-                                  ("mma", 64, 2, 4, 1, 8), ("mma", 128, 1, 8, 1, 4), ("bytes", 4, 8, 4, 2)])
+@pytest.mark.parametrize("tile", [("mma", 16, 2, 4, 1), ("mma", 64, 2, 4, 1, 8), ("bytes", 4, 8, 4, 2)])
 def test_int4_mma_bench_285m_shapes(N, K, swiglu, tile):
-    """The sweep's kernels at bench-285m's shapes: parity with every option the step passes, and
-    the weight exact (one-hot columns)."""
+    """The sweep's kernels at bench-285m's shapes: parity with the options the step passes (the
+    norm with PDL, the residual without), and the weight exact (one-hot columns)."""
     g = torch.Generator().manual_seed(N + K)
     q = quantized(2 * N if swiglu else N, K, 128, g)
     x = torch.randn(1, 1, K, generator=g).to(DEVICE, torch.bfloat16)
     nw = torch.rand(K, generator=g).to(DEVICE, torch.bfloat16)
     res = torch.randn(1, 1, N, generator=g).to(DEVICE, torch.bfloat16)
-    for pdl in (False, True):
-        assert_close(int4_gemv(x, *q, 128, norm_weight=nw, swiglu=swiglu, pdl=pdl, eviction_policy="evict_last",
-                               tile=tile), int4_gemv_ref(x, *q, 128, norm_weight=nw, swiglu=swiglu), "projection")
-        assert_close(int4_gemv(x, *q[:3], 128, residual=res, swiglu=swiglu, pdl=pdl, tile=tile),
-                     int4_gemv_ref(x, *q, 128, residual=res, swiglu=swiglu), "projection")
+    assert_close(int4_gemv(x, *q, 128, norm_weight=nw, swiglu=swiglu, pdl=True, eviction_policy="evict_last",
+                           tile=tile), int4_gemv_ref(x, *q, 128, norm_weight=nw, swiglu=swiglu), "projection")
+    assert_close(int4_gemv(x, *q, 128, residual=res, swiglu=swiglu, pdl=False, tile=tile),
+                 int4_gemv_ref(x, *q, 128, residual=res, swiglu=swiglu), "projection")
     if not swiglu:
         w = int4_dequantize_ref(*q, 128).to(torch.bfloat16)
         cols = [0, 1, 5, 8, K // 2 + 3, K - 1]
