@@ -5,7 +5,8 @@
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
 #                                          #   speculative startup (default: all); tiles, load, families, kv, quant
 #                                          #   on demand (load: the service under load; carry .whl for Ray; kv: the
-#                                          #   KV cache modes' decode speed and quality; quant: INT4 against bf16)
+#                                          #   KV cache modes' decode speed and quality; quant: INT4 against bf16;
+#                                          #   int4-tune: the INT4 tile sweep and decode A/B, bench/run_int4_tune.sh)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -58,6 +59,7 @@ for s in "${steps[@]}"; do
             [ "$what" = decode ] && args="$args ${DECODE_ARGS:-}"
             run "$s" "${BASE_S:-150}" bash -c "cd '$BASE' && unset PYTHONPATH && source bench/gpu_env.sh && TINYLOOP_COMMIT='${BASE_COMMIT:-}' python -m bench.$what $args" ;;
         quant) run quant "${QUANT_S:-300}" python -m bench.quant_decode --out-dir "$OUT" ;;
+        int4-tune) run int4-tune "${INT4_TUNE_S:-480}" env OUT="$OUT" bash bench/run_int4_tune.sh ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         kv) run kv-decode "${KV_S:-420}" python -m bench.kv_decode --out-dir "$OUT" ${KV_ARGS:-}
             run kv-quality 240 python -m bench.kv_quality --device cuda --out-dir "$OUT" ;;

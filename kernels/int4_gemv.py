@@ -1,35 +1,51 @@
-"""INT4 projections with the dequantization fused: a GEMV for the decode step and a GEMM for
+"""INT4 projections with the dequantization fused: GEMVs for the decode step and a GEMM for
 every other row count; INT2 (dual-bit's copy of the shared block) by the same kernels.
 
     y = x @ W.T,   W[n, k] = ((q[n, k] - zeros[n, g]) * scales[n, g]).to(x.dtype),  g = k // G
 
 Layouts (worker/model/quant.py): ``qweight`` uint8 (N, K/CPB) with CPB = 8 / bits codes a byte,
 column CPB·j + c in bits [c·bits, (c + 1)·bits) of byte j (INT4: column 2j in the low nibble,
-2j+1 in the high one); ``scales`` float16 (N, K/G); ``zeros`` uint8 (N, K/G); G (the group size)
-a multiple of CPB dividing K. The dequantized weight is exact in fp32 and rounded to x's dtype
-before it multiplies, so each kernel computes what kernels/gemv.py computes with the weight
-`int4_dequantize_ref` gives: same options, same rounding points, the same tolerance.
+2j+1 in the high one); ``scales`` float16 (N, K/G); ``zeros`` uint8 (N, K/G), below 2^bits; G
+(the group size) a multiple of CPB dividing K. The dequantized weight is exact in fp32 and
+rounded to x's dtype before it multiplies, so each kernel computes what kernels/gemv.py computes
+with the weight `int4_dequantize_ref` gives: same options, same rounding points, the same
+tolerance. The kernels reach that weight without a conversion instruction (Hopper issues them
+at a fraction of the other ALU ops' rate, and a decode step's INT4 projections, their weights in
+L2, are bound by the instructions spent per weight, not by the bytes): the code becomes the
+float 2^m + q by one AND/OR into a float's mantissa, and the weight comes from 16-bit float
+pair arithmetic that rounds once (`_pair_weights`; the block comment above `_pair_consts`).
 
 ``int4_gemv`` takes kernels.gemv's call (``norm_weight``, ``swiglu``, ``residual``,
 ``argmax_key``, ``out_dtype``, ``eviction_policy``, ``pdl``) for 1 <= M <= 16 rows.
 
-- M = 1 (``_int4_gemv_kernel``): one program per BLOCK_N output rows, looping over the groups
-  BLOCK_G at a time: a (BLOCK_N, BLOCK_G, G/CPB) tile of bytes, each code position c against
-  x's columns CPB·j + c, the group's scale and zero broadcast along the last axis (no gather).
-  Summed once at the end, as gemv's accumulator tile is; no split-K, so the epilogues need no
-  atomics. With ``pdl`` the first tile of weights is loaded before the wait on the previous
-  kernel and each next one a step ahead (gemv's PREFETCH).
+- M = 1, the bytes kernel (``_int4_gemv_kernel``, any group size and bits, any float x): one
+  program per BLOCK_N output rows, looping over the groups BLOCK_G at a time: a (BLOCK_N,
+  BLOCK_G, G/CPB) tile of bytes, each code position c against x's columns CPB·j + c, the group's
+  scale and zero broadcast along the last axis (no gather), fp32 FMAs summed once at the end.
+- M = 1, the mma kernel (``_int4_gemv_mma_kernel``: INT4, G a multiple of 8, bf16 / fp16 x):
+  the codes read as int32 words (8 columns each) a (BLOCK_N, BLOCK_G, G/8) tile a step, each
+  word's fields j and j + 4 dequantized as one 16-bit pair, and the products on the tensor cores:
+  x is the dot's left operand, its row 0 x's leading bf16 part and row 1 the rest (with the
+  norm, x · norm_weight has up to 16 bits: two bf16 hold it exactly, so the fp32 product of the
+  unfused path is kept), the other 14 rows zero. BLOCK_N >= 16 (tl.dot), so a 2048-row
+  projection has few row blocks: SPLIT_K programs share a row block, each summing a slice of the
+  groups; the block's last to finish (an atomic count) adds the slices' sums in slice order and
+  runs the epilogue, so the order is one whichever finishes last.
 - M > 1 (``_int4_matmul_kernel``): a (BLOCK_M, BLOCK_N) tile of y per program, K in BLOCK_K
   chunks, the chunk's bytes loaded once and dequantized in registers (each byte's scale and
   zero gathered by its group), one tl.dot per code position (x's columns CPB·j + c). The
   decode step's options ride in its epilogue as in gemv's batched kernel.
 
+With ``pdl`` the M = 1 kernels load their first tile of weights before the wait on the previous
+kernel and each next one a step ahead (gemv's PREFETCH).
+
 ``int4_matmul`` is that GEMM without options for any number of rows (prefill, verify, a
 batched decode step's projections).
 
-Row order: every launch takes a fixed tile per shape (the module's tables; the interpreter one
-tile), never an autotuner's, and a float32 y or the argmax epilogue use the plain call's tile,
-so each row is summed in one order whatever is asked of the call.
+Row order: every launch takes a fixed tile per shape (`TILES`, `MATMUL_TILES`, else the
+defaults; the interpreter one tile; ``tile=`` an explicit one, for sweeps and tests), never an
+autotuner's, and a float32 y or the argmax epilogue use the plain call's tile, so each row is
+summed in one order whatever is asked of the call. bench/int4_tiles.py sweeps the tiles.
 """
 import math
 
@@ -43,25 +59,31 @@ from .gemv import MAX_ROWS, _argmax_key_max, _device_name, _dot_wt, check_option
 
 
 @triton.jit
-def _load_q(q_rows, s_rows, z_rows, gs, js, row_mask, NG, BYTES, BYTES_G: tl.constexpr, EVICT: tl.constexpr):
-    """Groups gs of the program's rows: bytes (BLOCK_N, BLOCK_G, BYTES_G) uint8, scales and zeros
-    (BLOCK_N, BLOCK_G, 1) fp32."""
+def _load_q(q_rows, s_rows, z_rows, gs, js, row_mask, NG, BYTES, BYTES_G: tl.constexpr, EVICT: tl.constexpr,
+            WDT: tl.constexpr):
+    """Groups gs of the program's rows: bytes (BLOCK_N, BLOCK_G, BYTES_G) uint8, and the groups'
+    `_pair_consts` (BLOCK_N, BLOCK_G, 1)."""
     g_mask = gs < NG
     m = row_mask[:, None, None] & g_mask[None, :, None] & (js < BYTES)[None, None, :]
     b = tl.load(q_rows[:, :, None] + (gs[:, None] * BYTES + js[None, :])[None, :, :], mask=m, other=0,
                 eviction_policy=EVICT)
     mg = row_mask[:, None] & g_mask[None, :]
-    s = tl.load(s_rows + gs[None, :], mask=mg, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    z = tl.load(z_rows + gs[None, :], mask=mg, other=0, eviction_policy=EVICT).to(tl.float32)
-    return b, s[:, :, None], z[:, :, None]
+    s = tl.load(s_rows + gs[None, :], mask=mg, other=0.0, eviction_policy=EVICT)
+    z = tl.load(z_rows + gs[None, :], mask=mg, other=0, eviction_policy=EVICT)
+    zc, s_hi, s_lo = _pair_consts(s[:, :, None], z[:, :, None], WDT)
+    return b, zc, s_hi, s_lo
 
 
 @triton.jit
-def _dequant(b, s, z, c: tl.constexpr, BITS: tl.constexpr, dtype):
-    """Code c of each byte of b (bits [c·BITS, (c+1)·BITS)) as weights of x's dtype, widened to
-    fp32."""
-    q = (b >> (c * BITS)) & ((1 << BITS) - 1)
-    return ((q.to(tl.float32) - z) * s).to(dtype).to(tl.float32)
+def _dequant(b, zc, s_hi, s_lo, c: tl.constexpr, BITS: tl.constexpr, WDT: tl.constexpr):
+    """Code c of each byte of b (bits [c·BITS, (c+1)·BITS)) as weights of x's dtype, exact
+    (`_pair_weights`; the code as 2^m + q by an OR, no int-to-float conversion)."""
+    q = ((b >> (c * BITS)) & ((1 << BITS) - 1)).to(tl.uint16)
+    if WDT == 1:
+        code = (q | 0x6400).to(tl.float16, bitcast=True)
+    else:
+        code = (q | 0x4300).to(tl.bfloat16, bitcast=True)
+    return _pair_weights(code, zc, s_hi, s_lo, WDT)
 
 
 @triton.jit
@@ -108,6 +130,7 @@ def _int4_gemv_kernel(
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     dtype = x_ptr.dtype.element_ty
+    WDT: tl.constexpr = 1 if dtype == tl.float16 else 2 if dtype == tl.float32 else 0  # `_pair_consts`
     NG = K // G
     BYTES = G // CPB
     gl = tl.arange(0, BLOCK_G)
@@ -123,29 +146,32 @@ def _int4_gemv_kernel(
     acc_up = tl.zeros([BLOCK_N, BLOCK_G, BYTES_G], dtype=tl.float32)
     if PREFETCH:
         # the weights never depend on the previous kernel: the first tile goes out before the wait
-        b, s, z = _load_q(q_rows, s_rows, z_rows, gl, js, row_mask, NG, BYTES, BYTES_G, EVICT)
-        ub, us, uz = b, s, z
+        b, zc, sh, sl = _load_q(q_rows, s_rows, z_rows, gl, js, row_mask, NG, BYTES, BYTES_G, EVICT, WDT)
+        ub, uzc, ush, usl = b, zc, sh, sl
         if SWIGLU:
-            ub, us, uz = _load_q(uq_rows, us_rows, uz_rows, gl, js, row_mask, NG, BYTES, BYTES_G, EVICT)
+            ub, uzc, ush, usl = _load_q(uq_rows, us_rows, uz_rows, gl, js, row_mask, NG, BYTES, BYTES_G, EVICT,
+                                        WDT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
     for g0 in range(0, NG, BLOCK_G):
         gs = g0 + gl
         if not PREFETCH:
-            b, s, z = _load_q(q_rows, s_rows, z_rows, gs, js, row_mask, NG, BYTES, BYTES_G, EVICT)
+            b, zc, sh, sl = _load_q(q_rows, s_rows, z_rows, gs, js, row_mask, NG, BYTES, BYTES_G, EVICT, WDT)
             if SWIGLU:
-                ub, us, uz = _load_q(uq_rows, us_rows, uz_rows, gs, js, row_mask, NG, BYTES, BYTES_G, EVICT)
+                ub, uzc, ush, usl = _load_q(uq_rows, us_rows, uz_rows, gs, js, row_mask, NG, BYTES, BYTES_G, EVICT,
+                                            WDT)
         for c in tl.static_range(CPB):
             xv, ss = _x_at(x_ptr, nw_ptr, gs, js, c, NG, BYTES, G, ss, NORM, CPB)
-            acc += _dequant(b, s, z, c, BITS, dtype) * xv
+            acc += _dequant(b, zc, sh, sl, c, BITS, WDT).to(tl.float32) * xv
             if SWIGLU:
-                acc_up += _dequant(ub, us, uz, c, BITS, dtype) * xv
+                acc_up += _dequant(ub, uzc, ush, usl, c, BITS, WDT).to(tl.float32) * xv
         if PREFETCH:
-            b, s, z = _load_q(q_rows, s_rows, z_rows, gs + BLOCK_G, js, row_mask, NG, BYTES, BYTES_G, EVICT)
+            b, zc, sh, sl = _load_q(q_rows, s_rows, z_rows, gs + BLOCK_G, js, row_mask, NG, BYTES, BYTES_G, EVICT,
+                                    WDT)
             if SWIGLU:
-                ub, us, uz = _load_q(uq_rows, us_rows, uz_rows, gs + BLOCK_G, js, row_mask, NG, BYTES, BYTES_G,
-                                     EVICT)
+                ub, uzc, ush, usl = _load_q(uq_rows, us_rows, uz_rows, gs + BLOCK_G, js, row_mask, NG, BYTES, BYTES_G,
+                                     EVICT, WDT)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
 
     # gemv's epilogue
@@ -168,16 +194,18 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
-def _w_bytes(q_rows, s_rows, z_rows, js, row_mask, k0, K, G, CPB: tl.constexpr, EVICT: tl.constexpr):
+def _w_bytes(q_rows, s_rows, z_rows, js, row_mask, k0, K, G, CPB: tl.constexpr, EVICT: tl.constexpr,
+             WDT: tl.constexpr):
     """The bytes of columns [k0, k0 + BLOCK_K) of the program's weight rows (BLOCK_N,
-    BLOCK_K/CPB), and each byte's scale and zero (gathered by its group) in fp32."""
+    BLOCK_K/CPB), and the `_pair_consts` of each byte's group (gathered)."""
     j = k0 // CPB + js
     m = row_mask[:, None] & (j < K // CPB)[None, :]
     b = tl.load(q_rows + j[None, :], mask=m, other=0, eviction_policy=EVICT)
     g = (CPB * j) // G
-    s = tl.load(s_rows + g[None, :], mask=m, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    z = tl.load(z_rows + g[None, :], mask=m, other=0, eviction_policy=EVICT).to(tl.float32)
-    return b, s, z
+    s = tl.load(s_rows + g[None, :], mask=m, other=0.0, eviction_policy=EVICT)
+    z = tl.load(z_rows + g[None, :], mask=m, other=0, eviction_policy=EVICT)
+    zc, s_hi, s_lo = _pair_consts(s, z, WDT)
+    return b, zc, s_hi, s_lo
 
 
 @triton.jit
@@ -225,6 +253,7 @@ def _int4_matmul_kernel(
     row_mask = rows < N
     js = tl.arange(0, BLOCK_K // CPB)
     dtype = x_ptr.dtype.element_ty
+    WDT: tl.constexpr = 1 if dtype == tl.float16 else 2 if dtype == tl.float32 else 0  # `_pair_consts`
     NG = K // G
 
     x_rows = x_ptr + ms.to(tl.int64)[:, None] * K
@@ -236,16 +265,16 @@ def _int4_matmul_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        b, s, z = _w_bytes(q_rows, s_rows, z_rows, js, row_mask, k0, K, G, CPB, EVICT)
+        b, zc, sh, sl = _w_bytes(q_rows, s_rows, z_rows, js, row_mask, k0, K, G, CPB, EVICT, WDT)
         if SWIGLU:
-            ub, us, uz = _w_bytes(uq_rows, us_rows, uz_rows, js, row_mask, k0, K, G, CPB, EVICT)
+            ub, uzc, ush, usl = _w_bytes(uq_rows, us_rows, uz_rows, js, row_mask, k0, K, G, CPB, EVICT, WDT)
         # one dot per code position c of a byte: x's columns k0 + CPB·j + c against code c
         for c in tl.static_range(CPB):
             k = k0 + CPB * js + c
             xv, ss = _x_cols(x_rows, nw_ptr, k, k < K, m_mask, ss, NORM, dtype)
-            acc = _dot_wt(xv, _dequant(b, s, z, c, BITS, dtype).to(dtype), acc, DOT_F32)
+            acc = _dot_wt(xv, _dequant(b, zc, sh, sl, c, BITS, WDT), acc, DOT_F32)
             if SWIGLU:
-                acc_up = _dot_wt(xv, _dequant(ub, us, uz, c, BITS, dtype).to(dtype), acc_up, DOT_F32)
+                acc_up = _dot_wt(xv, _dequant(ub, uzc, ush, usl, c, BITS, WDT), acc_up, DOT_F32)
 
     y = acc
     if NORM:
@@ -265,17 +294,292 @@ def _int4_matmul_kernel(
     tl.store(y_ptr + out_offs, y.to(dtype).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# Fixed M = 1 tiles by device name, then (N, K, G, NORM, SWIGLU, RESIDUAL, PDL): (BLOCK_N,
-# BLOCK_G, num_warps, num_stages). None yet timed: every shape takes `default_tile`.
-TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {}
+# -- the exact dequantization, without conversion instructions ------------------------------------
+#
+# A code q becomes the 16-bit float 2^m + q by an OR into its mantissa (bf16 128 + q, fp16
+# 1024 + q): no int-to-float conversion. The mma kernel reads int32 words (column 8u + f in bits
+# [4f, 4f + 4), the byte layout above read little-endian), and one AND/OR of a word shifted by 4j
+# puts fields j and j + 4 in the two halves of one 32-bit register: a 16-bit float pair, so every
+# step after it runs on packed pairs, two weights an instruction. The weight of x's dtype is then
+# exact, as the spec rounds it:
+#   n = (2^m + q) - (2^m + z)                                  exact (small integers)
+#   bf16: w = fma(n, s_hi, n * s_lo) = RN_bf16(n · s)          s = s_hi + s_lo, s_hi s truncated
+#         to bf16's 8 bits, s_lo the <= 3 bits left of fp16's 11; n · s_lo (<= 7 bits) is exact in
+#         bf16, so the fma rounds the exact n · s once (no fp32 product rounded to bf16 after)
+#   fp16: w = n * s = RN_fp16(n · s)                           one rounding of the exact product
+#   fp32: w = float(n) * s                                     exact
+# (n is exact because z < 2^BITS, which quant.group_params guarantees.)
 
 
-def default_tile(K: int, G: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_G, num_warps, num_stages) of an M = 1 launch: 1024 columns a step (512
+@triton.jit
+def _pair_consts(s, z, WDT: tl.constexpr):
+    """Per-group constants of `_pair_weights` from scales s (fp16) and zeros z (uint8), any shape:
+    (the zero as a pair code 2^m + z, s_hi, s_lo) for WDT 0 (bf16 x), 1 (fp16), 2 (fp32)."""
+    if WDT == 1:
+        zc = (z.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        s_hi = s
+        s_lo = s
+    else:
+        zc = (z.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        sf = s.to(tl.float32)
+        if WDT == 2:
+            s_hi = sf
+            s_lo = sf
+        else:
+            hi = sf.to(tl.uint32, bitcast=True) & 0xFFFF0000
+            lo = (sf - hi.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True) >> 16  # exact: <= 3 bits
+            s_hi = (hi >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            s_lo = lo.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return zc, s_hi, s_lo
+
+
+# The interpreter does bf16 arithmetic on the bit patterns as integers (kernels/gemv.py's dot
+# note): under it the bf16 weights take the same rounding by integer ops on their fp32 value.
+_INTERP = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _pair_weights(p, zc, s_hi, s_lo, WDT: tl.constexpr):
+    """The weights of codes p (pair values 2^m + q) with their group's constants (`_pair_consts`,
+    broadcastable to p), in x's dtype: exactly RN((q - z) · s) (the block comment above)."""
+    if WDT == 1:
+        w = (p - zc) * s_hi
+    elif WDT == 2:
+        w = (p.to(tl.float32) - zc.to(tl.float32)) * s_hi
+    elif _INTERP:
+        v = (p.to(tl.float32) - zc.to(tl.float32)) * (s_hi.to(tl.float32) + s_lo.to(tl.float32))
+        u = v.to(tl.uint32, bitcast=True)
+        w = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        n = p - zc
+        w = tl.fma(n, s_hi, n * s_lo)
+    return w
+
+
+@triton.jit
+def _x_mma(xp, dtype):
+    """x (8·BLOCK_G·WORDS_G,) fp32 in the weights' column order (times the norm weight: exact, up to
+    twice x's bits) -> the dot's left operand (16, 8·BLOCK_G·WORDS_G) in x's dtype: row 0 x's
+    leading part, row 1 the rest (exact: x·nw's 16 bits fit two bf16), the other rows zero."""
+    if dtype == tl.bfloat16:
+        hi_bits = xp.to(tl.uint32, bitcast=True) & 0xFFFF0000
+        hi = hi_bits.to(tl.float32, bitcast=True)
+        lo = ((xp - hi).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (hi_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        hi = xp.to(dtype)
+        lo = (xp - hi.to(tl.float32)).to(dtype)
+    r = tl.arange(0, 16)[:, None]
+    return tl.where(r == 0, hi[None, :], tl.where(r == 1, lo[None, :], 0.0))
+
+
+@triton.jit
+def _mma_weights(wd, s, z, WDT: tl.constexpr, MAGIC):
+    """Words wd (BLOCK_N, BLOCK_G, WORDS_G) int32 with their groups' scales and zeros (BLOCK_N,
+    BLOCK_G) -> the weights (BLOCK_N, 8·BLOCK_G·WORDS_G) in x's dtype, exact (`_pair_weights`),
+    word by word in the order (j1, j0, e) of field j = 2j1 + j0 + 4(1 - e): each pair (fields j + 4,
+    j) is one 32-bit register, adjacent in the tile. (Joined high half first: the order in which
+    Triton keeps a joined pair in one register as the AND/OR made it, with no half swaps.)"""
+    zc, s_hi, s_lo = _pair_consts(s[:, :, None, None], z[:, :, None, None], WDT)
+    PD: tl.constexpr = tl.float16 if WDT == 1 else tl.bfloat16
+    m = ((wd >> 0) & 0x000F000F) | MAGIC
+    w0 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    m = ((wd >> 4) & 0x000F000F) | MAGIC
+    w1 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    m = ((wd >> 8) & 0x000F000F) | MAGIC
+    w2 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    m = ((wd >> 12) & 0x000F000F) | MAGIC
+    w3 = _pair_weights(tl.join((m >> 16).to(tl.uint16), m.to(tl.uint16)).to(PD, bitcast=True), zc, s_hi, s_lo, WDT)
+    # (R, GB, WG, e) each; joined (R, GB, WG, e, j0, j1), then e innermost
+    w = tl.permute(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (0, 1, 2, 5, 4, 3))
+    R: tl.constexpr = wd.shape[0]
+    GB: tl.constexpr = wd.shape[1]
+    WG: tl.constexpr = wd.shape[2]
+    return tl.reshape(w, (R, GB * WG * 8))
+
+
+@triton.jit
+def _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, NG, WPG: tl.constexpr, EVICT: tl.constexpr):
+    """Words us of groups gs (those below NG: the program's slice) of the program's rows (BLOCK_N,
+    BLOCK_G, WORDS_G) int32, and the groups' scales and zeros (BLOCK_N, BLOCK_G)."""
+    g_mask = gs < NG
+    m = row_mask[:, None, None] & g_mask[None, :, None] & (us < WPG)[None, None, :]
+    wd = tl.load(q_rows[:, :, None] + (gs[:, None] * WPG + us[None, :])[None, :, :], mask=m, other=0,
+                 eviction_policy=EVICT)
+    mg = row_mask[:, None] & g_mask[None, :]
+    s = tl.load(s_rows + gs[None, :], mask=mg, other=0.0, eviction_policy=EVICT)
+    z = tl.load(z_rows + gs[None, :], mask=mg, other=0, eviction_policy=EVICT)
+    return wd, s, z
+
+
+@triton.jit
+def _epilogue(y, yu, ss_sum, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM: tl.constexpr,
+              SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr):
+    """gemv's epilogue on the rows' fp32 sums y (and yu, SwiGLU's up rows), ss_sum the sum of x^2."""
+    if NORM:
+        inv_rms = tl.rsqrt(ss_sum / K + eps)
+        y *= inv_rms
+    y = y.to(dtype).to(tl.float32)
+    if SWIGLU:
+        if NORM:
+            yu *= inv_rms
+        yu = yu.to(dtype).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * yu
+    if RESIDUAL:
+        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    y = y.to(dtype)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    if ARGMAX:
+        _argmax_key_max(key_ptr, y.to(tl.float32), rows, row_mask, N)
+
+
+@triton.jit
+def _int4_gemv_mma_kernel(
+    x_ptr,  # (K,)
+    q_ptr,  # (N, K/8) int32 words (qweight viewed as int32), or (2N, K/8) with SWIGLU
+    s_ptr,  # (N, NG) scales, NG = K / G
+    z_ptr,  # (N, NG) uint8 zeros
+    nw_ptr,  # (K,) norm weight, read only when NORM
+    res_ptr,  # (N,) residual, read only when RESIDUAL
+    y_ptr,  # (N,)
+    key_ptr,  # (1,) int64, written only when ARGMAX
+    part_ptr,  # (SPLIT_K, 2, N) fp32: each K slice's row sums (SPLIT_K > 1)
+    sq_ptr,  # (programs, SPLIT_K) fp32: each K slice's sum of x^2 (SPLIT_K > 1, NORM)
+    cnt_ptr,  # (programs,) int32, zero between launches: the K slices done (SPLIT_K > 1)
+    N,
+    K,
+    NW,  # words a row (K / 8)
+    eps,
+    MAGIC,  # the pair magic of x's dtype (an argument: a register operand, not an immediate rebuilt per use)
+    NORM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    EVICT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    G: tl.constexpr,  # the group size, a multiple of 8
+    WDT: tl.constexpr,  # x's dtype: 0 bf16, 1 fp16
+    DOT_F32: tl.constexpr,  # fp32 dots: the interpreter's
+    BLOCK_N: tl.constexpr,  # >= 16 (tl.dot)
+    BLOCK_G: tl.constexpr,  # groups a step
+    WORDS_G: tl.constexpr,  # next_power_of_2(G / 8): words a group row
+    SPLIT_K: tl.constexpr,  # programs a row block, each a slice of the groups
+):
+    WPG: tl.constexpr = G // 8
+    pid = tl.program_id(0)
+    pk = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    dtype = x_ptr.dtype.element_ty
+    NG = K // G
+    # this program's groups [g_lo, g_hi): whole steps, the slices in order along K
+    per = tl.cdiv(tl.cdiv(NG, BLOCK_G), SPLIT_K) * BLOCK_G
+    g_lo = pk * per
+    g_hi = tl.minimum(NG, g_lo + per)
+    gl = tl.arange(0, BLOCK_G)
+    us = tl.arange(0, WORDS_G)
+
+    r64 = rows.to(tl.int64)
+    q_rows, s_rows, z_rows = q_ptr + r64[:, None] * NW, s_ptr + r64[:, None] * NG, z_ptr + r64[:, None] * NG
+    up = r64 + N
+    uq_rows, us_rows, uz_rows = q_ptr + up[:, None] * NW, s_ptr + up[:, None] * NG, z_ptr + up[:, None] * NG
+
+    ps = tl.arange(0, BLOCK_G * WORDS_G * 8)
+    ss = tl.zeros([BLOCK_G * WORDS_G * 8], dtype=tl.float32)  # (ss and acc_up are dead code unless NORM / SWIGLU)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        # the weights never depend on the previous kernel: the first tile goes out before the wait
+        wd, s, z = _load_group_words(q_rows, s_rows, z_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
+        uwd, usc, uz = wd, s, z
+        if SWIGLU:
+            uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        gs = g0 + gl
+        if not PREFETCH:
+            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+            if SWIGLU:
+                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+        # x in the weights' column order (`_mma_weights`): position 4j1 + 2j0 + e of a word is
+        # its column 4(1 - e) + 2j1 + j0, gathered straight from x (a few KB, in L1 after the
+        # first row)
+        g_of = g0 + ps // (WORDS_G * 8)
+        k = g_of * G + (ps // 8 % WORDS_G) * 8 + 4 - 4 * (ps & 1) + 2 * ((ps >> 2) & 1) + ((ps >> 1) & 1)
+        km = (g_of < g_hi) & (ps // 8 % WORDS_G < WPG)
+        xv = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        if NORM:
+            ss += xv * xv
+            xv = xv * tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+        xb = _x_mma(xv, dtype)
+        acc = _dot_wt(xb, _mma_weights(wd, s, z, WDT, MAGIC), acc, DOT_F32)
+        if SWIGLU:
+            acc_up = _dot_wt(xb, _mma_weights(uwd, usc, uz, WDT, MAGIC), acc_up, DOT_F32)
+        if PREFETCH:
+            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG, EVICT)
+            if SWIGLU:
+                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG,
+                                                 EVICT)
+    # rows 0 and 1 of the dot: x's leading part and the rest (`_x_mma`)
+    y = tl.sum(acc, axis=0)
+    yu = tl.sum(acc_up, axis=0)
+    if SPLIT_K == 1:
+        _epilogue(y, yu, tl.sum(ss, axis=0), rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM, SWIGLU,
+                  RESIDUAL, ARGMAX)
+    else:
+        # Each slice leaves its sums; the last of a row block to finish (the counter) adds them in
+        # slice order -- one order whichever finishes last, so the rows are summed the same way
+        # every launch -- and runs the epilogue, then sets the counter back for the next launch.
+        # (Everything here follows the PDL wait: the next launch cannot reach its counters first.)
+        tl.store(part_ptr + pk * 2 * N + rows, y, mask=row_mask)
+        if SWIGLU:
+            tl.store(part_ptr + (pk * 2 + 1) * N + rows, yu, mask=row_mask)
+        if NORM:
+            tl.store(sq_ptr + pid * SPLIT_K + pk, tl.sum(ss, axis=0))
+        tl.debug_barrier()  # every thread's sums stored before the (one-thread, releasing) count
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            yu = tl.zeros([BLOCK_N], dtype=tl.float32)
+            ss_sum = 0.0
+            for i in tl.static_range(SPLIT_K):
+                # .cg: from L2, never a line of this buffer an earlier launch left in this SM's L1
+                y += tl.load(part_ptr + i * 2 * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    yu += tl.load(part_ptr + (i * 2 + 1) * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    ss_sum += tl.load(sq_ptr + pid * SPLIT_K + i, cache_modifier=".cg")
+            _epilogue(y, yu, ss_sum, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM, SWIGLU,
+                      RESIDUAL, ARGMAX)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed")
+
+
+# M = 1 tiles: (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages, SPLIT_K), kernel "bytes"
+# (`_int4_gemv_kernel`: any group size and bits, fp32 FMAs, SPLIT_K 1) or "mma"
+# (`_int4_gemv_mma_kernel`: INT4, group size a multiple of 8, bf16 / fp16 x, BLOCK_N >= 16, the
+# products on the tensor cores, SPLIT_K programs a row block each summing a slice of K, added in
+# slice order by the last to finish: wide row blocks still fill the SMs). Fixed per device name, then (N, K, G, bits, NORM, SWIGLU, RESIDUAL, PDL); a shape
+# without an entry takes `default_tile`. bench/int4_tiles.py sweeps them on the GPU and prints
+# the entries to paste here (each tile fixes the order every row is summed in, so the table,
+# not a per-process autotuner, decides).
+TILES: dict[str, dict[tuple, tuple]] = {}
+
+# M = 2..16 (int4_gemv's batched rows) and any-M int4_matmul tiles: (BLOCK_M, BLOCK_N, BLOCK_K,
+# num_warps, num_stages) per device name, then (M bucket `_m_bucket`, N, K, G, bits, NORM,
+# SWIGLU, RESIDUAL); else `default_matmul_tile`.
+MATMUL_TILES: dict[str, dict[tuple, tuple[int, int, int, int, int]]] = {}
+
+GEMV_KERNELS = ("bytes", "mma")
+
+
+def default_tile(K: int, G: int) -> tuple[str, int, int, int, int, int]:
+    """The M = 1 tile of a shape TILES does not hold: the bytes kernel, 1024 columns a step (512
     contiguous bytes of a row) over 4 rows, 2 KB a step: one 16-byte load per thread of 4 warps,
-    and bench-285m's 2048-row projections launch 512 programs (untimed: a starting point for a
-    sweep in the decode step, as bench/tiles.py does for gemv)."""
-    return 4, max(1, min(triton.next_power_of_2(K // G), max(1, 1024 // G))), 4, 2
+    and bench-285m's 2048-row projections launch 512 programs (untimed: the sweep's baseline)."""
+    return "bytes", 4, max(1, min(triton.next_power_of_2(K // G), max(1, 1024 // G))), 4, 2, 1
 
 
 def default_matmul_tile(M: int, N: int) -> tuple[int, int, int, int, int]:
@@ -285,6 +589,39 @@ def default_matmul_tile(M: int, N: int) -> tuple[int, int, int, int, int]:
     if M <= 16:
         return 16, 32 if N <= 4096 else 64, 128, 4, 3
     return 64, 64, 128, 4, 3
+
+
+def _m_bucket(m: int) -> int:
+    """MATMUL_TILES' row bucket: 2-4, 5-8, 9-16, 17-64, then 65 and more."""
+    return 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 65
+
+
+def as_tile(t) -> tuple[str, int, int, int, int, int]:
+    """An M = 1 tile as (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages, SPLIT_K); a 4-tuple is a
+    bytes kernel's, a 5-tuple one with SPLIT_K 1. Bad tiles -> ValueError."""
+    t = tuple(t)
+    if len(t) == 4:
+        t = ("bytes", *t)
+    if len(t) == 5:
+        t = (*t, 1)
+    if len(t) != 6 or t[0] not in GEMV_KERNELS or not all(isinstance(v, int) and v > 0 for v in t[1:]):
+        raise ValueError(f"int4_gemv: a tile is (kernel in {GEMV_KERNELS}, BLOCK_N, BLOCK_G, num_warps, "
+                         f"num_stages, SPLIT_K) of positive ints, got {t!r}")
+    kind, bn, bg, warps, _, split = t
+    if kind == "bytes" and split != 1:
+        raise ValueError(f"int4_gemv: the bytes kernel does not split K (SPLIT_K 1), got {t!r}")
+    if bn & (bn - 1) or bg & (bg - 1) or warps & (warps - 1):
+        raise ValueError(f"int4_gemv: BLOCK_N, BLOCK_G and num_warps must be powers of two, got {t!r}")
+    if kind == "mma" and bn < 16:
+        raise ValueError(f"int4_gemv: the mma kernel's BLOCK_N must be >= 16 (tl.dot), got {t!r}")
+    return t
+
+
+def mma_fits(x: torch.Tensor, qweight: torch.Tensor, group_size: int, bits: int) -> bool:
+    """Whether the mma kernel takes this call: INT4 codes read as int32 words (K a multiple of 8
+    and qweight 4-byte aligned), whole words a group (G a multiple of 8), x bf16 or fp16."""
+    return (bits == 4 and group_size % 8 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+            and qweight.data_ptr() % 4 == 0)
 
 
 BITS = (4, 2)  # the code widths the kernels read (2: dual-bit's copy of the shared block)
@@ -318,10 +655,12 @@ def _check(op, x, qweight, scales, zeros, group_size, bits, swiglu=False):
 
 
 def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None, eps=1e-6, swiglu=False,
-              residual=None, pdl=None, out_dtype=None, argmax_key=None, eviction_policy=""):
+              residual=None, pdl=None, out_dtype=None, argmax_key=None, eviction_policy="", tile=None):
     """kernels.gemv with an INT4 weight (bits=2: an INT2 one, four codes a byte, column 4j + c in
     bits [2c, 2c + 2)): x (..., K) holding 1 <= M <= 16 rows -> y (..., N or F), the options
-    and their checks as gemv's."""
+    and their checks as gemv's. tile: an explicit tile instead of the tables' (M = 1: `as_tile`'s
+    form; M > 1: the GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)), for sweeps and
+    tests; an mma tile the call does not fit (`mma_fits`) -> ValueError."""
     op = "int4_gemv"
     N, K = _check(op, x, qweight, scales, zeros, group_size, bits, swiglu)
     M = math.prod(x.shape[:-1])
@@ -333,38 +672,84 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
                  EVICT=eviction_policy, BITS=bits)
     nw = None if norm_weight is None else norm_weight.contiguous()
     if M > 1:
-        return _matmul(x.reshape(M, K).contiguous(), qweight, scales, zeros, group_size, nw, residual, y, eps, flags)
+        return _matmul(x.reshape(M, K).contiguous(), qweight, scales, zeros, group_size, nw, residual, y, eps, flags,
+                       tile)
     x1 = x.reshape(K).contiguous()
-    args = (x1, qweight, scales, zeros, x1 if nw is None else nw, y if residual is None else residual, y,
-            y if argmax_key is None else argmax_key, N, K, group_size, float(eps))
-    flags["ARGMAX"] = argmax_key is not None
-    bytes_g = triton.next_power_of_2(group_size * bits // 8)
-    if interpreting():
+    pdl = (use_pdl(x.device) if pdl is None else pdl) if not interpreting() else bool(pdl)
+    if tile is not None:
+        t = as_tile(tile)
+        if t[0] == "mma" and not mma_fits(x, qweight, group_size, bits):
+            raise ValueError(f"{op}: the mma kernel takes INT4 codes, a group size that is a multiple of 8 and "
+                             f"bf16 or fp16 x, got bits={bits}, group_size={group_size}, x {x.dtype}")
+    elif interpreting():
         # wide tiles: the interpreter's cost is per program and per op, hardly per element
-        bn, bg = min(128, triton.next_power_of_2(N)), min(4, triton.next_power_of_2(K // group_size))
-        _int4_gemv_kernel[(triton.cdiv(N, bn),)](*args, **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=bn,
-                                                 BLOCK_G=bg, BYTES_G=bytes_g)
+        t = ("bytes", min(128, triton.next_power_of_2(N)), min(4, triton.next_power_of_2(K // group_size)), 4, 1, 1)
+    else:
+        key = (N, K, group_size, bits, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
+        t = as_tile(TILES.get(_device_name(x.device), {}).get(key) or default_tile(K, group_size))
+        if t[0] == "mma" and not mma_fits(x, qweight, group_size, bits):
+            t = default_tile(K, group_size)  # (an fp32 x or a misaligned view of a tabled shape)
+    kind, bn, bg, warps, stages, split = t
+    launch = {} if interpreting() else dict(num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    flags["ARGMAX"] = argmax_key is not None
+    rest = (x1 if nw is None else nw, y if residual is None else residual, y, y if argmax_key is None else argmax_key)
+    grid = (triton.cdiv(N, bn),)
+    if kind == "mma":
+        flags.pop("BITS")
+        magic = 0x64006400 if x.dtype == torch.float16 else 0x43004300
+        parts, sq, cnt = _split_buffers(x.device, N, grid[0], split) if split > 1 else (y, y, y)
+        _int4_gemv_mma_kernel[(grid[0], split)](
+            x1, qweight.view(torch.int32), scales, zeros, *rest, parts, sq, cnt, N, K, K // 8, float(eps), magic,
+            **flags, PREFETCH=pdl, PDL=pdl and not interpreting(), G=group_size,
+            WDT=1 if x.dtype == torch.float16 else 0, DOT_F32=interpreting(), BLOCK_N=bn, BLOCK_G=bg,
+            WORDS_G=triton.next_power_of_2(group_size // 8), SPLIT_K=split, **launch)
         return y
-    pdl = use_pdl(x.device) if pdl is None else pdl
-    key = (N, K, group_size, bits, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
-    bn, bg, warps, stages = TILES.get(_device_name(x.device), {}).get(key) or default_tile(K, group_size)
-    _int4_gemv_kernel[(triton.cdiv(N, bn),)](*args, **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_G=bg,
-                                             BYTES_G=bytes_g, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    _int4_gemv_kernel[grid](x1, qweight, scales, zeros, *rest, N, K, group_size, float(eps), **flags, PREFETCH=pdl,
+                            PDL=pdl and not interpreting(), BLOCK_N=bn, BLOCK_G=bg,
+                            BYTES_G=triton.next_power_of_2(group_size * bits // 8), **launch)
     return y
 
 
-def int4_matmul(x, qweight, scales, zeros, group_size, bits=4, eviction_policy=""):
-    """x (..., K), any number of rows M -> x @ W.T (..., N) in x's dtype (bits as int4_gemv's)."""
+# The split mma launches' buffers, by (device, N, row blocks, SPLIT_K): each slice's row sums, its
+# sum of x^2, and the row blocks' counters (zero between launches: the last slice sets its block's
+# back). Launches of one shape share them one after another, in stream order, as a decode step
+# (and its captured graph) runs them; they are made by the first (eager) launch of a shape.
+_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_buffers(device: torch.device, N: int, blocks: int, split: int):
+    key = (device, N, blocks, split)
+    b = _SPLIT_BUFFERS.get(key)
+    if b is None:
+        b = _SPLIT_BUFFERS[key] = (torch.empty(split * 2 * N, dtype=torch.float32, device=device),
+                                   torch.empty(blocks * split, dtype=torch.float32, device=device),
+                                   torch.zeros(blocks, dtype=torch.int32, device=device))
+    return b
+
+
+def int4_matmul(x, qweight, scales, zeros, group_size, bits=4, eviction_policy="", tile=None):
+    """x (..., K), any number of rows M -> x @ W.T (..., N) in x's dtype (bits as int4_gemv's;
+    tile: an explicit (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages))."""
     N, K = _check("int4_matmul", x, qweight, scales, zeros, group_size, bits)
     M = math.prod(x.shape[:-1])
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     flags = dict(NORM=False, SWIGLU=False, RESIDUAL=False, EVICT=eviction_policy, BITS=bits)
-    return _matmul(x.reshape(M, K).contiguous(), qweight, scales, zeros, group_size, None, None, y, 1e-6, flags)
+    return _matmul(x.reshape(M, K).contiguous(), qweight, scales, zeros, group_size, None, None, y, 1e-6, flags, tile)
 
 
-def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags):
+def as_matmul_tile(t) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): powers of two, the dot's sides >= 16."""
+    t = tuple(t)
+    if (len(t) != 5 or not all(isinstance(v, int) and v > 0 and not v & (v - 1) for v in t[:4])
+            or not isinstance(t[4], int) or t[4] < 1 or min(t[:3]) < 16):
+        raise ValueError(f"int4_matmul: a tile is (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): powers of "
+                         f"two, BLOCK_M/N/K >= 16, got {t!r}")
+    return t
+
+
+def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, tile=None):
     """The GEMM's launch: x (M, K) contiguous, y and residual contiguous (M, N) in memory."""
     M, K = x.shape
     N = y.shape[-1]
@@ -372,15 +757,20 @@ def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags):
             M, N, K, group_size, float(eps))
     # fp32 dots for fp32 x (exact products, no tf32) and for bf16 under the interpreter (gemv's reason)
     dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
-    if interpreting():
-        bn = min(64, max(16, triton.next_power_of_2(N)))
-        _int4_matmul_kernel[(triton.cdiv(M, 16), triton.cdiv(N, bn))](*args, **flags, DOT_F32=dot_f32, BLOCK_M=16,
-                                                                     BLOCK_N=bn, BLOCK_K=64)
-        return y
-    bm, bn, bk, warps, stages = default_matmul_tile(M, N)
+    cpb = 8 // flags["BITS"]
+    if tile is not None:
+        bm, bn, bk, warps, stages = as_matmul_tile(tile)
+        if bk % cpb or bk // cpb < 16:
+            raise ValueError(f"int4_matmul: BLOCK_K / {cpb} (a dot's K) must be >= 16, got {tile!r}")
+    elif interpreting():
+        bm, bn, bk, warps, stages = 16, min(64, max(16, triton.next_power_of_2(N))), 64, 4, 1
+    else:
+        key = (_m_bucket(M), N, K, group_size, flags["BITS"], flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"])
+        bm, bn, bk, warps, stages = (MATMUL_TILES.get(_device_name(x.device), {}).get(key)
+                                     or default_matmul_tile(M, N))
+    launch = {} if interpreting() else dict(num_warps=warps, num_stages=stages)
     _int4_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, **flags, DOT_F32=dot_f32, BLOCK_M=bm,
-                                                                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                                 num_stages=stages)
+                                                                 BLOCK_N=bn, BLOCK_K=bk, **launch)
     return y
 
 

@@ -432,3 +432,39 @@ def test_families_variants_are_settings_and_refuse_the_rest():
         parse_variants(["x:settings.attention_merge='tree'"], base)
     with pytest.raises(ValueError, match="variant names must be distinct"):
         parse_variants(["x", "x:settings.attention_split_len=256"], base)
+
+
+def test_int4_tiles_sweep_candidates_and_refusals(tmp_path):
+    """bench/int4_tiles.py: every candidate is a tile int4_gemv takes (the mma kernel's only for
+    INT4), the default is among the timed, the shapes are bench-285m's fused projections, and a
+    sweep JSON reads back as the tables' entries; without a GPU it refuses."""
+    import json
+
+    from bench import int4_tiles
+    from tinyloop.kernels import int4_gemv as q4
+    names = [(s["name"], s["rows"], s["K"]) for s in int4_tiles.shapes("bench-285m")]
+    assert names == [("wqkv", 6144, 2048), ("wo", 2048, 2048), ("w13", 11264, 2048), ("w2", 2048, 5632)]
+    for K, bits in ((2048, 4), (5632, 4), (2048, 2)):
+        c = int4_tiles.gemv_candidates(K, 128, bits)
+        assert len(c) == len(set(c)) > 10 and all(q4.as_tile(t) == t for t in c)
+        assert any(t[0] == "mma" for t in c) == (bits == 4)
+    for M in (4, 16, 64):
+        c = int4_tiles.matmul_candidates(M, 2048)
+        assert q4.default_matmul_tile(M, 2048) in c and all(q4.as_matmul_tile(t) == t for t in c)
+    key = (2048, 2048, 128, 4, False, False, True, True)
+    path = tmp_path / "int4-tiles-cuda.json"
+    path.write_text(json.dumps({"tiles": [[list(key), ["mma", 32, 2, 4, 1]]],
+                                "matmul_tiles": [[[4, 2048, 2048, 128, 4, False, False, True], [16, 32, 128, 4, 3]]]}))
+    gemv_tiles, mm_tiles = int4_tiles.load_tiles(str(path))
+    assert gemv_tiles == {key: ("mma", 32, 2, 4, 1)}
+    assert mm_tiles == {(4, 2048, 2048, 128, 4, False, False, True): (16, 32, 128, 4, 3)}
+    # a candidate's call and its check against the reference, as the sweep makes them (tiny shape)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tiny = {"name": "w13", "rows": 32, "K": 64, "norm": True, "swiglu": True, "residual": False}
+    w, x, nw, res = int4_tiles.make_weight(tiny, 32, 4, dev)
+    for tile, M in ((("mma", 16, 1, 4, 1, 2), 1), (("bytes", 4, 2, 4, 1, 1), 1), ((16, 16, 64, 4, 1), 3)):
+        fn = int4_tiles.call(tiny, w, x, nw, res, 32, 4, tile, M)
+        assert int4_tiles.check(fn, tiny, w, x, nw, res, 32, 4, M) is None
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            int4_tiles.main([])

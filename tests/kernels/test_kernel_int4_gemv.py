@@ -139,3 +139,162 @@ def test_int4_bench_285m_shapes(N, K, swiglu):
         xm = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
         assert_close(int4_matmul(xm, q[0][:N], q[1][:N], q[2][:N], 128), int4_matmul_ref(xm, q[0][:N], q[1][:N],
                                                                                           q[2][:N], 128), "projection")
+
+
+# -- the mma kernel (int32 words, tensor-core products) and the exact dequantization ---------------
+MMA_CASES = [  # (N, K, G, tile): rows not a multiple of BLOCK_N, a group of 48 (6 words, padded to 8),
+    (24, 192, 64, ("mma", 16, 2, 4, 1)),  # groups a step beyond the row's (masked), one group a row;
+    (40, 96, 48, ("mma", 32, 1, 4, 1)),  # then K split into slices (SPLIT_K): even, uneven (the last
+    (16, 256, 32, ("mma", 16, 4, 4, 1)),  # slice short), one slice left empty, groups of 48
+    (20, 128, 128, ("mma", 16, 2, 4, 1)),
+    (40, 256, 32, ("mma", 16, 2, 4, 1, 4)),
+    (24, 160, 32, ("mma", 16, 1, 4, 1, 2)),
+    (16, 192, 32, ("mma", 16, 2, 4, 1, 4)),
+    (24, 192, 48, ("mma", 16, 1, 4, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K,G,tile", MMA_CASES)
+@pytest.mark.parametrize("norm,swiglu,residual,pdl", [
+    (False, False, False, False), (True, False, False, True), (False, False, True, True), (True, True, False, False),
+])
+def test_int4_gemv_mma_matches_ref(N, K, G, tile, dtype, norm, swiglu, residual, pdl):
+    g = torch.Generator().manual_seed(N * 7 + K)
+    x = (3 * torch.randn(1, 1, K, generator=g)).to(DEVICE, dtype)
+    q = quantized(2 * N if swiglu else N, K, G, g)
+    kw = {}
+    if norm:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
+    if residual:
+        kw["residual"] = torch.randn(1, 1, N, generator=g).to(DEVICE, dtype)
+    y = int4_gemv(x, *q, G, swiglu=swiglu, pdl=pdl, tile=tile, **kw)
+    assert y.shape == (1, 1, N)
+    assert_close(y, int4_gemv_ref(x, *q, G, swiglu=swiglu, **kw), "projection")
+
+
+def one_hot_columns(q, G, dtype, cols, tile):
+    """Each column c of the kernel's weight, read back as the projection of the one-hot x e_c
+    (every other product is an exact zero, so y is that weight exactly)."""
+    K = q[0].shape[1] * 2
+    out = []
+    for c in cols:
+        e = torch.zeros(1, K, dtype=dtype, device=DEVICE)
+        e[0, c] = 1
+        out.append(int4_gemv(e, *q, G, tile=tile)[0])
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1)], ids=["bytes", "mma"])
+def test_int4_weights_are_the_reference_dequantization_exactly(dtype, tile):
+    check_exact_weights(dtype, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1), ("mma", 64, 1, 8, 1)])
+def test_int4_weights_exact_on_gpu(dtype, tile):
+    """The same on the GPU, whose bf16 path is the packed fma (the interpreter's bf16 arithmetic
+    is not, so there it takes integer rounding instead)."""
+    check_exact_weights(dtype, tile)
+
+
+def check_exact_weights(dtype, tile):
+    """The kernels' weight is RN_dtype((q - z) · s) bit for bit (the magic-exponent codes and the
+    split-scale fma): every code against every zero (one row per (q, z) pair), with random fp16
+    scales over most of its binades, subnormal ones included."""
+    if tile[0] == "mma" and dtype == torch.float32:
+        pytest.skip("the mma kernel takes bf16 / fp16 x")
+    G, K = 32, 64
+    q_, z_ = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    N = 256
+    codes = q_.reshape(N, 1).expand(N, K).to(torch.uint8)
+    qweight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    zeros = z_.reshape(N, 1).expand(N, K // G).to(torch.uint8).contiguous()
+    g = torch.Generator().manual_seed(5)
+    # fp16 patterns below 4096 (15 · s stays finite in fp16: a one-hot x times an inf weight
+    # elsewhere in the row would make the row NaN), subnormals included
+    bits = torch.randint(0, 0x6C00, (N, K // G), generator=g, dtype=torch.int32).to(torch.int16)
+    scales = bits.view(torch.float16)
+    scales[:8] = torch.tensor([6e-8, 1e-5, 0.25, 1.0, 3.0, 0.0123, 7.5e-3, 4000.0], dtype=torch.float16)[:, None]
+    q = (qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE))
+    w = int4_dequantize_ref(*q, G).to(dtype)
+    cols = [0, 1, 7, 33, 62]
+    got = one_hot_columns(q, G, dtype, cols, tile)
+    assert torch.equal(got, w[:, cols])
+
+
+def test_int4_gemv_tile_refusals():
+    g = torch.Generator().manual_seed(0)
+    q = quantized(16, 64, 32, g)
+    x = torch.randn(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="the mma kernel takes INT4 codes"):
+        int4_gemv(x, *q, 32, tile=("mma", 16, 1, 4, 1))  # fp32 x
+    q2 = quantized(16, 64, 32, g, bits=2)
+    with pytest.raises(ValueError, match="the mma kernel takes INT4 codes"):
+        int4_gemv(x.bfloat16(), *q2, 32, bits=2, tile=("mma", 16, 1, 4, 1))
+    with pytest.raises(ValueError, match="BLOCK_N must be >= 16"):
+        int4_gemv(x.bfloat16(), *q, 32, tile=("mma", 8, 1, 4, 1))
+    with pytest.raises(ValueError, match="powers of two"):
+        int4_gemv(x, *q, 32, tile=("bytes", 3, 1, 4, 1))
+    with pytest.raises(ValueError, match="does not split K"):
+        int4_gemv(x, *q, 32, tile=("bytes", 4, 1, 4, 1, 2))
+    with pytest.raises(ValueError, match="a tile is"):
+        int4_gemv(x, *q, 32, tile=("warp", 4, 1, 4, 1))
+    with pytest.raises(ValueError, match="a tile is"):
+        int4_matmul(torch.randn(3, 64, device=DEVICE), *q, 32, tile=(16, 8, 64, 4, 1))
+    with pytest.raises(ValueError, match="a dot's K"):
+        int4_matmul(torch.randn(3, 64, device=DEVICE), *q, 32, tile=(16, 16, 16, 4, 1))
+
+
+def test_int4_gemv_split_k_is_one_order():
+    """A split launch sums each row in slice order whichever slice finishes last: repeated calls
+    are bit-identical, the float32 logits are the bf16 ones widened, and the argmax key is theirs
+    (the counters set back after every launch)."""
+    g = torch.Generator().manual_seed(4)
+    N, K, G = 40, 256, 32
+    q = quantized(N, K, G, g)
+    x = torch.randn(1, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    tile = ("mma", 16, 1, 4, 1, 4)
+    first = int4_gemv(x, *q, G, tile=tile)
+    for _ in range(3):
+        assert torch.equal(int4_gemv(x, *q, G, tile=tile), first)
+    key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.int64, device=DEVICE)
+    y = int4_gemv(x, *q, G, tile=tile, out_dtype=torch.float32, argmax_key=key)
+    assert torch.equal(y, first.float()) and key.item() == argmax_key_ref(first).item()
+    assert_close(first, int4_gemv_ref(x, *q, G), "projection")
+
+
+@pytest.mark.parametrize("tile", [(16, 16, 64, 4, 1), (16, 32, 128, 4, 2)])
+def test_int4_matmul_explicit_tiles(tile):
+    g = torch.Generator().manual_seed(9)
+    q = quantized(40, 256, 64, g)
+    x = torch.randn(5, 256, generator=g).to(DEVICE)
+    assert_close(int4_matmul(x, *q, 64, tile=tile), int4_matmul_ref(x, *q, 64), "projection")
+    nw = torch.rand(256, generator=g).to(DEVICE)
+    assert_close(int4_gemv(x, *q, 64, norm_weight=nw, tile=tile), int4_gemv_ref(x, *q, 64, norm_weight=nw),
+                 "projection")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES[:4])
+@pytest.mark.parametrize("tile", [("mma", 16, 2, 4, 1), ("mma", 64, 2, 4, 1, 8), ("bytes", 4, 8, 4, 2)])
+def test_int4_mma_bench_285m_shapes(N, K, swiglu, tile):
+    """The sweep's kernels at bench-285m's shapes: parity with the options the step passes (the
+    norm with PDL, the residual without), and the weight exact (one-hot columns)."""
+    g = torch.Generator().manual_seed(N + K)
+    q = quantized(2 * N if swiglu else N, K, 128, g)
+    x = torch.randn(1, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    nw = torch.rand(K, generator=g).to(DEVICE, torch.bfloat16)
+    res = torch.randn(1, 1, N, generator=g).to(DEVICE, torch.bfloat16)
+    assert_close(int4_gemv(x, *q, 128, norm_weight=nw, swiglu=swiglu, pdl=True, eviction_policy="evict_last",
+                           tile=tile), int4_gemv_ref(x, *q, 128, norm_weight=nw, swiglu=swiglu), "projection")
+    assert_close(int4_gemv(x, *q, 128, residual=res, swiglu=swiglu, pdl=False, tile=tile),
+                 int4_gemv_ref(x, *q, 128, residual=res, swiglu=swiglu), "projection")
+    if not swiglu:
+        w = int4_dequantize_ref(*q, 128).to(torch.bfloat16)
+        cols = [0, 1, 5, 8, K // 2 + 3, K - 1]
+        assert torch.equal(one_hot_columns(q, 128, torch.bfloat16, cols, tile), w[:, cols])
