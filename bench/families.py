@@ -14,18 +14,6 @@ token (bench/decode.py `decode_rate`), after a prompt of --context random tokens
 The floor is bench/decode.py's: every weight byte a token reads (the loop block once per
 iteration, the adapter before each iteration), the head and the K/V it attends to, over the
 device's copy bandwidth. A model's row is written as it completes, so a partial run reports.
-
-A/B in the same run: each `--variant NAME[:settings.FIELD=value;...]` (bench/ab.py's syntax,
-Settings fields only) serves each model on a model of its own built with those settings (over
-Settings.from_env()), e.g. the sandwich post-norms launched rather than fused and the
-attention's merge kernel:
-
-    python -m bench.families --out-dir $OUT --runs ouro-1.4b:4,8 --variant fused \
-        --variant "unfused:settings.fuse_post_norm=False;settings.attention_merge='kernel'"
-
-The variants' figures alternate round by round (--rounds, the minimum of each kept), so drift
-between minutes reaches all of them alike; a model's row holds each variant's figures under
-"variants" and the first variant's as its "depths".
 """
 from __future__ import annotations
 
@@ -36,12 +24,10 @@ import gc
 import torch
 from tqdm import tqdm
 
-from bench.ab import SETTINGS, check_settings, parse_variant
 from bench.common import hardware, write
 from bench.decode import bytes_per_token, ceilings, decode_rate, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
-from tinyloop.worker.model.settings import Settings
 
 # (preset, depths): Ouro's default is 4 UT steps (its config's total_ut_steps), 8 is the deeper
 # per-request depth this runtime allows; Huginn's mean_recurrence is 32.
@@ -65,86 +51,34 @@ def parse_runs(items: list[str]) -> list[tuple[str, tuple[int, ...]]]:
     return runs
 
 
-def parse_variants(specs: list[str] | None, base: Settings) -> list[tuple[str, dict, Settings]]:
-    """["fused", "unfused:settings.fuse_post_norm=False", ...] -> [(name, {field: value}, the
-    model's Settings), ...]: Settings fields only (a module global would reach every variant's
-    kernels of the process), distinct names; none given: one variant "base", `base` itself."""
-    if not specs:
-        return [("base", {}, base)]
-    out = []
-    for spec in specs:
-        name, sets = parse_variant(spec)
-        check_settings(sets)
-        if any(module != SETTINGS for module, _, _ in sets):
-            raise ValueError(f"variant {spec!r}: only settings.FIELD=value (a Settings field) is a variant here")
-        fields = {attr: value for _, attr, value in sets}
-        try:
-            settings = dataclasses.replace(base, **fields)
-        except TypeError as e:
-            raise ValueError(f"variant {spec!r}: {e}") from None
-        out.append((name, fields, settings))
-    if len({n for n, _, _ in out}) != len(out):
-        raise ValueError(f"variant names must be distinct, got {[n for n, _, _ in out]}")
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="+", default=[f"{n}:{','.join(map(str, d))}" for n, d in DEFAULT_RUNS],
                     help="preset:depths, e.g. ouro-1.4b:4,8")
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache while decoding")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
-    ap.add_argument("--variant", action="append", default=None,
-                    help="NAME or NAME:settings.FIELD=value[;...] (repeat to A/B; default: one, the environment's)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternations of the variants (the minimum is kept)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     runs = parse_runs(args.runs)
-    variants = parse_variants(args.variant, Settings.from_env())
-    if args.rounds < 1:
-        raise ValueError("--rounds must be >= 1")
     dev = torch.device("cuda")
     c = ceilings(dev)
-    result = {"hardware": hardware(dev), "ceilings": c, "context": args.context, "rounds": args.rounds,
-              "variants": {n: {k: repr(v) for k, v in f.items()} for n, f, _ in variants}, "models": {}}
+    result = {"hardware": hardware(dev), "ceilings": c, "context": args.context, "models": {}}
     for name, loops in tqdm(runs, desc="models", unit="model"):
         cfg = dataclasses.replace(PRESETS[name], max_loops=max(max(loops), PRESETS[name].default_loops))
         path = random_checkpoint(name, cfg)
-        row = {"params": cfg.n_params(), "depths": {}, "variants": {}}
-        models = {}
-        try:
-            for vname, _, settings in variants:
-                models[vname] = Model(path, max_seq_len=args.context + args.steps * 8 + 64, device="cuda",
-                                      dtype="bfloat16", n_slots=1, cuda_graphs=True, prefill_graph_len=0,
-                                      settings=settings)
-                row["variants"][vname] = {"graph_capture_s": sum(v for k, v in models[vname].startup.items()
-                                                                 if k.endswith("_graphs_s")), "depths": {}}
-            for r in range(args.rounds):
-                for L in loops:
-                    b = bytes_per_token(cfg, L, args.context)
-                    floor_ms = b["total"] / (c["copy_GBps"] * 1e6)
-                    for vname, m in models.items():
-                        ms = decode_rate(m.runner, L, args.context, args.steps)
-                        depths = row["variants"][vname]["depths"]
-                        rounds = depths.get(str(L), {}).get("rounds_ms", []) + [ms]
-                        ms = min(rounds)
-                        depths[str(L)] = {"floor_ms": floor_ms, "graph_ms": ms, "vs_floor": ms / floor_ms,
-                                          "achieved_GBps": b["total"] / (ms * 1e6), "bytes_per_token": b,
-                                          "rounds_ms": rounds}
-                        tqdm.write(f"{name} L={L} {vname} (round {r}): {rounds[-1]:.3f} ms/token, floor "
-                                   f"{floor_ms:.3f} ms ({rounds[-1] / floor_ms:.2f}x)")
-        finally:
-            for m in models.values():
-                m.close()
-        first = row["variants"][variants[0][0]]
-        row["depths"], row["graph_capture_s"] = first["depths"], first["graph_capture_s"]
-        for L in loops:
-            line = ", ".join(f"{v}: {row['variants'][v]['depths'][str(L)]['graph_ms']:.3f} ms "
-                             f"({row['variants'][v]['depths'][str(L)]['vs_floor']:.2f}x)" for v in models)
-            tqdm.write(f"{name} L={L}: {line}")
+        row = {"params": cfg.n_params(), "depths": {}}
+        with Model(path, max_seq_len=args.context + args.steps * 8 + 64, device="cuda", dtype="bfloat16",
+                   n_slots=1, cuda_graphs=True, prefill_graph_len=0) as m:
+            row["graph_capture_s"] = sum(v for k, v in m.startup.items() if k.endswith("_graphs_s"))
+            for L in loops:
+                b = bytes_per_token(cfg, L, args.context)
+                floor_ms = b["total"] / (c["copy_GBps"] * 1e6)
+                ms = decode_rate(m.runner, L, args.context, args.steps)
+                row["depths"][str(L)] = {"floor_ms": floor_ms, "graph_ms": ms, "vs_floor": ms / floor_ms,
+                                         "achieved_GBps": b["total"] / (ms * 1e6), "bytes_per_token": b}
+                tqdm.write(f"{name} L={L}: {ms:.3f} ms/token, floor {floor_ms:.3f} ms ({ms / floor_ms:.2f}x)")
         result["models"][name] = row
         write("families-cuda", result, args.out_dir)
-        del models
         gc.collect()
         torch.cuda.empty_cache()
 

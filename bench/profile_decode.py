@@ -15,17 +15,7 @@ stage graphs), against its wall time.
 
 The model is built as a worker builds it (`Model(cuda_graphs=True)`: every graph captured at
 load), with one cache lane; the op-by-op step runs the runner's engine (`runner.engine`, the
-eager stage math) on the same weights and kernels.
-
-A/B in the same run: each `--variant NAME[:settings.FIELD=value;...]` (bench/families.py's)
-profiles the step on a model of its own built with those settings, e.g.
-
-    python -m bench.profile_decode --out-dir $OUT --preset ouro-1.4b --loops 4 --variant fused \
-        --variant "unfused:settings.fuse_post_norm=False;settings.attention_merge='kernel'"
-
-Every variant gets the step's figures (graph step, op-by-op kernels, the replayed timeline and
-its per-layer table) under "variants"; the first variant's are also the file's top level, with
-the prefill and generate figures, which only it runs."""
+eager stage math) on the same weights and kernels."""
 from __future__ import annotations
 
 import argparse
@@ -37,11 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import hardware, run_timed, timed, write
 from bench.decode import bytes_per_token, ceilings, decode_rate, random_checkpoint
-from bench.families import parse_variants
 from tinyloop.worker import Model
 from tinyloop.worker.generation.decode import DecodeState, start
 from tinyloop.worker.model.config import PRESETS
-from tinyloop.worker.model.settings import Settings
 from tinyloop.worker.runner.stages import PaddedPrefill, prefill_buckets
 
 
@@ -50,44 +38,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="bench-285m", help="random-init model preset")
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--variant", action="append", default=None,
-                    help="NAME or NAME:settings.FIELD=value[;...] (repeat to A/B; default: one, the environment's)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
-    variants = parse_variants(args.variant, Settings.from_env())
     dev = torch.device("cuda")
     c = ceilings(dev)
     cfg = PRESETS[args.preset]
     cfg = dataclasses.replace(cfg, max_loops=max(cfg.max_loops, args.loops))
-    path = random_checkpoint(args.preset, cfg)
-    out = {"preset": args.preset, "hardware": hardware(dev), "ceilings": c, "loops": args.loops,
-           "context": args.context, "variants": {}}
-    name = "profile-decode-cuda" if args.preset == "bench-285m" else f"profile-decode-{args.preset}-cuda"
-    for i, (vname, fields, settings) in enumerate(variants):
-        print(f"-- variant {vname} {fields}")
-        m = Model(path, max_seq_len=4096, device="cuda", dtype="bfloat16", n_slots=1, cuda_graphs=True,
-                  settings=settings)
-        try:
-            step = profile_step(m, cfg, args.loops, args.context, c)
-            step["settings"] = {k: repr(v) for k, v in fields.items()}
-            out["variants"][vname] = step
-            if i == 0:
-                out.update({k: v for k, v in step.items() if k != "settings"})
-                prompt = torch.randint(0, cfg.vocab_size, (args.context,)).tolist()
-                out["prefill"], out["generate"] = profile_served(m, prompt, args.loops, out["graph_ms"])
-        finally:
-            m.close()
-        write(name, out, args.out_dir)
-    if len(variants) > 1:
-        print("graph step by variant: " + ", ".join(
-            f"{v}: {r['graph_ms']:.3f} ms ({r['graph_ms'] / r['floor_ms']:.2f}x floor, "
-            f"{r['replay_timeline']['kernels_per_step']} kernels)" for v, r in out["variants"].items()))
-
-
-def profile_step(m: Model, cfg, L: int, T: int, c: dict) -> dict:
-    """The decode step's figures: the graph step's ms, the op-by-op kernels, the replayed
-    timeline (with its per-layer table), against the floor."""
-    dev = m.device
+    m = Model(random_checkpoint(args.preset, cfg), max_seq_len=4096, device="cuda", dtype="bfloat16",
+              n_slots=1, cuda_graphs=True)
+    L, T = args.loops, args.context
     graph_ms = decode_rate(m.runner, L, T, 64)
     e = m.runner.engine
     prompt = torch.randint(0, cfg.vocab_size, (T,)).tolist()
@@ -123,13 +82,6 @@ def profile_step(m: Model, cfg, L: int, T: int, c: dict) -> dict:
     print(f"per layer ({timeline['per_layer']['layers']} layers), by offset from the attention kernel:")
     for k, us in timeline["per_layer"]["adds_us"].items():
         print(f"  {us:8.2f} us  {k[:110]}")
-    return {"floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms, "kernels": rows,
-            "replay_timeline": timeline}
-
-
-def profile_served(m: Model, prompt: list[int], L: int, graph_ms: float) -> tuple[dict, dict]:
-    """The prefill's and a fresh generate's figures on the served path."""
-    T = len(prompt)
     pre = prefill_profile(m, prompt, L)
     print(f"prefill({T} tokens, L={L}, the served path: stage graphs): {pre['wall_ms']:.3f} ms wall, "
           f"kernels {pre['kernel_sum_ms']:.3f} ms")
@@ -152,7 +104,11 @@ def profile_served(m: Model, prompt: list[int], L: int, graph_ms: float) -> tupl
           + f"; {per_token:.3f} ms per token past the second, against the {graph_ms:.3f} ms graph step")
     print(f"generate(prefix {T}, decode 16, L={L}): {gen['wall_ms']:.2f} ms wall, GPU busy {gen['gpu_busy_ms']:.2f} ms "
           f"({gen['gpu_ops']} kernels and copies)")
-    return pre, gen
+    write("profile-decode-cuda" if args.preset == "bench-285m" else f"profile-decode-{args.preset}-cuda", {"preset": args.preset,"hardware": hardware(dev), "ceilings": c, "loops": L, "context": T,
+                                  "floor_ms": floor_ms, "graph_ms": graph_ms, "kernel_sum_ms": kernel_ms,
+                                  "kernels": rows, "replay_timeline": timeline, "prefill": pre, "generate": gen},
+          args.out_dir)
+    m.close()
 
 
 def replay_timeline(m: Model, prompt: list[int], L: int, reps: int = 12, skip: int = 2) -> dict:

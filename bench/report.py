@@ -335,24 +335,15 @@ def families_extra(r: Result) -> list[str]:
 
 def families_body(r: Result) -> str:
     rows = []
-    variants = r.data.get("variants") if isinstance(r.data.get("variants"), dict) else {}
-    ab = len(variants) > 1  # an A/B run (--variant): a row per variant, its settings below
     for name, m in (r.data.get("models") or {}).items():
         if not isinstance(m, dict):
             continue
-        by_variant = m.get("variants") if ab and isinstance(m.get("variants"), dict) else {None: m}
-        for v, vm in by_variant.items():
-            for L, row in ((vm.get("depths") if isinstance(vm, dict) else None) or {}).items():
-                rows.append([code(name), *([code(v)] if ab else []), num(m.get("params"), ".2f", "B", 1e-9), text(L),
-                             ms(get(row, "floor_ms")), ms(get(row, "graph_ms")), times(get(row, "vs_floor")),
-                             num(get(row, "achieved_GBps"), ",.0f", " GB/s")])
-    head = ["shapes", *(["variant"] if ab else []), "parameters", "L", "floor", "TinyLoop Serve", "× floor", "achieved"]
-    out = table(head, rows or [[DASH] * len(head)]) + "\n"
-    if ab:
-        out += "\nVariants (Settings over the environment's):\n\n" + table(
-            ["variant", "settings"], [[code(v), ", ".join(f"`{k}={x}`" for k, x in f.items()) or "none"]
-                                      for v, f in variants.items() if isinstance(f, dict)]) + "\n"
-    return out
+        for L, row in (m.get("depths") or {}).items():
+            rows.append([code(name), num(m.get("params"), ".2f", "B", 1e-9), text(L), ms(get(row, "floor_ms")),
+                         ms(get(row, "graph_ms")), times(get(row, "vs_floor")),
+                         num(get(row, "achieved_GBps"), ",.0f", " GB/s")])
+    return table(["shapes", "parameters", "L", "floor", "TinyLoop Serve", "× floor", "achieved"],
+                 rows or [[DASH] * 7]) + "\n"
 
 
 def recover_extra(r: Result) -> list[str]:
@@ -767,11 +758,9 @@ What the benchmarks measure:
   `torch.compile` in three modes, and the engine through its torch reference ops. Also a fresh
   generate.
 - `bench/families.py`: the same batch-1 decode at the shapes of Ouro-1.4B, Ouro-2.6B and
-  Huginn-0125 (random bf16 weights in the layouts the Hugging Face loader builds), against the floor;
-  `--variant NAME:settings.FIELD=value` A/Bs Settings in the same run (e.g. the sandwich post-norms
-  fused or launched, the attention's merge in its split kernel or a kernel of its own).
+  Huginn-0125 (random bf16 weights in the layouts the Hugging Face loader builds), against the floor.
 - `bench/profile_decode.py`: where the decode step's time goes, from the replayed graph's kernel
-  timeline, per `--variant` as bench/families.py's; and a fresh generate by max_tokens.
+  timeline; and a fresh generate by max_tokens.
 - `bench/gemv.py`: each projection's GEMV alone, reading its weights from HBM, against the floor and
   cuBLAS.
 - `bench/batch.py`: B streams stepped together by the worker's batcher against one stream alone.

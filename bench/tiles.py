@@ -50,15 +50,13 @@ def step_ms(m: Model, loops: int, context: int, steps: int, best_of: int) -> flo
 
 
 def projections(m: Model, loops: int, context: int) -> list[tuple]:
-    """The (N, K, norm, swiglu, residual, pdl) keys the step's M = 1 launches look up, with a
-    seventh element True for a launch with the post-norm prologue (`gemv.tile`'s skip)."""
+    """The (N, K, norm, swiglu, residual, pdl) keys the step's M = 1 launches look up."""
     keys, real = [], gemv_mod.tile
 
-    def record(device, N, K, norm, swiglu, residual, pdl, skip=False):
-        key = (N, K, norm, swiglu, residual, pdl) + ((True,) if skip else ())
-        if key not in keys:
-            keys.append(key)
-        return real(device, N, K, norm, swiglu, residual, pdl, skip)
+    def record(device, N, K, norm, swiglu, residual, pdl):
+        if (N, K, norm, swiglu, residual, pdl) not in keys:
+            keys.append((N, K, norm, swiglu, residual, pdl))
+        return real(device, N, K, norm, swiglu, residual, pdl)
     gemv_mod.tile = record
     try:
         step_ms(m, loops, context, 2, 1)
@@ -114,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     with Model(path, max_seq_len=args.context + args.steps + 8, device=dev, dtype="bfloat16", n_slots=1,
                cuda_graphs=False) as m:
         keys = projections(m, args.loops, args.context)
-        # (a prologue's key without an entry of its own runs its projection's: `gemv.tile`)
-        start = {k: table.get(k) or table.get(k[:6]) or gemv_mod.default_tile(k[1]) for k in keys}
+        start = {k: table.get(k) or gemv_mod.default_tile(k[1]) for k in keys}
         chosen = dict(start)
         bar = tqdm(total=sum(len(candidates(k[1])) for k in keys), desc="tiles", unit="step")
         for key in keys:

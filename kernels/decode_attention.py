@@ -47,16 +47,8 @@ no cache slot) and stores k_new, v_new into slot p_b. Every program reads slots 
 p_b)) only, never slot p_b itself, so no program reads what another writes; an idle lane reads
 no slot at all (batched decode pads with idle lanes, which must cost nothing). A lane with one
 active split (p_b <= SPLIT_LEN, every idle lane, or MAX_ACTIVE = 1) has o written by that split:
-acc / l, which is the merge of one partial bit for bit. A lane with more active splits is merged
-in one of two ways (the launcher's ``merge``). "split" (MERGE): each of its group's programs
-stores its partial, then counts itself in on the (lane, kv head)'s arrival counter (an atomic
-add, acquire-release at GPU scope, after a barrier so that all its threads' stores come first);
-the program that sees every other one in merges the group's active splits in split order and
-sets the counter back to zero, so no merge kernel launches, and o is the same whichever program
-comes last. The counters live in one zeroed buffer per device (`_counters`), made outside any
-graph capture; two launches on one device must not run at once (a decode step's never do: one
-stream). "kernel": the merge kernel after the split kernel reads positions too (before its
-wait), skips one-split lanes and merges the active splits of the others. As with
+acc / l, which is the merge of one partial bit for bit. The merge kernel reads positions too
+(before its wait), skips such a lane and merges the active splits of the others. As with
 decode_attention the grids depend on B, Hkv and S only. The slot is the position itself: a ring
 buffer (slot = position % W, every slot valid once wrapped) is not served by this op.
 
@@ -67,8 +59,7 @@ runs (and waits for its partials), and the projection after the merge starts loa
 weights while the merge drains. decode_attention's split and merge kernels read nothing
 before the wait. rope_decode_attention's split kernel loads positions[b] and its cos / sin rows
 before it (and a program with no slot of its lane exits there), with ``slots`` its lane's
-cache slot too, with ``prefetch_kv`` it asks L2 for its split's cached slots (bulk prefetches:
-the slots before a lane's position come from earlier passes), and its merge kernel loads positions[b], since they never come from the
+cache slot too, and its merge kernel loads positions[b], since they never come from the
 projection launched just before (which writes q, k, v): the contract is that positions, slots
 and the tables are not written by a kernel launched with PDL since the last ordinary launch in
 the stream (only such a kernel can still be running). The engine's tables never change, and it
@@ -112,7 +103,6 @@ from ._checks import (
     slots_arg,
 )
 from ._launch import use_pdl
-from ._prefetch import bulk_prefetch_l2
 from .rope import rope_cache_write_ref
 
 LOG2E = math.log2(math.e)
@@ -280,7 +270,6 @@ def _rope_decode_attention_split_kernel(
     l_ptr,  # (B, H, NUM_SPLITS) fp32
     acc_ptr,  # (B, H, NUM_SPLITS, hd) fp32
     o_ptr,  # (B, H, hd) contiguous: written here for a lane with one active split
-    cnt_ptr,  # (B * Hkv,) int32, zero between launches: MERGE's arrival counters
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_b, stride_k_h, stride_k_d,
     stride_v_b, stride_v_h, stride_v_d,
@@ -298,8 +287,6 @@ def _rope_decode_attention_split_kernel(
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     SLOTS: tl.constexpr,
-    MERGE: tl.constexpr,  # the lane's last split program merges its splits (no merge kernel)
-    PREFETCH_KV: tl.constexpr,  # ask L2 for the split's cached K / V before the PDL wait
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -330,11 +317,6 @@ def _rope_decode_attention_split_kernel(
     sin = tl.where(first, -sin, sin)
     # The row's cache slot, before the wait too: slots come from where positions do.
     lane = _cache_lane(slots_ptr, stride_slots, b, SLOTS)
-    if PREFETCH_KV:
-        # The split's cached slots [start, end) come from earlier passes, never from the kernels
-        # of this one (module docstring): L2 can fetch them while the projection before drains.
-        _prefetch_slots(k_cache_ptr + lane * stride_kc_b + kvh * stride_kc_h,
-                        v_cache_ptr + lane * stride_vc_b + kvh * stride_vc_h, start, end, HD)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v: the projection launched just before writes them
 
@@ -375,55 +357,6 @@ def _rope_decode_attention_split_kernel(
     else:
         _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
                         mask_g, offs_d, mask_d)
-        if MERGE:
-            # Each program of the lane's group counts itself in after its partials are stored
-            # (the barrier: every thread's stores before the one thread's release); the one that
-            # sees all the others in merges the group's splits in split order, whichever it is,
-            # so o does not depend on which program finishes last, and sets the counter back to
-            # zero for the next launch.
-            tl.debug_barrier()
-            cnt = cnt_ptr + b * (H // GROUP) + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_active - 1:
-                tl.store(cnt, 0)
-                _merge_group(m_ptr, l_ptr, acc_ptr, o_ptr, b, heads, H, HD, NUM_SPLITS, n_active,
-                             mask_g, offs_d, mask_d, BLOCK_G, BLOCK_D)
-
-
-@triton.jit
-def _prefetch_slots(k_base, v_base, start, end, HD):
-    """Bulk L2 prefetches of slots [start, end) of one (lane, kv head)'s K and V rows (slot-
-    contiguous rows of HD elements, HD * element size a multiple of 16 bytes: the launcher's
-    condition), up to 64 KB of each: 128 pieces of 512 bytes (a multiple of 16, as the rows)."""
-    piece = tl.arange(0, 128).to(tl.int64) * 512
-    row = HD * (k_base.dtype.element_ty.primitive_bitwidth // 8)  # bytes a slot
-    first = start.to(tl.int64) * row
-    nbytes = tl.minimum(tl.maximum((end - start).to(tl.int64) * row - piece, 0), 512).to(tl.int32)
-    bulk_prefetch_l2(k_base.to(tl.pointer_type(tl.uint8)) + first + piece, nbytes)
-    bulk_prefetch_l2(v_base.to(tl.pointer_type(tl.uint8)) + first + piece, nbytes)
-
-
-@triton.jit
-def _merge_group(m_ptr, l_ptr, acc_ptr, o_ptr, b, heads, H, HD, NUM_SPLITS, n_splits, mask_g, offs_d, mask_d,
-                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """o of the group's heads from the partials of their first n_splits splits, the merge
-    kernel's math (`_merge_splits`) as a loop over the splits in order. The partials come from
-    other programs: loaded past L1 (".cg"), which this SM may hold stale lines of."""
-    rows = (b * H + heads) * NUM_SPLITS  # (BLOCK_G,) split 0's row of each head's partials
-    m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + rows + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg"))
-    shift = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in range(0, n_splits):
-        w = tl.exp2(tl.load(m_ptr + rows + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg") - shift)
-        l_total += tl.load(l_ptr + rows + s, mask=mask_g, other=0.0, cache_modifier=".cg") * w
-        a = tl.load(acc_ptr + (rows + s)[:, None] * HD + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
-                    other=0.0, cache_modifier=".cg")
-        acc += a * w[:, None]
-    o = acc / tl.where(l_total == 0.0, 1.0, l_total)[:, None]
-    tl.store(o_ptr + (b * H + heads)[:, None] * HD + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=mask_g[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -570,35 +503,15 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots):
     _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-# MERGE's arrival counters by device: zero between launches (each launch's merging programs
-# set theirs back), so one buffer serves every launch on the device, one launch at a time.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-MIN_COUNTERS = 4096
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 arrival counters on device, None when that needs an allocation during a
-    CUDA graph capture (a zero fill would be captured and a buffer of the graph's pool kept):
-    the launch then takes the merge kernel."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[device] = torch.zeros(max(MIN_COUNTERS, triton.next_power_of_2(n)), dtype=torch.int32,
-                                            device=device)
-    return c
-
-
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None, lane_split_len=None, has_slots=False, merge="kernel", prefetch_kv=False):
+                     max_active=None, lane_split_len=None, has_slots=False):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd). has_slots: the SLOTS constexpr (inputs and strides then carry the
     slots tensor and its stride; without, a stand-in the kernel never reads).
     positions: rope_decode_attention's, whose split kernel also takes o (after acc) and
     max_active (after qk_scale; default num_splits), and writes its lanes' active splits only
-    (_lane_splits of lane_split_len slots at least, default split_len <= it); merge "split"
-    (rope_decode_attention's only): its split kernel merges (MERGE) and no merge kernel runs.
+    (_lane_splits of lane_split_len slots at least, default split_len <= it).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
@@ -613,9 +526,8 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
     rope = positions is not None
-    counters = _counters(q.device, B * Hkv) if rope and merge == "split" else None
     split_kernel[(B, Hkv, num_splits)](
-        *inputs, m, l, acc, *((o, o if counters is None else counters) if rope else ()), *strides,
+        *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, lane_split_len if rope else split_len,
         float(scale) * LOG2E,
         *((max_active,) if rope else ()),
@@ -626,13 +538,10 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
         SLOTS=has_slots,
-        **({"MERGE": counters is not None, "PREFETCH_KV": prefetch_kv and not interpreting()} if rope else {}),
         num_warps=4,
         num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
     )
-    if counters is not None:
-        return o
     _decode_attention_merge_kernel[(B * H,)](
         m, l, acc, o, positions if rope else o, positions.stride(0) if rope else 0,
         H, S, hd, num_splits, lane_split_len if rope else split_len, max_active,
@@ -669,7 +578,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None):
 
 
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
-                          lane_split_len=None, slots=None, merge="split", prefetch_kv=False):
+                          lane_split_len=None, slots=None):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
     and longer ones than split_len."""
@@ -681,8 +590,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), stride_slots, *k_cache.stride(), *v_cache.stride()),
                             q, Hkv, S, scale, split_len, positions, max_active, lane_split_len,
-                            has_slots=slots is not None, merge=merge,
-                            prefetch_kv=prefetch_kv and _slot_rows_contiguous(k_cache, v_cache))
+                            has_slots=slots is not None)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
@@ -695,56 +603,20 @@ def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
     return max(_sm_count(device) // (B * Hkv), 1) if device.type == "cuda" else None
 
 
-MERGES = ("split", "kernel")  # rope_decode_attention's merge=
-
-
-def _slot_rows_contiguous(k_cache, v_cache) -> bool:
-    """Whether each (lane, kv head)'s slots are one contiguous run of rows whose size is a
-    multiple of 16 bytes in both caches: what prefetch_kv's bulk prefetches need."""
-    return all(c.stride(3) == 1 and c.stride(2) == c.shape[3] and (c.shape[3] * c.element_size()) % 16 == 0
-               and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
-
-
-def _check_merge_options(op, merge, lane_split_len):
-    if merge not in MERGES:
-        raise ValueError(f"{op}: merge must be one of {MERGES}, got {merge!r}")
-    if lane_split_len is not None and (isinstance(lane_split_len, bool) or not isinstance(lane_split_len, int)
-                                       or lane_split_len < 1):
-        raise ValueError(f"{op}: lane_split_len must be an int >= 1 or None, got {lane_split_len!r}")
-
-
-def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, *, merge="split",
-                          lane_split_len=None, prefetch_kv=False):
-    """RoPE + cache write of one new token per lane + decode attention, in one split launch (and
-    the merge kernel with merge="kernel"): q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables
-    (P >= S, hd // 2) gathered at positions (B,) int64, caches (B, Hkv, S, hd) written in place
-    -> o (B, H, hd) in q.dtype.
+def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None):
+    """RoPE + cache write of one new token per lane + decode attention, in one split launch and
+    the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered
+    at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype.
 
     slots (B,) int32 / int64 on the caches' device: the caches are whole layers (n_slots, Hkv,
     S, hd) and row b writes and reads cache slot slots[b] (an idle row neither). A slot a live
-    row uses must be no other row's (the caller's error otherwise: the rows run concurrently).
-
-    merge: how a lane with more than one active split gets o. "split": the last of its group's
-    split programs to store its partial merges them (an arrival counter per lane and kv head, in
-    a buffer of zeros per device that the merging programs set back to zero: two launches on one
-    device must not run at once, as a decode step's never do); "kernel": the merge kernel after
-    the split kernel. Both merge in split order: a fixed shape gives the same o at every call.
-    lane_split_len: the shortest split of a lane's cached slots (default LANE_SPLIT_LEN), capped
-    at the grid's split length.
-    prefetch_kv: each active split program asks L2 for its cached K / V slots (up to 64 KB of
-    each) before its PDL wait, where each (lane, kv head)'s slots are contiguous rows of a
-    multiple of 16 bytes (else, and under the interpreter, nothing is prefetched): the cached
-    slots before a lane's position must not be written by a kernel launched with PDL since the
-    last ordinary launch (as positions; the engine's passes write them in earlier passes)."""
-    op = "rope_decode_attention"
-    _check_merge_options(op, merge, lane_split_len)
-    _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+    row uses must be no other row's (the caller's error otherwise: the rows run concurrently)."""
+    _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
-    lane = LANE_SPLIT_LEN if lane_split_len is None else lane_split_len
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
-                                  _one_wave(B, Hkv, q.device), min(split_len, lane), slots, merge, bool(prefetch_kv))
+                                  _one_wave(B, Hkv, q.device), min(split_len, LANE_SPLIT_LEN), slots)
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
@@ -777,14 +649,11 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=None):
     return masked_attention_ref(q[:, :, None], k_cache, v_cache, valid[:, None], scale)[:, :, 0]
 
 
-def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, *, merge="split",
-                              lane_split_len=None, prefetch_kv=False):
+def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None):
     """The spec, in plain torch: rope_cache_write at rows p_b of the tables then decode_attention
     over p_b + 1 slots for a live lane; an idle lane (p_b outside [0, S)) writes nothing and
     outputs its own v, rounded to the cache dtype as if it had gone through the cache. Writes the
-    caches in place. With slots, each row alone on its cache slot's view (its writes land there).
-    (merge, lane_split_len and prefetch_kv change how the kernels run, not what they compute.)"""
-    _check_merge_options("rope_decode_attention_ref", merge, lane_split_len)
+    caches in place. With slots, each row alone on its cache slot's view (its writes land there)."""
     if slots is not None:
         return by_slot("rope_decode_attention_ref", slots, q.shape[0], k_cache, lambda b, s:
                        rope_decode_attention_ref(q[b], k[b], v[b], cos, sin, positions[b], k_cache[s],

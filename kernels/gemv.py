@@ -19,15 +19,6 @@ into the projection that reads its input or writes its output, row by row:
   projection's output is), then silu and the product rounded as ``swiglu`` does.
 - ``residual`` (..., N), y's shape: y = residual + (x @ W.T rounded to x.dtype), rounded once
   more, exactly like the unfused ``residual + linear(x, W)``.
-- ``skip`` with ``skip_norm_weight`` (M = 1): the input is h = skip + rmsnorm(x) first, a
-  sandwich-norm layer's post-norm and residual add on the previous projection's output x (Ouro
-  decode: the post-attention norm rides in gate|up, the post-MLP norm in the next layer's
-  q|k|v), and the call returns (y, h). A post-norm needs the whole row of x, which no
-  projection's epilogue holds (each program owns a few of its outputs), but every program of the
-  projection that reads x loads the whole row anyway: each one makes a first pass over x for the
-  post-norm's scale, then builds h chunk by chunk in its main loop, and program 0 stores h (the
-  residual stream the layer goes on with). Every program computes h the same way, in the same
-  order, so each one's input is bitwise the h that is stored, and no norm kernel launches.
 - ``argmax_key`` (M = 1): the argmax of y without reading y back -- each program maxes one
   int64 key (the order-preserving bits of its largest value, then N - 1 - its row) into the
   tensor with one atomic, skipped when the key it reads is already larger. The decode step's
@@ -66,7 +57,6 @@ import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
 from ._launch import use_pdl
-from ._prefetch import bulk_prefetch_l2
 
 # An argmax key no row's key is below: what `argmax_key` holds before a projection maxes it.
 ARGMAX_KEY_NONE = -(2**63)
@@ -85,57 +75,12 @@ def _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU: tl.constexpr, EVICT: tl.con
     return w, up
 
 
-# Bytes one thread of `_l2_prefetch` asks L2 for (one bulk prefetch), and the threads a program
-# issues them from (a (128,) tensor: one element a thread at 4 warps).
-L2_PREFETCH_BYTES = 1024
-_PF_BYTES = tl.constexpr(L2_PREFETCH_BYTES)
-_PF_THREADS = tl.constexpr(128)
-
-
 @triton.jit
-def _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid):
-    """Ask L2 for a slice of one of two byte ranges (bulk prefetches, cp.async.bulk.prefetch.L2:
-    nothing comes back to the program): even programs cover the first range, odd ones the
-    second, program p its (p // 2)-th slice of _PF_THREADS * _PF_BYTES bytes. The ranges are the
-    weights the projection after the next will read first (the decode step's gate|up rows):
-    issued before the PDL wait, they use the memory bandwidth that the attention kernel still
-    running leaves idle."""
-    offs = (pid // 2).to(tl.int64) * (_PF_THREADS * _PF_BYTES) + tl.arange(0, _PF_THREADS).to(tl.int64) * _PF_BYTES
-    if pid % 2 == 0:
-        base, n = pf1_ptr, pf1_len
-    else:
-        base, n = pf2_ptr, pf2_len
-    bulk_prefetch_l2(base + offs, tl.where(offs < n, _PF_BYTES, 0).to(tl.int32))
-
-
-@triton.jit
-def _skip_inv_rms(x_ptr, K, eps, BLOCK_KP: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) in fp32 of the (K,) row x (the post-norm's scale with SKIP), from
-    one load of the whole row (BLOCK_KP >= K): one round trip to memory before the main loop,
-    whose loads of x then hit L1. Every program computes it the same way, so every program's
-    input equals the h that program 0 writes."""
-    k = tl.arange(0, BLOCK_KP)
-    xv = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(xv * xv, axis=0) / K + eps)
-
-
-@triton.jit
-def _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM: tl.constexpr, SKIP: tl.constexpr, skip_ptr, pw_ptr, h_ptr,
-             skip_inv, pid):
+def _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM: tl.constexpr):
     """x's chunk at columns k as a (1, BLOCK_K) fp32 row (times the norm weight with NORM), and
-    ss plus its squares. With SKIP the input is h = skip + rmsnorm(x) * pw instead, rounded as
-    rms_norm's skip path rounds it (the normalized x to x's dtype, then the sum), skip_inv the
-    post-norm's scale (`_skip_inv_rms`); program 0 stores the chunk of h."""
+    ss plus its squares."""
     k_mask = k < K
     xv = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-    if SKIP:
-        dtype = h_ptr.dtype.element_ty
-        pw = tl.load(pw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        sv = tl.load(skip_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        h = (sv + (xv * skip_inv * pw).to(dtype).to(tl.float32)).to(dtype)
-        if pid == 0:
-            tl.store(h_ptr + k, h, mask=k_mask)
-        xv = h.to(tl.float32)
     if NORM:
         ss += xv * xv
         xv = xv * tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -150,31 +95,20 @@ def _gemv_kernel(
     res_ptr,  # (N,) residual, read only when RESIDUAL
     y_ptr,  # (N,)
     key_ptr,  # (1,) int64, written only when ARGMAX
-    skip_ptr,  # (K,) the residual the post-norm adds to, read only when SKIP
-    pw_ptr,  # (K,) the post-norm weight, read only when SKIP
-    h_ptr,  # (K,) skip + rmsnorm(x) * pw, written by program 0 only when SKIP
-    pf1_ptr,  # uint8: the first byte range L2_PF prefetches
-    pf2_ptr,  # uint8: the second
-    pf1_len,
-    pf2_len,
     N,
     K,
     stride_w,
     eps,
-    skip_eps,
     NORM: tl.constexpr,
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
     ARGMAX: tl.constexpr,
-    SKIP: tl.constexpr,
     EVICT: tl.constexpr,  # the weight loads' L2 eviction policy: "", "evict_first", "evict_last"
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    L2_PF: tl.constexpr,  # prefetch the byte ranges into L2 before the PDL wait (`_l2_prefetch`)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
-    BLOCK_KP: tl.constexpr,  # K padded to a power of two (the `_gemv` heuristic): SKIP's first pass
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,16 +125,10 @@ def _gemv_kernel(
         # PDL wait, and each row is reduced straight from the products (no accumulator tile,
         # and the same sums as the loop's single iteration).
         w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
-        if L2_PF:
-            _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        skip_inv = 0.0
-        if SKIP:
-            skip_inv = _skip_inv_rms(x_ptr, K, skip_eps, BLOCK_KP)
-        xv, ss = _x_chunk(x_ptr, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32), NORM,
-                          SKIP, skip_ptr, pw_ptr, h_ptr, skip_inv, pid)
+        xv, ss = _x_chunk(x_ptr, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32), NORM)
         y = tl.sum(w.to(tl.float32) * xv, axis=1)
         if SWIGLU:
             y_up = tl.sum(up.to(tl.float32) * xv, axis=1)
@@ -216,20 +144,12 @@ def _gemv_kernel(
             # the wait, and x, the residual and everything after wait for the previous kernel's
             # writes.
             w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
-            if L2_PF:
-                _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid)
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
                 tl.extra.cuda.gdc_wait()
-        elif L2_PF:
-            _l2_prefetch(pf1_ptr, pf1_len, pf2_ptr, pf2_len, pid)
-        skip_inv = 0.0
-        if SKIP:
-            # a first pass over x for the post-norm's scale; the loop then builds h chunk by chunk
-            skip_inv = _skip_inv_rms(x_ptr, K, skip_eps, BLOCK_KP)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + cols
-            xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM, SKIP, skip_ptr, pw_ptr, h_ptr, skip_inv, pid)
+            xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM)
             if not PREFETCH:
                 w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
             acc += w.to(tl.float32) * xv
@@ -278,8 +198,7 @@ def _argmax_key_max(key_ptr, y, rows, row_mask, N):
 
 
 # Every M = 1 launch goes through this: a tile as wide as K takes the one-chunk path.
-_gemv = triton.heuristics({"ONE_CHUNK": lambda args: args["BLOCK_K"] >= args["K"],
-                           "BLOCK_KP": lambda args: triton.next_power_of_2(args["K"])})(_gemv_kernel)
+_gemv = triton.heuristics({"ONE_CHUNK": lambda args: args["BLOCK_K"] >= args["K"]})(_gemv_kernel)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the tiles that bench-285m's projections and the
@@ -292,7 +211,7 @@ _CONFIGS = [
                           (16, 512, 4, 1)]
 ]
 _gemv_tuned = triton.autotune(
-    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "SKIP", "PDL"],
+    configs=_CONFIGS, key=["N", "K", "NORM", "SWIGLU", "RESIDUAL", "ARGMAX", "PDL"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_gemv)
 
@@ -364,15 +283,10 @@ def autotuning() -> bool:
 
 
 def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
-         pdl: bool, skip: bool = False) -> tuple[int, int, int, int] | None:
+         pdl: bool) -> tuple[int, int, int, int] | None:
     """The M = 1 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages) on a CUDA device: TILES',
-    else the default; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a shape TILES lacks).
-    skip (the post-norm prologue): TILES' entry keyed with a seventh element True, else the
-    tile of the same projection without the prologue (its cost is the same weight read; the
-    prologue adds one pass over the K inputs)."""
-    table = TILES.get(_device_name(device), {})
-    key = (N, K, norm, swiglu, residual, pdl)
-    t = (table.get((*key, True)) if skip else None) or table.get(key)
+    else the default; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a shape TILES lacks)."""
+    t = TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, pdl))
     return t or (None if autotuning() else default_tile(K))
 
 
@@ -554,44 +468,8 @@ def check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, evi
     return y, residual
 
 
-def _check_skip(op, x, M, skip, skip_norm_weight):
-    """The post-norm prologue's checks: skip and its norm weight come together, M = 1."""
-    if (skip is None) != (skip_norm_weight is None):
-        raise ValueError(f"{op}: skip and skip_norm_weight come together (the post-norm's residual and weight)")
-    if skip is None:
-        return None
-    if M != 1:
-        raise ValueError(f"{op}: skip takes one row of x (M = 1), got M = {M}")
-    check_shape(op, "skip", skip, tuple(x.shape))
-    if skip.dtype != x.dtype:
-        raise ValueError(f"{op}: skip dtype {skip.dtype} must equal x dtype {x.dtype}")
-    check_dtype(op, "skip_norm_weight", skip_norm_weight, FLOAT_DTYPES)
-    check_shape(op, "skip_norm_weight", skip_norm_weight, (x.shape[-1],))
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def _check_l2_prefetch(op, x, M, l2_prefetch):
-    """-> (first range as uint8, its length rounded down to whole prefetch blocks, second, its
-    length), or None without the option."""
-    if l2_prefetch is None:
-        return None
-    if M != 1:
-        raise ValueError(f"{op}: l2_prefetch takes one row of x (M = 1), got M = {M}")
-    if not isinstance(l2_prefetch, (tuple, list)) or len(l2_prefetch) != 2 or not all(
-            isinstance(t, torch.Tensor) for t in l2_prefetch):
-        raise ValueError(f"{op}: l2_prefetch must be two tensors (the byte ranges to prefetch), got {l2_prefetch!r}")
-    out = []
-    for i, t in enumerate(l2_prefetch):
-        if t.device != x.device:
-            raise ValueError(f"{op}: l2_prefetch[{i}] must be on x's device {x.device}, got {t.device}")
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"{op}: l2_prefetch[{i}] must be contiguous and 16-byte aligned")
-        out += [t.reshape(-1).view(torch.uint8), t.nbytes // L2_PREFETCH_BYTES * L2_PREFETCH_BYTES]
-    return tuple(out)
-
-
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
-         argmax_key=None, eviction_policy="", skip=None, skip_norm_weight=None, skip_eps=1e-6, l2_prefetch=None):
+         argmax_key=None, eviction_policy=""):
     """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -611,22 +489,9 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     eviction_policy: the L2 eviction policy of the weight loads, as tl.load's: "" (the
     default), "evict_first" (a weight read once and streamed past) or "evict_last" (a weight
     read again soon: a looped model's shared block, read L times a token). y does not depend
-    on it.
-    skip, skip_norm_weight (M = 1): the projection's input is h = skip + rms_norm(x,
-    skip_norm_weight, skip_eps) (a sandwich-norm layer's post-norm and residual add, rounded
-    as kernels.rmsnorm's skip= path rounds it) instead of x; returns (y, h), h (..., K) written
-    by the kernel's program 0 (module docstring).
-    l2_prefetch (M = 1): two contiguous tensors on x's device (16-byte aligned), whose bytes the
-    kernel's programs ask L2 for before their PDL wait (`_l2_prefetch`: as many whole
-    L2_PREFETCH_BYTES blocks of each as half the grid's programs cover, 128 blocks a program),
-    the weights a later projection reads first, fetched while the kernel before this one runs.
-    y does not depend on it; under the interpreter nothing is prefetched."""
+    on it."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
-    if skip is not None:
-        tensors["skip"] = skip
-    if skip_norm_weight is not None:
-        tensors["skip_norm_weight"] = skip_norm_weight
     if argmax_key is not None:
         tensors["argmax_key"] = argmax_key
     if norm_weight is not None:
@@ -655,42 +520,31 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
             raise ValueError(f"{op}: swiglu needs a (gate | up) weight with an even row count, got {N}")
         N //= 2
     y, residual = check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, eviction_policy)
-    h = _check_skip(op, x, M, skip, skip_norm_weight)
-    pf = _check_l2_prefetch(op, x, M, l2_prefetch)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy)
     if M > 1:
         return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
                           flags)
     x1 = x.reshape(K).contiguous()
-    # with skip: the residual, the post-norm weight and h (stand-ins the kernel never reads without)
-    s1, pw, h1 = (x1, x1, x1) if h is None else (skip.reshape(K).contiguous(), skip_norm_weight.contiguous(),
-                                                 h.view(K))
-
-    pf1, pf1_len, pf2, pf2_len = pf if pf is not None else (x1, 0, x1, 0)
 
     def args(out, key=argmax_key):
         return (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
-                out if residual is None else residual, out, out if key is None else key, s1, pw, h1,
-                pf1, pf2, pf1_len, pf2_len, N, K, weight.stride(0), float(eps), float(skip_eps))
+                out if residual is None else residual, out, out if key is None else key,
+                N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
-    flags["SKIP"] = h is not None
-    out = y if h is None else (y, h)
     if interpreting():
-        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, L2_PF=False, BLOCK_N=8,
-                                    BLOCK_K=64)
-        return out
-    flags["L2_PF"] = pf is not None
+        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
+        return y
     pdl = use_pdl(x.device) if pdl is None else pdl
-    t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, flags["SKIP"])
+    t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
                       **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
-        return out
+        return y
     bn, bk, warps, stages = t
     _gemv[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
                                  num_warps=warps, num_stages=stages, launch_pdl=pdl)
-    return out
+    return y
 
 
 def _device_name(device: torch.device) -> str:
@@ -765,17 +619,10 @@ def argmax_key_ref(y):
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
-             out_dtype=None, argmax_key=None, eviction_policy="", skip=None, skip_norm_weight=None, skip_eps=1e-6):
+             out_dtype=None, argmax_key=None, eviction_policy=""):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
     row by row over x's leading dims (the norm statistics are per row). (pdl and
     eviction_policy change how the kernel reads, not what it computes.)"""
-    if skip is not None or skip_norm_weight is not None:
-        from .rmsnorm import rms_norm_ref
-        _check_skip("gemv", x, math.prod(x.shape[:-1]), skip, skip_norm_weight)
-        h = rms_norm_ref(x, skip_norm_weight, skip_eps, skip=skip)
-        y = gemv_ref(h, weight, norm_weight=norm_weight, eps=eps, swiglu=swiglu, residual=residual,
-                     out_dtype=out_dtype, argmax_key=argmax_key)
-        return y, h
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

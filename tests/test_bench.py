@@ -412,28 +412,6 @@ def test_families_runs_parse_and_refuse_what_does_not_exist():
         parse_runs(["ouro-1.4b:0"])
 
 
-def test_families_variants_are_settings_and_refuse_the_rest():
-    """bench.families / bench.profile_decode --variant: Settings fields over the base settings,
-    one model each; a module global, an unknown field, a bad value or a repeated name refused."""
-    from bench.families import parse_variants
-    from tinyloop.worker.model.settings import Settings
-    base = Settings(l2_stream="")
-    assert parse_variants(None, base) == [("base", {}, base)]
-    (a, fa, sa), (b, fb, sb) = parse_variants(
-        ["fused", "unfused:settings.fuse_post_norm=False;settings.attention_merge='kernel'"], base)
-    assert (a, fa, sa) == ("fused", {}, base)
-    assert b == "unfused" and fb == {"fuse_post_norm": False, "attention_merge": "kernel"}
-    assert sb == Settings(l2_stream="", fuse_post_norm=False, attention_merge="kernel")
-    with pytest.raises(ValueError, match="only settings.FIELD=value"):
-        parse_variants(["x:tinyloop.kernels.decode_attention.LANE_SPLIT_LEN=256"], base)
-    with pytest.raises(ValueError, match="Settings has no field 'fuse_everything'"):
-        parse_variants(["x:settings.fuse_everything=True"], base)
-    with pytest.raises(ValueError, match="attention_merge must be one of"):
-        parse_variants(["x:settings.attention_merge='tree'"], base)
-    with pytest.raises(ValueError, match="variant names must be distinct"):
-        parse_variants(["x", "x:settings.attention_split_len=256"], base)
-
-
 def test_int4_tiles_sweep_candidates_and_refusals(tmp_path):
     """bench/int4_tiles.py: every candidate is a tile int4_gemv takes (the mma kernel's only for
     INT4), the default is among the timed, the shapes are bench-285m's fused projections, and a

@@ -94,19 +94,3 @@ def test_without_a_date_the_git_commit_time_decides(tmp_path):
     assert ("File `service-cpu-zzz.json`, commit —, run — (not recorded; committed to git 2026-01-02T00:00:00Z)"
             in cpu)
     assert "| in-process (`Model.stream`) | — | 5.000 ms | — |" in cpu
-
-
-def test_families_ab_run_reports_each_variant():
-    """A bench/families.py run with --variant: a row per model, depth and variant, and each
-    variant's settings; a run without keeps the one row per depth."""
-    depth = lambda ms: {"4": {"floor_ms": 2.4, "graph_ms": ms, "vs_floor": ms / 2.4, "achieved_GBps": 3000.0}}  # noqa: E731
-    ab = {"variants": {"fused": {}, "launched": {"fuse_post_norm": "False"}},
-          "models": {"ouro-1.4b": {"params": 1.43e9, "depths": depth(3.4),
-                                   "variants": {"fused": {"depths": depth(3.4)}, "launched": {"depths": depth(3.78)}}}}}
-    body = report.families_body(report.Result(Path("families-cuda.json"), ab, None, None))
-    assert "| `ouro-1.4b` | `fused` | 1.43B | 4 | 2.400 ms | 3.400 ms | 1.42× |" in body
-    assert "| `ouro-1.4b` | `launched` | 1.43B | 4 | 2.400 ms | 3.780 ms | 1.57× |" in body
-    assert "| `launched` | `fuse_post_norm=False` |" in body and "| `fused` | none |" in body
-    one = {"variants": {"base": {}}, "models": {"ouro-1.4b": {"params": 1.43e9, "depths": depth(3.4)}}}
-    body = report.families_body(report.Result(Path("families-cuda.json"), one, None, None))
-    assert "| `ouro-1.4b` | 1.43B | 4 | 2.400 ms | 3.400 ms | 1.42× |" in body and "variant" not in body

@@ -131,13 +131,10 @@ class Model:
         self._module = model
         if n_slots is None:
             n_slots = self._lanes_within(cache_budget_bytes)
-        ops = select_ops(self.device, settings.backend, attention_merge=settings.attention_merge,
-                         attention_split_len=settings.attention_split_len,
-                         attention_prefetch=settings.attention_prefetch)
+        ops = select_ops(self.device, settings.backend)
         if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
-                                settings.l2_keep_fraction, settings.l2_stream, settings.fuse_post_norm,
-                                int(settings.l2_prefetch_mb * 2**20))
+                                settings.l2_keep_fraction, settings.l2_stream)
             quant_checkpoint.use_kernels(model, ops.int4)
         cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
         cache = make_cache(self.kv_mode, self.config, n_slots, self.max_seq_len, self.config.max_loops,

@@ -168,9 +168,7 @@ def test_fixed_tiles_are_launchable():
         for device, table in tables.items():
             assert isinstance(device, str) and table, device
             for key, tile in table.items():
-                # (an M = 1 key may carry a seventh element, True: the post-norm prologue's tile)
-                assert (len(key) == 6 + rows or (not rows and len(key) == 7 and key[6] is True)) and all(
-                    isinstance(v, int) and v > 0 for v in key[:2 + rows]), key
+                assert len(key) == 6 + rows and all(isinstance(v, int) and v > 0 for v in key[:2 + rows]), key
                 assert all(isinstance(v, bool) for v in key[2 + rows:]), key
                 assert _launchable(tile, key[1]), (key, tile)
     for K in (1, 64, 320, 704, 2048, 5632):

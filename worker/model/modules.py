@@ -96,28 +96,6 @@ class RMSNorm(nn.Module):
         return skip + self(x)
 
 
-class PostNormed:
-    """A sandwich-norm layer's output not written yet: the residual skip + norm(y), y the
-    layer's last projection (its MLP's). A decode step's layer leaves its post-MLP norm so when
-    the next layer's q|k|v projection applies it in its prologue (kernels.gemv's skip=, which
-    writes the residual as it reads it); `tensor()` writes it with one norm launch instead."""
-
-    def __init__(self, skip: torch.Tensor, y: torch.Tensor, norm: "RMSNorm"):
-        self.skip, self.y, self.norm = skip, y, norm
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.skip.shape
-
-    def tensor(self) -> torch.Tensor:
-        return self.norm.added_to(self.skip, self.y)
-
-
-def written(x: "torch.Tensor | PostNormed") -> torch.Tensor:
-    """x as a tensor (a PostNormed residual written by its norm launch)."""
-    return x.tensor() if isinstance(x, PostNormed) else x
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LoopedConfig):
         super().__init__()
@@ -222,12 +200,6 @@ class Block(nn.Module):
 
     gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
     gemv_rows = 0
-    # a sandwich layer's one-token step (one lane) applies its post-norms in the prologue of the
-    # projection after them (kernels.gemv's skip=) instead of a norm launch each (use_fast_path)
-    fuse_post_norm = False
-    # bytes of gate|up's leading rows (half from each half) that a one-lane step's wo projection
-    # asks L2 for before its PDL wait, while the attention runs (kernels.gemv's l2_prefetch); 0: none
-    l2_prefetch_bytes = 0
     loop_layers = 0  # in the shared block: its layer count (LoopedTransformer sets it); 0 elsewhere
     l2_keep_fraction = 0.0  # use_fast_path sets both (Settings); no fast path: nothing kept, nothing hinted
     l2_stream = ""
@@ -252,13 +224,9 @@ class Block(nn.Module):
             self._l2_kept = l2_keep(nbytes, budget)
         return "evict_last" if name in self._l2_kept else self.l2_stream
 
-    def forward(self, x: "torch.Tensor | PostNormed", attend: Attend,
-                defer: bool = False) -> "torch.Tensor | PostNormed":
-        """The layer on x (B, T, D), or on a PostNormed residual the layer before left. defer:
-        the result may be a PostNormed (the caller runs the next layer on it, or `written`)."""
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
-            return self.token_step(x, attend, defer)
-        x = written(x)
+            return self.token_step(x, attend)
         a = self.attention(self.attention_norm(x), attend)
         if self.sum_norm:
             x = self.post_attention_norm.add(a, x)[0]
@@ -271,69 +239,29 @@ class Block(nn.Module):
             return self.post_ffn_norm.added_to(x, f)
         return x + f
 
-    def _fused_post_norms(self, x: "torch.Tensor | PostNormed") -> bool:
-        """Whether this step runs the sandwich post-norms in the projections' prologues: one
-        lane (the prologue is gemv's M = 1 path) and float weights (int4_gemv has none)."""
-        att, ffn = self.attention, self.feed_forward
-        return (self.sandwich and self.fuse_post_norm and x.shape[0] == 1
-                and isinstance(att.wqkv, torch.Tensor) and isinstance(ffn.w13, torch.Tensor))
-
-    def _wo_options(self, x: "torch.Tensor | PostNormed") -> dict:
-        """The wo projection's L2 prefetch of gate|up (one lane, float weights, l2_prefetch_bytes
-        > 0): the first rows of its gate half and of its up half, which gate|up's first programs
-        read, as views (worked out once)."""
-        w13 = self.feed_forward.w13
-        if (not self.l2_prefetch_bytes or x.shape[0] != 1 or not isinstance(w13, torch.Tensor)
-                or not isinstance(self.attention.wo.weight, torch.Tensor)):  # (int4_gemv has no l2_prefetch)
-            return {}
-        F = w13.shape[0] // 2
-        rows = min(F, max(1, self.l2_prefetch_bytes // 2 // (w13.shape[1] * w13.element_size())))
-        if getattr(self, "_l2_prefetch", (None,))[0] is not w13 or self._l2_prefetch[1] != rows:
-            self._l2_prefetch = (w13, rows, (w13[:rows], w13[F:F + rows]))
-        return {"l2_prefetch": self._l2_prefetch[2]}
-
-    def token_step(self, x: "torch.Tensor | PostNormed", attend: Attend,
-                   defer: bool = False) -> "torch.Tensor | PostNormed":
+    def token_step(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         """forward() for one token per lane (x (B, 1, D), a decode step of one stream or a
         batched one) in four fused projections, each reading its weight once for all lanes:
         the input norms ride in the
         (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
-        adds in the epilogues of wo and w2. A sandwich norm's post-norm needs the whole
-        projected row before the add: with fuse_post_norm (one lane, float weights) the
-        projection after it applies it and the add in its prologue (gate|up the post-attention
-        norm; the next layer's q|k|v the post-MLP norm, when defer lets this step return the
-        PostNormed residual), else one norm launch each after the projection, the add fused in."""
+        adds in the epilogues of wo and w2 (sandwich norm's post-norms need the whole projected
+        row before the add: one launch each after the projection, the add fused in)."""
         att, ffn, gemv, ev = self.attention, self.feed_forward, self.gemv, self.eviction
-        fused = self._fused_post_norms(x)
-        if fused and isinstance(x, PostNormed):
-            qkv, x = gemv(x.y, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
-                          eviction_policy=ev("wqkv"), skip=x.skip, skip_norm_weight=x.norm.weight,
-                          skip_eps=x.norm.eps)
-        else:
-            x = written(x)
-            qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
-                       eviction_policy=ev("wqkv"))
+        qkv = gemv(x, att.wqkv, norm_weight=self.attention_norm.weight, eps=self.attention_norm.eps,
+                   eviction_policy=ev("wqkv"))
         # the projection norms its input itself; a store-h cache needs that input as a tensor
         h = self.attention_norm(x) if needs_h(attend) else None
         out = att.attend(*att.biased(qkv).split(att._sizes(), -1), attend, h)
-        wo = self._wo_options(x)
         if self.sum_norm:
             # the post-norms read the residual sums: each one launch after its projection
-            x = self.post_attention_norm.add(gemv(out, att.wo.weight, eviction_policy=ev("wo"), **wo), x)[0]
+            x = self.post_attention_norm.add(gemv(out, att.wo.weight, eviction_policy=ev("wo")), x)[0]
             h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True,
                      eviction_policy=ev("w13"))
             return self.post_ffn_norm.add(gemv(h, ffn.w2.weight, eviction_policy=ev("w2")), x)[0]
-        if fused:
-            a = gemv(out, att.wo.weight, eviction_policy=ev("wo"), **wo)
-            h, x = gemv(a, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True,
-                        eviction_policy=ev("w13"), skip=x, skip_norm_weight=self.post_attention_norm.weight,
-                        skip_eps=self.post_attention_norm.eps)
-            f = PostNormed(x, gemv(h, ffn.w2.weight, eviction_policy=ev("w2")), self.post_ffn_norm)
-            return f if defer else f.tensor()
         if self.sandwich:
-            x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight, eviction_policy=ev("wo"), **wo))
+            x = self.post_attention_norm.added_to(x, gemv(out, att.wo.weight, eviction_policy=ev("wo")))
         else:
-            x = gemv(out, att.wo.weight, residual=x, eviction_policy=ev("wo"), **wo)
+            x = gemv(out, att.wo.weight, residual=x, eviction_policy=ev("wo"))
         h = gemv(x, ffn.w13, norm_weight=self.ffn_norm.weight, eps=self.ffn_norm.eps, swiglu=True,
                  eviction_policy=ev("w13"))
         if self.sandwich:
@@ -399,15 +327,12 @@ class LoopedTransformer(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
     def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1, swiglu=None, l2_keep_fraction: float = 0.7,
-                      l2_stream: str = "evict_first", fuse_post_norm: bool = True, l2_prefetch_bytes: int = 0) -> None:
+                      l2_stream: str = "evict_first") -> None:
         """Inference on CUDA: fused projections, a fused RMSNorm kernel (with the residual add
         before the feed-forward norm), a fused SwiGLU and, given `gemv`, decode steps of up to
         `gemv_rows` lanes in fused projections (fewer, larger launches: decode of a small model
         is bound by launches as much as by weight reads), their weight loads hinted for L2 as
-        `Block.eviction` says (settings.Settings: l2_keep_fraction, l2_stream), a sandwich
-        layer's one-lane step with its post-norms in the next projections' prologues unless
-        fuse_post_norm is False (Block.token_step), and with l2_prefetch_bytes > 0 a one-lane
-        step's wo projection prefetching that many bytes of gate|up into L2 (Block._wo_options)."""
+        `Block.eviction` says (settings.Settings: l2_keep_fraction, l2_stream)."""
         self.gemv, self.gemv_rows = gemv, gemv_rows if gemv is not None else 0
         self.l2_stream = l2_stream
         for m in [*self.modules(), *(m for variant in self.loop_variants for m in variant.modules())]:
@@ -418,8 +343,7 @@ class LoopedTransformer(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.kernel = rms_norm
             elif isinstance(m, Block):
-                m.gemv, m.gemv_rows, m.fuse_post_norm = self.gemv, self.gemv_rows, fuse_post_norm
-                m.l2_prefetch_bytes = l2_prefetch_bytes
+                m.gemv, m.gemv_rows = self.gemv, self.gemv_rows
                 m.l2_keep_fraction, m.l2_stream, m._l2_kept = l2_keep_fraction, l2_stream, None
 
     @property
@@ -488,8 +412,7 @@ class LoopedTransformer(nn.Module):
                 x = x + self.adapter.bias
         loop = self.loop_variants[index % len(self.loop_variants)] if self.loop_variants else self.loop
         for layer, attend in zip(loop, attends):
-            x = layer(x, attend, defer=True)  # a layer may leave its post-norm to the next one
-        x = written(x)
+            x = layer(x, attend)
         if self.loop_norm is not None:
             x = self.loop_norm(x)
         return x if e is None else torch.cat([x, e], -1)

@@ -5,8 +5,6 @@ Every op a backend provides has one signature, defined by its `<op>_ref` in
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -36,13 +34,10 @@ class Ops:
 
 
 class TritonOps(Ops):
-    """Triton kernels for the decode hot path (CUDA only). attention_merge, attention_split_len,
-    attention_prefetch: the decode attention's merge=, lane_split_len= and prefetch_kv=
-    (settings.Settings)."""
+    """Triton kernels for the decode hot path (CUDA only)."""
     name = "triton"
 
-    def __init__(self, attention_merge: str = "split", attention_split_len: int | None = None,
-                 attention_prefetch: bool = False):
+    def __init__(self):
         from tinyloop.kernels.decode_attention import decode_attention, rope_decode_attention
         from tinyloop.kernels.gemv import gemv
         from tinyloop.kernels.int4_gemv import int4_gemv, int4_matmul
@@ -58,9 +53,7 @@ class TritonOps(Ops):
         self.swiglu = swiglu
         self.rope_cache_write = rope_cache_write
         self.decode_attention = decode_attention
-        self.rope_decode_attention = functools.partial(rope_decode_attention, merge=attention_merge,
-                                                       lane_split_len=attention_split_len,
-                                                       prefetch_kv=attention_prefetch)
+        self.rope_decode_attention = rope_decode_attention
         from tinyloop.kernels.tree_attention import tree_attention
         self.tree_attention = tree_attention
         # store-h caches: the write and the fused decode read; the chunk paths' row reads stay
@@ -70,15 +63,14 @@ class TritonOps(Ops):
         self.h_decode_attention = h_decode_attention
 
 
-def select_ops(device: torch.device, backend: str | None = None, **triton_options) -> Ops:
-    """The backend's ops; triton_options: TritonOps' (the torch ops have none: they are the spec)."""
+def select_ops(device: torch.device, backend: str | None = None) -> Ops:
     backend = backend or ("triton" if device.type == "cuda" else "torch")
     if backend == "torch":
         return Ops()
     if backend == "triton":
         if device.type != "cuda":
             raise ValueError(f"backend 'triton' needs a CUDA device, got {device}")
-        return TritonOps(**triton_options)
+        return TritonOps()
     raise ValueError(f"unknown backend {backend!r}: expected 'torch' or 'triton'")
 
 

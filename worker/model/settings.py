@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Mapping
 
 EVICTION_POLICIES = ("evict_first", "evict_last", "")
-ATTENTION_MERGES = ("split", "kernel")  # Settings.attention_merge (kernels/decode_attention.py's merge=)
 # the KV cache modes (worker/model/cache.py; docs/kv-cache.md): K/V, or the normalized layer
 # input h (model dtype, int8, int4) that K / V are rebuilt from, or h⁰ + int8 Δh per iteration
 KV_MODES = ("kv", "h", "h-int8", "h-int4", "delta-int8")
@@ -29,20 +28,7 @@ class Settings:
     between even and odd iterations (the file's sign channel), or draws it per iteration
     (quant_checkpoint.use_rounding); neither: round to nearest at every iteration. dual_bit:
     iterations 0..dual_bit_switch run an INT2 copy of the quantized shared block made at load
-    (None: as the file says, `tinyloop quantize --dual-bit`).
-    fuse_post_norm: a sandwich-norm model's (Ouro's) one-lane decode step applies each post-norm
-    and its residual add in the prologue of the projection after it (kernels.gemv's skip=)
-    rather than in a norm launch of its own (False: the launches, for an A/B).
-    attention_merge: how a decode step's attention combines a lane's splits of its context:
-    "split", the last program of the lane's split kernel to finish merges them (no launch of
-    its own); "kernel", a merge kernel after the split kernel (kernels/decode_attention.py).
-    attention_split_len: the shortest split of a lane's cached slots the decode attention
-    spreads a context over (a context of at most this many slots takes one split).
-    l2_prefetch_mb: a one-lane decode step's wo projection asks L2 for this many MiB of the
-    gate|up weight's first rows before its PDL wait, so the memory reads them while the
-    attention kernel runs (0: none; kernels.gemv's l2_prefetch). attention_prefetch: the decode
-    attention's split programs ask L2 for their cached K / V before their PDL wait, while the
-    q|k|v projection drains (kernels/decode_attention.py's prefetch_kv)."""
+    (None: as the file says, `tinyloop quantize --dual-bit`)."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -54,11 +40,6 @@ class Settings:
     cross_iter_round: bool = False
     dual_bit: bool | None = None
     dual_bit_switch: int = 3
-    fuse_post_norm: bool = True
-    attention_merge: str = "split"
-    attention_split_len: int = 128
-    l2_prefetch_mb: float = 0.0
-    attention_prefetch: bool = False
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -77,12 +58,6 @@ class Settings:
             raise ValueError("cancel_round and cross_iter_round are two roundings of one weight: pick one")
         if self.dual_bit_switch < 0:
             raise ValueError(f"dual_bit_switch must be >= 0, got {self.dual_bit_switch}")
-        if self.attention_merge not in ATTENTION_MERGES:
-            raise ValueError(f"attention_merge must be one of {ATTENTION_MERGES}, got {self.attention_merge!r}")
-        if not 0.0 <= self.l2_prefetch_mb < 1024:
-            raise ValueError(f"l2_prefetch_mb must be in [0, 1024), got {self.l2_prefetch_mb}")
-        if self.attention_split_len < 1:
-            raise ValueError(f"attention_split_len must be >= 1, got {self.attention_split_len}")
 
     @property
     def rounding(self) -> str:
@@ -98,17 +73,13 @@ class Settings:
         """Defaults overridden by TINYLOOP_BACKEND, TINYLOOP_CUDA_GRAPHS (0/1),
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
-        TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_FUSE_POST_NORM (0/1),
-        TINYLOOP_ATTENTION_MERGE, TINYLOOP_ATTENTION_SPLIT_LEN, TINYLOOP_L2_PREFETCH_MB and TINYLOOP_ATTENTION_PREFETCH (0/1);
-        kv_mode by the reference
-        runtime's switches (`kv_mode_from_env`)."""
+        TINYLOOP_DUAL_BIT (0/1) and TINYLOOP_DUAL_BIT_SWITCH; kv_mode by the reference runtime's
+        switches (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
-                 "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
-                 "fuse_post_norm": flag, "attention_merge": str, "attention_split_len": int,
-                 "l2_prefetch_mb": float, "attention_prefetch": flag}
+                 "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")
