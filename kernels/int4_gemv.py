@@ -565,12 +565,29 @@ def _int4_gemv_mma_kernel(
 # without an entry takes `default_tile`. bench/int4_tiles.py sweeps them on the GPU and prints
 # the entries to paste here (each tile fixes the order every row is summed in, so the table,
 # not a per-process autotuner, decides).
-TILES: dict[str, dict[tuple, tuple]] = {}
+TILES: dict[str, dict[tuple, tuple]] = {
+    # bench/int4_tiles.py on the H200 (bench/results/int4-tiles-cuda.json): bench-285m's projections
+    "NVIDIA H200": {
+        (6144, 2048, 128, 4, True, False, False, True): ('mma', 64, 1, 4, 1, 8),
+        (2048, 2048, 128, 4, False, False, True, True): ('bytes', 4, 8, 4, 2, 1),
+        (5632, 2048, 128, 4, True, True, False, True): ('mma', 64, 1, 4, 1, 4),
+        (2048, 5632, 128, 4, False, False, True, True): ('mma', 64, 1, 4, 1, 32),
+    },
+}
 
 # M = 2..16 (int4_gemv's batched rows) and any-M int4_matmul tiles: (BLOCK_M, BLOCK_N, BLOCK_K,
 # num_warps, num_stages) per device name, then (M bucket `_m_bucket`, N, K, G, bits, NORM,
 # SWIGLU, RESIDUAL); else `default_matmul_tile`.
-MATMUL_TILES: dict[str, dict[tuple, tuple[int, int, int, int, int]]] = {}
+MATMUL_TILES: dict[str, dict[tuple, tuple[int, int, int, int, int]]] = {
+    "NVIDIA H200": {
+        (4, 6144, 2048, 128, 4, True, False, False): (16, 32, 256, 4, 3),
+        (4, 2048, 2048, 128, 4, False, False, True): (16, 16, 256, 4, 3),
+        (4, 2048, 5632, 128, 4, False, False, True): (16, 16, 256, 4, 3),
+        (16, 6144, 2048, 128, 4, True, False, False): (16, 32, 256, 4, 3),
+        (16, 2048, 2048, 128, 4, False, False, True): (16, 16, 256, 4, 3),
+        (16, 2048, 5632, 128, 4, False, False, True): (16, 16, 256, 4, 3),
+    },
+}
 
 GEMV_KERNELS = ("bytes", "mma")
 
