@@ -330,3 +330,21 @@ def test_gate_rule_accepted_on_a_gated_model(ouro_path):
     with Model(ouro_path, max_seq_len=64, n_slots=1) as m:
         req = m.make_request(PROMPT, loops=4, max_tokens=8, early_exit={})
         assert req.early_exit.criterion == "gate"  # the model's own rule when none is named
+
+
+def test_graphed_exit_step_shrinks_buckets_and_equals_eager(tiny_path):
+    """The runner's graph path (batch buckets' stage graphs, stand-ins on CPU): the rows still
+    iterating run in the smallest bucket holding them, and the step equals the eager one."""
+    from stage_graphs import with_stage_graphs
+    rule = {"criterion": "latent", "threshold": 0.3}
+    prompts = [PROMPT, [1, 2, 3], [9] * 6, [200, 100, 50], [7, 7]]
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        eager = m.generate_batch(prompts, per_lane_loops=[8] * 5, max_tokens=10, early_exit=rule)
+        graphs = with_stage_graphs(m, range(1, 9))
+        graphed = m.generate_batch(prompts, per_lane_loops=[8] * 5, max_tokens=10, early_exit=rule)
+        one = m.generate(PROMPT, loops=8, max_tokens=10, early_exit=rule)
+    assert [list(g) for g in graphed] == [list(g) for g in eager]
+    assert [g.stats for g in graphed] == [g.stats for g in eager]
+    assert list(one) == list(eager[0]) and one.stats == eager[0].stats
+    iters = [b for b, s in graphs.replayed("batch") if isinstance(s, int)]
+    assert 8 in iters and min(iters) < 8, iters  # rows that exited left the bucket
