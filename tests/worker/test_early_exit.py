@@ -212,7 +212,9 @@ def test_gate_formula():
     got = [L] * B
     alive = list(range(B))
     for i in range(L):
-        stop = st.decide(i + 1, alive, states[i, alive], {}).tolist()
+        if not alive:
+            break
+        stop = st.decide(i + 1, torch.tensor(alive), states[i, alive], None).tolist()
         for r, s in zip(alive, stop):
             if s and got[r] == L:
                 got[r] = i + 1

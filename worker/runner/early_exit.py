@@ -121,15 +121,32 @@ def gate_lambda(model: LoopedTransformer, state: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid((linear(state, g.weight) + g.bias).float()[..., 0])
 
 
+CRITERION_ID = {name: i + 1 for i, name in enumerate(CRITERIA)}  # 0: a row with no rule
+
+
 class ExitState:
-    """The criteria's per-row state over one decode step of B rows (original row order), and
-    the decision after each iteration. Rows are named by their index in the step."""
+    """The criteria's per-row state over one decode step of B rows (kept in the step's row
+    order), and the decision after each iteration, computed for all the rows asked about at
+    once: every criterion's value for every row, each row keeping its own criterion's. So an
+    iteration's check is a fixed handful of small ops and one host read, however the rules mix.
+
+    The rules' parameters live in one (B, 6) device tensor (criterion id, threshold, earliest
+    exit, first iteration with logits, patience, depth), made once per step; the host keeps
+    the same numbers to know, without reading the device, which iterations need logits and
+    which can stop a row at all."""
 
     def __init__(self, model: LoopedTransformer, rules: list[ExitRule | None], depths: list[int],
                  device: torch.device):
-        self.model, self.rules, self.depths = model, rules, depths
+        self.model, self.rules, self.depths, self.device = model, rules, depths, device
         B = len(rules)
         self.eps = model.config.norm_eps
+        none = 1 << 30  # a row with no rule: no exit, no logits before its depth
+        self.earliest = [r.earliest() if r is not None else none for r in rules]
+        self.first = [r.first_logits() if r is not None and r.needs_logits else none for r in rules]
+        self.kinds = {r.criterion for r in rules if r is not None}
+        params = [[CRITERION_ID[r.criterion] if r else 0, r.threshold if r else 1.0, self.earliest[i],
+                   self.first[i], r.patience if r else 1, depths[i]] for i, r in enumerate(rules)]
+        self.params = device_tensor(params, device, torch.float32)  # (B, 6)
         f32 = dict(dtype=torch.float32, device=device)
         self.remaining = torch.ones(B, **f32)     # gate: ∏ (1 − λ_j) so far
         self.cum = torch.zeros(B, **f32)          # gate: Σ p_j so far
@@ -137,83 +154,61 @@ class ExitState:
         self.prev_logp: torch.Tensor | None = None  # kl: (B, V) log p of the last iteration
         self.prev_arg = torch.full((B,), -1, dtype=torch.long, device=device)  # argmax
         self.streak = torch.zeros(B, dtype=torch.long, device=device)
-        self.device = device
 
-    def needs_logits(self, d: int, rows: list[int]) -> list[int]:
-        """The rows (of `rows`, still iterating after iteration d) whose rule reads this
-        iteration's next-token distribution."""
-        out = []
-        for r in rows:
-            rule = self.rules[r]
-            if rule is not None and rule.needs_logits and rule.first_logits() <= d < self.depths[r]:
-                out.append(r)
-        return out
+    def needs_logits(self, d: int, rows: list[int]) -> bool:
+        """Whether a row of `rows` (still iterating after iteration d) reads this iteration's
+        next-token distribution (kl, argmax)."""
+        return any(self.first[r] <= d < self.depths[r] for r in rows)
 
-    def decide(self, d: int, rows: list[int], states: torch.Tensor, logits: dict[int, torch.Tensor]) -> torch.Tensor:
-        """After iteration d: rows (still iterating), their states (n, D) (the model-width part
-        of the residual, in the order of `rows`), logits {row: (V,)} for needs_logits' rows ->
-        (n,) bool on the device, True where the row stops now (at its depth, or its rule says so).
-        The criteria's state is updated for every row whatever it decides."""
-        n = len(rows)
-        stop = device_tensor([d >= self.depths[r] for r in rows], self.device, torch.bool)
-        by: dict[str, list[int]] = {}
-        for k, r in enumerate(rows):
-            rule = self.rules[r]
-            if rule is not None:
-                by.setdefault(rule.criterion, []).append(k)
-        for criterion, ks in by.items():
-            rs = [rows[k] for k in ks]
-            kt, rt = self._index(ks), self._index(rs)
-            thr = device_tensor([self.rules[r].threshold for r in rs], self.device, torch.float32)
-            ok = device_tensor([d >= self.rules[r].earliest() for r in rs], self.device, torch.bool)
-            if criterion == "gate":
-                lam = gate_lambda(self.model, states.index_select(0, kt))
-                last = device_tensor([d >= self.depths[r] for r in rs], self.device, torch.bool)
-                rem = self.remaining.index_select(0, rt)
-                p = torch.where(last, rem, lam * rem)  # the last iteration takes the mass left
-                cum = self.cum.index_select(0, rt) + p
-                self.cum.index_copy_(0, rt, cum)
-                self.remaining.index_copy_(0, rt, rem * (1 - lam))
-                hit = cum >= thr
-            elif criterion == "latent":
-                cur = normalized(states.index_select(0, kt), self.eps)
-                if self.prev_n is None:
-                    self.prev_n = torch.zeros(len(self.rules), cur.shape[-1], dtype=torch.float32,
-                                              device=self.device)
-                prev = self.prev_n.index_select(0, rt)
-                rel = (cur - prev).norm(dim=-1) / cur.norm(dim=-1)
-                self.prev_n.index_copy_(0, rt, cur)
-                hit = rel < thr
-            else:
-                have = [k for k, r in zip(ks, rs) if r in logits]
-                hit = torch.zeros(len(ks), dtype=torch.bool, device=self.device)
-                if have:
-                    at = self._index([ks.index(k) for k in have])
-                    hr = self._index([rows[k] for k in have])
-                    lg = torch.stack([logits[rows[k]] for k in have]).float()
-                    if criterion == "kl":
-                        logp = torch.log_softmax(lg, -1)
-                        if self.prev_logp is None:
-                            self.prev_logp = torch.zeros(len(self.rules), logp.shape[-1], dtype=torch.float32,
-                                                         device=self.device)
-                        prev = self.prev_logp.index_select(0, hr)
-                        kl = (logp.exp() * (logp - prev)).sum(-1)
-                        self.prev_logp.index_copy_(0, hr, logp)
-                        hit.index_copy_(0, at, kl < thr.index_select(0, at))
-                    else:
-                        arg = lg.argmax(-1)
-                        same = arg == self.prev_arg.index_select(0, hr)
-                        streak = torch.where(same, self.streak.index_select(0, hr) + 1, 0)
-                        self.streak.index_copy_(0, hr, streak)
-                        self.prev_arg.index_copy_(0, hr, arg)
-                        pat = device_tensor([self.rules[rows[k]].patience for k in have], self.device)
-                        hit.index_copy_(0, at, streak >= pat)
-            stop.index_copy_(0, kt, stop.index_select(0, kt) | (hit & ok))
-        assert stop.shape[0] == n
-        return stop
+    def can_stop(self, d: int, rows: list[int]) -> bool:
+        """Whether a row of `rows` may stop after iteration d (its depth, or its earliest exit):
+        when none may, the iteration's criteria are updated and nothing is read on the host."""
+        return any(d >= self.depths[r] or d >= self.earliest[r] for r in rows)
 
-    def _index(self, values: list[int]) -> torch.Tensor:
-        return device_tensor(values, self.device)
+    def decide(self, d: int, rows: torch.Tensor, states: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        """After iteration d: rows (n,) int64 (step rows still iterating), their states (n, D)
+        (the model-width part of the residual), their next-token logits (n, V) where
+        needs_logits said so, else None -> (n,) bool on the device, True where the row stops
+        now (at its depth, or where its rule says so). Every row's criteria are updated."""
+        crit, thr, earliest, first, patience, depth = self.params.index_select(0, rows).unbind(-1)
+        hit = torch.zeros(rows.shape[0], dtype=torch.bool, device=self.device)
+        if "gate" in self.kinds:
+            gated = crit == CRITERION_ID["gate"]
+            lam = gate_lambda(self.model, states)
+            rem = self.remaining.index_select(0, rows)
+            p = torch.where(d >= depth, rem, lam * rem)  # the last iteration takes the mass left
+            cum = self.cum.index_select(0, rows) + p
+            self.cum.index_copy_(0, rows, torch.where(gated, cum, 0))
+            self.remaining.index_copy_(0, rows, torch.where(gated, rem * (1 - lam), 1))
+            hit |= gated & (cum >= thr)
+        if "latent" in self.kinds:
+            cur = normalized(states, self.eps)
+            if self.prev_n is None:
+                self.prev_n = torch.zeros(len(self.rules), cur.shape[-1], dtype=torch.float32, device=self.device)
+            rel = (cur - self.prev_n.index_select(0, rows)).norm(dim=-1) / cur.norm(dim=-1)
+            self.prev_n.index_copy_(0, rows, cur)
+            hit |= (crit == CRITERION_ID["latent"]) & (d >= 2) & (rel < thr)
+        if logits is not None:
+            on = d >= first  # the rows whose rule reads this iteration's distribution
+            lg = logits.float()
+            if "kl" in self.kinds:
+                logp = torch.log_softmax(lg, -1)
+                if self.prev_logp is None:
+                    self.prev_logp = torch.zeros(len(self.rules), logp.shape[-1], dtype=torch.float32,
+                                                 device=self.device)
+                prev = self.prev_logp.index_select(0, rows)
+                kl = (logp.exp() * (logp - prev)).sum(-1)
+                self.prev_logp.index_copy_(0, rows, torch.where(on[:, None], logp, prev))
+                hit |= (crit == CRITERION_ID["kl"]) & (d > first) & (kl < thr)
+            if "argmax" in self.kinds:
+                arg = lg.argmax(-1)
+                prev_arg = self.prev_arg.index_select(0, rows)
+                old = self.streak.index_select(0, rows)
+                streak = torch.where(on, torch.where(arg == prev_arg, old + 1, 0), old)
+                self.streak.index_copy_(0, rows, streak)
+                self.prev_arg.index_copy_(0, rows, torch.where(on, arg, prev_arg))
+                hit |= (crit == CRITERION_ID["argmax"]) & (streak >= patience)
+        return (d >= depth) | (hit & (d >= earliest))
 
 
 @torch.no_grad()

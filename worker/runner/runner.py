@@ -503,19 +503,20 @@ class Runner:
         order = list(range(B))  # buffer row k holds the step's row order[k]
         ran = list(depths)
         active = B
+        rows_t = self._slots(order)
         for i in range(top):
             d = i + 1
             cur = stage_set(active)
             run(cur, i)
             rows = order[:active]
-            need = state.needs_logits(d, rows)
-            logits = {}
-            if need:
+            logits = None
+            if state.needs_logits(d, rows):
                 run(cur, "coda")
-                at = {r: k for k, r in enumerate(rows)}
-                logits = {r: cur[0].logits[at[r]] for r in need}
-            x = step.x[:active, 0]
-            stop = state.decide(d, rows, self.model.state(x), logits).tolist()  # this iteration's host sync
+                logits = step.logits[:active]
+            decided = state.decide(d, rows_t[:active], self.model.state(step.x[:active, 0]), logits)
+            if not state.can_stop(d, rows):
+                continue
+            stop = decided.tolist()  # this iteration's one host sync
             going = [k for k in range(active) if not stop[k]]
             stopped = [k for k in range(active) if stop[k]]
             for k in stopped:
@@ -526,6 +527,7 @@ class Runner:
                 step.ctl[2].index_fill_(0, self._slots(stopped), d)
                 self._permute(step, B, going + stopped + list(range(active, B)))
                 order = [order[k] for k in going + stopped] + order[active:]
+                rows_t = self._slots(order)
                 active = len(going)
         if order != list(range(B)):
             self._permute(step, B, [order.index(r) for r in range(B)])
