@@ -33,8 +33,8 @@ import torch
 
 from bench.common import hardware, write
 
-SWEEP = {"latent": [0.3, 0.2, 0.1, 0.05, 0.02],
-         "kl": [0.1, 0.03, 0.01, 3e-3, 1e-3],
+SWEEP = {"latent": [0.2, 0.1, 0.07, 0.05, 0.03],
+         "kl": [0.03, 0.01, 3e-3, 1e-3, 3e-4],
          "argmax": [1, 2, 3, 4],      # patience (the threshold is unused)
          "gate": [0.3, 0.5, 0.7, 0.9]}
 
