@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--loops", type=int, default=None, help="full depth L (default: the model's max_loops)")
     ap.add_argument("--criteria", nargs="+", default=None,
                     help="default: gate where the model has one, then latent, kl, argmax")
-    ap.add_argument("--cache", nargs="+", default=["recompute"], choices=["recompute", "copy"])
+    ap.add_argument("--cache", nargs="+", default=["copy", "recompute"], choices=["copy", "recompute"])
     ap.add_argument("--min-loops", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=None, help="batch-1 prompts (agreement, tok/s)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
@@ -117,8 +117,8 @@ def main() -> int:
     ap.add_argument("--bpb-seqs", type=int, default=None)
     ap.add_argument("--bpb-prompt", type=int, default=64)
     ap.add_argument("--bpb-tokens", type=int, default=None, help="teacher-forced tokens per sequence")
-    ap.add_argument("--thresholds", nargs="+", type=float, default=None,
-                    help="one sweep for every criterion named (default: SWEEP's per criterion)")
+    ap.add_argument("--sweep", nargs="+", default=[],
+                    help="criterion=v1,v2,... (thresholds; argmax: patiences) in place of SWEEP's")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
@@ -139,7 +139,10 @@ def main() -> int:
     cfg = model.config
     L = args.loops or cfg.max_loops
     criteria = args.criteria or (["gate"] if cfg.exit_gate else []) + ["latent", "kl", "argmax"]
-    sweep = {c: args.thresholds for c in criteria} if args.thresholds else SWEEP
+    sweep = dict(SWEEP)
+    for item in args.sweep:
+        name, _, values = item.partition("=")
+        sweep[name] = [float(v) for v in values.split(",")]
     texts = heldout_sequences(model, max(prompts_n, streams) + bpb_seqs,
                               max(args.prompt_tokens, args.bpb_prompt + bpb_tokens + 1))
     prompts = [t[:args.prompt_tokens] for t in texts[:max(prompts_n, streams)]]

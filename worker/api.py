@@ -381,7 +381,7 @@ class Model:
         """-> the full token stream (prompt + generated) as a `Generation` (a list of ints with
         `.finish_reason` and `.stats`). early_exit: None (every decode token runs `loops`), or a
         dict {criterion: gate | kl | latent | argmax, threshold in (0, 1], min_loops, patience,
-        cache: recompute | copy} (or an ExitRule): each decode token stops iterating where the
+        cache: copy | recompute} (or an ExitRule): each decode token stops iterating where the
         rule says (docs/early-exit.md); `.stats` then adds iterations_per_token and
         iterations_histogram."""
         req = self.make_request(prompt, loops, max_tokens, temperature, top_k, top_p, repetition_penalty,

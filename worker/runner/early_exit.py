@@ -19,12 +19,17 @@ earliest exit is after iteration 2, argmax's after 1 + patience. A token always 
 The skipped iterations' cache layers still need the token's K/V: a later token at full depth
 attends at every iteration (docs/early-exit.md). The `cache` policy fills them:
 
-    recompute  (the default) the K/V projections of the exit state for every skipped layer:
-               per block layer, W_k · norm(x_exit) and W_v · norm(x_exit) with RoPE, no
-               attention and no MLP. The entries are what the first skipped iteration's first
-               layer would have written; the block's weights are shared, so one projection per
-               block layer serves every skipped iteration.
-    copy       the exit iteration's own K/V, copied into each skipped iteration's layers.
+    copy       (the default) the exit iteration's own K/V, copied into each skipped
+               iteration's layers: a gather and a scatter per block layer, no arithmetic.
+    recompute  the K/V projections of the exit state for every skipped layer: per block layer,
+               W_k · norm(x_exit) and W_v · norm(x_exit) with RoPE, no attention and no MLP.
+               The entries are what the first skipped iteration's first layer would have
+               written; the block's weights are shared, so one projection per block layer
+               serves every skipped iteration.
+
+copy is the default because it costs no projection and measured no worse: on the embedded
+default model at L = 16 the held-out bits per byte of the two differ by under 0.2 % at every
+threshold of bench/results/early-exit-cpu.json.
 
 Everything here is row-wise: a row's decision depends on its own values only, so a lane of a
 batched step exits as it would alone.
@@ -40,7 +45,7 @@ from tinyloop.worker.model.modules import LoopedTransformer, linear
 from tinyloop.worker.runner.stages import device_tensor
 
 CRITERIA = ("gate", "kl", "latent", "argmax")
-CACHE_POLICIES = ("recompute", "copy")
+CACHE_POLICIES = ("copy", "recompute")
 # Thresholds when the request names none: gate, a cumulative exit probability of one half;
 # kl, Huginn's model card's 5e-4; latent, a relative change of 5 % (on the embedded default
 # model at L = 16 the one that keeps held-out bits per byte within 1 % of full depth,
@@ -55,7 +60,7 @@ class ExitRule:
     threshold: float
     min_loops: int = 1
     patience: int = DEFAULT_PATIENCE
-    cache: str = "recompute"
+    cache: str = "copy"
 
     @property
     def needs_logits(self) -> bool:
@@ -104,7 +109,7 @@ def check_rule(spec, cfg: LoopedConfig, name: str = "early_exit") -> ExitRule | 
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cfg.max_loops:
             raise ValueError(f"{name}.{key} must be an int in [1, max_loops={cfg.max_loops}], got {v!r}")
         ints[key] = int(v)
-    cache = spec.get("cache") or "recompute"
+    cache = spec.get("cache") or "copy"
     if cache not in CACHE_POLICIES:
         raise ValueError(f"{name}.cache must be one of {', '.join(CACHE_POLICIES)}, got {cache!r}")
     return ExitRule(criterion, float(threshold), ints["min_loops"], ints["patience"], cache)
