@@ -208,13 +208,17 @@ def test_gate_formula():
     states = torch.randn(L, B, cfg.d_model) * 2
     rules = [ExitRule("gate", float(t), min_loops=int(mn)) for t, mn in
              zip(torch.rand(B) * 0.99 + 0.01, torch.randint(1, 4, (B,)))]
-    st = ExitState(model, rules, [L] * B, torch.device("cpu"))
+    st = ExitState(model, B, torch.device("cpu"))
+    st.reset(rules, [L] * B)
     got = [L] * B
     alive = list(range(B))
     for i in range(L):
         if not alive:
             break
-        stop = st.decide(i + 1, torch.tensor(alive), states[i, alive], None).tolist()
+        st.d.fill_(i + 1)
+        st.set_order(alive)
+        st.check(len(alive), states[i, alive], None)
+        stop = st.read(len(alive))
         for r, s in zip(alive, stop):
             if s and got[r] == L:
                 got[r] = i + 1
@@ -339,14 +343,18 @@ def test_graphed_exit_step_shrinks_buckets_and_equals_eager(tiny_path):
     iterating run in the smallest bucket holding them, and the step equals the eager one."""
     from stage_graphs import with_stage_graphs
     rule = {"criterion": "latent", "threshold": 0.3}
+    rules = [rule, {"criterion": "kl", "threshold": 0.05}, None, {"criterion": "argmax", "patience": 1},
+             {**rule, "cache": "recompute"}]
     prompts = [PROMPT, [1, 2, 3], [9] * 6, [200, 100, 50], [7, 7]]
     with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
-        eager = m.generate_batch(prompts, per_lane_loops=[8] * 5, max_tokens=10, early_exit=rule)
+        eager = m.generate_batch(prompts, per_lane_loops=[8, 8, 6, 8, 7], max_tokens=10, early_exit=rules)
         graphs = with_stage_graphs(m, range(1, 9))
-        graphed = m.generate_batch(prompts, per_lane_loops=[8] * 5, max_tokens=10, early_exit=rule)
+        graphed = m.generate_batch(prompts, per_lane_loops=[8, 8, 6, 8, 7], max_tokens=10, early_exit=rules)
         one = m.generate(PROMPT, loops=8, max_tokens=10, early_exit=rule)
     assert [list(g) for g in graphed] == [list(g) for g in eager]
     assert [g.stats for g in graphed] == [g.stats for g in eager]
     assert list(one) == list(eager[0]) and one.stats == eager[0].stats
     iters = [b for b, s in graphs.replayed("batch") if isinstance(s, int)]
     assert 8 in iters and min(iters) < 8, iters  # rows that exited left the bucket
+    checks = graphs.replayed("exit")  # the checks ran as the buckets' captured graphs
+    assert {s for _, s in checks} == {"check", "check+logits"}

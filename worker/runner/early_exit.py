@@ -131,35 +131,62 @@ CRITERION_ID = {name: i + 1 for i, name in enumerate(CRITERIA)}  # 0: a row with
 
 
 class ExitState:
-    """The criteria's per-row state over one decode step of B rows (kept in the step's row
-    order), and the decision after each iteration, computed for all the rows asked about at
-    once: every criterion's value for every row, each row keeping its own criterion's. So an
-    iteration's check is a fixed handful of small ops and one host read, however the rules mix.
+    """The criteria's state over a decode step's rows, and the check after each iteration.
 
-    The rules' parameters live in one (B, 6) device tensor (criterion id, threshold, earliest
-    exit, first iteration with logits, patience, depth), made once per step; the host keeps
-    the same numbers to know, without reading the device, which iterations need logits and
-    which can stop a row at all."""
+    Static buffers of n rows, allocated once per runner, so that a captured graph of the check
+    serves every step: the rules' parameters (n, 6) (criterion id, threshold, earliest exit,
+    first iteration with logits, patience, depth), each criterion's running state, `order`
+    (buffer row k holds the step's row order[k]), the iteration count `d` (a device scalar)
+    and the decisions `stop` (with a pinned host copy on CUDA). `reset` loads a step's rules;
+    `check` computes every criterion it is asked for over the first rows of the buffers, each
+    row keeping its own criterion's verdict: a fixed handful of small ops however the rules
+    mix. The host keeps the parameters too, to know without reading the device which
+    iterations need logits and at which a row may stop at all."""
 
-    def __init__(self, model: LoopedTransformer, rules: list[ExitRule | None], depths: list[int],
-                 device: torch.device):
-        self.model, self.rules, self.depths, self.device = model, rules, depths, device
+    def __init__(self, model: LoopedTransformer, n: int, device: torch.device):
+        self.model, self.n, self.device = model, n, device
+        cfg = model.config
+        self.eps = cfg.norm_eps
+        f32 = dict(dtype=torch.float32, device=device)
+        self.params = torch.zeros(n, 6, **f32)
+        self.remaining = torch.ones(n, **f32)      # gate: ∏ (1 − λ_j) so far
+        self.cum = torch.zeros(n, **f32)           # gate: Σ p_j so far
+        self.prev_n = torch.zeros(n, cfg.d_model, **f32)         # latent: n of the last iteration
+        self.prev_logp = torch.zeros(n, cfg.vocab_size, **f32)   # kl: log p of the last iteration
+        self.prev_arg = torch.full((n,), -1, dtype=torch.long, device=device)  # argmax
+        self.streak = torch.zeros(n, dtype=torch.long, device=device)
+        self.d = torch.zeros(1, **f32)
+        self.order = torch.arange(n, device=device)
+        self.stop = torch.zeros(n, dtype=torch.bool, device=device)
+        self.host = torch.zeros(n, dtype=torch.bool).pin_memory() if device.type == "cuda" else None
+        self.read_event = torch.cuda.Event() if device.type == "cuda" else None
+        # every criterion this model can be asked for: what a captured check computes
+        self.all_kinds = frozenset(["latent", "kl", "argmax"] + (["gate"] if cfg.exit_gate else []))
+        self.kinds: frozenset[str] = frozenset()
+
+    def reset(self, rules: list[ExitRule | None], depths: list[int]) -> None:
+        """Load a step's rows: rules (None: a row that runs its depth) and depths; the rows
+        past them are idle (depth 0: stopped from the start)."""
         B = len(rules)
-        self.eps = model.config.norm_eps
-        none = 1 << 30  # a row with no rule: no exit, no logits before its depth
-        self.earliest = [r.earliest() if r is not None else none for r in rules]
-        self.first = [r.first_logits() if r is not None and r.needs_logits else none for r in rules]
-        self.kinds = {r.criterion for r in rules if r is not None}
+        never = 1 << 30  # a row with no rule: no exit, no logits before its depth
+        self.depths = list(depths)
+        self.earliest = [r.earliest() if r is not None else never for r in rules]
+        self.first = [r.first_logits() if r is not None and r.needs_logits else never for r in rules]
+        self.kinds = frozenset(r.criterion for r in rules if r is not None)
         params = [[CRITERION_ID[r.criterion] if r else 0, r.threshold if r else 1.0, self.earliest[i],
                    self.first[i], r.patience if r else 1, depths[i]] for i, r in enumerate(rules)]
-        self.params = device_tensor(params, device, torch.float32)  # (B, 6)
-        f32 = dict(dtype=torch.float32, device=device)
-        self.remaining = torch.ones(B, **f32)     # gate: ∏ (1 − λ_j) so far
-        self.cum = torch.zeros(B, **f32)          # gate: Σ p_j so far
-        self.prev_n: torch.Tensor | None = None   # latent: (B, D) n of the last iteration
-        self.prev_logp: torch.Tensor | None = None  # kl: (B, V) log p of the last iteration
-        self.prev_arg = torch.full((B,), -1, dtype=torch.long, device=device)  # argmax
-        self.streak = torch.zeros(B, dtype=torch.long, device=device)
+        params += [[0, 1.0, never, never, 1, 0]] * (self.n - B)
+        self.params.copy_(device_tensor(params, self.device, torch.float32), non_blocking=True)
+        self.remaining.fill_(1)
+        self.cum.zero_()
+        self.prev_n.zero_()
+        self.prev_logp.zero_()
+        self.prev_arg.fill_(-1)
+        self.streak.zero_()
+        self.set_order(list(range(self.n)))
+
+    def set_order(self, order: list[int]) -> None:
+        self.order.copy_(device_tensor(order + list(range(len(order), self.n)), self.device), non_blocking=True)
 
     def needs_logits(self, d: int, rows: list[int]) -> bool:
         """Whether a row of `rows` (still iterating after iteration d) reads this iteration's
@@ -171,14 +198,19 @@ class ExitState:
         when none may, the iteration's criteria are updated and nothing is read on the host."""
         return any(d >= self.depths[r] or d >= self.earliest[r] for r in rows)
 
-    def decide(self, d: int, rows: torch.Tensor, states: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
-        """After iteration d: rows (n,) int64 (step rows still iterating), their states (n, D)
-        (the model-width part of the residual), their next-token logits (n, V) where
-        needs_logits said so, else None -> (n,) bool on the device, True where the row stops
-        now (at its depth, or where its rule says so). Every row's criteria are updated."""
+    @torch.no_grad()
+    def check(self, m: int, states: torch.Tensor, logits: torch.Tensor | None, kinds=None) -> None:
+        """After iteration `d` (the device scalar): the first m buffer rows' states (m, D) (the
+        model-width part of the residual) and, where needs_logits said so, their next-token
+        logits (m, V) -> stop[:m] True where the row stops now (at its depth, or where its rule
+        says so), and on CUDA the pinned host copy of it. Every row's criteria are updated.
+        kinds: the criteria to compute (default: those of the step's rules)."""
+        kinds = self.kinds if kinds is None else kinds
+        d = self.d
+        rows = self.order[:m]
         crit, thr, earliest, first, patience, depth = self.params.index_select(0, rows).unbind(-1)
-        hit = torch.zeros(rows.shape[0], dtype=torch.bool, device=self.device)
-        if "gate" in self.kinds:
+        hit = torch.zeros(m, dtype=torch.bool, device=self.device)
+        if "gate" in kinds:
             gated = crit == CRITERION_ID["gate"]
             lam = gate_lambda(self.model, states)
             rem = self.remaining.index_select(0, rows)
@@ -187,26 +219,21 @@ class ExitState:
             self.cum.index_copy_(0, rows, torch.where(gated, cum, 0))
             self.remaining.index_copy_(0, rows, torch.where(gated, rem * (1 - lam), 1))
             hit |= gated & (cum >= thr)
-        if "latent" in self.kinds:
+        if "latent" in kinds:
             cur = normalized(states, self.eps)
-            if self.prev_n is None:
-                self.prev_n = torch.zeros(len(self.rules), cur.shape[-1], dtype=torch.float32, device=self.device)
             rel = (cur - self.prev_n.index_select(0, rows)).norm(dim=-1) / cur.norm(dim=-1)
             self.prev_n.index_copy_(0, rows, cur)
             hit |= (crit == CRITERION_ID["latent"]) & (d >= 2) & (rel < thr)
         if logits is not None:
             on = d >= first  # the rows whose rule reads this iteration's distribution
             lg = logits.float()
-            if "kl" in self.kinds:
+            if "kl" in kinds:
                 logp = torch.log_softmax(lg, -1)
-                if self.prev_logp is None:
-                    self.prev_logp = torch.zeros(len(self.rules), logp.shape[-1], dtype=torch.float32,
-                                                 device=self.device)
                 prev = self.prev_logp.index_select(0, rows)
                 kl = (logp.exp() * (logp - prev)).sum(-1)
                 self.prev_logp.index_copy_(0, rows, torch.where(on[:, None], logp, prev))
                 hit |= (crit == CRITERION_ID["kl"]) & (d > first) & (kl < thr)
-            if "argmax" in self.kinds:
+            if "argmax" in kinds:
                 arg = lg.argmax(-1)
                 prev_arg = self.prev_arg.index_select(0, rows)
                 old = self.streak.index_select(0, rows)
@@ -214,7 +241,18 @@ class ExitState:
                 self.streak.index_copy_(0, rows, streak)
                 self.prev_arg.index_copy_(0, rows, torch.where(on, arg, prev_arg))
                 hit |= (crit == CRITERION_ID["argmax"]) & (streak >= patience)
-        return (d >= depth) | (hit & (d >= earliest))
+        torch.logical_or(d >= depth, hit & (d >= earliest), out=self.stop[:m])
+        if self.host is not None:
+            self.host[:m].copy_(self.stop[:m], non_blocking=True)
+
+    def read(self, m: int) -> list[bool]:
+        """The first m rows' decisions on the host: on CUDA from the pinned copy, once the
+        check that wrote it has run (an event, not a device-wide sync)."""
+        if self.host is None:
+            return self.stop[:m].tolist()
+        self.read_event.record()
+        self.read_event.synchronize()
+        return self.host[:m].tolist()
 
 
 @torch.no_grad()

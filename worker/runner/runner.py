@@ -239,6 +239,7 @@ class Runner:
         self._batch: dict[int, BatchStep] = {}
         self._exit: dict[int, BatchStep] = {}  # eager early-exit stage sets by row count
         self._exit_shared = None
+        self._exit_checks: ExitState | None = None  # the exit checks' static buffers
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
         self._prefill_shared = None
@@ -495,28 +496,33 @@ class Runner:
             else:
                 self.graphs.replay("batch", bucket, stage)
 
+        state = self._exit_state()
+        if graphed:
+            self._capture_checks(state, b)
         full = stage_set(B)
         step = full[0]
         self._load_step(step, lanes, tokens, positions, depths, dev_tokens)
+        state.reset(list(rules), list(depths))
         run(full, "prelude")
-        state = ExitState(self.model, list(rules), list(depths), self.device)
         order = list(range(B))  # buffer row k holds the step's row order[k]
         ran = list(depths)
         active = B
-        rows_t = self._slots(order)
         for i in range(top):
             d = i + 1
             cur = stage_set(active)
             run(cur, i)
             rows = order[:active]
-            logits = None
-            if state.needs_logits(d, rows):
+            need = state.needs_logits(d, rows)
+            if need:
                 run(cur, "coda")
-                logits = step.logits[:active]
-            decided = state.decide(d, rows_t[:active], self.model.state(step.x[:active, 0]), logits)
+            state.d.fill_(d)
+            if graphed:
+                self.graphs.replay("exit", cur[1], "check+logits" if need else "check")
+            else:
+                state.check(active, self.model.state(step.x[:active, 0]), step.logits[:active] if need else None)
             if not state.can_stop(d, rows):
                 continue
-            stop = decided.tolist()  # this iteration's one host sync
+            stop = state.read(active)  # this iteration's one wait for the device
             going = [k for k in range(active) if not stop[k]]
             stopped = [k for k in range(active) if stop[k]]
             for k in stopped:
@@ -527,7 +533,7 @@ class Runner:
                 step.ctl[2].index_fill_(0, self._slots(stopped), d)
                 self._permute(step, B, going + stopped + list(range(active, B)))
                 order = [order[k] for k in going + stopped] + order[active:]
-                rows_t = self._slots(order)
+                state.set_order(order)
                 active = len(going)
         if order != list(range(B)):
             self._permute(step, B, [order.index(r) for r in range(B)])
@@ -539,6 +545,27 @@ class Runner:
         out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=ran)
         self._owners[key] = out
         return out
+
+    def _exit_state(self) -> ExitState:
+        if self._exit_checks is None:
+            self._exit_checks = ExitState(self.model, self.cache.n_slots, self.device)
+        return self._exit_checks
+
+    def _capture_checks(self, state: ExitState, top: int) -> None:
+        """The exit check of every batch bucket up to `top` as graphs (kind "exit"), captured
+        the first time an exit step needs them: the check reads the bucket's residual and
+        logits buffers and the state's static buffers, every criterion the model offers
+        computed (each row keeps its own), so one graph per bucket serves every rule mix.
+        Capturing runs the check on whatever the buffers hold: before a step loads its rows."""
+        for bucket in self._batch_buckets:
+            if bucket > top:
+                break
+            step = self._batch_stage(bucket)
+            for stage, logits in (("check", None), ("check+logits", step.logits[:bucket])):
+                if not self.graphs.covers("exit", bucket, [stage]):
+                    self.graphs.capture_stage("exit", bucket, stage, lambda step=step, bucket=bucket, logits=logits:
+                                              state.check(bucket, self.model.state(step.x[:bucket, 0]), logits,
+                                                          state.all_kinds))
 
     def _permute(self, step: BatchStep, B: int, perm: list[int]) -> None:
         """Buffer rows [0, B) of a batched step reordered: row k takes row perm[k]."""
