@@ -101,7 +101,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="'default' (the embedded model) or a model file")
     ap.add_argument("--device", default="cpu")
@@ -121,7 +121,7 @@ def main() -> int:
                     help="criterion=v1,v2,... (thresholds; argmax: patiences) in place of SWEEP's")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--out-dir", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
