@@ -257,49 +257,51 @@ class ExitState:
 
 @torch.no_grad()
 def fill_skipped(engine, exits: list[tuple[int, int, int, int, int, str]], x: torch.Tensor) -> None:
-    """Fill the cache layers of the iterations a token skipped: exits [(row, slot, position,
+    """Fill the cache layers of the iterations tokens skipped: exits [(row, slot, position,
     exit depth e, request depth L, policy)], x (B, 1, W) the residual after each row's last
     iteration (the exit state). Iterations [e, L) of every block layer get the token's K/V at
-    its position; layers past L are never read at depth L (invariant 2), so none is written."""
-    if not exits:
+    its position; layers past L are never read at depth L (invariant 2), so none is written.
+    All the rows of a policy in one gather and one scatter per cache tensor (recompute: one
+    projection per block layer and weight variant over all its rows)."""
+    model, cache, cfg = engine.model, engine.cache, engine.config
+    nl, dev = cfg.n_loop_layers, cache.device
+    copies = [(cfg.loop_layer_index(i, j), slot, pos, cfg.loop_layer_index(e - 1, j))
+              for _, slot, pos, e, top, policy in exits if policy == "copy"
+              for i in range(e, top) for j in range(nl)]
+    if copies:
+        dst, slot, pos, src = device_tensor(list(zip(*copies)), dev).unbind(0)
+        for t in (cache.k, cache.v):
+            t[dst, slot, :, pos] = t[src, slot, :, pos]  # (n, Hkv, hd), gathered first
+    todo = [ex for ex in exits if ex[5] == "recompute"]
+    if not todo:
         return
-    model, cache, cfg, ops = engine.model, engine.cache, engine.config, engine.ops
-    nl = cfg.n_loop_layers
-    for row, slot, pos, e, top, policy in exits:
-        if e >= top:
+    rows = device_tensor([ex[0] for ex in todo], dev)
+    xin = x.index_select(0, rows)  # (R, 1, W): the exit states
+    if model.adapter is not None:  # an iteration starts with the adapter of (state | e)
+        xin = linear(xin, model.adapter.weight)
+        if model.adapter.bias is not None:
+            xin = xin + model.adapter.bias
+    positions = device_tensor([[ex[2]] for ex in todo], dev)  # (R, 1)
+    cos, sin = model.rope_rows(positions, cache.max_seq_len)
+    variants = model.loop_variants or [model.loop]
+    for v_index, loop in enumerate(variants):
+        # (row in todo, iteration) pairs this variant's weights serve
+        pairs = [(k, i) for k, (_, _, _, e, top, _) in enumerate(todo) for i in range(e, top)
+                 if i % len(variants) == v_index]
+        if not pairs:
             continue
-        skipped = range(e, top)
-        if policy == "copy":
-            for j in range(nl):
-                src = cfg.loop_layer_index(e - 1, j)
-                dst = device_tensor([cfg.loop_layer_index(i, j) for i in skipped], cache.device)
-                for t in (cache.k, cache.v):
-                    t[dst, slot, :, pos] = t[src, slot, :, pos]
-            continue
-        xin = x[row:row + 1]  # (1, 1, W)
-        if model.adapter is not None:  # an iteration starts with the adapter of (state | e)
-            xin = linear(xin, model.adapter.weight)
-            if model.adapter.bias is not None:
-                xin = xin + model.adapter.bias
-        pos_t = torch.full((1, 1), pos, dtype=torch.long, device=cache.device)
-        cos, sin = model.rope_rows(pos_t, cache.max_seq_len)
-        variants = model.loop_variants or [model.loop]
-        for v_index, loop in enumerate(variants):
-            its = [i for i in skipped if i % len(variants) == v_index]
-            if not its:
-                continue
-            for j, layer in enumerate(loop):
-                att = layer.attention
-                h = layer.attention_norm(xin)
-                k = linear(h, att.wk.weight)
-                if hasattr(att, "k_bias"):
-                    k = k + att.k_bias
-                v = linear(h, att.wv.weight)
-                k = ops.apply_rope(k.view(1, 1, att.n_kv_heads, att.head_dim), cos, sin)  # (1, 1, Hkv, hd)
-                v = v.view(1, 1, att.n_kv_heads, att.head_dim)
-                dst = device_tensor([cfg.loop_layer_index(i, j) for i in its], cache.device)
-                cache.k[dst, slot, :, pos] = k[0, 0].to(cache.k.dtype)
-                cache.v[dst, slot, :, pos] = v[0, 0].to(cache.v.dtype)
+        for j, layer in enumerate(loop):
+            att = layer.attention
+            h = layer.attention_norm(xin)
+            k = linear(h, att.wk.weight)
+            if hasattr(att, "k_bias"):
+                k = k + att.k_bias
+            v = linear(h, att.wv.weight).view(-1, 1, att.n_kv_heads, att.head_dim)
+            k = engine.ops.apply_rope(k.view(-1, 1, att.n_kv_heads, att.head_dim), cos, sin)  # (R, 1, Hkv, hd)
+            idx = device_tensor([[cfg.loop_layer_index(i, j), todo[r][1], todo[r][2], r] for r, i in pairs], dev)
+            dst, slot, pos, r = idx.t().unbind(0)
+            cache.k[dst, slot, :, pos] = k[r, 0].to(cache.k.dtype)
+            cache.v[dst, slot, :, pos] = v[r, 0].to(cache.v.dtype)
 
 
 def histogram(depths: list[int], top: int) -> list[int]:
