@@ -36,6 +36,8 @@ def main() -> None:
         top.plot([x["iterations_per_token_tf"] for x in rows], [x["bpb"] for x in rows], "o-", label=name)
         rows = sorted(rows, key=lambda x: x["iterations_per_token"])
         bottom.plot([x["iterations_per_token"] for x in rows], [x["agreement"] for x in rows], "o-", label=name)
+    top.plot([L], [full["bpb"]], "k*", markersize=10)
+    bottom.plot([L], [1.0], "k*", markersize=10)
     top.axhline(full["bpb"], color="k", ls="--", lw=1, label=f"full depth L = {L}")
     top.axhline(full["bpb"] * 1.01, color="k", ls=":", lw=1, label="+1 % bpb")
     top.set_ylabel("held-out bits per byte (teacher forced)")
