@@ -19,7 +19,8 @@ For full depth L (no exit) and each (criterion, threshold) of the sweep, in one 
     iterations_per_token_tf  the same mean over the teacher-forced steps
 
 Prompts are held-out text (the training corpus's held-out files), encoded with the model's own
-tokenizer, so any default model works. The skipped iterations' K/V are filled by --cache
+tokenizer, so any default model works. --preset runs a random-weight model of a preset instead
+(an Ouro shape: the gate path's cost against full depth; its quality figures mean nothing). The skipped iterations' K/V are filled by --cache
 (both policies compared when given both). On CUDA the steps run the runner's captured batch
 graphs where they cover them (early_exit.py in worker/runner says how a step runs).
 """
@@ -36,7 +37,7 @@ from bench.common import hardware, write
 SWEEP = {"latent": [0.2, 0.1, 0.07, 0.05, 0.03],
          "kl": [0.03, 0.01, 3e-3, 1e-3, 3e-4],
          "argmax": [1, 2, 3, 4],      # patience (the threshold is unused)
-         "gate": [0.3, 0.5, 0.7, 0.9]}
+         "gate": [0.3, 0.5, 0.7, 0.9, 1.0]}  # 1.0: only the last iteration reaches it (the gate's cost)
 
 
 def heldout_sequences(model, n: int, length: int, offset: int = 256) -> list[list[int]]:
@@ -104,6 +105,9 @@ def sync(device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="'default' (the embedded model) or a model file")
+    ap.add_argument("--preset", default=None,
+                    help="a random-weight model of this preset instead (e.g. ouro-2.6b: the gate path's cost)")
+    ap.add_argument("--override", nargs="*", default=[], help="preset fields, key=int (e.g. n_loop_layers=8)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--loops", type=int, default=None, help="full depth L (default: the model's max_loops)")
     ap.add_argument("--criteria", nargs="+", default=None,
@@ -132,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     from tinyloop.worker.api import Model
     from tinyloop.worker.model.default_model import default_model_path
     path = default_model_path() if args.model == "default" else args.model
+    if args.preset:
+        import dataclasses
+
+        from bench.decode import random_checkpoint
+        from tinyloop.worker.model.config import PRESETS
+        cfg = dataclasses.replace(PRESETS[args.preset], **{k: int(v) for k, v in (o.split("=") for o in args.override)})
+        path = random_checkpoint(f"{args.preset}-exit", cfg)
+        args.model = f"{args.preset} (random init{', ' + ' '.join(args.override) if args.override else ''})"
     seq_len = max(args.prompt_tokens + args.tokens, args.bpb_prompt + bpb_tokens) + 1
     t0 = time.perf_counter()
     model = Model(path, max_seq_len=seq_len, device=args.device, n_slots=max(streams, bpb_seqs))
@@ -152,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if rule is not None and args.min_loops > 1:
             rule = {**rule, "min_loops": args.min_loops}
         kw = {} if rule is None else {"early_exit": rule}
-        model.generate(prompts[0], loops=L, max_tokens=4, **kw)  # warm-up (kernels, allocations)
+        # warm-up (kernels, allocations, the exit checks' graphs) of both paths timed below
+        model.generate(prompts[0], loops=L, max_tokens=4, **kw)
+        model.generate_batch(prompts[:streams], per_lane_loops=[L] * streams, max_tokens=2, **kw)
         outs, secs = [], 0.0
         for p in prompts[:prompts_n]:
             sync(dev)
