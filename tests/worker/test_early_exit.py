@@ -217,8 +217,9 @@ def test_gate_formula():
             break
         st.d.fill_(i + 1)
         st.set_order(alive)
-        st.check(len(alive), states[i, alive], None)
-        stop = st.read(len(alive))
+        st.check(len(alive), states[i, alive], None, torch.full((len(alive),), L))
+        st.publish(0, len(alive))
+        stop = st.read(0, len(alive))
         for r, s in zip(alive, stop):
             if s and got[r] == L:
                 got[r] = i + 1

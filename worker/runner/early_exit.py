@@ -158,8 +158,11 @@ class ExitState:
         self.d = torch.zeros(1, **f32)
         self.order = torch.arange(n, device=device)
         self.stop = torch.zeros(n, dtype=torch.bool, device=device)
-        self.host = torch.zeros(n, dtype=torch.bool).pin_memory() if device.type == "cuda" else None
-        self.read_event = torch.cuda.Event() if device.type == "cuda" else None
+        # two published decisions on the host (a check's, and the one before it, which the
+        # host may still be about to read), pinned on CUDA, each with the event of its copy
+        cuda = device.type == "cuda"
+        self.ring = torch.zeros(2, n, dtype=torch.bool, pin_memory=cuda)
+        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         # every criterion this model can be asked for: what a captured check computes
         self.all_kinds = frozenset(["latent", "kl", "argmax"] + (["gate"] if cfg.exit_gate else []))
         self.kinds: frozenset[str] = frozenset()
@@ -199,12 +202,15 @@ class ExitState:
         return any(d >= self.depths[r] or d >= self.earliest[r] for r in rows)
 
     @torch.no_grad()
-    def check(self, m: int, states: torch.Tensor, logits: torch.Tensor | None, kinds=None) -> None:
+    def check(self, m: int, states: torch.Tensor, logits: torch.Tensor | None, depth_row: torch.Tensor,
+              kinds=None) -> None:
         """After iteration `d` (the device scalar): the first m buffer rows' states (m, D) (the
         model-width part of the residual) and, where needs_logits said so, their next-token
-        logits (m, V) -> stop[:m] True where the row stops now (at its depth, or where its rule
-        says so), and on CUDA the pinned host copy of it. Every row's criteria are updated.
-        kinds: the criteria to compute (default: those of the step's rules)."""
+        logits (m, V) -> stop[:m] True where the row has stopped (at its depth, earlier by its
+        rule, or at an earlier check). A row its rule stops now is frozen on the device: its
+        entry of depth_row (m,), the step's per-row depths, becomes d, so every later iteration
+        carries it through unchanged whether or not the host has read the decision yet. Every
+        row's criteria are updated. kinds: the criteria to compute (default: the step's rules')."""
         kinds = self.kinds if kinds is None else kinds
         d = self.d
         rows = self.order[:m]
@@ -241,18 +247,24 @@ class ExitState:
                 self.streak.index_copy_(0, rows, streak)
                 self.prev_arg.index_copy_(0, rows, torch.where(on, arg, prev_arg))
                 hit |= (crit == CRITERION_ID["argmax"]) & (streak >= patience)
-        torch.logical_or(d >= depth, hit & (d >= earliest), out=self.stop[:m])
-        if self.host is not None:
-            self.host[:m].copy_(self.stop[:m], non_blocking=True)
+        at = depth_row.to(torch.float32)  # the rows' depths now (a frozen row's: where it stopped)
+        now = hit & (d >= earliest) & (at > d)
+        depth_row.copy_(torch.where(now, d.to(depth_row.dtype), depth_row))
+        torch.logical_or(d >= torch.minimum(at, depth), now, out=self.stop[:m])
 
-    def read(self, m: int) -> list[bool]:
-        """The first m rows' decisions on the host: on CUDA from the pinned copy, once the
-        check that wrote it has run (an event, not a device-wide sync)."""
-        if self.host is None:
-            return self.stop[:m].tolist()
-        self.read_event.record()
-        self.read_event.synchronize()
-        return self.host[:m].tolist()
+    def publish(self, slot: int, m: int) -> None:
+        """Start copying the last check's first m decisions into host slot `slot` (queued
+        behind the check, before the next check overwrites them)."""
+        self.ring[slot, :m].copy_(self.stop[:m], non_blocking=True)
+        if self.events is not None:
+            self.events[slot].record()
+
+    def read(self, slot: int, m: int) -> list[bool]:
+        """The decisions published into `slot`, once their copy is done (on CUDA an event
+        wait: the work queued after it keeps running)."""
+        if self.events is not None:
+            self.events[slot].synchronize()
+        return self.ring[slot, :m].tolist()
 
 
 @torch.no_grad()

@@ -462,14 +462,16 @@ class Runner:
         """A decode step whose rows stop iterating where their exit rule says (early_exit.py).
 
         The rows run as a batched step (stages.BatchStep) over buffers whose first `active`
-        rows are the rows still iterating: after each iteration the rows that stop get their
-        depth set to the iterations they ran (a later iteration carries them through
-        unchanged) and move behind the others, so the next iteration runs over the smallest
-        stage set holding the rows still going: a captured batch bucket's graph where every
-        stage is captured, else eager stages of exactly that many rows. The decisions come to
-        the host once per iteration (what picks the next stage set). Then the rows go back to
-        their order, the coda runs over all of them, and the skipped iterations' cache layers
-        are filled (the rows' policy)."""
+        rows are the rows still iterating. After each iteration the check (a captured graph
+        per batch bucket, or the same ops eagerly) sets the depth of the rows that stop to the
+        iterations they ran, on the device, so every later iteration carries them through
+        unchanged; once the host has read the decisions, the stopped rows move behind the
+        others and the next iteration runs over the smallest stage set holding the rows still
+        going: a captured batch bucket's graph where every stage is captured, else eager
+        stages of exactly that many rows. On the graphs the host reads iteration i's decisions
+        after launching iteration i + 1 (the read overlaps the device's work). Then the rows go
+        back to their order, the coda runs over all of them, and the skipped iterations' cache
+        layers are filled (the rows' policy)."""
         B = len(lanes)
         if isinstance(on_device, DeviceTokens):
             dev_tokens = on_device
@@ -504,9 +506,13 @@ class Runner:
         self._load_step(step, lanes, tokens, positions, depths, dev_tokens)
         state.reset(list(rules), list(depths))
         run(full, "prelude")
+        # graphed: the host reads iteration i's decisions after launching iteration i + 1, so
+        # the read overlaps the device's work (a row stopped meanwhile is frozen on the device
+        # and costs one iteration at most); eager, at once (nothing to overlap on the CPU)
+        lag = graphed
         order = list(range(B))  # buffer row k holds the step's row order[k]
-        ran = list(depths)
         active = B
+        pending = None  # (host slot, the rows it covers, in buffer order) published, not read
         for i in range(top):
             d = i + 1
             cur = stage_set(active)
@@ -519,24 +525,33 @@ class Runner:
             if graphed:
                 self.graphs.replay("exit", cur[1], "check+logits" if need else "check")
             else:
-                state.check(active, self.model.state(step.x[:active, 0]), step.logits[:active] if need else None)
-            if not state.can_stop(d, rows):
+                state.check(active, self.model.state(step.x[:active, 0]), step.logits[:active] if need else None,
+                            step.ctl[2, :active])
+            published = None
+            if state.can_stop(d, rows):
+                state.publish(d % 2, active)
+                published = (d % 2, rows)
+            if lag:
+                to_read, pending = pending, published
+            else:
+                to_read = published
+            if to_read is None:
                 continue
-            stop = state.read(active)  # this iteration's one wait for the device
-            going = [k for k in range(active) if not stop[k]]
-            stopped = [k for k in range(active) if stop[k]]
-            for k in stopped:
-                ran[order[k]] = d
+            slot, covered = to_read
+            stopped = {r for r, f in zip(covered, state.read(slot, len(covered))) if f}
+            going = [r for r in order[:active] if r not in stopped]
             if not going:
                 break
-            if stopped:
-                step.ctl[2].index_fill_(0, self._slots(stopped), d)
-                self._permute(step, B, going + stopped + list(range(active, B)))
-                order = [order[k] for k in going + stopped] + order[active:]
+            if len(going) < active:
+                at = {r: k for k, r in enumerate(order)}
+                order = going + [r for r in order[:active] if r in stopped] + order[active:]
+                self._permute(step, B, [at[r] for r in order])
                 state.set_order(order)
                 active = len(going)
         if order != list(range(B)):
-            self._permute(step, B, [order.index(r) for r in range(B)])
+            at = {r: k for k, r in enumerate(order)}
+            self._permute(step, B, [at[r] for r in range(B)])
+        ran = [int(v) for v in step.ctl[2, :B].tolist()]  # each row's depth: where it stopped
         run(full, "coda")
         fill_skipped(self.engine, [(r, lanes[r], positions[r], ran[r], depths[r], rules[r].cache)
                                    for r in range(B) if rules[r] is not None and ran[r] < depths[r]], step.x)
@@ -565,7 +580,7 @@ class Runner:
                 if not self.graphs.covers("exit", bucket, [stage]):
                     self.graphs.capture_stage("exit", bucket, stage, lambda step=step, bucket=bucket, logits=logits:
                                               state.check(bucket, self.model.state(step.x[:bucket, 0]), logits,
-                                                          state.all_kinds))
+                                                          step.ctl[2, :bucket], state.all_kinds))
 
     def _permute(self, step: BatchStep, B: int, perm: list[int]) -> None:
         """Buffer rows [0, B) of a batched step reordered: row k takes row perm[k]."""
