@@ -20,7 +20,8 @@ For full depth L (no exit) and each (criterion, threshold) of the sweep, in one 
 
 Prompts are held-out text (the training corpus's held-out files), encoded with the model's own
 tokenizer, so any default model works. --preset runs a random-weight model of a preset instead
-(an Ouro shape: the gate path's cost against full depth; its quality figures mean nothing). The skipped iterations' K/V are filled by --cache
+(an Ouro shape: the gate path's cost against full depth; its quality figures mean nothing).
+The skipped iterations' K/V are filled by --cache
 (both policies compared when given both). On CUDA the steps run the runner's captured batch
 graphs where they cover them (early_exit.py in worker/runner says how a step runs).
 """
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(gen, ref_gen)]
         row.update(agreement=sum(agree) / len(agree), first_divergence=sum(first) / len(first),
                    bpb_delta_pct=100 * (row["bpb"] / ref["bpb"] - 1),
-                   speedup_b1=row["tok_s_b1"] / ref["tok_s_b1"], speedup_batched=row["tok_s_batched"] / ref["tok_s_batched"])
+                   speedup_b1=row["tok_s_b1"] / ref["tok_s_b1"],
+                   speedup_batched=row["tok_s_batched"] / ref["tok_s_batched"])
         rows.append(row)
         name = "full depth" if rule is None else " ".join(f"{k}={v}" for k, v in rule.items())
         print(f"{name:48s} it/tok {row['iterations_per_token']:5.2f} (tf {row['iterations_per_token_tf']:5.2f})  "

@@ -268,7 +268,8 @@ def test_exited_rows_run_fewer_block_applications(tiny_path):
             rows.append(x.shape[0])
             return it(x, attends, index)
         m._module.iteration = counted
-        rule = m.make_request(PROMPT, loops=8, max_tokens=8, early_exit={"criterion": "latent", "threshold": 0.3}).early_exit
+        rule = m.make_request(PROMPT, loops=8, max_tokens=8,
+                              early_exit={"criterion": "latent", "threshold": 0.3}).early_exit
         with m.runner.lanes.hold() as a, m.runner.lanes.hold() as b:
             for lane in (a, b):
                 m.runner.prefill(lane, PROMPT, 8)
@@ -297,7 +298,8 @@ def test_cache_policies_fill_skipped_layers(tiny_path):
                 if policy == "recompute":
                     blk = m._module.loop[0]
                     kk = (blk.attention_norm(out.residual) @ blk.attention.wk.weight.T).view(1, 1, cfg.n_kv_heads, -1)
-                    want = apply_rope_ref(kk, m._module.rope_cos[pos][None, None], m._module.rope_sin[pos][None, None])[0, 0]
+                    cos, sin = m._module.rope_cos[pos][None, None], m._module.rope_sin[pos][None, None]
+                    want = apply_rope_ref(kk, cos, sin)[0, 0]
                 for row in k:
                     torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-6)
 
@@ -330,7 +332,8 @@ def test_exit_refuses_what_it_does_not_combine_with(tiny_model):
         with pytest.raises(ValueError, match=what):
             tiny_model.generate(PROMPT, loops=4, max_tokens=2, early_exit=rule, **kw)
     with pytest.raises(ValueError, match="speculative"):
-        tiny_model.make_request(PROMPT, max_tokens=8, speculative={"draft_loops": 1, "verify_loops": 4}, early_exit=rule)
+        tiny_model.make_request(PROMPT, max_tokens=8, speculative={"draft_loops": 1, "verify_loops": 4},
+                                early_exit=rule)
 
 
 def test_gate_rule_accepted_on_a_gated_model(ouro_path):
