@@ -44,3 +44,21 @@ def test_bad_exit_rule_is_invalid_argument(client, rule, field):
         client.generate(PROMPT, loops=4, max_tokens=4, early_exit=rule).collect()
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.message
+
+
+def test_iterations_histogram_is_exported_as_a_prometheus_histogram():
+    """The worker's cumulative counts (its step metrics) as the gateway exports them."""
+    from tinyloop.gateway.metrics import WorkerSteps
+    from tinyloop.worker.serving.actor import _StepMetrics
+    m = _StepMetrics(max_loops=4)
+    m.observe_iterations([1, 0, 2, 3])   # a stream: 1 token at 1 iteration, 2 at 3, 3 at 4
+    m.observe_iterations([0, 2, 0, 0])
+    steps = WorkerSteps()
+    steps.update("worker-0", m.snapshot())
+    fam, = [f for f in steps.collect() if f.name == "tinyloop_worker_iterations_per_token"]
+    got = {(s.name, s.labels.get("le")): s.value for s in fam.samples}
+    assert got[("tinyloop_worker_iterations_per_token_bucket", "1.0")] == 1
+    assert got[("tinyloop_worker_iterations_per_token_bucket", "2.0")] == 3
+    assert got[("tinyloop_worker_iterations_per_token_bucket", "3.0")] == 5
+    assert got[("tinyloop_worker_iterations_per_token_bucket", "+Inf")] == 8
+    assert got[("tinyloop_worker_iterations_per_token_sum", None)] == 1 + 4 + 6 + 12
