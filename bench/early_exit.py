@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="criterion=v1,v2,... (thresholds; argmax: patiences) in place of SWEEP's")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--tag", default="", help="appended to the result's name: early-exit-<device>-<tag>.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     dev = torch.device(args.device)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({row['bpb_delta_pct']:+.2f} %)", flush=True)
     within = [r for r in rows[1:] if r["bpb_delta_pct"] <= 1.0]
     best = max(within, key=lambda r: r["speedup_b1"], default=None)
-    write(f"early-exit-{dev.type}", {
+    write(f"early-exit-{dev.type}" + (f"-{args.tag}" if args.tag else ""), {
         "hardware": hardware(dev),
         "workload": {"model": args.model, "config": {k: getattr(cfg, k) for k in (
             "vocab_size", "d_model", "n_heads", "n_kv_heads", "n_prelude", "n_loop_layers", "n_coda", "exit_gate")},
