@@ -36,6 +36,7 @@ batched step exits as it would alone.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -100,13 +101,13 @@ def check_rule(spec, cfg: LoopedConfig, name: str = "early_exit") -> ExitRule | 
                          f"model has none: use kl, latent or argmax")
     threshold = spec.get("threshold")
     threshold = DEFAULT_THRESHOLD[criterion] if threshold is None else threshold
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold <= 1:
         raise ValueError(f"{name}.threshold must be a number in (0, 1], got {threshold!r}")
     ints = {}
     for key, default in (("min_loops", 1), ("patience", DEFAULT_PATIENCE)):
         v = spec.get(key)
         v = default if v is None else v
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= cfg.max_loops:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v <= cfg.max_loops:
             raise ValueError(f"{name}.{key} must be an int in [1, max_loops={cfg.max_loops}], got {v!r}")
         ints[key] = int(v)
     cache = spec.get("cache") or "copy"
