@@ -215,11 +215,10 @@ def test_gate_formula():
     for i in range(L):
         if not alive:
             break
-        st.d.fill_(i + 1)
         st.set_order(alive)
-        st.check(len(alive), states[i, alive], None, torch.full((len(alive),), L))
-        st.publish(0, len(alive))
-        stop = st.read(0, len(alive))
+        st.check(len(alive), states[i, alive], None, torch.full((len(alive),), L), slot=i % 2)
+        st.mark(i % 2)
+        stop = st.read(i % 2, len(alive))
         for r, s in zip(alive, stop):
             if s and got[r] == L:
                 got[r] = i + 1
@@ -361,4 +360,4 @@ def test_graphed_exit_step_shrinks_buckets_and_equals_eager(tiny_path):
     iters = [b for b, s in graphs.replayed("batch") if isinstance(s, int)]
     assert 8 in iters and min(iters) < 8, iters  # rows that exited left the bucket
     checks = graphs.replayed("exit")  # the checks ran as the buckets' captured graphs
-    assert {s for _, s in checks} == {"check", "check+logits"}
+    assert {s for _, s in checks} == {"check0", "check1", "check+logits0", "check+logits1"}

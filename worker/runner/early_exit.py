@@ -137,8 +137,8 @@ class ExitState:
     Static buffers of n rows, allocated once per runner, so that a captured graph of the check
     serves every step: the rules' parameters (n, 6) (criterion id, threshold, earliest exit,
     first iteration with logits, patience, depth), each criterion's running state, `order`
-    (buffer row k holds the step's row order[k]), the iteration count `d` (a device scalar)
-    and the decisions `stop` (with a pinned host copy on CUDA). `reset` loads a step's rules;
+    (buffer row k holds the step's row order[k]), the iteration count `d` (a device scalar
+    each check advances) and the decisions `stop` (with two host slots, pinned on CUDA). `reset` loads a step's rules;
     `check` computes every criterion it is asked for over the first rows of the buffers, each
     row keeping its own criterion's verdict: a fixed handful of small ops however the rules
     mix. The host keeps the parameters too, to know without reading the device which
@@ -187,6 +187,7 @@ class ExitState:
         self.prev_logp.zero_()
         self.prev_arg.fill_(-1)
         self.streak.zero_()
+        self.d.zero_()
         self.set_order(list(range(self.n)))
 
     def set_order(self, order: list[int]) -> None:
@@ -204,15 +205,18 @@ class ExitState:
 
     @torch.no_grad()
     def check(self, m: int, states: torch.Tensor, logits: torch.Tensor | None, depth_row: torch.Tensor,
-              kinds=None) -> None:
-        """After iteration `d` (the device scalar): the first m buffer rows' states (m, D) (the
-        model-width part of the residual) and, where needs_logits said so, their next-token
-        logits (m, V) -> stop[:m] True where the row has stopped (at its depth, earlier by its
-        rule, or at an earlier check). A row its rule stops now is frozen on the device: its
-        entry of depth_row (m,), the step's per-row depths, becomes d, so every later iteration
-        carries it through unchanged whether or not the host has read the decision yet. Every
-        row's criteria are updated. kinds: the criteria to compute (default: the step's rules')."""
+              slot: int, kinds=None) -> None:
+        """After the next iteration (the device scalar `d` counts them: the check adds one):
+        the first m buffer rows' states (m, D) (the model-width part of the residual) and,
+        where needs_logits said so, their next-token logits (m, V) -> stop[:m] True where the
+        row has stopped (at its depth, earlier by its rule, or at an earlier check), copied
+        into host slot `slot` (`mark` it to read it). A row its rule stops now is frozen on the
+        device: its entry of depth_row (m,), the step's per-row depths, becomes d, so every
+        later iteration carries it through unchanged whether or not the host has read the
+        decision yet. Every row's criteria are updated. kinds: the criteria to compute
+        (default: the step's rules')."""
         kinds = self.kinds if kinds is None else kinds
+        self.d.add_(1)
         d = self.d
         rows = self.order[:m]
         crit, thr, earliest, first, patience, depth = self.params.index_select(0, rows).unbind(-1)
@@ -252,11 +256,10 @@ class ExitState:
         now = hit & (d >= earliest) & (at > d)
         depth_row.copy_(torch.where(now, d.to(depth_row.dtype), depth_row))
         torch.logical_or(d >= torch.minimum(at, depth), now, out=self.stop[:m])
-
-    def publish(self, slot: int, m: int) -> None:
-        """Start copying the last check's first m decisions into host slot `slot` (queued
-        behind the check, before the next check overwrites them)."""
         self.ring[slot, :m].copy_(self.stop[:m], non_blocking=True)
+
+    def mark(self, slot: int) -> None:
+        """The host will read slot `slot`: on CUDA an event behind the check that fills it."""
         if self.events is not None:
             self.events[slot].record()
 

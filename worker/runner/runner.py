@@ -521,16 +521,16 @@ class Runner:
             need = state.needs_logits(d, rows)
             if need:
                 run(cur, "coda")
-            state.d.fill_(d)
+            slot = d % 2
             if graphed:
-                self.graphs.replay("exit", cur[1], "check+logits" if need else "check")
+                self.graphs.replay("exit", cur[1], f"check+logits{slot}" if need else f"check{slot}")
             else:
                 state.check(active, self.model.state(step.x[:active, 0]), step.logits[:active] if need else None,
-                            step.ctl[2, :active])
+                            step.ctl[2, :active], slot)
             published = None
             if state.can_stop(d, rows):
-                state.publish(d % 2, active)
-                published = (d % 2, rows)
+                state.mark(slot)
+                published = (slot, rows)
             if lag:
                 to_read, pending = pending, published
             else:
@@ -570,17 +570,20 @@ class Runner:
         """The exit check of every batch bucket up to `top` as graphs (kind "exit"), captured
         the first time an exit step needs them: the check reads the bucket's residual and
         logits buffers and the state's static buffers, every criterion the model offers
-        computed (each row keeps its own), so one graph per bucket serves every rule mix.
+        computed (each row keeps its own), so one graph per bucket, logits and host slot
+        serves every rule mix.
         Capturing runs the check on whatever the buffers hold: before a step loads its rows."""
         for bucket in self._batch_buckets:
             if bucket > top:
                 break
             step = self._batch_stage(bucket)
-            for stage, logits in (("check", None), ("check+logits", step.logits[:bucket])):
-                if not self.graphs.covers("exit", bucket, [stage]):
-                    self.graphs.capture_stage("exit", bucket, stage, lambda step=step, bucket=bucket, logits=logits:
-                                              state.check(bucket, self.model.state(step.x[:bucket, 0]), logits,
-                                                          step.ctl[2, :bucket], state.all_kinds))
+            for slot in (0, 1):
+                for stage, logits in ((f"check{slot}", None), (f"check+logits{slot}", step.logits[:bucket])):
+                    if not self.graphs.covers("exit", bucket, [stage]):
+                        self.graphs.capture_stage(
+                            "exit", bucket, stage, lambda step=step, bucket=bucket, logits=logits, slot=slot:
+                            state.check(bucket, self.model.state(step.x[:bucket, 0]), logits, step.ctl[2, :bucket],
+                                        slot, state.all_kinds))
 
     def _permute(self, step: BatchStep, B: int, perm: list[int]) -> None:
         """Buffer rows [0, B) of a batched step reordered: row k takes row perm[k]."""
