@@ -3,10 +3,11 @@
 # the H200 (offline image: the project is mapped by bench/gpu_env.sh, not pip-installed):
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
-#                                          #   speculative startup (default: all); tiles, load, families, kv, quant
-#                                          #   on demand (load: the service under load; carry .whl for Ray; kv: the
-#                                          #   KV cache modes' decode speed and quality; quant: INT4 against bf16;
-#                                          #   int4-tune: the INT4 tile sweep and decode A/B, bench/run_int4_tune.sh)
+#                                          #   speculative startup (default: all); tiles, load, families, kv, quant,
+#                                          #   int4-tune, exit on demand (load: the service under load; carry .whl for
+#                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
+#                                          #   bf16; int4-tune: the INT4 tile sweep and decode A/B, bench/run_int4_tune.sh;
+#                                          #   exit: early exit's sweep, bench/early_exit.py)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -61,6 +62,7 @@ for s in "${steps[@]}"; do
         quant) run quant "${QUANT_S:-300}" python -m bench.quant_decode --out-dir "$OUT" ;;
         int4-tune) run int4-tune "${INT4_TUNE_S:-480}" env OUT="$OUT" bash bench/run_int4_tune.sh ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
+        exit) run early-exit "${EXIT_S:-540}" python -m bench.early_exit --device cuda --out-dir "$OUT" ${EXIT_ARGS:-} ;;
         kv) run kv-decode "${KV_S:-420}" python -m bench.kv_decode --out-dir "$OUT" ${KV_ARGS:-}
             run kv-quality 240 python -m bench.kv_quality --device cuda --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;

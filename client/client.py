@@ -99,7 +99,8 @@ def generate_request(prompt, *, loops=None, max_tokens=None, temperature=None, t
                      repetition_penalty=None, seed=None, stop_token_ids=(), cache_window=0,
                      include_text=False, speculative: dict | None = None, return_handle=False,
                      handle_max_loops=None, l_warmup_tokens=0, l_warmup_loops=None, safety_check=False,
-                     safety_norm_threshold=None, request_id=None, kv_mode="") -> pb.GenerateRequest:
+                     safety_norm_threshold=None, request_id=None, kv_mode="",
+                     early_exit: dict | None = None) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=_prompt(prompt),
                              sampling=_sampling(temperature, top_k, top_p, repetition_penalty, seed),
                              stop_token_ids=list(stop_token_ids), cache_window=cache_window,
@@ -117,6 +118,9 @@ def generate_request(prompt, *, loops=None, max_tokens=None, temperature=None, t
         req.handle_max_loops = handle_max_loops
     if speculative:
         req.speculative.CopyFrom(pb.SpeculativeOptions(**speculative))
+    if early_exit is not None:
+        # {criterion, threshold, min_loops, patience, cache}, the in-process Model's keys
+        req.early_exit.CopyFrom(pb.EarlyExit(**{k: v for k, v in early_exit.items() if v is not None}))
     return req
 
 
@@ -149,6 +153,9 @@ def _complete(resp: pb.GenerateResponse) -> Complete:
     usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
              "loop_iterations": u.loop_iterations, "loop_token_iterations": u.loop_token_iterations,
              "accepted_per_verify": u.accepted_per_verify, "acceptance_rate": u.acceptance_rate}
+    if u.iterations_histogram:
+        usage["iterations_per_token"] = u.iterations_per_token
+        usage["iterations_histogram"] = list(u.iterations_histogram)
     return Complete(resp.request_id, FINISH_NAMES[c.finish_reason], usage, c.worker_id, c.handle_id)
 
 

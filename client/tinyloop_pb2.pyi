@@ -59,7 +59,7 @@ class SpeculativeOptions(_message.Message):
     def __init__(self, draft_loops: _Optional[int] = ..., verify_loops: _Optional[int] = ..., draft_ahead: _Optional[int] = ..., k_branches: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "speculative", "return_handle", "handle_max_loops", "l_warmup_tokens", "l_warmup_loops", "safety_check", "safety_norm_threshold", "kv_mode")
+    __slots__ = ("request_id", "prompt", "loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "speculative", "return_handle", "handle_max_loops", "l_warmup_tokens", "l_warmup_loops", "safety_check", "safety_norm_threshold", "kv_mode", "early_exit")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     LOOPS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class GenerateRequest(_message.Message):
     SAFETY_CHECK_FIELD_NUMBER: _ClassVar[int]
     SAFETY_NORM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     KV_MODE_FIELD_NUMBER: _ClassVar[int]
+    EARLY_EXIT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     loops: int
@@ -92,7 +93,22 @@ class GenerateRequest(_message.Message):
     safety_check: bool
     safety_norm_threshold: float
     kv_mode: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., return_handle: _Optional[bool] = ..., handle_max_loops: _Optional[int] = ..., l_warmup_tokens: _Optional[int] = ..., l_warmup_loops: _Optional[int] = ..., safety_check: _Optional[bool] = ..., safety_norm_threshold: _Optional[float] = ..., kv_mode: _Optional[str] = ...) -> None: ...
+    early_exit: EarlyExit
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., return_handle: _Optional[bool] = ..., handle_max_loops: _Optional[int] = ..., l_warmup_tokens: _Optional[int] = ..., l_warmup_loops: _Optional[int] = ..., safety_check: _Optional[bool] = ..., safety_norm_threshold: _Optional[float] = ..., kv_mode: _Optional[str] = ..., early_exit: _Optional[_Union[EarlyExit, _Mapping]] = ...) -> None: ...
+
+class EarlyExit(_message.Message):
+    __slots__ = ("criterion", "threshold", "min_loops", "patience", "cache")
+    CRITERION_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MIN_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    PATIENCE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    criterion: str
+    threshold: float
+    min_loops: int
+    patience: int
+    cache: str
+    def __init__(self, criterion: _Optional[str] = ..., threshold: _Optional[float] = ..., min_loops: _Optional[int] = ..., patience: _Optional[int] = ..., cache: _Optional[str] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("request_id", "handle_id", "new_loops", "max_tokens", "sampling", "stop_token_ids", "cache_window", "include_text", "kv_mode")
@@ -147,20 +163,24 @@ class Complete(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., worker_id: _Optional[str] = ..., handle_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "loop_iterations", "loop_token_iterations", "accepted_per_verify", "acceptance_rate")
+    __slots__ = ("prompt_tokens", "completion_tokens", "loop_iterations", "loop_token_iterations", "accepted_per_verify", "acceptance_rate", "iterations_per_token", "iterations_histogram")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOP_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     LOOP_TOKEN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_VERIFY_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     loop_iterations: int
     loop_token_iterations: int
     accepted_per_verify: float
     acceptance_rate: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., loop_iterations: _Optional[int] = ..., loop_token_iterations: _Optional[int] = ..., accepted_per_verify: _Optional[float] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
+    iterations_per_token: float
+    iterations_histogram: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., loop_iterations: _Optional[int] = ..., loop_token_iterations: _Optional[int] = ..., accepted_per_verify: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., iterations_per_token: _Optional[float] = ..., iterations_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BuildResumeHandleRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "l_used", "max_loops", "cache_window", "seed", "kv_mode")

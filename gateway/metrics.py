@@ -23,7 +23,7 @@ RUNNING = Gauge("tinyloop_worker_running_lanes", "cache lanes held by a stream o
 
 class WorkerSteps:
     """The workers' step histograms (rows of the batched decode step; prompt tokens prefilled per
-    step; the step's wall time), as each worker last reported them: cumulative counts kept by the worker, exported as
+    step; the step's wall time; iterations per early-exit decode token), as each worker last reported them: cumulative counts kept by the worker, exported as
     Prometheus histograms."""
 
     def __init__(self):
@@ -40,8 +40,12 @@ class WorkerSteps:
                                         "prompt tokens a worker prefilled per scheduler step", labels=["worker"])
         seconds = HistogramMetricFamily("tinyloop_worker_step_seconds", "a worker's scheduler step, wall time",
                                         labels=["worker"])
+        iterations = HistogramMetricFamily("tinyloop_worker_iterations_per_token",
+                                           "loop iterations an early-exit decode token ran", labels=["worker"])
         for worker, s in sorted(self.latest.items()):
-            for fam, key in ((batch, "batch"), (prefill, "prefill"), (seconds, "seconds")):
+            for fam, key in ((batch, "batch"), (prefill, "prefill"), (seconds, "seconds"), (iterations, "iterations")):
+                if f"{key}_counts" not in s:  # a worker from before the counts existed
+                    continue
                 acc, buckets = 0, []
                 for bound, n in zip([*s[f"{key}_bounds"], "+Inf"], s[f"{key}_counts"]):
                     acc += n
@@ -50,6 +54,7 @@ class WorkerSteps:
         yield batch
         yield prefill
         yield seconds
+        yield iterations
         from prometheus_client.core import CounterMetricFamily
         step_cpu = CounterMetricFamily("tinyloop_worker_step_cpu_seconds",
                                        "CPU time of a worker's step thread in its scheduler steps", labels=["worker"])

@@ -279,6 +279,12 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                     p["safety_norm_threshold"] = request.safety_norm_threshold
             if request.kv_mode:
                 p["kv_mode"] = request.kv_mode
+            if request.HasField("early_exit"):
+                # checked by the worker's Model against its model (a gate needs a gated model)
+                e = request.early_exit
+                p["early_exit"] = {"criterion": e.criterion or None, "cache": e.cache or None,
+                                   **{f: getattr(e, f) for f in ("threshold", "min_loops", "patience")
+                                      if e.HasField(f)}}
             if request.return_handle:
                 p["return_handle"] = True
                 if request.HasField("handle_max_loops"):
@@ -381,7 +387,9 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                          loop_iterations=st.get("loop_iterations", 0),
                          loop_token_iterations=st.get("loop_token_iterations", 0),
                          accepted_per_verify=st.get("accepted_per_verify", 0.0),
-                         acceptance_rate=st.get("acceptance_rate", 0.0))
+                         acceptance_rate=st.get("acceptance_rate", 0.0),
+                         iterations_per_token=st.get("iterations_per_token", 0.0),
+                         iterations_histogram=st.get("iterations_histogram", []))
         handle_id = ""
         if "handle" in c:
             h = c["handle"]

@@ -446,3 +446,21 @@ def test_int4_tiles_sweep_candidates_and_refusals(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             int4_tiles.main([])
+
+
+def test_early_exit_bench_cpu(tmp_path, tiny_path):
+    """bench/early_exit.py on a random tiny model: full depth first (agreement 1 with itself),
+    then each rule's iterations, tokens/s, agreement and teacher-forced bpb."""
+    from bench import early_exit
+    early_exit.main(["--model", tiny_path, "--loops", "4", "--criteria", "latent", "argmax",
+                     "--sweep", "latent=0.5", "argmax=1", "--cache", "copy", "--prompts", "1", "--streams", "2",
+                     "--prompt-tokens", "8", "--tokens", "6", "--bpb-seqs", "2", "--bpb-prompt", "8",
+                     "--bpb-tokens", "6", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "early-exit-cpu.json").read_text())
+    full, *rules = r["rows"]
+    assert full["rule"] is None and full["agreement"] == 1 and full["iterations_per_token"] == 4
+    assert [row["rule"]["criterion"] for row in rules] == ["latent", "argmax"]
+    for row in r["rows"]:
+        assert 1 <= row["iterations_per_token"] <= 4 and row["tok_s_b1"] > 0 and row["tok_s_batched"] > 0
+        assert 0 <= row["agreement"] <= 1 and row["bpb"] > 0
+        assert sum(row["iterations_histogram"]) == 5  # 6 tokens: 5 decode steps

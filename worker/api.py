@@ -30,6 +30,7 @@ from tinyloop.worker.model.errors import HandleFreed, LanesBusy, ModelClosed, Ou
 from tinyloop.worker.model.ops import select_ops
 from tinyloop.worker.model.settings import KV_MODES, Settings
 from tinyloop.worker.model.tokenizer import from_metadata
+from tinyloop.worker.runner.early_exit import ExitRule, check_rule
 from tinyloop.worker.runner.runner import Runner, RunnerSettings
 
 DEFAULT_SAFETY_NORM_THRESHOLD = 1.0e4
@@ -295,7 +296,7 @@ class Model:
                      repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,
                      l_warmup_L=None, safety_check=False,
                      safety_norm_threshold=DEFAULT_SAFETY_NORM_THRESHOLD, stop_token_ids=None,
-                     speculative=None, kv_mode=None) -> Request:
+                     speculative=None, kv_mode=None, early_exit=None) -> Request:
         """Validate `generate`'s arguments into a Request (the Ray actor uses this too).
 
         speculative: None, or {draft_loops, verify_loops, draft_ahead, k_branches} for
@@ -321,7 +322,26 @@ class Model:
                       float(safety_norm_threshold) if safety_check else None, self._stop_ids(stop_token_ids))
         if speculative is not None:
             self._speculative_request(req, speculative)
+        req.early_exit = self._early_exit(early_exit, req)
         return req
+
+    def _early_exit(self, early_exit, req: Request) -> ExitRule | None:
+        """The request's exit rule (runner/early_exit.py's check_rule), or a ValueError naming
+        the field, or the option it does not combine with."""
+        rule = check_rule(early_exit, self.config)
+        if rule is None:
+            return None
+        if rule.min_loops > req.loops:
+            raise ValueError(f"early_exit.min_loops={rule.min_loops} exceeds loops={req.loops}")
+        for bad, what in ((req.speculative is not None, "speculative decoding"),
+                          (req.warmup_tokens > 0, "l_warmup_tokens"), (req.window > 0, "cache_window > 0"),
+                          (req.safety_threshold is not None, "safety_check")):
+            if bad:
+                raise ValueError(f"early_exit does not combine with {what}")
+        if self.kv_mode != "kv":
+            raise ValueError(f"early_exit fills the skipped iterations' K/V, which needs kv_mode 'kv' "
+                             f"(this model's is {self.kv_mode!r})")
+        return rule
 
     # -- generation ---------------------------------------------------------------------
     def stream(self, request: Request, lane: int = 0):
@@ -357,21 +377,27 @@ class Model:
                  repetition_penalty=1.0, seed=None, cache_window=0, l_warmup_tokens=0,
                  l_warmup_L=None, safety_check=False,
                  safety_norm_threshold=DEFAULT_SAFETY_NORM_THRESHOLD, stop_token_ids=None,
-                 kv_mode=None) -> Generation:
+                 kv_mode=None, early_exit=None) -> Generation:
         """-> the full token stream (prompt + generated) as a `Generation` (a list of ints with
-        `.finish_reason` and `.stats`)."""
+        `.finish_reason` and `.stats`). early_exit: None (every decode token runs `loops`), or a
+        dict {criterion: gate | kl | latent | argmax, threshold in (0, 1], min_loops, patience,
+        cache: copy | recompute} (or an ExitRule): each decode token stops iterating where the
+        rule says (docs/early-exit.md); `.stats` then adds iterations_per_token and
+        iterations_histogram."""
         req = self.make_request(prompt, loops, max_tokens, temperature, top_k, top_p, repetition_penalty,
                                 seed, cache_window, l_warmup_tokens, l_warmup_L, safety_check,
-                                safety_norm_threshold, stop_token_ids, kv_mode=kv_mode)
+                                safety_norm_threshold, stop_token_ids, kv_mode=kv_mode, early_exit=early_exit)
         with self._lock, self._lane() as lane:
             self._seat(lane, req.seed)
             return drain(req.prompt, stream(self.runner, lane, req))
 
     def generate_batch(self, prompts, per_lane_loops=None, max_tokens=128, temperature=0.0, top_k=50,
                        top_p=1.0, repetition_penalty=1.0, seed=None, cache_window=0,
-                       stop_token_ids=None, kv_mode=None) -> list[Generation]:
+                       stop_token_ids=None, kv_mode=None, early_exit=None) -> list[Generation]:
         """Lanes of different prompts and depths in one batched decode; lane i equals
-        `generate(prompts[i], loops=per_lane_loops[i])`. seed: one int for all lanes or a list."""
+        `generate(prompts[i], loops=per_lane_loops[i])`. seed: one int for all lanes or a list.
+        early_exit: one rule for every lane or a list (None entries: no exit); an exited lane
+        drops out of the step's remaining iterations."""
         self._check_open()
         self.check_kv_mode(kv_mode)
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -391,6 +417,11 @@ class Model:
         seeds = [self._seed(s) for s in seeds]
         window, stops = self._window(cache_window), self._stop_ids(stop_token_ids)
         reqs = [Request(ids[i], loops[i], int(max_tokens), sp, seeds[i], window, stop_ids=stops) for i in range(B)]
+        rules = list(early_exit) if isinstance(early_exit, (list, tuple)) else [early_exit] * B
+        if len(rules) != B:
+            raise ValueError(f"early_exit has {len(rules)} entries for {B} prompts")
+        for i, req in enumerate(reqs):
+            req.early_exit = self._early_exit(rules[i], req)
         with self._lock:
             self._check_open()
             finishes = self._batch(reqs)

@@ -151,8 +151,9 @@ class Batcher:
             dev = DeviceTokens.of({i: on_device[lanes[i]] for i in rows})
         else:
             dev = DeviceTokens(rows, values, [on_device[lanes[i]] for i in rows]) if rows else None
+        exits = [st.req.early_exit for st in sts] if any(st.exits is not None for st in sts) else None
         out = self.runner.decode(lanes, [st.tok_id for st in sts], [st.pos for st in sts],
-                                 [st.req.loops for st in sts], on_device=dev, prev=self._last)
+                                 [st.req.loops for st in sts], on_device=dev, prev=self._last, exits=exits)
         self._last = out
         self._ahead = [(lane, self.states[lane]) for lane in lanes], out
 

@@ -15,6 +15,7 @@ from typing import Generator
 import torch
 
 from tinyloop.worker.generation.sampling import SamplingParams, sample
+from tinyloop.worker.runner.early_exit import ExitRule, histogram
 from tinyloop.worker.runner.engine import Counters
 from tinyloop.worker.runner.runner import Runner, StepOut
 from tinyloop.worker.runner.stages import device_tensor
@@ -37,6 +38,7 @@ class Request:
     safety_threshold: float | None = None
     stop_ids: frozenset[int] = frozenset()
     speculative: dict | None = None   # {draft_loops, verify_loops, draft_ahead, k_branches}: generation/speculative.py
+    early_exit: ExitRule | None = None  # per-token adaptive depth of the decode steps: runner/early_exit.py
 
 
 @dataclass
@@ -204,6 +206,8 @@ class DecodeState:
         self._buf: torch.Tensor | None = None    # a pinned buffer for tokens copied there
         self._copied: torch.cuda.Event | None = None
         self._undo: tuple | None = None          # (out, pos, work) before a speculative step
+        self.exits = [req.early_exit] if req.early_exit is not None else None  # runner.decode's `exits`
+        self.step_depths: list[int] = []         # iterations each decode step ran (early exit only)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -266,7 +270,7 @@ class DecodeState:
     def speculate(self) -> None:
         """`advance` before the host has read the decided token (pipelined decode), keeping
         what `discard` restores."""
-        self._undo = (self.out, self.pos, self.work)
+        self._undo = (self.out, self.pos, self.work, len(self.step_depths))
         self.advance(ahead=True)
 
     def discard(self) -> None:
@@ -275,7 +279,8 @@ class DecodeState:
         K/V at `pos` of the lane's layers. That is harmless: whatever reads the lane later (a
         new prefill, a resume, a decode step) writes a position before it attends to it."""
         self.runner.release(self.out)
-        self.out, self.pos, self.work = self._undo
+        self.out, self.pos, self.work, n = self._undo
+        del self.step_depths[n:]
         self._undo = None
 
     def decide(self) -> int | None:
@@ -321,7 +326,7 @@ class DecodeState:
         L = self.warm_L if self.warm_L is not None and step < req.warmup_tokens else req.loops
         token = self.tok if ahead else self.tok_id
         out = runner.decode([self.lane], [token], [pos], [L], req.window, req.safety_threshold is not None,
-                            prev=self.out)
+                            prev=self.out, exits=self.exits)
         if L != req.loops:
             self.warm_x.append(out.residual.clone())
         self.take(out)
@@ -332,6 +337,8 @@ class DecodeState:
 
     def take(self, out: StepOut) -> None:
         self.work = self.work.plus(out.work)
+        if self.exits is not None:
+            self.step_depths.extend(out.depths)
         self.out = out
         self.pos += 1
 
@@ -340,7 +347,17 @@ class DecodeState:
         (a graph's buffer, or a row of a batched step's output) whichever path ran it."""
         self.runner.release(self.out)
         self._logits = self._norm = self.out = None
-        return Finish(self.reason, {"prompt_tokens": len(self.req.prompt), "completion_tokens": self.generated,
-                                    "loop_iterations": self.work.loop_iterations,
-                                    "loop_token_iterations": self.work.loop_token_iterations,
-                                    **self.extra_stats})
+        stats = {"prompt_tokens": len(self.req.prompt), "completion_tokens": self.generated,
+                 "loop_iterations": self.work.loop_iterations,
+                 "loop_token_iterations": self.work.loop_token_iterations, **self.extra_stats}
+        if self.exits is not None:
+            stats.update(exit_stats(self.step_depths, self.req.loops))
+        return Finish(self.reason, stats)
+
+
+def exit_stats(depths: list[int], loops: int) -> dict:
+    """The usage of an early-exit stream: iterations per decoded token, their mean and their
+    histogram (entry d - 1: the tokens that ran d iterations; the prompt, and with it the first
+    generated token, ran the full depth and is not counted)."""
+    mean = sum(depths) / len(depths) if depths else float(loops)
+    return {"iterations_per_token": mean, "iterations_histogram": histogram(depths, loops)}

@@ -50,7 +50,7 @@ class LoopedConfig:
     embed_scale: float = 1.0   # the embeddings are multiplied by it before the prelude
     init_std: float = 0.0
     qk_bias: bool = False      # a learned bias on q and k (before RoPE)
-    exit_gate: bool = False    # Ouro's early-exit gate, Linear(d -> 1) with bias: loaded and kept
+    exit_gate: bool = False    # Ouro's early-exit gate, Linear(d -> 1) with bias: the `gate` exit rule's
 
     def __post_init__(self):
         def need(cond: bool, msg: str):

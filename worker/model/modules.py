@@ -288,7 +288,7 @@ class LoopedTransformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # input injection: s = adapter(concat(s, e)) before each iteration (Huginn)
         self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=cfg.adapter_bias) if cfg.inject else None
-        # Ouro's early-exit gate: kept for the early-exit feature, not applied by any stage yet
+        # Ouro's early-exit gate: read by the `gate` exit rule (runner/early_exit.py), by no stage
         self.exit_gate = nn.Linear(cfg.d_model, 1) if cfg.exit_gate else None
         # a runtime option, not part of the checkpoint: the initial state's std is
         # config.init_std * init_scale (0: the zero state)

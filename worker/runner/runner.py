@@ -35,6 +35,7 @@ from tinyloop.worker.model.cache import CacheParts
 from tinyloop.worker.model.errors import LanesBusy
 from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.ops import Ops
+from tinyloop.worker.runner.early_exit import ExitRule, ExitState, fill_skipped
 from tinyloop.worker.runner.engine import Counters, Engine
 from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages, batch_buckets, batch_buffers,
                                            device_tensor, prefill_buckets, prefill_buffers)
@@ -244,6 +245,9 @@ class Runner:
                               if r * b <= settings.prefill_rows_len]
         self._prefill_rows: dict[tuple[int, int], PaddedPrefill] = {}
         self._batch: dict[int, BatchStep] = {}
+        self._exit: dict[int, BatchStep] = {}  # eager early-exit stage sets by row count
+        self._exit_shared = None
+        self._exit_checks: ExitState | None = None  # the exit checks' static buffers
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
         self._prefill_shared = None
@@ -441,13 +445,18 @@ class Runner:
     @torch.no_grad()
     def decode(self, lanes: list[int], tokens: list, positions: list[int], depths: list[int], window: int = 0,
                track_norm: bool = False, on_device: "dict[int, torch.Tensor] | DeviceTokens | None" = None,
-               prev: StepOut | None = None) -> StepOut:
+               prev: StepOut | None = None, exits: "list[ExitRule | None] | None" = None) -> StepOut:
         """One decode step: row i runs tokens[i] at positions[i] on lanes[i] at depth depths[i].
         A token is a host int or a one-element device tensor (sampled, not read yet); on_device
         ({row: tensor}, or a DeviceTokens: many rows' tokens in one device tensor) replaces rows'
         tokens the same way. prev: the caller's last StepOut, which it lets go (its buffers may
-        be reused without a copy)."""
+        be reused without a copy). exits: row i's early-exit rule (None: it runs depths[i]); the
+        StepOut's `depths` are then the iterations each row ran (early_exit.py)."""
         B = len(lanes)
+        if exits is not None and any(r is not None for r in exits):
+            if window or track_norm:
+                raise ValueError("early exit runs on the full cache (cache_window=0) with no safety check")
+            return self._decode_exit(lanes, tokens, positions, depths, exits, on_device, prev)
         work = self.counters.add(max(depths), sum(depths))
         if isinstance(on_device, DeviceTokens):
             if window == 0 and not track_norm and B > 1:
@@ -489,15 +498,7 @@ class Runner:
         graphed = b is not None and self.graphs.covers("batch", b, BatchStep.stages(max(depths)))
         step = self._batch_stage(b if graphed else B)
         self._claim("batch", prev)
-        host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
-        dev = None
-        if on_device is not None and on_device.rows:
-            n = len(on_device.rows)
-            if on_device.rows == on_device.index == list(range(n)):  # the common case: every row goes on
-                dev = (None, on_device.values[:n])
-            else:
-                dev = (self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index)))
-        step.load(list(lanes), host, list(positions), list(depths), dev)
+        self._load_step(step, lanes, tokens, positions, depths, on_device)
         # rows in non-increasing depth (the batcher's order): iteration i needs only the rows
         # deeper than i, a prefix, so it replays the smallest bucket holding them (the buckets
         # share their buffers; a row of the bucket past that prefix is frozen by its depth)
@@ -517,6 +518,160 @@ class Runner:
         out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=list(depths))
         self._owners["batch"] = out
         return out
+
+    def _load_step(self, step: BatchStep, lanes, tokens, positions, depths, on_device: DeviceTokens | None) -> None:
+        host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
+        dev = None
+        if on_device is not None and on_device.rows:
+            n = len(on_device.rows)
+            if on_device.rows == on_device.index == list(range(n)):  # the common case: every row goes on
+                dev = (None, on_device.values[:n])
+            else:
+                dev = (self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index)))
+        step.load(list(lanes), host, list(positions), list(depths), dev)
+
+    def _decode_exit(self, lanes, tokens, positions, depths, rules, on_device, prev) -> StepOut:
+        """A decode step whose rows stop iterating where their exit rule says (early_exit.py).
+
+        The rows run as a batched step (stages.BatchStep) over buffers whose first `active`
+        rows are the rows still iterating. After each iteration the check (a captured graph
+        per batch bucket, or the same ops eagerly) sets the depth of the rows that stop to the
+        iterations they ran, on the device, so every later iteration carries them through
+        unchanged; once the host has read the decisions, the stopped rows move behind the
+        others and the next iteration runs over the smallest stage set holding the rows still
+        going: a captured batch bucket's graph where every stage is captured, else eager
+        stages of exactly that many rows. On the graphs the host reads iteration i's decisions
+        after launching iteration i + 1 (the read overlaps the device's work). Then the rows go
+        back to their order, the coda runs over all of them, and the skipped iterations' cache
+        layers are filled (the rows' policy)."""
+        B = len(lanes)
+        if isinstance(on_device, DeviceTokens):
+            dev_tokens = on_device
+        else:
+            dev = dict(on_device or {})
+            dev.update({i: t for i, t in enumerate(tokens) if isinstance(t, torch.Tensor)})
+            dev_tokens = DeviceTokens.of(dev)
+        top = max(depths)
+        b = next((b for b in self._batch_buckets if b >= B), None)
+        graphed = b is not None and self.graphs.covers("batch", b, BatchStep.stages(top))
+        key = "batch" if graphed else "exit"
+        self._claim(key, prev)
+
+        def stage_set(n: int) -> tuple[BatchStep, int | None]:
+            if graphed:
+                bucket = next(x for x in self._batch_buckets if x >= n)
+                return self._batch_stage(bucket), bucket
+            return self._exit_stage(n), None
+
+        def run(step_bucket, stage) -> None:
+            step, bucket = step_bucket
+            if bucket is None:
+                step.run(stage)
+            else:
+                self.graphs.replay("batch", bucket, stage)
+
+        state = self._exit_state()
+        if graphed:
+            self._capture_checks(state, b)
+        full = stage_set(B)
+        step = full[0]
+        self._load_step(step, lanes, tokens, positions, depths, dev_tokens)
+        state.reset(list(rules), list(depths))
+        run(full, "prelude")
+        # graphed: the host reads iteration i's decisions after launching iteration i + 1, so
+        # the read overlaps the device's work (a row stopped meanwhile is frozen on the device
+        # and costs one iteration at most); eager, at once (nothing to overlap on the CPU)
+        lag = graphed
+        order = list(range(B))  # buffer row k holds the step's row order[k]
+        active = B
+        pending = None  # (host slot, the rows it covers, in buffer order) published, not read
+        for i in range(top):
+            d = i + 1
+            cur = stage_set(active)
+            run(cur, i)
+            rows = order[:active]
+            need = state.needs_logits(d, rows)
+            if need:
+                run(cur, "coda")
+            slot = d % 2
+            if graphed:
+                self.graphs.replay("exit", cur[1], f"check+logits{slot}" if need else f"check{slot}")
+            else:
+                state.check(active, self.model.state(step.x[:active, 0]), step.logits[:active] if need else None,
+                            step.ctl[2, :active], slot)
+            published = None
+            if state.can_stop(d, rows):
+                state.mark(slot)
+                published = (slot, rows)
+            if lag:
+                to_read, pending = pending, published
+            else:
+                to_read = published
+            if to_read is None:
+                continue
+            slot, covered = to_read
+            stopped = {r for r, f in zip(covered, state.read(slot, len(covered))) if f}
+            going = [r for r in order[:active] if r not in stopped]
+            if not going:
+                break
+            if len(going) < active:
+                at = {r: k for k, r in enumerate(order)}
+                order = going + [r for r in order[:active] if r in stopped] + order[active:]
+                self._permute(step, B, [at[r] for r in order])
+                state.set_order(order)
+                active = len(going)
+        if order != list(range(B)):
+            at = {r: k for k, r in enumerate(order)}
+            self._permute(step, B, [at[r] for r in range(B)])
+        ran = [int(v) for v in step.ctl[2, :B].tolist()]  # each row's depth: where it stopped
+        run(full, "coda")
+        fill_skipped(self.engine, [(r, lanes[r], positions[r], ran[r], depths[r], rules[r].cache)
+                                   for r in range(B) if rules[r] is not None and ran[r] < depths[r]], step.x)
+        work = self.counters.add(max(ran), sum(ran))
+        logits = step.logits[:B]
+        out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=ran)
+        self._owners[key] = out
+        return out
+
+    def _exit_state(self) -> ExitState:
+        if self._exit_checks is None:
+            self._exit_checks = ExitState(self.model, self.cache.n_slots, self.device)
+        return self._exit_checks
+
+    def _capture_checks(self, state: ExitState, top: int) -> None:
+        """The exit check of every batch bucket up to `top` as graphs (kind "exit"), captured
+        the first time an exit step needs them: the check reads the bucket's residual and
+        logits buffers and the state's static buffers, every criterion the model offers
+        computed (each row keeps its own), so one graph per bucket, logits and host slot
+        serves every rule mix.
+        Capturing runs the check on whatever the buffers hold: before a step loads its rows."""
+        for bucket in self._batch_buckets:
+            if bucket > top:
+                break
+            step = self._batch_stage(bucket)
+            for slot in (0, 1):
+                for stage, logits in ((f"check{slot}", None), (f"check+logits{slot}", step.logits[:bucket])):
+                    if not self.graphs.covers("exit", bucket, [stage]):
+                        self.graphs.capture_stage(
+                            "exit", bucket, stage, lambda step=step, bucket=bucket, logits=logits, slot=slot:
+                            state.check(bucket, self.model.state(step.x[:bucket, 0]), logits, step.ctl[2, :bucket],
+                                        slot, state.all_kinds))
+
+    def _permute(self, step: BatchStep, B: int, perm: list[int]) -> None:
+        """Buffer rows [0, B) of a batched step reordered: row k takes row perm[k]."""
+        idx = self._slots(perm)
+        ctl = step.ctl[:, :B]
+        ctl.copy_(ctl.index_select(1, idx))
+        x = step.x[:B]
+        x.copy_(x.index_select(0, idx))
+
+    def _exit_stage(self, n: int) -> BatchStep:
+        """An eager stage set of exactly n rows over buffers every size shares (its first n)."""
+        if n not in self._exit:
+            if self._exit_shared is None:
+                self._exit_shared = batch_buffers(self.engine, self.cache.n_slots)
+            self._exit[n] = BatchStep(self.engine, n, self._exit_shared)
+        return self._exit[n]
 
     def release(self, out: StepOut | None) -> None:
         """The caller is done with `out`: its buffers may be reused without a copy."""

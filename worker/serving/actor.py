@@ -221,7 +221,7 @@ class WorkerActor:
         self._steps = _StepThread(self.scheduler, self._post)
         self._sweeper: asyncio.Task | None = None
         self._device = str(self.model.device)
-        self._metrics = _StepMetrics()
+        self._metrics = _StepMetrics(self.model.config.max_loops)
         s = self.model.startup
         log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s", self.worker_id, s["load_s"],
                  s["graphs"], sum(v for k, v in s.items() if k.endswith("_graphs_s")))
@@ -280,6 +280,8 @@ class WorkerActor:
             if isinstance(ev, Tokens):
                 slot[0].extend(ev.ids)
                 end = ev if ev.finish is not None else None
+                if end is not None and ev.finish.stats.get("iterations_histogram"):
+                    self._metrics.observe_iterations(ev.finish.stats["iterations_histogram"])
             else:
                 end = ev
             if end is not None:
@@ -360,6 +362,8 @@ class WorkerActor:
                           **_depth_and_safety(p))
             if p.get("speculative"):
                 kwargs["speculative"] = p["speculative"]
+            if p.get("early_exit") is not None:
+                kwargs["early_exit"] = p["early_exit"]
             req = self.model.make_request(ids, **kwargs)
         except (ValueError, RuntimeError) as e:
             yield _status(self.worker_id, e)
@@ -637,13 +641,17 @@ def _depth_and_safety(p: dict) -> dict:
 
 class _StepMetrics:
     """Cumulative histograms of what the steps did, which the gateway exports: rows of the
-    batched step, prompt tokens prefilled per step, the step's wall time. Bucket bounds are upper
-    bounds (Prometheus' `le`); the last is +inf."""
+    batched step, prompt tokens prefilled per step, the step's wall time, and the iterations
+    each early-exit decode token ran (bounds 1 .. max_loops). Bucket bounds are upper bounds
+    (Prometheus' `le`); the last is +inf."""
     BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     PREFILL = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096)
     SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
-    def __init__(self):
+    def __init__(self, max_loops: int = 1):
+        self.ITERATIONS = tuple(range(1, max_loops + 1))
+        self.iterations = [0] * (max_loops + 1)
+        self.iterations_sum = 0
         self._lock = threading.Lock()
         self.batch = [0] * (len(self.BATCH) + 1)
         self.prefill = [0] * (len(self.PREFILL) + 1)
@@ -670,6 +678,13 @@ class _StepMetrics:
             self.prefilled_together += st.prefilled_together
             self.batched_not_speculative += st.batched_not_speculative
 
+    def observe_iterations(self, histogram: list[int]) -> None:
+        """A finished early-exit stream's usage histogram (entry d - 1: its tokens that ran d)."""
+        with self._lock:
+            for d, n in enumerate(histogram, 1):
+                self.iterations[min(d, len(self.ITERATIONS)) - 1] += n
+                self.iterations_sum += d * n
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"steps": self.steps, "batch_bounds": list(self.BATCH), "batch_counts": list(self.batch),
@@ -679,6 +694,8 @@ class _StepMetrics:
                     "seconds_sum": self.seconds_sum, "cpu_seconds_sum": self.cpu_seconds_sum,
                     "prefilled_together": self.prefilled_together,
                     "batched_not_speculative": self.batched_not_speculative,
+                    "iterations_bounds": list(self.ITERATIONS), "iterations_counts": list(self.iterations),
+                    "iterations_sum": self.iterations_sum,
                     # every thread of the worker process (the step thread, the event loop, Ray's)
                     "process_cpu_seconds": time.process_time(), "clock_s": time.monotonic()}
 

@@ -1,0 +1,60 @@
+"""Early exit on CUDA: the exit step on the captured batch graphs (and its captured checks)
+against the torch reference path with the same rules, and a Ouro-shaped gated model's gate
+rule. Run on a GPU host: `pytest -m gpu tests/worker/test_gpu_early_exit.py`."""
+import dataclasses
+
+import pytest
+import torch
+
+from tinyloop.worker import Model
+
+from model_zoo import TINY, write_checkpoint
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128, 250, 11, 12], [9] * 6, [1, 2]]
+RULES = [{"criterion": "latent", "threshold": 0.3}, {"criterion": "kl", "threshold": 0.05},
+         {"criterion": "argmax", "patience": 1, "cache": "recompute"}, None]
+
+
+def _spy(monkeypatch, graphs) -> list:
+    from tinyloop.worker.runner.graphs import Graphs
+    calls = []
+    replay = Graphs.replay
+
+    def spy(self, kind, bucket, stage):
+        if self is graphs:
+            calls.append((kind, bucket, stage))
+        replay(self, kind, bucket, stage)
+    monkeypatch.setattr(Graphs, "replay", spy)
+    return calls
+
+
+def test_graphed_exit_equals_the_reference_path(tiny_path, monkeypatch):
+    with Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=4) as fast, \
+            Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", backend="torch",
+                  cuda_graphs=False, n_slots=4) as ref:
+        calls = _spy(monkeypatch, fast.runner.graphs)
+        a = fast.generate_batch(PROMPTS, per_lane_loops=[8, 8, 6, 7], max_tokens=16, early_exit=RULES)
+        b = ref.generate_batch(PROMPTS, per_lane_loops=[8, 8, 6, 7], max_tokens=16, early_exit=RULES)
+        one = fast.generate(PROMPTS[0], loops=8, max_tokens=16, early_exit=RULES[0])
+    # fp32 on both paths: the GEMMs round differently, so a near tie may flip; most tokens agree
+    agree = sum(x == y for p, g, h in zip(PROMPTS, a, b) for x, y in zip(g[len(p):], h[len(p):]))
+    assert agree >= 0.9 * 16 * len(PROMPTS)
+    assert list(one)[:len(PROMPTS[0]) + 4] == list(a[0])[:len(PROMPTS[0]) + 4]
+    checks = {s for k, _, s in calls if k == "exit"}
+    assert {"check0", "check1", "check+logits0", "check+logits1"} <= checks
+    assert min(bk for k, bk, s in calls if k == "batch" and isinstance(s, int)) < 4  # rows left the bucket
+
+
+def test_gate_rule_on_cuda(tmp_path):
+    cfg = dataclasses.replace(TINY, n_prelude=0, n_coda=0, n_loop_layers=2, norm="sandwich",
+                              loop_final_norm=True, final_norm=False, exit_gate=True, max_loops=12)
+    path = write_checkpoint(tmp_path / "ouro.tinyloop", cfg, seed=5, std=0.4)
+    rule = {"criterion": "gate", "threshold": 0.6}
+    with Model(path, max_seq_len=64, device="cuda", dtype="float32", n_slots=2) as fast, \
+            Model(path, max_seq_len=64, device="cpu", n_slots=2) as cpu:
+        g = fast.generate(PROMPTS[0], loops=8, max_tokens=12, early_exit=rule)
+        h = cpu.generate(PROMPTS[0], loops=8, max_tokens=12, early_exit=rule)
+    assert min(d for d, n in enumerate(h.stats["iterations_histogram"], 1) if n) < 8
+    assert list(g)[:len(PROMPTS[0]) + 4] == list(h)[:len(PROMPTS[0]) + 4]
