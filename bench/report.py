@@ -111,7 +111,7 @@ CURRENT = [
     ("startup-*", "cuda"), ("service", "cpu"), ("speculative", "cpu"), ("warmstart", "cpu"),
     ("context", "cpu"), ("load", "cuda"), ("load", "cpu"), ("families", "cuda"),
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
-    ("quant-error", "cpu"), ("quant-quality", "cpu"),
+    ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
 ]
 
 
@@ -404,7 +404,10 @@ def quant_decode_body(r: Result) -> str:
     return (table(["weights", "L", "per token", "floor", "HBM floor", "× floor"], rows or [[DASH] * 6])
             + "\n\nms per extra iteration: " + ", ".join(f"{code(k)} {ms(v)}" for k, v in slope.items())
             + f"; one iteration of the bf16 block from HBM: {ms(d.get('bf16_hbm_floor_ms_per_iteration'))}. "
-            + f"INT4 at L = 8 over bf16: {times(g.get('int4_over_bf16_at_8'))}.\n")
+            + f"INT4 at L = 8 over bf16: {times(g.get('int4_over_bf16_at_8'))}"
+            + "".join(f"; `{k}` {times(v.get('int4_over_bf16_at_8'))}" for k, v in (d.get("goals") or {}).items()
+                      if isinstance(v, dict) and k != "int4")
+            + ". The goals: at most 0.5× bf16 at L = 8, and a slope below bf16's.\n")
 
 
 def quant_error_body(r: Result) -> str:
@@ -426,6 +429,25 @@ def quant_quality_body(r: Result) -> str:
             + [share(get(v, "greedy", "token_agreement"))] for name, v in res.items() if isinstance(v, dict)]
     return ("Held-out bits per byte (change against fp32) and greedy tokens equal to fp32's.\n\n"
             + table(["weights"] + [f"L = {L}" for L in depths] + ["greedy tokens equal"], rows or [[DASH]]) + "\n")
+
+
+def early_exit_body(r: Result) -> str:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    rows = []
+    for x in r.data.get("rows") or []:
+        rule = x.get("rule")
+        name = "full depth" if not rule else (f"{rule.get('criterion')} < {rule.get('threshold')}" if
+                                              rule.get("criterion") != "argmax" else
+                                              f"argmax, patience {rule.get('patience', rule.get('threshold'))}")
+        rows.append([text(name), text(rule.get("cache") if rule else None), num(x.get("iterations_per_token"), ".2f"),
+                     f"{num(x.get('tok_s_b1'), ',.1f')} ({times(x.get('speedup_b1', 1.0))})",
+                     f"{num(x.get('tok_s_batched'), ',.1f')} ({times(x.get('speedup_batched', 1.0))})",
+                     num(x.get("agreement"), ".3f"), num(x.get("bpb"), ".4f"), num(x.get("bpb_delta_pct"), "+.2f", " %")])
+    return (f"Model {text(w.get('model'))}, full depth L = {text(w.get('loops') or get(r.data, 'rows', 0, 'loops'))}; "
+            "tokens/s at batch 1 and batched against full depth in the same run; greedy agreement with full depth; "
+            "held-out bits per byte under teacher forcing with the rule active.\n\n"
+            + table(["rule", "cache", "iterations / token", "tok/s batch 1", "tok/s batched", "greedy agreement",
+                     "bpb", "bpb vs full depth"], rows or [[DASH] * 8]) + "\n")
 
 
 def decode_plot(results: list[Result]) -> str:
@@ -803,6 +825,8 @@ QUANT_DECODE_INTRO = ("`bench/quant_decode.py`: bench-285m (random weights) in b
                       "dual-bit), batch-1 decode from the captured graphs, same run; floors from each format's bytes.")
 QUANT_ERROR_INTRO = ("`bench/quant_error.py`: the shared block quantized, the rest float; the error of the residual "
                      "against the float model by depth, for each rounding across iterations (docs/quantization.md).")
+EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exit.md) on the embedded default model, "
+                    "a sweep of rules and thresholds against full depth.")
 QUANT_QUALITY_INTRO = "`bench/quant_quality.py`: the embedded default model's held-out split, per weight format."
 RECOVER_INTRO = ("`bench/recover.py`: a real local Ray cluster and gateway; one worker killed as a crash kills it "
                  "while every worker runs streams; Ray restarts it with a new epoch.")
@@ -872,6 +896,8 @@ def render(results: Path = RESULTS) -> str:
                 quant_error_body),
         section("Quantized weights: quality on a CPU", QUANT_QUALITY_INTRO, n(("quant-quality", "cpu")),
                 quant_quality_body),
+        section("Early exit on the GPU", EARLY_EXIT_INTRO, n(("early-exit", "cuda")), early_exit_body),
+        section("Early exit on a CPU", EARLY_EXIT_INTRO, n(("early-exit", "cpu")), early_exit_body),
         section("Losing a worker under load on a CPU", RECOVER_INTRO, n(("recover", "cpu")), recover_body,
                 recover_extra),
         section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),
