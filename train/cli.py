@@ -20,6 +20,9 @@ def register(sub) -> None:
     for name in DIMS:
         t.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help=f"override the preset's {name}")
+    t.add_argument("--init", default=None, metavar="CKPT",
+                   help="start from this .tinyloop's weights, config and tokenizer (continue a run past one "
+                        "GPU call's budget; the preset is not used, and dimension flags must agree or be left out)")
     t.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     t.add_argument("--vocab-size", type=int, default=16384, help="BPE vocabulary size (--tokenizer bpe)")
     t.add_argument("--bpe-sample-mb", type=float, default=None,
@@ -102,6 +105,14 @@ def _config(args, vocab_size: int):
     return dataclasses.replace(cfg, vocab_size=vocab_size, **overrides)
 
 
+def _init_config(args, cfg):
+    """The --init checkpoint's config; a dimension flag that disagrees with it is refused."""
+    bad = {k: getattr(args, k) for k in DIMS if getattr(args, k) is not None and getattr(args, k) != getattr(cfg, k)}
+    if bad:
+        raise ValueError(f"--init {args.init}: its config disagrees with {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in bad.items())}")
+    return cfg
+
+
 def _train(args) -> int:
     import platform
     import time
@@ -118,7 +129,19 @@ def _train(args) -> int:
                          f"{corp.info['n_heldout_files']} held-out files under --corpus-mb {args.corpus_mb}; "
                          f"raise --corpus-mb")
     tokenizer_json, bytes_per_token = None, 1.0
-    if args.tokenizer == "bpe":
+    init_cfg = init_tok = None
+    if args.init:
+        init_cfg, meta = checkpoint.read_config(args.init)
+        init_tok = meta.get("tinyloop.tokenizer")
+        if (init_tok is not None) != (args.tokenizer == "bpe"):
+            raise ValueError(f"--init {args.init}: its tokenizer is {'BPE' if init_tok else 'bytes'}, "
+                             f"not --tokenizer {args.tokenizer}")
+    if init_tok is not None:
+        from tinyloop.train import bpe
+        train_tok, held_tok, tokenizer_json = (bpe.encode(init_tok, corp.train), bpe.encode(init_tok, corp.heldout),
+                                               init_tok)
+        bytes_per_token = corp.heldout.size / held_tok.size
+    elif args.tokenizer == "bpe":
         from tinyloop.train import bpe
         sample = int(args.bpe_sample_mb * 1e6) if args.bpe_sample_mb else None
         train_tok, held_tok, tokenizer_json = bpe.build(corp, args.vocab_size, args.corpus_dir, sample)
@@ -128,13 +151,13 @@ def _train(args) -> int:
               f"{bytes_per_token:.2f} bytes/token", file=sys.stderr)
     else:
         train_tok, held_tok, vocab = corp.train, corp.heldout, 256
-    cfg = _config(args, vocab)
+    cfg = _config(args, vocab) if init_cfg is None else _init_config(args, init_cfg)
     print(f"model: {cfg.n_params() / 1e6:.2f}M parameters, {cfg.to_json()}", file=sys.stderr)
     targs = trainer.TrainArgs(
         steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seq_len=args.seq_len,
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         max_train_loops=args.max_train_loops, depth_weighting=args.depth_weighting, eval_every=args.eval_every,
-        seed=args.seed,
+        seed=args.seed, init_from=args.init,
         compile=args.compile, progress=not args.no_progress,
         # The best checkpoint is the one with the lowest held-out loss at the deepest trained L.
         eval_loops=tuple(sorted({1, min(4, cfg.max_loops), min(8, cfg.max_loops), args.max_train_loops})))

@@ -12,7 +12,8 @@
 # package is one the CI machine installs too (a dependency of torch), so the CI test of the
 # shipped model reads the same package's code, never seen in training. The BPE merges are learnt
 # from a strided 40 MB sample of the training split. MINUTES (default: what is left of a
-# 9.5-minute budget after the corpus is built) bounds the training loop.
+# 9.5-minute budget after the corpus is built) bounds the training loop. A run longer than one
+# call's limit continues in the next: INIT=<the last call's default.tinyloop> (carried back).
 set -euo pipefail
 OUT="${OUT:-out}"
 PRESET="${PRESET:-bpe-8m}"
@@ -30,6 +31,8 @@ common=(--preset "$PRESET" --tokenizer bpe --vocab-size 2048 --bpe-sample-mb 40
         --packages "${PKGS[@]}" --heldout-packages "$HELDOUT" --package-mb 25 --corpus-mb 40
         --corpus-dir /tmp/tinyloop-corpus --batch-size 128 --seq-len 512 --lr 2e-3 --warmup-steps 200
         --max-train-loops 16 --depth-weighting deep)
+# INIT=<a .tinyloop carried here> continues that run (its weights, config and tokenizer).
+[[ -n "${INIT:-}" ]] && common+=(--init "$INIT")
 # One step first: builds and caches the corpus and the BPE ids, so the budget left is known.
 python -m tinyloop.cli train "${common[@]}" --steps 1 --no-progress --out /tmp/warm.tinyloop
 MINUTES="${MINUTES:-$(python -c "print(round(($BUDGET_S - ($(date +%s) - $t0) - 75) / 60, 2))")}"

@@ -53,6 +53,7 @@ class TrainArgs:
     eval_loops: tuple[int, ...] = (1, 4, 8)
     log_every: int = 10
     seed: int = 0
+    init_from: str | None = None  # a .tinyloop whose weights the run starts from (its config must be cfg)
     compile: bool = False
     progress: bool = True
 
@@ -108,6 +109,12 @@ def train(cfg: LoopedConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarra
 
     model = LoopedTransformer(cfg)
     model.init_weights(torch.Generator().manual_seed(args.seed))
+    if args.init_from is not None:
+        from tinyloop.worker.model import checkpoint
+        start, _ = checkpoint.load(args.init_from, "cpu", torch.float32)
+        if start.config.to_json() != cfg.to_json():
+            raise ValueError(f"init_from {args.init_from}: its config is not the run's")
+        model.load_state_dict(start.state_dict())
     model.to(device).train()
     if args.compile:
         # Per layer, so the Python loop over L stays eager: one compiled graph serves every depth.

@@ -257,3 +257,27 @@ def test_train_and_eval_on_a_package_corpus_through_the_cli(tmp_path, capsys):
     assert main(["eval-bpb", "--model", str(out), "--loops", "1", "2", "--windows", "4", "--seq-len", "32",
                  *common, "--json", str(js)]) == 0
     assert json.loads(js.read_text())["bpb"] == c["bpb"]
+
+
+def test_train_continues_from_a_checkpoint(tmp_path, capsys):
+    """`tinyloop train --init CKPT` starts from the file's weights, config and BPE tokenizer (at a
+    zero learning rate the saved file holds exactly the start's weights); a dimension flag or a
+    tokenizer that disagrees with the file is refused before any step."""
+    from tinyloop.cli import main
+    from tinyloop.worker.model import checkpoint
+    base = ["--steps", "2", "--corpus-mb", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+            "--corpus-dir", str(tmp_path / "corpus"), "--no-progress"]
+    a, b = tmp_path / "a.tinyloop", tmp_path / "b.tinyloop"
+    assert main(["train", "--preset", "tiny", "--tokenizer", "bpe", "--vocab-size", "320", *base,
+                 "--out", str(a)]) == 0, capsys.readouterr().err
+    assert main(["train", "--init", str(a), "--tokenizer", "bpe", *base, "--lr", "0", "--out", str(b)]) == 0
+    ma, meta_a = checkpoint.load(a)
+    mb, meta_b = checkpoint.load(b)
+    assert meta_b["tinyloop.tokenizer"] == meta_a["tinyloop.tokenizer"] and mb.config == ma.config
+    for (k, va), vb in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(va, vb), k
+    capsys.readouterr()
+    assert main(["train", "--init", str(a), "--tokenizer", "bpe", *base, "--d-model", "96", "--out", str(b)]) == 2
+    assert "its config disagrees with --d-model 96" in capsys.readouterr().err
+    assert main(["train", "--init", str(a), *base, "--out", str(b)]) == 2
+    assert "its tokenizer is BPE, not --tokenizer byte" in capsys.readouterr().err
