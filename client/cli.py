@@ -60,7 +60,8 @@ def generate_remote(args) -> int:
         _print_stream(c.generate(args.prompt, loops=args.loops, max_tokens=args.max_tokens,
                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                  repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                 cache_window=args.cache_window, include_text=True))
+                                 cache_window=args.cache_window, include_text=True,
+                                 kv_mode=args.kv_mode or ""))
     return 0
 
 

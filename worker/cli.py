@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from tinyloop.worker.model.settings import KV_MODES  # torch-free: the mode names only
+
 
 def register(sub) -> None:
     g = sub.add_parser("generate", help="generate text (in-process, or --server HOST:PORT over gRPC)")
@@ -19,6 +21,9 @@ def register(sub) -> None:
     g.add_argument("--cache-window", type=int, default=0)
     g.add_argument("--l-warmup-tokens", type=int, default=0)
     g.add_argument("--l-warmup-L", type=int, default=None)
+    g.add_argument("--kv-mode", default=None, choices=KV_MODES,
+                   help="what the cache stores (docs/kv-cache.md; default: the TINYLOOP_KV_* variables, else kv); "
+                        "with --server, the worker's mode, checked")
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--max-loops", type=int, default=None,
@@ -66,7 +71,7 @@ def _generate(args) -> int:
         return generate_remote(args)
     from tinyloop.worker.api import Model
     with Model(args.model, device=args.device, dtype=args.dtype, max_loops=args.max_loops,
-               init_scale=args.init_scale) as model:
+               init_scale=args.init_scale, kv_mode=args.kv_mode) as model:
         tok = model.tokenizer
         req = model.make_request(tok.encode(args.prompt), args.loops, args.max_tokens, args.temperature,
                                  args.top_k, args.top_p, args.repetition_penalty, args.seed,
@@ -81,7 +86,7 @@ def _generate(args) -> int:
         except StopIteration as stop:
             finish = stop.value
         print(f"\n[finish: {finish.reason}, {finish.stats['completion_tokens']} tokens, "
-              f"L={req.loops}]", file=sys.stderr)
+              f"L={req.loops}, kv_mode {model.kv_mode}]", file=sys.stderr)
     return 0
 
 
