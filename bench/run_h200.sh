@@ -6,7 +6,7 @@
 #                                          #   speculative startup (default: all); tiles, load, families, kv, quant,
 #                                          #   int4-tune, exit on demand (load: the service under load; carry .whl for
 #                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
-#                                          #   bf16; int4-tune: the INT4 tile sweep and decode A/B, bench/run_int4_tune.sh;
+#                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
 #                                          #   exit: early exit's sweep, bench/early_exit.py)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
@@ -60,7 +60,17 @@ for s in "${steps[@]}"; do
             [ "$what" = decode ] && args="$args ${DECODE_ARGS:-}"
             run "$s" "${BASE_S:-150}" bash -c "cd '$BASE' && unset PYTHONPATH && source bench/gpu_env.sh && TINYLOOP_COMMIT='${BASE_COMMIT:-}' python -m bench.$what $args" ;;
         quant) run quant "${QUANT_S:-300}" python -m bench.quant_decode --out-dir "$OUT" ;;
-        int4-tune) run int4-tune "${INT4_TUNE_S:-480}" env OUT="$OUT" bash bench/run_int4_tune.sh ;;
+        int4-tune)  # the INT4 kernels' GPU tests; the tile sweep (hot and cold, into int4-tiles-cuda.json with
+                    # the TILES entries to paste); decode at L = 1..16 in bf16, INT4 on the code's tables
+                    # (`int4`) and on the swept tiles (`int4-tuned`), one run. About 6 minutes.
+            run int4-tests "${TESTS_S:-150}" python -m pytest -m gpu tests/kernels/test_kernel_int4_gemv.py -q -p no:cacheprovider
+            run int4-tiles "${SWEEP_S:-200}" python -m bench.int4_tiles --out-dir "$OUT" --budget-s "${BUDGET_S:-150}"
+            formats=(bf16 int4); tiles=()
+            if [ -s "$OUT/int4-tiles-cuda.json" ] && grep -q '"tiles_entries"' "$OUT/int4-tiles-cuda.json"; then
+                formats+=(int4-tuned); tiles=(--tiles "$OUT/int4-tiles-cuda.json")
+            fi
+            run quant-decode "${DECODE_S:-150}" python -m bench.quant_decode --out-dir "$OUT" --loops 1 2 4 8 16 \
+                --formats "${formats[@]}" "${tiles[@]}" ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         exit) run early-exit "${EXIT_S:-540}" python -m bench.early_exit --device cuda --out-dir "$OUT" ${EXIT_ARGS:-} ;;
         kv) run kv-decode "${KV_S:-420}" python -m bench.kv_decode --out-dir "$OUT" ${KV_ARGS:-}
