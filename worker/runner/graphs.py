@@ -5,7 +5,9 @@ lane a request holds and the graph count does not grow with the lane count.
 - the batch-1 decode step, one graph per depth (`DecodeGraph`): fused projections, the head's
   argmax in its epilogue, and a tail kernel that feeds the greedy token into the next replay
   and into a pinned host ring;
-- the stages of a padded prefill (`stages.PaddedPrefill`), per prompt-length bucket;
+- the stages of a padded prefill (`stages.PaddedPrefill`), per prompt-length bucket, and of
+  its multi-row form (2 or 4 prompts of one bucket, each at its own depth: kind "prefill2" /
+  "prefill4"), which a step's fresh prompts share (`Runner.prefill_many`);
 - the stages of a batched decode step (`stages.BatchStep`), per lane-count bucket;
 - the stages of a tree / chain verify (`stages.TreeStages`), per node-count bucket.
 
