@@ -464,3 +464,15 @@ def test_early_exit_bench_cpu(tmp_path, tiny_path):
         assert 1 <= row["iterations_per_token"] <= 4 and row["tok_s_b1"] > 0 and row["tok_s_batched"] > 0
         assert 0 <= row["agreement"] <= 1 and row["bpb"] > 0
         assert sum(row["iterations_histogram"]) == 5  # 6 tokens: 5 decode steps
+
+
+def test_ray_hop_bench(tmp_path):
+    """bench/ray_hop.py on a local Ray cluster: a plain call's round trip and a streaming call's
+    first and next items, all positive; bad counts refused."""
+    from bench import ray_hop
+    with pytest.raises(ValueError, match="--items >= 2"):
+        ray_hop.main(["--items", "1", "--out-dir", str(tmp_path)])
+    ray_hop.main(["--calls", "3", "--items", "3", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "ray-hop-cpu.json").read_text())["results"]
+    assert r["calls"] == 3 and r["items_per_stream"] == 3
+    assert r["plain_call_ms"] > 0 and r["stream_first_item_ms"] > 0 and r["stream_next_item_ms"] > 0
