@@ -68,11 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls < 1 or args.items < 2:
         raise ValueError(f"--calls must be >= 1 and --items >= 2, got {args.calls} and {args.items}")
     import ray
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()  # a caller's cluster (a test process's) is reused, and left up
+    if started:
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         res = asyncio.run(measure(args.calls, args.items))
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     print(f"Ray actor call {res['plain_call_ms']:.2f} ms; streaming call: first item "
           f"{res['stream_first_item_ms']:.2f} ms, each next {res['stream_next_item_ms']:.2f} ms")
     write("ray-hop-cpu", {"hardware": hardware(torch.device("cpu")), "ray": ray.__version__, "results": res},
