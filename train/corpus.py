@@ -152,10 +152,7 @@ def build(cache_dir: str | os.PathLike | None = None, root: Path | None = None,
             "train_bytes": int(train.size), "heldout_bytes": int(heldout.size),
             "heldout_files": [r for r, _ in held]}
     if paths is not None:
-        paths["train.npy"].parent.mkdir(parents=True, exist_ok=True)
-        np.save(paths["train.npy"], train)
-        np.save(paths["heldout.npy"], heldout)
-        paths["info.json"].write_text(json.dumps(info))
+        _save_cache(paths, train, heldout, info)
     if verbose:
         print(f"corpus: {root} (python {info['python']}): {info['n_train_files']} train files ({train.size / 1e6:.1f} MB), "
               f"{info['n_heldout_files']} held out ({heldout.size / 1e6:.2f} MB), {info['n_test_files']} in test suites")
@@ -221,10 +218,7 @@ def build_packages(packages: list[str], heldout_packages: list[str], cache_dir: 
             "train_bytes": int(train.size), "heldout_bytes": int(heldout.size),
             "heldout_files": [r for r, _ in held]}
     if paths is not None:
-        paths["train.npy"].parent.mkdir(parents=True, exist_ok=True)
-        np.save(paths["train.npy"], train)
-        np.save(paths["heldout.npy"], heldout)
-        paths["info.json"].write_text(json.dumps(info))
+        _save_cache(paths, train, heldout, info)
     if verbose:
         print(f"corpus: stdlib {info['stdlib_bytes'] / 1e6:.1f} MB + {len(packages)} packages, "
               f"{train.size / 1e6:.1f} MB training; held out {', '.join(heldout_packages)}: "
@@ -237,6 +231,13 @@ def heldout_package_bytes(heldout_packages: list[str], site: Path | None = None,
     """The held-out packages' documents alone (reads no training file): what eval-bpb reads."""
     site = Path(site) if site is not None else site_packages_dir()
     return _join([d for p in heldout_packages for _, d in _read_docs(site, package_files(site, p, package_max_bytes))])
+
+
+def _save_cache(paths: dict, train: np.ndarray, heldout: np.ndarray, info: dict) -> None:
+    paths["train.npy"].parent.mkdir(parents=True, exist_ok=True)
+    np.save(paths["train.npy"], train)
+    np.save(paths["heldout.npy"], heldout)
+    paths["info.json"].write_text(json.dumps(info))
 
 
 def installed_packages(site: Path | None = None, min_bytes: int = 0) -> dict[str, int]:
