@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml deploy/tools/fetch_helm.py
 run: $(STAMP)
 	$(BIN)/tinyloop serve
 
-# Regenerate the client stubs from proto/tinyloop/v1/tinyloop.proto (a test fails when stale).
+# Regenerate the stubs of proto/tinyloop/v1/tinyloop.proto (the client) and
+# proto/tinyloop/worker/v1/channel.proto (the worker channel); a test fails when they are stale.
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 

@@ -103,7 +103,8 @@ def serve_args(path: str, args, port, mport) -> list[str]:
             "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms),
             "--gil-switch-ms", str(args.gil_switch_ms), "--max-hops-per-s", str(args.max_hops_per_s),
             "--speculative-max-running", str(args.speculative_max_running),
-            "--prefill-together" if args.prefill_together else "--no-prefill-together"]
+            "--prefill-together" if args.prefill_together else "--no-prefill-together",
+            "--worker-channel" if args.worker_channel else "--no-worker-channel"]
 
 
 def serve(path: str, args, port: int, mport: int, log_path: str) -> subprocess.Popen:
@@ -198,6 +199,8 @@ def main() -> int:
                     help="tinyloop serve's --prefill-together")
     ap.add_argument("--speculative-max-running", type=int, default=4,
                     help="tinyloop serve's --speculative-max-running")
+    ap.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
+                    help="tinyloop serve's --worker-channel: tokens over the worker's gRPC channel, else Ray")
     ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
     ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
     ap.add_argument("--max-hops-per-s", type=float, default=640.0, help="tinyloop serve's --max-hops-per-s")
@@ -287,7 +290,7 @@ def main() -> int:
                      "prefill_together": args.prefill_together,
                      "speculative_max_running": args.speculative_max_running,
                      "coalesce_ms": args.coalesce_ms, "gil_switch_ms": args.gil_switch_ms,
-                     "max_hops_per_s": args.max_hops_per_s,
+                     "max_hops_per_s": args.max_hops_per_s, "worker_channel": args.worker_channel,
                      "greedy": True},
         "in_process_one_stream": alone,
         "ceiling": ceil,

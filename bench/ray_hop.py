@@ -1,15 +1,17 @@
-"""What a Ray hop costs the service's latency, with no model behind it: the floor under the
-gateway's time to first token.
+"""What the hop from the gateway to a worker costs the service's latency, with no model behind
+it: the floor under the gateway's time to first token, by each path a stream can take.
 
     python -m bench.ray_hop                 # writes bench/results/ray-hop-cpu.json
 
-The gateway places each request on a worker actor as one Ray streaming call
-(`actor.generate.options(num_returns="streaming")`) and awaits each yielded item; the worker
-yields the first tokens at once. This measures that path alone on a local Ray cluster, from an
-asyncio driver as the gateway's: a plain actor call's round trip, a streaming call's first item,
-and each further item of the stream (medians over --calls calls). A service's TTFT overhead over
-in-process (bench/load.py's `one_stream_vs_in_process`) is at least the streaming call's first
-item plus gRPC's own hop.
+A stream reaches the gateway either as a Ray streaming call
+(`actor.generate.options(num_returns="streaming")`, each yielded item awaited) or over the
+worker's token channel (worker/serving/channel.py: a gRPC stream from the worker process, the
+real `ChannelServicer` in front of the actor's `generate`). The worker yields the first tokens
+at once. This measures both alone on a local Ray cluster, from an asyncio driver as the
+gateway's: a plain actor call's round trip, and for each path a stream's first item and each
+further item (medians over --calls calls). A service's TTFT overhead over in-process
+(bench/load.py's `one_stream_vs_in_process`) is at least its path's first item plus the public
+gRPC hop.
 """
 from __future__ import annotations
 
@@ -23,19 +25,58 @@ import torch
 from bench.common import hardware, write
 
 
+class Echo:
+    """A worker with no model: its `generate` yields `max_tokens` one-token chunks, then a Complete,
+    the shape of `WorkerActor.generate`'s stream."""
+
+    async def generate(self, key: str, caller: str, p: dict):
+        for i in range(p["max_tokens"]):
+            yield {"ids": [i], "text": ""}
+        yield {"complete": {"reason": "length", "stats": {}, "worker_id": "echo"}}
+
+    async def stream(self, n: int):
+        for i in range(n):
+            yield {"ids": [i]}
+
+    async def call(self) -> int:
+        return 1
+
+    async def channel(self) -> dict:
+        from tinyloop.worker.serving import channel
+        if not hasattr(self, "_channel"):
+            self._channel = await channel.serve(self, channel.ChannelOptions(host="127.0.0.1"))
+        return self._channel[1]
+
+
+async def _channel_hops(actor, calls: int, items: int) -> tuple[list[float], list[float]]:
+    import json
+
+    import grpc
+
+    from tinyloop.worker.serving import channel, channel_pb2 as cpb, channel_pb2_grpc as cpb_grpc
+    info = await actor.channel.remote()
+    first, rest = [], []
+    async with grpc.aio.insecure_channel(info["address"]) as ch:
+        stub = cpb_grpc.WorkerChannelStub(ch)
+        md = ((channel.TOKEN_KEY, info["token"]),)
+        call = cpb.StreamCall(key="k", caller="bench", params_json=json.dumps({"max_tokens": items}))
+        async for _ in stub.Generate(call, metadata=md):  # the connection up and the handler warm
+            pass
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            t_first = None
+            async for ev in stub.Generate(call, metadata=md):
+                if t_first is None:
+                    t_first = time.perf_counter()
+            first.append(t_first - t0)
+            rest.append((time.perf_counter() - t_first) / items)  # the items after the first, and the Complete
+    return first, rest
+
+
 async def measure(calls: int, items: int) -> dict:
     import ray
 
-    @ray.remote(max_concurrency=100)
-    class Echo:
-        async def stream(self, n: int):
-            for i in range(n):
-                yield {"ids": [i]}
-
-        async def call(self) -> int:
-            return 1
-
-    actor = Echo.remote()
+    actor = ray.remote(max_concurrency=100)(Echo).remote()
     await actor.call.remote()  # the actor up and its method warm
     async for ref in actor.stream.options(num_returns="streaming").remote(items):
         await ref
@@ -53,8 +94,10 @@ async def measure(calls: int, items: int) -> dict:
                 t_first = time.perf_counter()
         first.append(t_first - t0)
         rest.append((time.perf_counter() - t_first) / max(1, items - 1))
+    ch_first, ch_rest = await _channel_hops(actor, calls, items)
     ms = lambda xs: round(1e3 * statistics.median(xs), 3)  # noqa: E731
     return {"plain_call_ms": ms(plain), "stream_first_item_ms": ms(first), "stream_next_item_ms": ms(rest),
+            "channel_first_item_ms": ms(ch_first), "channel_next_item_ms": ms(ch_rest),
             "calls": calls, "items_per_stream": items}
 
 
@@ -76,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if started:
             ray.shutdown()
-    print(f"Ray actor call {res['plain_call_ms']:.2f} ms; streaming call: first item "
-          f"{res['stream_first_item_ms']:.2f} ms, each next {res['stream_next_item_ms']:.2f} ms")
+    print(f"Ray actor call {res['plain_call_ms']:.2f} ms; Ray streaming call: first item "
+          f"{res['stream_first_item_ms']:.2f} ms, each next {res['stream_next_item_ms']:.2f} ms; worker channel: "
+          f"first item {res['channel_first_item_ms']:.2f} ms, each next {res['channel_next_item_ms']:.2f} ms")
     write("ray-hop-cpu", {"hardware": hardware(torch.device("cpu")), "ray": ray.__version__, "results": res},
           args.out_dir)
     return 0

@@ -453,9 +453,11 @@ def early_exit_body(r: Result) -> str:
 
 def ray_hop_body(r: Result) -> str:
     x = r.data.get("results") if isinstance(r.data.get("results"), dict) else {}
-    return (table(["Ray actor call (round trip)", "streaming call: first item", "each next item"],
-                  [[ms(x.get("plain_call_ms")),
-                    ms(x.get("stream_first_item_ms")), ms(x.get("stream_next_item_ms"))]])
+    return (table(["path", "first item", "each next item"],
+                  [["Ray streaming call", ms(x.get("stream_first_item_ms")), ms(x.get("stream_next_item_ms"))],
+                   ["worker token channel (gRPC)", ms(x.get("channel_first_item_ms")),
+                    ms(x.get("channel_next_item_ms"))]])
+            + f"\n\nA plain Ray actor call's round trip: {ms(x.get('plain_call_ms'))}."
             + f"\n\nMedians over {text(x.get('calls'))} calls, {text(x.get('items_per_stream'))} items a stream; "
             f"Ray {text(r.data.get('ray'))}.\n")
 
@@ -835,8 +837,9 @@ QUANT_DECODE_INTRO = ("`bench/quant_decode.py`: bench-285m (random weights) in b
                       "dual-bit), batch-1 decode from the captured graphs, same run; floors from each format's bytes.")
 QUANT_ERROR_INTRO = ("`bench/quant_error.py`: the shared block quantized, the rest float; the error of the residual "
                      "against the float model by depth, for each rounding across iterations (docs/quantization.md).")
-RAY_HOP_INTRO = ("`bench/ray_hop.py`: the gateway's path to a worker with no model behind it, a local Ray cluster "
-                 "and an asyncio driver: the floor under the service's time to first token.")
+RAY_HOP_INTRO = ("`bench/ray_hop.py`: the gateway's paths to a worker with no model behind it (a Ray streaming "
+                 "call, the worker's token channel), a local Ray cluster and an asyncio driver: the floor under "
+                 "the service's time to first token.")
 EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exit.md) on the embedded default model, "
                     "a sweep of rules and thresholds against full depth.")
 QUANT_QUALITY_INTRO = "`bench/quant_quality.py`: the embedded default model's held-out split, per weight format."
@@ -910,7 +913,7 @@ def render(results: Path = RESULTS) -> str:
                 quant_quality_body),
         section("Early exit on the GPU", EARLY_EXIT_INTRO, n(("early-exit", "cuda")), early_exit_body),
         section("Early exit on a CPU", EARLY_EXIT_INTRO, n(("early-exit", "cpu")), early_exit_body),
-        section("A Ray hop on a CPU", RAY_HOP_INTRO, n(("ray-hop", "cpu")), ray_hop_body),
+        section("The hop to a worker on a CPU", RAY_HOP_INTRO, n(("ray-hop", "cpu")), ray_hop_body),
         section("Losing a worker under load on a CPU", RECOVER_INTRO, n(("recover", "cpu")), recover_body,
                 recover_extra),
         section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),

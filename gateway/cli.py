@@ -45,10 +45,20 @@ def register(sub) -> None:
     s.add_argument("--speculative-max-running", type=int, default=4,
                    help="a greedy speculative request decodes in the batched step instead (the same tokens) "
                         "when this many streams already run on its worker (0: always speculative)")
+    s.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream tokens from each worker to the gateway over gRPC (the worker channel) "
+                        "instead of Ray streaming calls; Ray keeps placement and the unary calls")
+    s.add_argument("--worker-channel-host", default=None,
+                   help="where workers listen for the channel (default: 127.0.0.1 with a local Ray, "
+                        "0.0.0.0 when joining a cluster, each worker advertising its node's IP)")
+    s.add_argument("--worker-channel-port", type=int, default=0,
+                   help="the channel's port on each worker (0: a free one; fix it where a network policy "
+                        "must name it, one worker per node or pod)")
     s.add_argument("--coalesce-ms", type=float, default=50.0,
-                   help="after a stream's first token, tokens are sent per Ray hop at most this often")
+                   help="after a stream's first token, tokens are sent per hop (a channel message or a Ray "
+                        "item) at most this often")
     s.add_argument("--max-hops-per-s", type=float, default=640.0,
-                   help="Ray hops per second a worker's streams share after their first tokens: with more "
+                   help="hops per second a worker's streams share after their first tokens: with more "
                         "streams than this allows at --coalesce-ms, each stream's chunks come less often")
     s.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="the worker process's interpreter switch interval: how long its torch thread may "
@@ -106,6 +116,8 @@ def _serve(args) -> int:
         raise ValueError(f"--gil-switch-ms must be > 0, got {args.gil_switch_ms}")
     if args.speculative_max_running < 0:
         raise ValueError(f"--speculative-max-running must be >= 0, got {args.speculative_max_running}")
+    if not 0 <= args.worker_channel_port < 65536:
+        raise ValueError(f"--worker-channel-port must be in [0, 65535], got {args.worker_channel_port}")
     if args.step_tokens < 1:
         raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     tokens = parse_tokens(args.auth_tokens)
@@ -119,7 +131,11 @@ def _serve(args) -> int:
                                  init_scale=args.init_scale, step_tokens=args.step_tokens,
                                  max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
                                  kv_mode=args.kv_mode, prefill_together=args.prefill_together,
-                                 speculative_max_running=args.speculative_max_running)
+                                 speculative_max_running=args.speculative_max_running,
+                                 channel=args.worker_channel,
+                                 channel_host=args.worker_channel_host or (
+                                     "127.0.0.1" if args.ray_address is None else "0.0.0.0"),
+                                 channel_port=args.worker_channel_port)
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:
@@ -133,7 +149,8 @@ def _serve(args) -> int:
         gw = await Gateway.start(actors, GatewayOptions(
             host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * (1 << 20)),
             auth_tokens=tokens, drain_grace_s=args.drain_grace_s, tls_cert_file=args.tls_cert,
-            tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca))
+            tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca,
+            worker_channel=args.worker_channel))
         print(f"tinyloop serve: listening on {args.host}:{gw.port} with {len(actors)} worker(s)", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

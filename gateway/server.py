@@ -2,16 +2,21 @@
 
 Per RPC: auth and caller identity from metadata → cheap wire checks (the worker re-checks
 everything with the Model's own messages) → placement (new work: the least-loaded live
-worker; handle calls: the worker named inside the handle id) → a Ray call, streamed back.
+worker; handle calls: the worker named inside the handle id) → the worker: Generate and Resume
+stream over the worker's token channel (gRPC straight into the worker process,
+worker/serving/channel.py), or a Ray streaming call where the channel is off; the unary calls
+are Ray calls.
 
 Cancellation: when the client cancels or its deadline passes, grpc.aio cancels the handler
 task; the handler's `finally` tells the worker to stop the stream (checked before every
-decode step) and cancels the Ray streaming task, so the lane is free within one step.
+decode step) and cancels the Ray streaming task (or the channel call, which cancels the worker's
+stream itself), so the lane is free within one step.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import threading
 import time
@@ -28,6 +33,9 @@ from tinyloop.client import tinyloop_pb2 as pb
 from tinyloop.client import tinyloop_pb2_grpc as pb_grpc
 from tinyloop.gateway import handles, metrics
 from tinyloop.gateway.status import ServiceError, invalid
+from tinyloop.worker.serving import channel as worker_channel
+from tinyloop.worker.serving import channel_pb2 as cpb
+from tinyloop.worker.serving import channel_pb2_grpc as cpb_grpc
 
 log = logging.getLogger("tinyloop.gateway")
 
@@ -54,6 +62,7 @@ class GatewayOptions:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # PEM CA bundle: require client certificates it signed (mutual TLS)
     max_prompt_tokens: int = 1 << 20
+    worker_channel: bool = True  # stream over a worker's token channel where it offers one (else Ray)
 
 
 def server_options(o: GatewayOptions) -> list[tuple[str, int]]:
@@ -84,7 +93,24 @@ class _Worker:
         for key, seconds in info.get("startup", {}).items():  # worker/api.py Model.startup
             if key.endswith("_s"):
                 metrics.STARTUP.labels(self.label, key[:-2]).set(seconds)
+        self.stub = self._channel = None
+        self.channel_token = ""
 
+    async def connect(self, use_channel: bool) -> None:
+        """(Re)open the token channel the worker's info offers (a restarted worker offers a new
+        address and token); without one, or with use_channel off, streams go through Ray."""
+        await self.close()
+        ch = self.info.get("channel") if use_channel else None
+        if ch:
+            size = worker_channel.MAX_MESSAGE_BYTES
+            self._channel = grpc.aio.insecure_channel(ch["address"], options=[
+                ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
+            self.stub, self.channel_token = cpb_grpc.WorkerChannelStub(self._channel), ch["token"]
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel, self.stub = self._channel, None, None
+            await channel.close()
 
     def load_now(self) -> int:
         """Jobs on the worker now, as far as this gateway can tell: the worker's count at the
@@ -102,6 +128,10 @@ def _deadline(context, p: dict) -> None:
     remaining = context.time_remaining()
     if remaining is not None:
         p["timeout_s"] = remaining
+
+
+class _ChannelDown(Exception):
+    """The worker's token channel broke mid-call (the worker died or restarted)."""
 
 
 class TinyLoopServicer(pb_grpc.TinyLoopServicer):
@@ -171,6 +201,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         while True:
             try:
                 w.info = await w.actor.info.remote()
+                await w.connect(self.o.worker_channel)
                 w.healthy = True
                 log.info("%s is back (epoch %d)", w.label, w.info["epoch"])
                 self._health_changed()
@@ -323,7 +354,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         t0 = time.perf_counter()
         first = True
         done = False
-        gen = None
+        items = None
         n_tokens, t_first = 0, t0
         w.inflight += 1
         self.inflight += 1
@@ -331,9 +362,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         task = asyncio.current_task()
         self.streams.add(task)
         try:
-            gen = getattr(w.actor, actor_method).options(num_returns="streaming").remote(key, *args)
-            async for ref in gen:
-                item = await ref
+            items = (self._channel_items if w.stub is not None else self._ray_items)(w, key, actor_method, args)
+            async for item in items:
                 if "error" in item:
                     done = True
                     raise ServiceError.from_worker(item["error"])
@@ -361,7 +391,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             # the drain's grace ran out with this stream still going: it ends with the reason
             await self._fail(method, context, ServiceError(
                 "UNAVAILABLE", "DRAINING", "the gateway shut down before the stream finished; retry elsewhere"))
-        except _ACTOR_ERRORS as e:
+        except (_ChannelDown, *_ACTOR_ERRORS) as e:
             done = True
             self._worker_failed(w)
             await self._fail(method, context, ServiceError(
@@ -373,13 +403,50 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             self.inflight -= 1
             metrics.INFLIGHT.labels(w.label).dec()
             metrics.LATENCY.labels(method).observe(time.perf_counter() - t0)
-            if not done and gen is not None:
-                # Client cancel, deadline, or a send failure: stop the worker's compute now.
+            if items is not None:
+                # not done (a client cancel, a deadline, a send failure): each path stops the
+                # worker's compute now as it closes
+                await items.aclose()
+
+    async def _ray_items(self, w: _Worker, key: str, actor_method: str, args: tuple):
+        """The stream's items through a Ray streaming call."""
+        gen = getattr(w.actor, actor_method).options(num_returns="streaming").remote(key, *args)
+        done = False
+        try:
+            async for ref in gen:
+                item = await ref
+                done = "ids" not in item  # an error or the Complete: the worker's stream has ended
+                yield item
+        finally:
+            if not done:
                 w.actor.cancel.remote(key)
                 try:
                     ray.cancel(gen)
                 except Exception:  # already finished, or a Ray without generator cancel
                     pass
+
+    async def _channel_items(self, w: _Worker, key: str, actor_method: str, args: tuple):
+        """The stream's items over the worker's token channel. Cancelling the call cancels the
+        worker's handler, and so its stream, at once."""
+        if actor_method == "generate":
+            caller, p = args
+            call = cpb.StreamCall(key=key, caller=caller, params_json=json.dumps(p))
+            rpc = w.stub.Generate(call, metadata=((worker_channel.TOKEN_KEY, w.channel_token),))
+        else:
+            caller, token, epoch, p = args
+            call = cpb.StreamCall(key=key, caller=caller, params_json=json.dumps(p), handle_token=token,
+                                  handle_epoch=epoch)
+            rpc = w.stub.Resume(call, metadata=((worker_channel.TOKEN_KEY, w.channel_token),))
+        try:
+            async for ev in rpc:
+                yield worker_channel.item(ev)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _ChannelDown(e.details()) from None
+            raise ServiceError("INTERNAL", "INTERNAL",
+                               f"{w.label}'s token channel failed: {e.code().name}: {e.details()}") from None
+        finally:
+            rpc.cancel()  # a no-op once the call has finished
 
     def _complete(self, w: _Worker, c: dict) -> pb.Complete:
         st = c["stats"]
@@ -633,6 +700,8 @@ class Gateway:
         o = options or GatewayOptions()
         infos = await asyncio.gather(*(_ref(a.info.remote()) for a in actors))
         workers = [_Worker(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
+        for w in workers:
+            await w.connect(o.worker_channel)
         servicer = TinyLoopServicer(workers, o)
         server = grpc.aio.server(options=server_options(o), interceptors=[MalformedRequests()])
         pb_grpc.add_TinyLoopServicer_to_server(servicer, server)
@@ -665,6 +734,8 @@ class Gateway:
                 task.cancel()
             await asyncio.sleep(0.1)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        for w in self.servicer.workers:
+            await w.close()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

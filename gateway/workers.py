@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import ray
 
 from tinyloop.worker.serving.actor import WorkerActor  # imports no torch at module level
+from tinyloop.worker.serving.channel import ChannelOptions
 
 NAMESPACE = "tinyloop"
 
@@ -35,6 +36,10 @@ class WorkerOptions:
     prefill_together: bool = True  # a step's fresh prompts prefill together (SchedulerOptions)
     speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
     kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings
+    # the token channel (worker/serving/channel.py): streams over gRPC into the worker, not Ray
+    channel: bool = True
+    channel_host: str = "0.0.0.0"  # every interface, the node's IP advertised; 127.0.0.1 for one host
+    channel_port: int = 0          # 0: a free port (one per worker on a node)
 
 
 def cluster_gpus() -> int:
@@ -74,7 +79,8 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens,
                  max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s, kv_mode=opts.kv_mode,
                  prefill_together=opts.prefill_together,
-                 speculative_max_running=opts.speculative_max_running))
+                 speculative_max_running=opts.speculative_max_running,
+                 channel=ChannelOptions(opts.channel, opts.channel_host, opts.channel_port)))
     return actors
 
 

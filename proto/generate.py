@@ -1,7 +1,10 @@
-"""Generate the Python stubs of proto/tinyloop/v1/tinyloop.proto into tinyloop.client.
+"""Generate the Python stubs of the project's protos.
 
-    python proto/generate.py             # rewrite client/tinyloop_pb2*.py (make proto)
-    python proto/generate.py --out DIR   # write them elsewhere (the staleness test does)
+    proto/tinyloop/v1/tinyloop.proto         -> tinyloop.client.tinyloop_pb2*        (the public API)
+    proto/tinyloop/worker/v1/channel.proto   -> tinyloop.worker.serving.channel_pb2* (gateway -> worker)
+
+    python proto/generate.py             # rewrite the committed stubs (make proto)
+    python proto/generate.py --out DIR   # write them all into DIR instead (the staleness test does)
 
 protoc names the grpc module's import of the message module after the .proto file
 (`import tinyloop_pb2`); we rewrite it to the package path so the stubs import as
@@ -12,36 +15,67 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parent
-PROTO_DIR = ROOT / "tinyloop" / "v1"
-DEFAULT_OUT = ROOT.parent / "client"
-STUBS = ("tinyloop_pb2.py", "tinyloop_pb2.pyi", "tinyloop_pb2_grpc.py")
+REPO = ROOT.parent
 
 
-def generate(out: pathlib.Path) -> list[pathlib.Path]:
+@dataclass(frozen=True)
+class Stubs:
+    proto: pathlib.Path  # the .proto file
+    out: pathlib.Path    # the committed stubs' directory
+    package: str         # the package they import as
+
+    @property
+    def name(self) -> str:
+        return self.proto.stem
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (f"{self.name}_pb2.py", f"{self.name}_pb2.pyi", f"{self.name}_pb2_grpc.py")
+
+
+PROTOS = (
+    Stubs(ROOT / "tinyloop" / "v1" / "tinyloop.proto", REPO / "client", "tinyloop.client"),
+    Stubs(ROOT / "tinyloop" / "worker" / "v1" / "channel.proto", REPO / "worker" / "serving",
+          "tinyloop.worker.serving"),
+)
+
+
+def generate_one(stubs: Stubs, out: pathlib.Path) -> list[pathlib.Path]:
     import grpc_tools
     from grpc_tools import protoc
 
     out.mkdir(parents=True, exist_ok=True)
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
-    rc = protoc.main(["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out}",
-                      f"--pyi_out={out}", f"--grpc_python_out={out}", str(PROTO_DIR / "tinyloop.proto")])
+    rc = protoc.main(["protoc", f"-I{stubs.proto.parent}", f"-I{include}", f"--python_out={out}",
+                      f"--pyi_out={out}", f"--grpc_python_out={out}", str(stubs.proto)])
     if rc != 0:
-        raise RuntimeError(f"protoc failed with exit code {rc}")
-    grpc_file = out / "tinyloop_pb2_grpc.py"
+        raise RuntimeError(f"protoc failed on {stubs.proto.name} with exit code {rc}")
+    grpc_file = out / f"{stubs.name}_pb2_grpc.py"
+    module = f"{stubs.name}_pb2"
+    alias = module.replace("_", "__")
     text = grpc_file.read_text()
-    text = text.replace("import tinyloop_pb2 as tinyloop__pb2",
-                        "from tinyloop.client import tinyloop_pb2 as tinyloop__pb2")
+    text = text.replace(f"import {module} as {alias}", f"from {stubs.package} import {module} as {alias}")
     grpc_file.write_text(text)
-    return [out / name for name in STUBS]
+    return [out / name for name in stubs.files]
+
+
+def generate(out: pathlib.Path | None = None) -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """(fresh stub, committed stub) for every stub file; into `out` when given, else in place."""
+    pairs = []
+    for stubs in PROTOS:
+        for fresh in generate_one(stubs, out or stubs.out):
+            pairs.append((fresh, stubs.out / fresh.name))
+    return pairs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    for path in generate(args.out):
+    for path, _ in generate(args.out):
         print(f"wrote {path}")
     return 0
 

@@ -467,8 +467,8 @@ def test_early_exit_bench_cpu(tmp_path, tiny_path):
 
 
 def test_ray_hop_bench(tmp_path):
-    """bench/ray_hop.py on a local Ray cluster: a plain call's round trip and a streaming call's
-    first and next items, all positive; bad counts refused."""
+    """bench/ray_hop.py on a local Ray cluster: a plain call's round trip and, through Ray and
+    through the worker channel, a stream's first and next items, all positive; bad counts refused."""
     from bench import ray_hop
     with pytest.raises(ValueError, match="--items >= 2"):
         ray_hop.main(["--items", "1", "--out-dir", str(tmp_path)])
@@ -476,3 +476,4 @@ def test_ray_hop_bench(tmp_path):
     r = json.loads((tmp_path / "ray-hop-cpu.json").read_text())["results"]
     assert r["calls"] == 3 and r["items_per_stream"] == 3
     assert r["plain_call_ms"] > 0 and r["stream_first_item_ms"] > 0 and r["stream_next_item_ms"] > 0
+    assert r["channel_first_item_ms"] > 0 and r["channel_next_item_ms"] > 0

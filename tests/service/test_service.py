@@ -100,20 +100,23 @@ def test_two_workers_handles_stay_new_work_spreads(client, actors):
 
 
 def test_new_work_goes_to_the_less_loaded_worker(client, actors):
-    """Placement is by load, not by turn: while one worker runs a long stream, every new
-    request goes to the other (a rotation would alternate)."""
+    """Placement is by load, not by turn: while one worker runs long streams, every new
+    request goes to the other (a rotation would alternate). Two streams, because the idle
+    worker's polled count may still hold a request that just finished (up to a poll interval
+    old): one stream could tie with it, two cannot."""
     h = client.build_resume_handle(PROMPT, l_used=2, max_loops=8)
     busy = h.worker_id
-    stream = client.resume(h.handle_id, 8, max_tokens=2000)  # a resume runs on its handle's worker
-    it = iter(stream)
-    assert next(it).ids
+    streams = [client.resume(h.handle_id, 8, max_tokens=2000) for _ in range(2)]  # on the handle's worker
+    its = [iter(s) for s in streams]
+    assert all(next(it).ids for it in its)
     seen = [client.generate(PROMPT, loops=2, max_tokens=3).collect()[1].worker_id for _ in range(4)]
     still = worker_stats(actors)[int(busy.split("-")[1])]["streams"]
-    stream.cancel()
-    with pytest.raises(TinyLoopError):
-        list(it)
-    assert still >= 1, "the long stream ended before the new requests were placed"
-    assert busy not in seen, f"new requests went to {seen} while {busy} ran a stream"
+    for stream, it in zip(streams, its):
+        stream.cancel()
+        with pytest.raises(TinyLoopError):
+            list(it)
+    assert still >= 2, "the long streams ended before the new requests were placed"
+    assert busy not in seen, f"new requests went to {seen} while {busy} ran two streams"
     assert client.free_handle(h.handle_id) is True
     assert all(s["handles"] == 0 for s in wait_idle(actors, handles=True))
 

@@ -14,6 +14,10 @@ they belong to. A cancelled request leaves the scheduler before its next step.
 Lanes. The Model's runner owns the cache lanes (`runner.lanes`); the scheduler hands them to
 streams, handle builds and scoring calls in arrival order, and queues the rest (`max_queue`).
 
+Streams reach the gateway over the worker's token channel (serving/channel.py: a gRPC server on
+this event loop, started at the first `info()`), or as Ray streaming calls where it is off; both
+run the same `generate` / `resume` coroutines below.
+
 Errors never cross Ray as exceptions: a call returns (or a stream yields) a dict
 `{"error": {"code", "reason", "message"}}` whose `code` names a gRPC status code; the gateway
 turns it into a `google.rpc.Status`. The status is chosen by the exception's type
@@ -31,6 +35,7 @@ import threading
 import time
 
 from tinyloop.worker.model.errors import HandleFreed, OutOfMemory, OutOfRange, TooLong
+from tinyloop.worker.serving.channel import ChannelOptions
 from tinyloop.worker.serving.handles import BudgetExhausted, HandleGone, HandleTable, NotOwner
 
 log = logging.getLogger(__name__)
@@ -185,7 +190,8 @@ class WorkerActor:
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
                  step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
                  max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
-                 prefill_together: bool = True, speculative_max_running: int = 4):
+                 prefill_together: bool = True, speculative_max_running: int = 4,
+                 channel: "ChannelOptions | None" = None):
         import sys
 
         import torch
@@ -222,11 +228,21 @@ class WorkerActor:
         self._sweeper: asyncio.Task | None = None
         self._device = str(self.model.device)
         self._metrics = _StepMetrics(self.model.config.max_loops)
+        self._channel_options = channel if channel is not None else ChannelOptions()
+        self._channel = None  # (grpc.aio server, {"address", "token"}) once started
         s = self.model.startup
         log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s", self.worker_id, s["load_s"],
                  s["graphs"], sum(v for k, v in s.items() if k.endswith("_graphs_s")))
 
     # -- introspection ------------------------------------------------------------------
+    async def channel(self) -> dict | None:
+        """The token channel's {"address", "token"} (serving/channel.py), started on the actor's
+        event loop at the first ask; None when it is off."""
+        if self._channel is None and self._channel_options.enabled:
+            from tinyloop.worker.serving import channel
+            self._channel = await channel.serve(self, self._channel_options)
+        return self._channel[1] if self._channel else None
+
     async def info(self) -> dict:
         cfg = self.model.config
         return {"worker_id": self.worker_id, "index": self.index, "epoch": self.epoch,
@@ -234,7 +250,8 @@ class WorkerActor:
                 "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "default_loops": cfg.default_loops,
                 "max_loops": cfg.max_loops, "max_seq_len": self.model.max_seq_len, "eos_id": cfg.eos_id,
                 "config": _config_dict(cfg), "weight_format": self.model.weight_format, "startup": self.model.startup, "kv_mode": self.model.kv_mode,
-                "kv_bytes_per_token_layer": self.model.kv_bytes_per_token_layer, **(await self.stats())}
+                "kv_bytes_per_token_layer": self.model.kv_bytes_per_token_layer, "channel": await self.channel(),
+                **(await self.stats())}
 
     async def stats(self) -> dict:
         """Worker-side counts: what the tests use to prove nothing leaks, and the gateway's
