@@ -135,10 +135,14 @@ def worker_steps(mport: int) -> dict:
     """The worker's step histograms' sums and counts, scraped from the gateway's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
     out = {}
-    for name in ("tinyloop_worker_step_seconds", "tinyloop_worker_batch_rows"):
+    for name in ("tinyloop_worker_step_seconds", "tinyloop_worker_batch_rows",
+                 "tinyloop_worker_time_to_first_token_seconds"):
         for part in ("sum", "count"):
             m = re.search(rf'^{name}_{part}{{worker="worker-0"}} ([0-9.e+-]+)$', text, re.M)
             out[f"{name}_{part}"] = float(m.group(1)) if m else 0.0
+    for part in ("sum", "count"):  # the gateway's own, unlabelled
+        m = re.search(rf'^tinyloop_time_to_first_token_seconds_{part} ([0-9.e+-]+)$', text, re.M)
+        out[f"tinyloop_time_to_first_token_seconds_{part}"] = float(m.group(1)) if m else 0.0
     for name in ("tinyloop_worker_step_cpu_seconds_total", "tinyloop_worker_process_cpu_seconds_total",
                  "tinyloop_worker_stats_clock_seconds", "tinyloop_worker_prompts_prefilled_together_total",
                  "tinyloop_worker_speculative_batched_total"):
@@ -154,11 +158,16 @@ def step_delta(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in after}
     steps = d["tinyloop_worker_step_seconds_count"]
     batched = d["tinyloop_worker_batch_rows_count"]
+    mean_ms = lambda name: d[f"{name}_count"] and 1e3 * d[f"{name}_sum"] / d[f"{name}_count"]  # noqa: E731
     return {"steps": steps, "step_ms_mean": steps and 1e3 * d["tinyloop_worker_step_seconds_sum"] / steps,
             "step_cpu_ms_mean": steps and 1e3 * d["tinyloop_worker_step_cpu_seconds_total"] / steps,
             "batch_rows_mean": batched and d["tinyloop_worker_batch_rows_sum"] / batched,
             "prompts_prefilled_together": d["tinyloop_worker_prompts_prefilled_together_total"],
             "speculative_batched": d["tinyloop_worker_speculative_batched_total"],
+            # where a stream's time to first token goes: the gateway's (its call to the first
+            # chunk) and the worker's (arrival to the first tokens handed over), means
+            "gateway_ttft_ms_mean": mean_ms("tinyloop_time_to_first_token_seconds"),
+            "worker_ttft_ms_mean": mean_ms("tinyloop_worker_time_to_first_token_seconds"),
             # the worker process's CPU seconds per second of the run, all threads: near 1 with
             # the step thread waiting, the threads share one interpreter lock
             "process_cpu_per_wall_s": d["tinyloop_worker_stats_clock_seconds"] and (

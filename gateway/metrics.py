@@ -23,8 +23,9 @@ RUNNING = Gauge("tinyloop_worker_running_lanes", "cache lanes held by a stream o
 
 class WorkerSteps:
     """The workers' step histograms (rows of the batched decode step; prompt tokens prefilled per
-    step; the step's wall time; iterations per early-exit decode token), as each worker last reported them: cumulative counts kept by the worker, exported as
-    Prometheus histograms."""
+    step; the step's wall time; iterations per early-exit decode token; the worker-side time to
+    first tokens), as each worker last reported them: cumulative counts kept by the worker,
+    exported as Prometheus histograms."""
 
     def __init__(self):
         self.latest: dict[str, dict] = {}
@@ -42,8 +43,12 @@ class WorkerSteps:
                                         labels=["worker"])
         iterations = HistogramMetricFamily("tinyloop_worker_iterations_per_token",
                                            "loop iterations an early-exit decode token ran", labels=["worker"])
+        ttft = HistogramMetricFamily("tinyloop_worker_time_to_first_token_seconds",
+                                     "worker-side time from a stream's arrival to its first tokens handed to the "
+                                     "gateway's call (queue, prefill, hand-over)", labels=["worker"])
         for worker, s in sorted(self.latest.items()):
-            for fam, key in ((batch, "batch"), (prefill, "prefill"), (seconds, "seconds"), (iterations, "iterations")):
+            for fam, key in ((batch, "batch"), (prefill, "prefill"), (seconds, "seconds"), (iterations, "iterations"),
+                             (ttft, "ttft")):
                 if f"{key}_counts" not in s:  # a worker from before the counts existed
                     continue
                 acc, buckets = 0, []
@@ -55,6 +60,7 @@ class WorkerSteps:
         yield prefill
         yield seconds
         yield iterations
+        yield ttft
         from prometheus_client.core import CounterMetricFamily
         step_cpu = CounterMetricFamily("tinyloop_worker_step_cpu_seconds",
                                        "CPU time of a worker's step thread in its scheduler steps", labels=["worker"])

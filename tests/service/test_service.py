@@ -494,6 +494,16 @@ def test_prometheus_metrics_are_served_and_count(client):
     assert rows and prefill and sum(map(float, prefill)) >= len(PROMPT), after
     for name in ("tinyloop_worker_prompts_prefilled_together_total", "tinyloop_worker_speculative_batched_total"):
         assert re.search(rf'^{name}\{{worker="worker-0"\}} [0-9.e+]+$', after, re.M), name
+    # the worker-side time to first tokens: the stream above counted (with any of the test before
+    # whose count the probe before `before` had not brought yet), within the gateway's (the
+    # worker's clock starts after the gateway's and stops before the chunk reaches it)
+    wt = "tinyloop_worker_time_to_first_token_seconds"
+    streams = sum(value(after, f"{wt}_count", f'worker="{w}"') - value(before, f"{wt}_count", f'worker="{w}"')
+                  for w in ("worker-0", "worker-1"))
+    assert streams >= 1, after
+    worker_s = sum(value(after, f"{wt}_sum", f'worker="{w}"') for w in ("worker-0", "worker-1"))
+    gateway_s = float(re.search(r"^tinyloop_time_to_first_token_seconds_sum ([0-9.e+-]+)$", after, re.M).group(1))
+    assert 0 < worker_s <= gateway_s, after
     # CPU time: a step thread's within its steps' wall time, its process's at least that
     stepped = [w for w in re.findall(r'tinyloop_worker_step_seconds_sum\{worker="([^"]+)"\}', after)
                if value(after, "tinyloop_worker_step_seconds_sum", f'worker="{w}"') > 0]

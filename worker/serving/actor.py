@@ -445,6 +445,7 @@ class WorkerActor:
         """Run a stream job: begin(lane) -> a Prefill, a DecodeState or a token generator
         (batched: Job.batched)."""
         from tinyloop.worker.serving.scheduler import Failed
+        t0 = time.monotonic()
         try:
             key, sink = self._submit(begin, tokens, timeout_s=p.get("timeout_s"), key=key, batched=batched)
         except _Refused as e:
@@ -452,9 +453,13 @@ class WorkerActor:
             return
         text = _TextStream(self.model.tokenizer) if p.get("include_text") else None
         done = False
+        t_first = None
         try:
             while True:
                 ids, end = await sink.take()
+                if t_first is None and ids:
+                    t_first = time.monotonic()
+                    self._metrics.observe_ttft(t_first - t0)
                 if end is _CANCELLED:
                     return
                 if isinstance(end, Failed):
@@ -658,10 +663,12 @@ def _depth_and_safety(p: dict) -> dict:
 
 class _StepMetrics:
     """Cumulative histograms of what the steps did, which the gateway exports: rows of the
-    batched step, prompt tokens prefilled per step, the step's wall time, and the iterations
-    each early-exit decode token ran (bounds 1 .. max_loops). Bucket bounds are upper bounds
+    batched step, prompt tokens prefilled per step, the step's wall time, the iterations
+    each early-exit decode token ran (bounds 1 .. max_loops), and each stream's worker-side time
+    to its first tokens. Bucket bounds are upper bounds
     (Prometheus' `le`); the last is +inf."""
     BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    TTFT = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
     PREFILL = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096)
     SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -676,6 +683,8 @@ class _StepMetrics:
         self.batch_sum = self.prefill_sum = self.steps = 0
         self.seconds_sum = self.cpu_seconds_sum = 0.0
         self.prefilled_together = self.batched_not_speculative = 0
+        self.ttft = [0] * (len(self.TTFT) + 1)
+        self.ttft_sum = 0.0
 
     @staticmethod
     def _bucket(bounds, x) -> int:
@@ -695,6 +704,13 @@ class _StepMetrics:
             self.prefilled_together += st.prefilled_together
             self.batched_not_speculative += st.batched_not_speculative
 
+    def observe_ttft(self, seconds: float) -> None:
+        """A stream's first tokens handed to its caller, `seconds` after it reached the worker
+        (queue, prefill, the step thread's hand-over to the event loop)."""
+        with self._lock:
+            self.ttft[self._bucket(self.TTFT, seconds)] += 1
+            self.ttft_sum += seconds
+
     def observe_iterations(self, histogram: list[int]) -> None:
         """A finished early-exit stream's usage histogram (entry d - 1: its tokens that ran d)."""
         with self._lock:
@@ -713,6 +729,7 @@ class _StepMetrics:
                     "batched_not_speculative": self.batched_not_speculative,
                     "iterations_bounds": list(self.ITERATIONS), "iterations_counts": list(self.iterations),
                     "iterations_sum": self.iterations_sum,
+                    "ttft_bounds": list(self.TTFT), "ttft_counts": list(self.ttft), "ttft_sum": self.ttft_sum,
                     # every thread of the worker process (the step thread, the event loop, Ray's)
                     "process_cpu_seconds": time.process_time(), "clock_s": time.monotonic()}
 
