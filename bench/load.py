@@ -4,8 +4,10 @@
     python -m bench.load --device cpu --model default --prompt-tokens 32 --max-tokens 32 --lanes 8 \\
         --max-seq-len 2048 --concurrency 1 8 32 --mixed 8 --mixed-depths 2 4 8 --torch-threads 1  # CPU: load-cpu.json
 
-Per concurrency k (all streams start at once, greedy, L = --loops): tokens/s over the wall time,
-time to first token p50 / p99, time per output token (after the first) p50 / p99, errors. Beside
+Per concurrency k (all streams start at once over client channels already connected, greedy,
+L = --loops; --repeat runs, the median run's row kept with every run's tokens/s): tokens/s over
+the wall time, time to first token p50 / p99, time per output token (after the first) p50 / p99,
+errors, and the means of the gateway's and the worker's own time to first token. Beside
 each, measured in the same run on the same GPU with the service stopped, the ceiling: the
 runner's batched decode step alone at B = min(k, lanes) streams (`Batcher.step`, sampling and
 host sync included), and for k = 1 the in-process `Model.stream` (tokens/s, TTFT).
@@ -72,6 +74,9 @@ async def load(address: str, jobs: list[tuple[list[int], dict, int]], channels: 
     from tinyloop.client import AsyncTinyLoopClient
     clients = [AsyncTinyLoopClient(address) for _ in range(channels)]
     try:
+        # each channel connected first, as a client's long-lived channel is: the streams' TTFT is
+        # the service's, not a TCP and HTTP/2 handshake's
+        await asyncio.gather(*(c.model_info() for c in clients))
         t0 = time.perf_counter()
         rs = await asyncio.gather(*(one(clients[i % channels], p, kw) for i, (p, kw, _) in enumerate(jobs)))
         wall = time.perf_counter() - t0
@@ -214,9 +219,13 @@ def main() -> int:
     ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
     ap.add_argument("--max-hops-per-s", type=float, default=640.0, help="tinyloop serve's --max-hops-per-s")
     ap.add_argument("--channels", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each load (a 64-stream run lasts well under a second): the median's row")
     ap.add_argument("--torch-threads", type=int, default=None, help="the in-process ceiling's")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     if args.model == "default":
@@ -244,10 +253,17 @@ def main() -> int:
         time.sleep(1.5)  # the gateway's next probe brings the warm-up's steps: not the first run's
 
         def measured(jobs, channels):
-            before = worker_steps(mport)
-            row = asyncio.run(load(address, jobs, channels))
-            time.sleep(1.5)  # the gateway's next probe brings the worker's step histograms
-            row["worker"] = step_delta(before, worker_steps(mport))
+            """The run repeated --repeat times: the run of median tokens/s, with every run's."""
+            runs = []
+            for _ in range(args.repeat):
+                before = worker_steps(mport)
+                row = asyncio.run(load(address, jobs, channels))
+                time.sleep(1.5)  # the gateway's next probe brings the worker's step histograms
+                row["worker"] = step_delta(before, worker_steps(mport))
+                runs.append(row)
+            row = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+            row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+            row["runs_ttft_ms_p99"] = [r["ttft_ms_p99"] for r in runs]
             return row
 
         for k in tqdm(args.concurrency, desc="concurrency"):
@@ -300,6 +316,7 @@ def main() -> int:
                      "speculative_max_running": args.speculative_max_running,
                      "coalesce_ms": args.coalesce_ms, "gil_switch_ms": args.gil_switch_ms,
                      "max_hops_per_s": args.max_hops_per_s, "worker_channel": args.worker_channel,
+                     "repeat": args.repeat,
                      "greedy": True},
         "in_process_one_stream": alone,
         "ceiling": ceil,
