@@ -696,6 +696,14 @@ def load_body(r: Result) -> str:
               met(mixed.get("vs_plain"), lambda v: v >= 0.75)]]
     out += (f"\n\nIn-process, one stream alone: {count(alone.get('tokens_per_s'))} tokens/s, first token "
             f"{ms(alone.get('ttft_ms'), 2)}.\n")
+    one = (r.data.get("service") or {}).get("1") or {}
+    w1 = one.get("worker") or {}
+    if w1.get("worker_ttft_ms_mean"):
+        out += (f"\nWhere one stream's first token goes: the client sees it after "
+                f"{ms(one.get('ttft_ms_p50'), 2)}, the gateway's call after {ms(w1.get('gateway_ttft_ms_mean'), 2)}, "
+                f"the worker hands it over {ms(w1.get('worker_ttft_ms_mean'), 2)} after the stream reached it (means "
+                f"of the gateway's and the worker's own histograms); "
+                f"in-process {ms(alone.get('ttft_ms'), 2)}.\n")
     if r.device != "cuda":  # the goals are the GPU worker's
         return out
     return out + "\nGoals:\n\n" + table(["goal", "figure", "met"], goals) + "\n"
