@@ -687,6 +687,10 @@ class Gateway:
                     continue
                 try:
                     stats = await asyncio.wait_for(_ref(w.actor.stats.remote()), self.options.health_interval_s * 5)
+                    if stats.get("epoch") != w.info.get("epoch"):
+                        # Ray restarted it between two polls: a new channel address and token
+                        w.info = await asyncio.wait_for(_ref(w.actor.info.remote()), self.options.health_interval_s * 5)
+                        await w.connect(self.options.worker_channel)
                 except (asyncio.TimeoutError, *_ACTOR_ERRORS):
                     self.servicer._worker_failed(w)
                     continue

@@ -107,3 +107,26 @@ def test_a_direct_caller_leaving_mid_stream_frees_the_lane(actors):
     assert all(s["active_lanes"] == 0 and s["streams"] == 0 for s in stats), stats
     assert time.monotonic() - t0 < 2.0
     ch.close()
+
+
+def test_a_restarted_worker_streams_over_its_new_channel(gateway, actors, local_model):
+    """Ray restarts a killed worker with a new channel address and token; the gateway takes
+    them up (from its probe or its poll) and streams there again. Last in the module: it
+    restarts worker-0."""
+    import ray
+    w0 = gateway.gateway.servicer.workers[0]
+    old = w0.channel_token
+    ray.kill(actors[0], no_restart=False)
+    deadline = time.monotonic() + 90
+    while not (w0.healthy and w0.channel_token not in ("", old)):
+        assert time.monotonic() < deadline, "the gateway never took up the restarted worker's channel"
+        time.sleep(0.2)
+    assert ray.get(actors[0].info.remote())["channel"]["token"] == w0.channel_token
+    want = local_model.generate(PROMPT, loops=3, max_tokens=6)[len(PROMPT):]
+    with TinyLoopClient(gateway.address) as client:
+        seen = set()
+        for _ in range(6):
+            ids, c = client.generate(PROMPT, loops=3, max_tokens=6).collect()
+            assert ids == want
+            seen.add(c.worker_id)
+    assert seen == {"worker-0", "worker-1"}
