@@ -4,10 +4,11 @@
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
 #                                          #   speculative startup (default: all); tiles, load, families, kv, quant,
-#                                          #   int4-tune, exit on demand (load: the service under load; carry .whl for
+#                                          #   int4-tune, exit, load-ab on demand (load: the service under load; carry .whl for
 #                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
-#                                          #   exit: early exit's sweep, bench/early_exit.py)
+#                                          #   exit: early exit's sweep, bench/early_exit.py; load-ab: load over the worker
+#                                          #   channel and over Ray, same run)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -52,6 +53,11 @@ for s in "${steps[@]}"; do
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 4000 --out-dir "$OUT" ;;
         speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
         load) run load "${LOAD_S:-480}" python -m bench.load --out-dir "$OUT" ${LOAD_ARGS:-} ;;
+        load-ab)  # the service under load over the worker channel (load-cuda.json) and, same run, over
+                  # Ray streaming calls (ray/load-cuda.json): the channel's A/B. About 5 minutes.
+            mkdir -p "$OUT/ray"
+            run load "${LOAD_S:-300}" python -m bench.load --out-dir "$OUT" ${LOAD_ARGS:-}
+            run load-ray "${LOAD_S:-300}" python -m bench.load --out-dir "$OUT/ray" --no-worker-channel ${LOAD_ARGS:-} ;;
         startup) run startup "${STARTUP_S:-300}" python -m bench.startup --preset bench-285m --lanes 1 8 64 --max-seq-len 4096 --out-dir "$OUT" ;;
         base-decode|base-batch)
             what=${s#base-}
