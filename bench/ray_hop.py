@@ -29,10 +29,10 @@ class Echo:
     """A worker with no model: its `generate` yields `max_tokens` one-token chunks, then a Complete,
     the shape of `WorkerActor.generate`'s stream."""
 
-    async def generate(self, key: str, caller: str, p: dict):
-        for i in range(p["max_tokens"]):
+    async def generate(self, key: str, caller: str, p):
+        for i in range(p.max_tokens):
             yield {"ids": [i], "text": ""}
-        yield {"complete": {"reason": "length", "stats": {}, "worker_id": "echo"}}
+        yield {"complete": {"reason": "length", "stats": {"completion_tokens": p.max_tokens}, "worker_id": "echo"}}
 
     async def stream(self, n: int):
         for i in range(n):
@@ -49,8 +49,6 @@ class Echo:
 
 
 async def _channel_hops(actor, calls: int, items: int) -> tuple[list[float], list[float]]:
-    import json
-
     import grpc
 
     from tinyloop.worker.serving import channel, channel_pb2 as cpb, channel_pb2_grpc as cpb_grpc
@@ -59,7 +57,7 @@ async def _channel_hops(actor, calls: int, items: int) -> tuple[list[float], lis
     async with grpc.aio.insecure_channel(info["address"]) as ch:
         stub = cpb_grpc.WorkerChannelStub(ch)
         md = ((channel.TOKEN_KEY, info["token"]),)
-        call = cpb.StreamCall(key="k", caller="bench", params_json=json.dumps({"max_tokens": items}))
+        call = cpb.StreamCall(key="k", caller="bench", generate=cpb.GenerateParams(max_tokens=items))
         async for _ in stub.Generate(call, metadata=md):  # the connection up and the handler warm
             pass
         for _ in range(calls):

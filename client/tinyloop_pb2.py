@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0etinyloop.proto
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tinyloop_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tinyloop.client.tinyloop_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FINISHREASON']._serialized_start=3917

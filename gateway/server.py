@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import threading
 import time
@@ -123,11 +122,11 @@ class _Worker:
         self.inflight_at_poll = self.inflight
 
 
-def _deadline(context, p: dict) -> None:
+def _deadline(context, p) -> None:
     """The call's remaining time, for the worker: it drops the request if still queued then."""
     remaining = context.time_remaining()
     if remaining is not None:
-        p["timeout_s"] = remaining
+        p.timeout_s = remaining
 
 
 class _ChannelDown(Exception):
@@ -230,12 +229,12 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         return out
 
     # -- wire checks --------------------------------------------------------------------
-    def _prompt(self, prompt: pb.Prompt, name: str = "prompt") -> dict:
+    def _prompt(self, prompt: pb.Prompt, name: str = "prompt") -> cpb.Prompt:
         which = prompt.WhichOneof("input")
         if which == "text":
             if not prompt.text:
                 raise invalid(f"{name} is empty: at least one token is needed")
-            return {"text": prompt.text}
+            return cpb.Prompt(text=prompt.text)
         ids = list(prompt.ids.ids) if which == "ids" else []
         if not ids:
             raise invalid(f"{name} is empty: at least one token is needed")
@@ -245,35 +244,37 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         bad = max(ids)
         if bad >= self.vocab_size:
             raise invalid(f"{name} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
-        return {"ids": ids}
+        return cpb.Prompt(ids=cpb.TokenIds(ids=ids))
 
     def _loops(self, value: int, name: str, low: int = 1) -> int:
         if not low <= value <= self.max_loops:
             raise invalid(f"{name}={value} out of range [{low}, max_loops={self.max_loops}]")
         return value
 
-    def _sampling(self, s: pb.SamplingParams, p: dict) -> None:
+    def _sampling(self, s: pb.SamplingParams, out: cpb.Sampling) -> None:
         if s.HasField("temperature"):
             if not s.temperature >= 0:
                 raise invalid(f"temperature must be >= 0, got {s.temperature}")
-            p["temperature"] = s.temperature
+            out.temperature = s.temperature
         if s.HasField("top_k"):
-            p["top_k"] = s.top_k
+            out.top_k = s.top_k
         if s.HasField("top_p"):
             if not 0 < s.top_p <= 1:
                 raise invalid(f"top_p must be in (0, 1], got {s.top_p}")
-            p["top_p"] = s.top_p
+            out.top_p = s.top_p
         if s.HasField("repetition_penalty"):
             if not s.repetition_penalty > 0:
                 raise invalid(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
-            p["repetition_penalty"] = s.repetition_penalty
+            out.repetition_penalty = s.repetition_penalty
         if s.HasField("seed"):
-            p["seed"] = s.seed
+            out.seed = s.seed
 
-    def _max_tokens(self, req, p: dict, default: int = 128) -> None:
-        p["max_tokens"] = req.max_tokens if req.HasField("max_tokens") else default
-        if p["max_tokens"] < 1:
-            raise invalid(f"max_tokens must be >= 1, got {p['max_tokens']}")
+    @staticmethod
+    def _max_tokens(req, default: int = 128) -> int:
+        n = req.max_tokens if req.HasField("max_tokens") else default
+        if n < 1:
+            raise invalid(f"max_tokens must be >= 1, got {n}")
+        return n
 
     def _stops(self, ids) -> list[int]:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -285,47 +286,48 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
             caller = self._enter("Generate", context)
-            p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window,
-                 "include_text": request.include_text, "stop_token_ids": self._stops(request.stop_token_ids)}
+            p = cpb.GenerateParams(prompt=self._prompt(request.prompt), cache_window=request.cache_window,
+                                   include_text=request.include_text,
+                                   stop_token_ids=self._stops(request.stop_token_ids),
+                                   max_tokens=self._max_tokens(request), kv_mode=request.kv_mode,
+                                   return_handle=request.return_handle)
             if request.HasField("loops"):
-                p["loops"] = self._loops(request.loops, "loops")
-            self._max_tokens(request, p)
-            self._sampling(request.sampling, p)
+                p.loops = self._loops(request.loops, "loops")
+            self._sampling(request.sampling, p.sampling)
             if request.HasField("speculative"):
                 s = request.speculative
-                p["speculative"] = {"draft_loops": self._loops(s.draft_loops, "speculative.draft_loops"),
-                                    "verify_loops": self._loops(s.verify_loops, "speculative.verify_loops"),
-                                    "draft_ahead": s.draft_ahead if s.HasField("draft_ahead") else 4,
-                                    "k_branches": s.k_branches if s.HasField("k_branches") else 1}
+                p.speculative.CopyFrom(cpb.Speculative(
+                    draft_loops=self._loops(s.draft_loops, "speculative.draft_loops"),
+                    verify_loops=self._loops(s.verify_loops, "speculative.verify_loops"),
+                    draft_ahead=s.draft_ahead if s.HasField("draft_ahead") else 4,
+                    k_branches=s.k_branches if s.HasField("k_branches") else 1))
             if request.l_warmup_tokens:
                 if not request.HasField("l_warmup_loops"):
                     raise invalid("l_warmup_loops is required when l_warmup_tokens > 0")
-                p["l_warmup_tokens"] = request.l_warmup_tokens
-                p["l_warmup_loops"] = self._loops(request.l_warmup_loops, "l_warmup_loops")
+                p.l_warmup_tokens = request.l_warmup_tokens
+                p.l_warmup_loops = self._loops(request.l_warmup_loops, "l_warmup_loops")
             if request.safety_check:
-                p["safety_check"] = True
+                p.safety_check = True
                 if request.HasField("safety_norm_threshold"):
                     if not request.safety_norm_threshold > 0:
                         raise invalid(f"safety_norm_threshold must be > 0, got {request.safety_norm_threshold}")
-                    p["safety_norm_threshold"] = request.safety_norm_threshold
-            if request.kv_mode:
-                p["kv_mode"] = request.kv_mode
+                    p.safety_norm_threshold = request.safety_norm_threshold
             if request.HasField("early_exit"):
                 # checked by the worker's Model against its model (a gate needs a gated model)
                 e = request.early_exit
-                p["early_exit"] = {"criterion": e.criterion or None, "cache": e.cache or None,
-                                   **{f: getattr(e, f) for f in ("threshold", "min_loops", "patience")
-                                      if e.HasField(f)}}
-            if request.return_handle:
-                p["return_handle"] = True
-                if request.HasField("handle_max_loops"):
-                    p["handle_max_loops"] = self._loops(request.handle_max_loops, "handle_max_loops")
+                p.early_exit.CopyFrom(cpb.EarlyExit(criterion=e.criterion, cache=e.cache))
+                for f in ("threshold", "min_loops", "patience"):
+                    if e.HasField(f):
+                        setattr(p.early_exit, f, getattr(e, f))
+            if request.return_handle and request.HasField("handle_max_loops"):
+                p.handle_max_loops = self._loops(request.handle_max_loops, "handle_max_loops")
             w = self._pick()
         except ServiceError as e:
             await self._fail("Generate", context, e)
             return
         _deadline(context, p)
-        depth = p["speculative"]["verify_loops"] if "speculative" in p else p.get("loops", self.default_loops)
+        depth = (p.speculative.verify_loops if p.HasField("speculative")
+                 else p.loops if p.HasField("loops") else self.default_loops)
         metrics.DEPTH.labels("Generate", str(depth)).inc()
         async for msg in self._stream("Generate", context, w, request.request_id, "generate", caller, p):
             yield msg
@@ -334,17 +336,16 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         try:
             caller = self._enter("Resume", context)
             w, ref = self._route(request.handle_id)
-            p = {"new_loops": self._loops(request.new_loops, "new_loops"), "cache_window": request.cache_window,
-                 "include_text": request.include_text, "stop_token_ids": self._stops(request.stop_token_ids)}
-            self._max_tokens(request, p)
-            self._sampling(request.sampling, p)
-            if request.kv_mode:
-                p["kv_mode"] = request.kv_mode
+            p = cpb.ResumeParams(new_loops=self._loops(request.new_loops, "new_loops"),
+                                 cache_window=request.cache_window, include_text=request.include_text,
+                                 stop_token_ids=self._stops(request.stop_token_ids),
+                                 max_tokens=self._max_tokens(request), kv_mode=request.kv_mode)
+            self._sampling(request.sampling, p.sampling)
         except ServiceError as e:
             await self._fail("Resume", context, e)
             return
         _deadline(context, p)
-        metrics.DEPTH.labels("Resume", str(p["new_loops"])).inc()
+        metrics.DEPTH.labels("Resume", str(p.new_loops)).inc()
         async for msg in self._stream("Resume", context, w, request.request_id, "resume", caller,
                                       ref.token, ref.epoch, p):
             yield msg
@@ -430,12 +431,11 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         worker's handler, and so its stream, at once."""
         if actor_method == "generate":
             caller, p = args
-            call = cpb.StreamCall(key=key, caller=caller, params_json=json.dumps(p))
+            call = cpb.StreamCall(key=key, caller=caller, generate=p)
             rpc = w.stub.Generate(call, metadata=((worker_channel.TOKEN_KEY, w.channel_token),))
         else:
             caller, token, epoch, p = args
-            call = cpb.StreamCall(key=key, caller=caller, params_json=json.dumps(p), handle_token=token,
-                                  handle_epoch=epoch)
+            call = cpb.StreamCall(key=key, caller=caller, resume=p, handle_token=token, handle_epoch=epoch)
             rpc = w.stub.Resume(call, metadata=((worker_channel.TOKEN_KEY, w.channel_token),))
         try:
             async for ev in rpc:
@@ -469,12 +469,11 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         try:
             caller = self._enter("BuildResumeHandle", context)
             # unset fields stay unset: their defaults are the model's, which the worker knows
-            p = {"prompt": self._prompt(request.prompt), "cache_window": request.cache_window}
-            if request.kv_mode:
-                p["kv_mode"] = request.kv_mode
+            p = cpb.BuildParams(prompt=self._prompt(request.prompt), cache_window=request.cache_window,
+                                kv_mode=request.kv_mode)
             for name in ("l_used", "max_loops", "seed"):
                 if request.HasField(name):
-                    p[name] = getattr(request, name)
+                    setattr(p, name, getattr(request, name))
             w = self._pick()
             w.inflight += 1
             build = asyncio.ensure_future(self._call(w, "build_handle", caller, p))
@@ -522,19 +521,20 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
     async def Score(self, request: pb.ScoreRequest, context):
         try:
             self._enter("Score", context)
-            p = {"prompt": self._prompt(request.prompt)}
+            p = cpb.ScoreParams(prompt=self._prompt(request.prompt))
             kind = request.WhichOneof("kind")
             if kind == "consistency":
                 c = request.consistency
-                p["consistency"] = {"loops_a": self._loops(c.loops_a, "loops_a"),
-                                    "loops_b": self._loops(c.loops_b, "loops_b"),
-                                    "max_tokens": c.max_tokens if c.HasField("max_tokens") else 32}
-                if p["consistency"]["max_tokens"] < 1:
+                p.consistency.CopyFrom(cpb.Consistency(
+                    loops_a=self._loops(c.loops_a, "loops_a"), loops_b=self._loops(c.loops_b, "loops_b"),
+                    max_tokens=c.max_tokens if c.HasField("max_tokens") else 32))
+                if p.consistency.max_tokens < 1:
                     raise invalid("max_tokens must be >= 1, got 0")
             elif kind == "uncertainty":
                 u = request.uncertainty
-                p["uncertainty"] = {"l_lo": self._loops(u.l_lo, "l_lo"), "l_hi": self._loops(u.l_hi, "l_hi"),
-                                    "return_logits": u.return_logits}
+                p.uncertainty.CopyFrom(cpb.Uncertainty(l_lo=self._loops(u.l_lo, "l_lo"),
+                                                       l_hi=self._loops(u.l_hi, "l_hi"),
+                                                       return_logits=u.return_logits))
                 if u.l_lo > u.l_hi:
                     raise invalid(f"l_lo={u.l_lo} must be <= l_hi={u.l_hi}")
             else:
@@ -555,7 +555,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
     async def ScoreTrajectory(self, request: pb.ScoreTrajectoryRequest, context):
         try:
             self._enter("ScoreTrajectory", context)
-            p = {"prompt": self._prompt(request.prompt), "n_loops": self._loops(request.n_loops, "n_loops")}
+            p = cpb.TrajectoryParams(prompt=self._prompt(request.prompt),
+                                     n_loops=self._loops(request.n_loops, "n_loops"))
             out = await self._call(self._pick(), "trajectory", p)
         except ServiceError as e:
             await self._fail("ScoreTrajectory", context, e)

@@ -7,8 +7,9 @@
     python proto/generate.py --out DIR   # write them all into DIR instead (the staleness test does)
 
 protoc names the grpc module's import of the message module after the .proto file
-(`import tinyloop_pb2`); we rewrite it to the package path so the stubs import as
-`tinyloop.client.tinyloop_pb2` without touching sys.path.
+(`import tinyloop_pb2`), and the message classes' module too; we rewrite both to the package
+path, so the stubs import as `tinyloop.client.tinyloop_pb2` without touching sys.path and a
+message pickles by reference to its class.
 """
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ def generate_one(stubs: Stubs, out: pathlib.Path) -> list[pathlib.Path]:
     text = grpc_file.read_text()
     text = text.replace(f"import {module} as {alias}", f"from {stubs.package} import {module} as {alias}")
     grpc_file.write_text(text)
+    # the message classes' __module__ is the name protoc was given; the package path makes them
+    # importable by name, so a message pickles (a Ray call's argument) by reference to its class
+    msg_file = out / f"{module}.py"
+    text = msg_file.read_text()
+    text = text.replace(f"(DESCRIPTOR, '{module}', _globals)", f"(DESCRIPTOR, '{stubs.package}.{module}', _globals)")
+    msg_file.write_text(text)
     return [out / name for name in stubs.files]
 
 

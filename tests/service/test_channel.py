@@ -1,9 +1,9 @@
 """The worker's token channel (worker/serving/channel.py): Generate and Resume stream from the
 worker over gRPC, not Ray, and give the same tokens as the Ray path and the in-process Model;
-the channel refuses callers without its token and malformed calls, and serves on after them."""
+the channel refuses callers without its token and calls without their parameters, and serves on
+after them."""
 from __future__ import annotations
 
-import json
 import time
 
 import grpc
@@ -64,6 +64,10 @@ def test_ray_path_cancel_mid_stream_frees_the_lane(ray_gateway, actors):
     assert all(s["active_lanes"] == 0 and s["streams"] == 0 for s in wait_idle(actors))
 
 
+def _params(**kw) -> cpb.GenerateParams:
+    return cpb.GenerateParams(prompt=cpb.Prompt(ids=cpb.TokenIds(ids=PROMPT)), **kw)
+
+
 def _direct(actors):
     import ray
     info = ray.get(actors[0].info.remote())["channel"]
@@ -73,17 +77,22 @@ def _direct(actors):
 def test_channel_refuses_calls_without_its_token_and_malformed_ones(client, actors, local_model):
     ch, token = _direct(actors)
     stub = cpb_grpc.WorkerChannelStub(ch)
-    call = cpb.StreamCall(key="k-test", caller="anonymous", params_json=json.dumps(
-        {"prompt": {"ids": PROMPT}, "loops": 2, "max_tokens": 3}))
+    call = cpb.StreamCall(key="k-test", caller="anonymous", generate=_params(loops=2, max_tokens=3))
     for md in ((), ((channel.TOKEN_KEY, "wrong"),)):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(call, metadata=md, timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    for bad in ("{", "[1, 2]"):
+    md = ((channel.TOKEN_KEY, token),)
+    for method, bad in ((stub.Generate, cpb.StreamCall(key="k-bad")),
+                        (stub.Resume, cpb.StreamCall(key="k-bad", generate=_params(loops=2, max_tokens=3)))):
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(cpb.StreamCall(key="k-bad", params_json=bad), metadata=((channel.TOKEN_KEY, token),),
-                               timeout=30))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params_json" in e.value.details()
+            list(method(bad, metadata=md, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Params" in e.value.details()
+    # what the gateway would have refused, the worker's Model refuses too: the reason, no stream
+    events = [channel.item(ev) for ev in stub.Generate(cpb.StreamCall(key="k-zero", generate=_params(
+        loops=2, max_tokens=0)), metadata=md, timeout=30)]
+    assert len(events) == 1 and events[0]["error"]["code"] == "INVALID_ARGUMENT", events
+    assert "max_tokens" in events[0]["error"]["message"]
     # with the token, a call is a stream like the gateway's: chunks, then one Complete
     events = [channel.item(ev) for ev in stub.Generate(call, metadata=((channel.TOKEN_KEY, token),), timeout=30)]
     assert [t for ev in events[:-1] for t in ev["ids"]] == local_model.generate(PROMPT, loops=2, max_tokens=3)[len(PROMPT):]
@@ -97,8 +106,7 @@ def test_channel_refuses_calls_without_its_token_and_malformed_ones(client, acto
 def test_a_direct_caller_leaving_mid_stream_frees_the_lane(actors):
     ch, token = _direct(actors)
     stub = cpb_grpc.WorkerChannelStub(ch)
-    call = cpb.StreamCall(key="k-leave", caller="anonymous", params_json=json.dumps(
-        {"prompt": {"ids": PROMPT}, "loops": 8, "max_tokens": 2000}))
+    call = cpb.StreamCall(key="k-leave", caller="anonymous", generate=_params(loops=8, max_tokens=2000))
     stream = stub.Generate(call, metadata=((channel.TOKEN_KEY, token),), timeout=60)
     assert next(stream).chunk.ids
     t0 = time.monotonic()

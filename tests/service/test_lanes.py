@@ -7,9 +7,10 @@ import asyncio
 
 import pytest
 
+from tinyloop.worker.serving import channel_pb2 as cpb
 from tinyloop.worker.serving.actor import WorkerActor
 
-PROMPT = {"ids": [5, 17, 99, 3, 42]}
+IDS = [5, 17, 99, 3, 42]
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,10 @@ async def _collect(agen) -> list[dict]:
 
 def test_cancelled_streams_and_waiters_leave_no_lane_behind(worker, local_model):
     async def main():
-        p = {"prompt": PROMPT, "loops": 2, "max_tokens": 40}
-        running = worker.generate("a", "alice", dict(p))
+        p = cpb.GenerateParams(prompt=cpb.Prompt(ids=cpb.TokenIds(ids=IDS)), loops=2, max_tokens=40)
+        running = worker.generate("a", "alice", p)
         first = await running.__anext__()  # "a" holds the only lane
-        waiting = [asyncio.ensure_future(_collect(worker.generate(k, "alice", dict(p)))) for k in "bcd"]
+        waiting = [asyncio.ensure_future(_collect(worker.generate(k, "alice", p))) for k in "bcd"]
         await asyncio.sleep(0.01)
         assert (await worker.stats())["queued"] == 3
         assert await worker.cancel("b")   # while queued
@@ -49,6 +50,6 @@ def test_cancelled_streams_and_waiters_leave_no_lane_behind(worker, local_model)
     first, items, stats = asyncio.run(main())
     assert first["ids"]
     assert [t for it in items for t in it.get("ids", [])] == local_model.generate(
-        PROMPT["ids"], loops=2, max_tokens=40)[len(PROMPT["ids"]):]
+        IDS, loops=2, max_tokens=40)[len(IDS):]
     assert items[-1]["complete"]["reason"] == "length"
     assert (stats["active_lanes"], stats["queued"], stats["running"], stats["streams"]) == (0, 0, 0, 0)

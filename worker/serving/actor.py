@@ -35,6 +35,7 @@ import threading
 import time
 
 from tinyloop.worker.model.errors import HandleFreed, OutOfMemory, OutOfRange, TooLong
+from tinyloop.worker.serving import channel_pb2 as cpb  # the typed requests: imports no torch
 from tinyloop.worker.serving.channel import ChannelOptions
 from tinyloop.worker.serving.handles import BudgetExhausted, HandleGone, HandleTable, NotOwner
 
@@ -369,25 +370,29 @@ class WorkerActor:
         return await asyncio.wrap_future(self._steps.call(fn))
 
     # -- streams ------------------------------------------------------------------------
-    async def generate(self, key: str, caller: str, p: dict):
+    async def generate(self, key: str, caller: str, p: "cpb.GenerateParams"):
         """Async generator of {"ids", "text"} chunks, then one {"complete": {...}} (or one error)."""
         try:
-            ids = self._prompt_ids(p["prompt"])
-            kwargs = dict(loops=p.get("loops"), max_tokens=p.get("max_tokens", 128),
-                          stop_token_ids=p.get("stop_token_ids") or None,
-                          cache_window=p.get("cache_window", 0), kv_mode=p.get("kv_mode"), **_sampling(p),
-                          **_depth_and_safety(p))
-            if p.get("speculative"):
-                kwargs["speculative"] = p["speculative"]
-            if p.get("early_exit") is not None:
-                kwargs["early_exit"] = p["early_exit"]
+            ids = self._prompt_ids(p.prompt)
+            kwargs = dict(loops=p.loops if p.HasField("loops") else None, max_tokens=p.max_tokens,
+                          stop_token_ids=list(p.stop_token_ids) or None, cache_window=p.cache_window,
+                          kv_mode=p.kv_mode or None, **_sampling(p.sampling), **_depth_and_safety(p))
+            if p.HasField("speculative"):
+                s = p.speculative
+                kwargs["speculative"] = {"draft_loops": s.draft_loops, "verify_loops": s.verify_loops,
+                                         "draft_ahead": s.draft_ahead, "k_branches": s.k_branches}
+            if p.HasField("early_exit"):
+                e = p.early_exit
+                kwargs["early_exit"] = {"criterion": e.criterion or None, "cache": e.cache or None,
+                                        **{f: getattr(e, f) for f in ("threshold", "min_loops", "patience")
+                                           if e.HasField(f)}}
             req = self.model.make_request(ids, **kwargs)
         except (ValueError, RuntimeError) as e:
             yield _status(self.worker_id, e)
             return
         after = None
-        if p.get("return_handle"):
-            max_loops = p.get("handle_max_loops") or self.model.config.max_loops
+        if p.return_handle:
+            max_loops = p.handle_max_loops if p.HasField("handle_max_loops") else self.model.config.max_loops
             # everything the handle needs is checked before any work: it keeps the first
             # req.loops iterations, allocated for max_loops
             if req.loops > max_loops:
@@ -411,15 +416,16 @@ class WorkerActor:
         async for item in self._stream(key, begin, len(ids), p, after, batched=batched):
             yield item
 
-    async def resume(self, key: str, caller: str, token: bytes, epoch: int, p: dict):
+    async def resume(self, key: str, caller: str, token: bytes, epoch: int, p: "cpb.ResumeParams"):
         entry = self._lookup(caller, token, epoch)
         if isinstance(entry, dict):
             yield entry
             return
         try:
-            rr = self.model.make_resume_request(entry.handle, p["new_loops"], max_tokens=p.get("max_tokens", 128),
-                                                cache_window=p.get("cache_window", 0), kv_mode=p.get("kv_mode"),
-                                                stop_token_ids=p.get("stop_token_ids") or None, **_sampling(p))
+            rr = self.model.make_resume_request(entry.handle, p.new_loops, max_tokens=p.max_tokens,
+                                                cache_window=p.cache_window, kv_mode=p.kv_mode or None,
+                                                stop_token_ids=list(p.stop_token_ids) or None,
+                                                **_sampling(p.sampling))
         except (ValueError, RuntimeError) as e:
             yield _status(self.worker_id, e)
             return
@@ -441,17 +447,18 @@ class WorkerActor:
         sink.push([], _CANCELLED, time.monotonic())
         return True
 
-    async def _stream(self, key: str, begin, tokens: int, p: dict, after=None, batched=None):
+    async def _stream(self, key: str, begin, tokens: int, p, after=None, batched=None):
         """Run a stream job: begin(lane) -> a Prefill, a DecodeState or a token generator
         (batched: Job.batched)."""
         from tinyloop.worker.serving.scheduler import Failed
         t0 = time.monotonic()
         try:
-            key, sink = self._submit(begin, tokens, timeout_s=p.get("timeout_s"), key=key, batched=batched)
+            key, sink = self._submit(begin, tokens, timeout_s=p.timeout_s if p.HasField("timeout_s") else None,
+                                     key=key, batched=batched)
         except _Refused as e:
             yield e.args[0]
             return
-        text = _TextStream(self.model.tokenizer) if p.get("include_text") else None
+        text = _TextStream(self.model.tokenizer) if p.include_text else None
         done = False
         t_first = None
         try:
@@ -488,18 +495,18 @@ class WorkerActor:
             self._leave(key, done)
 
     # -- handles ------------------------------------------------------------------------
-    async def build_handle(self, caller: str, p: dict) -> dict:
+    async def build_handle(self, caller: str, p: "cpb.BuildParams") -> dict:
         try:
-            ids = self._prompt_ids(p["prompt"])
-            self.model.check_kv_mode(p.get("kv_mode"))
+            ids = self._prompt_ids(p.prompt)
+            self.model.check_kv_mode(p.kv_mode or None)
         except ValueError as e:
             return _status(self.worker_id, e)
         # the defaults are the model's: l_used its default depth, max_loops its deepest; a
         # value past them is the Model's error, never clamped
         cfg = self.model.config
-        max_loops = p.get("max_loops", cfg.max_loops)
-        l_used = p.get("l_used", min(cfg.default_loops, max_loops))
-        return await self._build(caller, ids, l_used, max_loops, p.get("cache_window", 0), p.get("seed"))
+        max_loops = p.max_loops if p.HasField("max_loops") else cfg.max_loops
+        l_used = p.l_used if p.HasField("l_used") else min(cfg.default_loops, max_loops)
+        return await self._build(caller, ids, l_used, max_loops, p.cache_window, p.seed if p.HasField("seed") else None)
 
     def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
         """The error for a handle larger than the whole byte budget (no eviction could fit it),
@@ -579,30 +586,33 @@ class WorkerActor:
             self._sweep()
 
     # -- scoring ------------------------------------------------------------------------
-    async def score(self, p: dict) -> dict:
+    async def score(self, p: "cpb.ScoreParams") -> dict:
         try:
-            ids = self._prompt_ids(p["prompt"])
-            if "consistency" in p:
-                c = p["consistency"]
+            ids = self._prompt_ids(p.prompt)
+            if p.WhichOneof("score") == "consistency":
+                c = p.consistency
+                max_tokens = c.max_tokens if c.HasField("max_tokens") else 32
                 r = await self._on_lane(lambda lane: self.model.score_with_consistency(
-                    ids, c["loops_a"], c["loops_b"], max_tokens=c.get("max_tokens", 32), lane=lane), len(ids))
+                    ids, c.loops_a, c.loops_b, max_tokens=max_tokens, lane=lane), len(ids))
                 return {"worker_id": self.worker_id, "consistency": {
                     "agree": bool(r["agree"]), "answer_a": [int(t) for t in r["answer_a"]],
                     "answer_b": [int(t) for t in r["answer_b"]], "first_divergence": int(r["first_divergence"])}}
-            u = p["uncertainty"]
+            if p.WhichOneof("score") != "uncertainty":
+                raise ValueError("a score request names consistency or uncertainty")
+            u = p.uncertainty
             logits, kl = await self._on_lane(
-                lambda lane: self.model.score_with_uncertainty(ids, u["l_lo"], u["l_hi"], lane=lane), len(ids))
+                lambda lane: self.model.score_with_uncertainty(ids, u.l_lo, u.l_hi, lane=lane), len(ids))
             return {"worker_id": self.worker_id, "uncertainty": {
-                "kl": float(kl), "logits": logits.tobytes() if u.get("return_logits") else b""}}
+                "kl": float(kl), "logits": logits.tobytes() if u.return_logits else b""}}
         except _Refused as e:
             return e.args[0]
         except Exception as e:  # the status by its type; the worker serves on
             return _status(self.worker_id, e)
 
-    async def trajectory(self, p: dict) -> dict:
+    async def trajectory(self, p: "cpb.TrajectoryParams") -> dict:
         try:
-            ids = self._prompt_ids(p["prompt"])
-            r = await self._on_lane(lambda lane: self.model.score_trajectory(ids, p["n_loops"], lane=lane), len(ids))
+            ids = self._prompt_ids(p.prompt)
+            r = await self._on_lane(lambda lane: self.model.score_trajectory(ids, p.n_loops, lane=lane), len(ids))
         except _Refused as e:
             return e.args[0]
         except Exception as e:  # the status by its type; the worker serves on
@@ -612,13 +622,16 @@ class WorkerActor:
                 "hidden": hidden.tobytes()}
 
     # -- helpers ------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: dict) -> list[int]:
-        if "text" in prompt:
-            ids = self.model.tokenizer.encode(prompt["text"])
+    def _prompt_ids(self, prompt: "cpb.Prompt") -> list[int]:
+        which = prompt.WhichOneof("input")
+        if which == "text":
+            ids = self.model.tokenizer.encode(prompt.text)
             if not ids:
                 raise ValueError("prompt text encodes to no tokens")
             return ids
-        return list(prompt["ids"])
+        if which != "ids" or not prompt.ids.ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        return list(prompt.ids.ids)
 
 
 class _TextStream:
@@ -648,16 +661,16 @@ def _step(gen):
         return None, stop.value
 
 
-def _depth_and_safety(p: dict) -> dict:
+def _depth_and_safety(p: "cpb.GenerateParams") -> dict:
     """L scheduling and the safety check, as `Model.make_request` takes them."""
     out = {}
-    if p.get("l_warmup_tokens"):
-        out["l_warmup_tokens"] = p["l_warmup_tokens"]
-        out["l_warmup_L"] = p.get("l_warmup_loops")
-    if p.get("safety_check"):
+    if p.l_warmup_tokens:
+        out["l_warmup_tokens"] = p.l_warmup_tokens
+        out["l_warmup_L"] = p.l_warmup_loops if p.HasField("l_warmup_loops") else None
+    if p.safety_check:
         out["safety_check"] = True
-        if p.get("safety_norm_threshold") is not None:
-            out["safety_norm_threshold"] = p["safety_norm_threshold"]
+        if p.HasField("safety_norm_threshold"):
+            out["safety_norm_threshold"] = p.safety_norm_threshold
     return out
 
 
@@ -734,9 +747,10 @@ class _StepMetrics:
                     "process_cpu_seconds": time.process_time(), "clock_s": time.monotonic()}
 
 
-def _sampling(p: dict) -> dict:
+def _sampling(s: "cpb.Sampling") -> dict:
+    """The sampling fields set, as `Model.make_request` takes them (unset: the model's default)."""
     keys = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
-    return {k: p[k] for k in keys if p.get(k) is not None}
+    return {k: getattr(s, k) for k in keys if s.HasField(k)}
 
 
 def _config_dict(cfg) -> dict:

@@ -18,7 +18,6 @@ Ray) in the `x-tinyloop-worker-token` metadata; a call without it is UNAUTHENTIC
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tinyloop.worker.serving import channel_pb2_grpc as cpb_grpc
 log = logging.getLogger(__name__)
 
 TOKEN_KEY = "x-tinyloop-worker-token"
+USAGE = tuple(cpb.Usage.DESCRIPTOR.fields_by_name)  # the usage figures a Complete carries
 MAX_MESSAGE_BYTES = 64 << 20  # a prompt of ids as JSON: the gateway's own limit is far below
 
 
@@ -51,7 +51,9 @@ def event(item: dict) -> cpb.StreamEvent:
         return cpb.StreamEvent(error=cpb.Error(code=e["code"], reason=e["reason"], message=e["message"]))
     if "complete" in item:
         c = item["complete"]
-        done = cpb.Complete(reason=c["reason"], worker_id=c["worker_id"], stats_json=json.dumps(c["stats"]))
+        st = c["stats"]
+        done = cpb.Complete(reason=c["reason"], worker_id=c["worker_id"],
+                            usage=cpb.Usage(**{f: st[f] for f in USAGE if st.get(f) is not None}))
         if "handle" in c:
             done.handle.token, done.handle.epoch = c["handle"]["token"], c["handle"]["epoch"]
         return cpb.StreamEvent(complete=done)
@@ -65,7 +67,10 @@ def item(ev: cpb.StreamEvent) -> dict:
         return {"ids": list(ev.chunk.ids), "text": ev.chunk.text}
     if kind == "complete":
         c = ev.complete
-        done = {"reason": c.reason, "worker_id": c.worker_id, "stats": json.loads(c.stats_json or "{}")}
+        u = c.usage
+        stats = {f: getattr(u, f) for f in USAGE}
+        stats["iterations_histogram"] = list(u.iterations_histogram)
+        done = {"reason": c.reason, "worker_id": c.worker_id, "stats": stats}
         if c.HasField("handle"):
             done["handle"] = {"token": c.handle.token, "epoch": c.handle.epoch}
         return {"complete": done}
@@ -91,27 +96,19 @@ class ChannelServicer(cpb_grpc.WorkerChannelServicer):
         finally:
             await stream.aclose()  # a cancelled RPC: the actor's stream leaves the scheduler now
 
-    @staticmethod
-    async def _params(request: cpb.StreamCall, context) -> dict:
-        try:
-            p = json.loads(request.params_json)
-        except ValueError as e:
-            p = e
-        if not isinstance(p, dict):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params_json is not a JSON object ({p})")
-        return p
-
     async def Generate(self, request: cpb.StreamCall, context):
         await self._check(context)
-        p = await self._params(request, context)
-        async for ev in self._relay(self.actor.generate(request.key, request.caller, p)):
+        if request.WhichOneof("params") != "generate":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Generate call carries GenerateParams")
+        async for ev in self._relay(self.actor.generate(request.key, request.caller, request.generate)):
             yield ev
 
     async def Resume(self, request: cpb.StreamCall, context):
         await self._check(context)
-        p = await self._params(request, context)
+        if request.WhichOneof("params") != "resume":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Resume call carries ResumeParams")
         async for ev in self._relay(self.actor.resume(request.key, request.caller, request.handle_token,
-                                                      request.handle_epoch, p)):
+                                                      request.handle_epoch, request.resume)):
             yield ev
 
 

@@ -24,25 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rchannel.proto\x12\x12tinyloop.worker.v1\"j\n\nStreamCall\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x02 \x01(\t\x12\x13\n\x0bparams_json\x18\x03 \x01(\t\x12\x14\n\x0chandle_token\x18\x04 \x01(\x0c\x12\x14\n\x0chandle_epoch\x18\x05 \x01(\x04\"\xa0\x01\n\x0bStreamEvent\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.tinyloop.worker.v1.ChunkH\x00\x12\x30\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1c.tinyloop.worker.v1.CompleteH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.tinyloop.worker.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"\"\n\x05\x43hunk\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"m\n\x08\x43omplete\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\nstats_json\x18\x03 \x01(\t\x12*\n\x06handle\x18\x04 \x01(\x0b\x32\x1a.tinyloop.worker.v1.Handle\"&\n\x06Handle\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t2\xab\x01\n\rWorkerChannel\x12M\n\x08Generate\x12\x1e.tinyloop.worker.v1.StreamCall\x1a\x1f.tinyloop.worker.v1.StreamEvent0\x01\x12K\n\x06Resume\x12\x1e.tinyloop.worker.v1.StreamCall\x1a\x1f.tinyloop.worker.v1.StreamEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rchannel.proto\x12\x12tinyloop.worker.v1\"\xcb\x01\n\nStreamCall\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x02 \x01(\t\x12\x36\n\x08generate\x18\x03 \x01(\x0b\x32\".tinyloop.worker.v1.GenerateParamsH\x00\x12\x32\n\x06resume\x18\x04 \x01(\x0b\x32 .tinyloop.worker.v1.ResumeParamsH\x00\x12\x14\n\x0chandle_token\x18\x05 \x01(\x0c\x12\x14\n\x0chandle_epoch\x18\x06 \x01(\x04\x42\x08\n\x06params\"N\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x03ids\x18\x02 \x01(\x0b\x32\x1c.tinyloop.worker.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc4\x01\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"a\n\x0bSpeculative\x12\x13\n\x0b\x64raft_loops\x18\x01 \x01(\r\x12\x14\n\x0cverify_loops\x18\x02 \x01(\r\x12\x13\n\x0b\x64raft_ahead\x18\x03 \x01(\r\x12\x12\n\nk_branches\x18\x04 \x01(\r\"\x9d\x01\n\tEarlyExit\x12\x11\n\tcriterion\x18\x01 \x01(\t\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\t\x12\x16\n\tthreshold\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\tmin_loops\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x15\n\x08patience\x18\x05 \x01(\rH\x02\x88\x01\x01\x42\x0c\n\n_thresholdB\x0c\n\n_min_loopsB\x0b\n\t_patience\"\xea\x04\n\x0eGenerateParams\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.tinyloop.worker.v1.Prompt\x12\x12\n\x05loops\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x63\x61\x63he_window\x18\x05 \x01(\r\x12\x14\n\x0cinclude_text\x18\x06 \x01(\x08\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.tinyloop.worker.v1.Sampling\x12\x34\n\x0bspeculative\x18\x08 \x01(\x0b\x32\x1f.tinyloop.worker.v1.Speculative\x12\x17\n\x0fl_warmup_tokens\x18\t \x01(\r\x12\x1b\n\x0el_warmup_loops\x18\n \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0csafety_check\x18\x0b \x01(\x08\x12\"\n\x15safety_norm_threshold\x18\x0c \x01(\x02H\x02\x88\x01\x01\x12\x0f\n\x07kv_mode\x18\r \x01(\t\x12\x31\n\nearly_exit\x18\x0e \x01(\x0b\x32\x1d.tinyloop.worker.v1.EarlyExit\x12\x15\n\rreturn_handle\x18\x0f \x01(\x08\x12\x1d\n\x10handle_max_loops\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x16\n\ttimeout_s\x18\x11 \x01(\x01H\x04\x88\x01\x01\x42\x08\n\x06_loopsB\x11\n\x0f_l_warmup_loopsB\x18\n\x16_safety_norm_thresholdB\x13\n\x11_handle_max_loopsB\x0c\n\n_timeout_s\"\xc2\x01\n\x0b\x42uildParams\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.tinyloop.worker.v1.Prompt\x12\x13\n\x06l_used\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tmax_loops\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0c\x63\x61\x63he_window\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0f\n\x07kv_mode\x18\x06 \x01(\tB\t\n\x07_l_usedB\x0c\n\n_max_loopsB\x07\n\x05_seed\"\xb2\x01\n\x0bScoreParams\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.tinyloop.worker.v1.Prompt\x12\x36\n\x0b\x63onsistency\x18\x02 \x01(\x0b\x32\x1f.tinyloop.worker.v1.ConsistencyH\x00\x12\x36\n\x0buncertainty\x18\x03 \x01(\x0b\x32\x1f.tinyloop.worker.v1.UncertaintyH\x00\x42\x07\n\x05score\"W\n\x0b\x43onsistency\x12\x0f\n\x07loops_a\x18\x01 \x01(\r\x12\x0f\n\x07loops_b\x18\x02 \x01(\r\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_max_tokens\"@\n\x0bUncertainty\x12\x0c\n\x04l_lo\x18\x01 \x01(\r\x12\x0c\n\x04l_hi\x18\x02 \x01(\r\x12\x15\n\rreturn_logits\x18\x03 \x01(\x08\"O\n\x10TrajectoryParams\x12*\n\x06prompt\x18\x01 \x01(\x0b\x32\x1a.tinyloop.worker.v1.Prompt\x12\x0f\n\x07n_loops\x18\x02 \x01(\r\"\xe0\x01\n\x0cResumeParams\x12\x11\n\tnew_loops\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x63\x61\x63he_window\x18\x04 \x01(\r\x12\x14\n\x0cinclude_text\x18\x05 \x01(\x08\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.tinyloop.worker.v1.Sampling\x12\x0f\n\x07kv_mode\x18\x07 \x01(\t\x12\x16\n\ttimeout_s\x18\x08 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\xa0\x01\n\x0bStreamEvent\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.tinyloop.worker.v1.ChunkH\x00\x12\x30\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1c.tinyloop.worker.v1.CompleteH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.tinyloop.worker.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"\"\n\x05\x43hunk\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x83\x01\n\x08\x43omplete\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x19.tinyloop.worker.v1.Usage\x12*\n\x06handle\x18\x04 \x01(\x0b\x32\x1a.tinyloop.worker.v1.Handle\"\xe3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x17\n\x0floop_iterations\x18\x03 \x01(\x04\x12\x1d\n\x15loop_token_iterations\x18\x04 \x01(\x04\x12\x1b\n\x13\x61\x63\x63\x65pted_per_verify\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1c\n\x14iterations_per_token\x18\x07 \x01(\x01\x12\x1c\n\x14iterations_histogram\x18\x08 \x03(\r\"&\n\x06Handle\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t2\xab\x01\n\rWorkerChannel\x12M\n\x08Generate\x12\x1e.tinyloop.worker.v1.StreamCall\x1a\x1f.tinyloop.worker.v1.StreamEvent0\x01\x12K\n\x06Resume\x12\x1e.tinyloop.worker.v1.StreamCall\x1a\x1f.tinyloop.worker.v1.StreamEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'channel_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tinyloop.worker.serving.channel_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STREAMCALL']._serialized_start=37
-  _globals['_STREAMCALL']._serialized_end=143
-  _globals['_STREAMEVENT']._serialized_start=146
-  _globals['_STREAMEVENT']._serialized_end=306
-  _globals['_CHUNK']._serialized_start=308
-  _globals['_CHUNK']._serialized_end=342
-  _globals['_COMPLETE']._serialized_start=344
-  _globals['_COMPLETE']._serialized_end=453
-  _globals['_HANDLE']._serialized_start=455
-  _globals['_HANDLE']._serialized_end=493
-  _globals['_ERROR']._serialized_start=495
-  _globals['_ERROR']._serialized_end=549
-  _globals['_WORKERCHANNEL']._serialized_start=552
-  _globals['_WORKERCHANNEL']._serialized_end=723
+  _globals['_STREAMCALL']._serialized_start=38
+  _globals['_STREAMCALL']._serialized_end=241
+  _globals['_PROMPT']._serialized_start=243
+  _globals['_PROMPT']._serialized_end=321
+  _globals['_TOKENIDS']._serialized_start=323
+  _globals['_TOKENIDS']._serialized_end=346
+  _globals['_SAMPLING']._serialized_start=349
+  _globals['_SAMPLING']._serialized_end=545
+  _globals['_SPECULATIVE']._serialized_start=547
+  _globals['_SPECULATIVE']._serialized_end=644
+  _globals['_EARLYEXIT']._serialized_start=647
+  _globals['_EARLYEXIT']._serialized_end=804
+  _globals['_GENERATEPARAMS']._serialized_start=807
+  _globals['_GENERATEPARAMS']._serialized_end=1425
+  _globals['_BUILDPARAMS']._serialized_start=1428
+  _globals['_BUILDPARAMS']._serialized_end=1622
+  _globals['_SCOREPARAMS']._serialized_start=1625
+  _globals['_SCOREPARAMS']._serialized_end=1803
+  _globals['_CONSISTENCY']._serialized_start=1805
+  _globals['_CONSISTENCY']._serialized_end=1892
+  _globals['_UNCERTAINTY']._serialized_start=1894
+  _globals['_UNCERTAINTY']._serialized_end=1958
+  _globals['_TRAJECTORYPARAMS']._serialized_start=1960
+  _globals['_TRAJECTORYPARAMS']._serialized_end=2039
+  _globals['_RESUMEPARAMS']._serialized_start=2042
+  _globals['_RESUMEPARAMS']._serialized_end=2266
+  _globals['_STREAMEVENT']._serialized_start=2269
+  _globals['_STREAMEVENT']._serialized_end=2429
+  _globals['_CHUNK']._serialized_start=2431
+  _globals['_CHUNK']._serialized_end=2465
+  _globals['_COMPLETE']._serialized_start=2468
+  _globals['_COMPLETE']._serialized_end=2599
+  _globals['_USAGE']._serialized_start=2602
+  _globals['_USAGE']._serialized_end=2829
+  _globals['_HANDLE']._serialized_start=2831
+  _globals['_HANDLE']._serialized_end=2869
+  _globals['_ERROR']._serialized_start=2871
+  _globals['_ERROR']._serialized_end=2925
+  _globals['_WORKERCHANNEL']._serialized_start=2928
+  _globals['_WORKERCHANNEL']._serialized_end=3099
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,186 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StreamCall(_message.Message):
-    __slots__ = ("key", "caller", "params_json", "handle_token", "handle_epoch")
+    __slots__ = ("key", "caller", "generate", "resume", "handle_token", "handle_epoch")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     HANDLE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HANDLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     key: str
     caller: str
-    params_json: str
+    generate: GenerateParams
+    resume: ResumeParams
     handle_token: bytes
     handle_epoch: int
-    def __init__(self, key: _Optional[str] = ..., caller: _Optional[str] = ..., params_json: _Optional[str] = ..., handle_token: _Optional[bytes] = ..., handle_epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., caller: _Optional[str] = ..., generate: _Optional[_Union[GenerateParams, _Mapping]] = ..., resume: _Optional[_Union[ResumeParams, _Mapping]] = ..., handle_token: _Optional[bytes] = ..., handle_epoch: _Optional[int] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("text", "ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Speculative(_message.Message):
+    __slots__ = ("draft_loops", "verify_loops", "draft_ahead", "k_branches")
+    DRAFT_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    K_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    draft_loops: int
+    verify_loops: int
+    draft_ahead: int
+    k_branches: int
+    def __init__(self, draft_loops: _Optional[int] = ..., verify_loops: _Optional[int] = ..., draft_ahead: _Optional[int] = ..., k_branches: _Optional[int] = ...) -> None: ...
+
+class EarlyExit(_message.Message):
+    __slots__ = ("criterion", "cache", "threshold", "min_loops", "patience")
+    CRITERION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MIN_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    PATIENCE_FIELD_NUMBER: _ClassVar[int]
+    criterion: str
+    cache: str
+    threshold: float
+    min_loops: int
+    patience: int
+    def __init__(self, criterion: _Optional[str] = ..., cache: _Optional[str] = ..., threshold: _Optional[float] = ..., min_loops: _Optional[int] = ..., patience: _Optional[int] = ...) -> None: ...
+
+class GenerateParams(_message.Message):
+    __slots__ = ("prompt", "loops", "max_tokens", "stop_token_ids", "cache_window", "include_text", "sampling", "speculative", "l_warmup_tokens", "l_warmup_loops", "safety_check", "safety_norm_threshold", "kv_mode", "early_exit", "return_handle", "handle_max_loops", "timeout_s")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    LOOPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    L_WARMUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L_WARMUP_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    SAFETY_CHECK_FIELD_NUMBER: _ClassVar[int]
+    SAFETY_NORM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
+    EARLY_EXIT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_MAX_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    prompt: Prompt
+    loops: int
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_window: int
+    include_text: bool
+    sampling: Sampling
+    speculative: Speculative
+    l_warmup_tokens: int
+    l_warmup_loops: int
+    safety_check: bool
+    safety_norm_threshold: float
+    kv_mode: str
+    early_exit: EarlyExit
+    return_handle: bool
+    handle_max_loops: int
+    timeout_s: float
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., l_warmup_tokens: _Optional[int] = ..., l_warmup_loops: _Optional[int] = ..., safety_check: _Optional[bool] = ..., safety_norm_threshold: _Optional[float] = ..., kv_mode: _Optional[str] = ..., early_exit: _Optional[_Union[EarlyExit, _Mapping]] = ..., return_handle: _Optional[bool] = ..., handle_max_loops: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class BuildParams(_message.Message):
+    __slots__ = ("prompt", "l_used", "max_loops", "cache_window", "seed", "kv_mode")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    L_USED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
+    prompt: Prompt
+    l_used: int
+    max_loops: int
+    cache_window: int
+    seed: int
+    kv_mode: str
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., l_used: _Optional[int] = ..., max_loops: _Optional[int] = ..., cache_window: _Optional[int] = ..., seed: _Optional[int] = ..., kv_mode: _Optional[str] = ...) -> None: ...
+
+class ScoreParams(_message.Message):
+    __slots__ = ("prompt", "consistency", "uncertainty")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    UNCERTAINTY_FIELD_NUMBER: _ClassVar[int]
+    prompt: Prompt
+    consistency: Consistency
+    uncertainty: Uncertainty
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., consistency: _Optional[_Union[Consistency, _Mapping]] = ..., uncertainty: _Optional[_Union[Uncertainty, _Mapping]] = ...) -> None: ...
+
+class Consistency(_message.Message):
+    __slots__ = ("loops_a", "loops_b", "max_tokens")
+    LOOPS_A_FIELD_NUMBER: _ClassVar[int]
+    LOOPS_B_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    loops_a: int
+    loops_b: int
+    max_tokens: int
+    def __init__(self, loops_a: _Optional[int] = ..., loops_b: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class Uncertainty(_message.Message):
+    __slots__ = ("l_lo", "l_hi", "return_logits")
+    L_LO_FIELD_NUMBER: _ClassVar[int]
+    L_HI_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    l_lo: int
+    l_hi: int
+    return_logits: bool
+    def __init__(self, l_lo: _Optional[int] = ..., l_hi: _Optional[int] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+
+class TrajectoryParams(_message.Message):
+    __slots__ = ("prompt", "n_loops")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    N_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    prompt: Prompt
+    n_loops: int
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., n_loops: _Optional[int] = ...) -> None: ...
+
+class ResumeParams(_message.Message):
+    __slots__ = ("new_loops", "max_tokens", "stop_token_ids", "cache_window", "include_text", "sampling", "kv_mode", "timeout_s")
+    NEW_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_MODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    new_loops: int
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_window: int
+    include_text: bool
+    sampling: Sampling
+    kv_mode: str
+    timeout_s: float
+    def __init__(self, new_loops: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_window: _Optional[int] = ..., include_text: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., kv_mode: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class StreamEvent(_message.Message):
     __slots__ = ("chunk", "complete", "error")
@@ -39,16 +207,36 @@ class Chunk(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("reason", "worker_id", "stats_json", "handle")
+    __slots__ = ("reason", "worker_id", "usage", "handle")
     REASON_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     reason: str
     worker_id: str
-    stats_json: str
+    usage: Usage
     handle: Handle
-    def __init__(self, reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., stats_json: _Optional[str] = ..., handle: _Optional[_Union[Handle, _Mapping]] = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ..., worker_id: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., handle: _Optional[_Union[Handle, _Mapping]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "loop_iterations", "loop_token_iterations", "accepted_per_verify", "acceptance_rate", "iterations_per_token", "iterations_histogram")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_TOKEN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    loop_iterations: int
+    loop_token_iterations: int
+    accepted_per_verify: float
+    acceptance_rate: float
+    iterations_per_token: float
+    iterations_histogram: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., loop_iterations: _Optional[int] = ..., loop_token_iterations: _Optional[int] = ..., accepted_per_verify: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., iterations_per_token: _Optional[float] = ..., iterations_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Handle(_message.Message):
     __slots__ = ("token", "epoch")
