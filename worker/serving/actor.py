@@ -18,6 +18,11 @@ Streams reach the gateway over the worker's token channel (serving/channel.py: a
 this event loop, started at the first `info()`), or as Ray streaming calls where it is off; both
 run the same `generate` / `resume` coroutines below.
 
+Requests arrive typed (`channel_pb2.GenerateParams`, `ResumeParams`, `BuildParams`,
+`ScoreParams`, `TrajectoryParams`: proto/tinyloop/worker/v1/channel.proto), as the gateway
+checked them against the wire's rules; this actor checks them against the model (the Model's
+own errors) and fills the model's defaults.
+
 Errors never cross Ray as exceptions: a call returns (or a stream yields) a dict
 `{"error": {"code", "reason", "message"}}` whose `code` names a gRPC status code; the gateway
 turns it into a `google.rpc.Status`. The status is chosen by the exception's type
