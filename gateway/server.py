@@ -224,8 +224,9 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             self._worker_failed(w)
             raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} is unavailable: "
                                f"{type(e).__name__}") from None
-        if isinstance(out, dict) and "error" in out:
-            raise ServiceError.from_worker(out["error"])
+        if out.WhichOneof("result") == "error":
+            e = out.error
+            raise ServiceError.from_worker({"code": e.code, "reason": e.reason, "message": e.message})
         return out
 
     # -- wire checks --------------------------------------------------------------------
@@ -489,17 +490,20 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("BuildResumeHandle", context, e)
             return
+        h = h.handle
         return pb.BuildResumeHandleResponse(
-            request_id=request.request_id, handle_id=handles.encode(w.index, h["epoch"], h["token"]),
-            seq_len=h["seq_len"], loops_used=h["loops_used"], max_loops=h["max_loops"], nbytes=h["nbytes"],
-            worker_id=h["worker_id"], expires_in_s=h["expires_in_s"])
+            request_id=request.request_id, handle_id=handles.encode(w.index, h.epoch, h.token),
+            seq_len=h.seq_len, loops_used=h.loops_used, max_loops=h.max_loops, nbytes=h.nbytes,
+            worker_id=h.worker_id, expires_in_s=h.expires_in_s)
 
     def _orphaned(self, w: _Worker, caller: str, build: asyncio.Future) -> None:
         if build.cancelled() or build.exception() is not None:
             return
-        h = build.result()
+        built = build.result()
+        if built.WhichOneof("result") != "handle":
+            return
         metrics.ERRORS.labels("BuildResumeHandle", "ORPHANED_HANDLE_FREED").inc()
-        w.actor.free_handle.remote(caller, h["token"], h["epoch"])
+        w.actor.free_handle.remote(caller, built.handle.token, built.handle.epoch)
 
     async def FreeHandle(self, request: pb.FreeHandleRequest, context):
         try:
@@ -516,7 +520,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("FreeHandle", context, e)
             return
-        return pb.FreeHandleResponse(request_id=request.request_id, freed=out["freed"])
+        return pb.FreeHandleResponse(request_id=request.request_id, freed=out.freed)
 
     async def Score(self, request: pb.ScoreRequest, context):
         try:
@@ -543,13 +547,15 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("Score", context, e)
             return
-        resp = pb.ScoreResponse(request_id=request.request_id, worker_id=out["worker_id"])
-        if "consistency" in out:
-            resp.consistency.CopyFrom(pb.ConsistencyResult(**out["consistency"]))
+        resp = pb.ScoreResponse(request_id=request.request_id, worker_id=out.worker_id)
+        if out.WhichOneof("result") == "consistency":
+            c = out.consistency
+            resp.consistency.CopyFrom(pb.ConsistencyResult(agree=c.agree, answer_a=c.answer_a, answer_b=c.answer_b,
+                                                           first_divergence=c.first_divergence))
         else:
-            u = out["uncertainty"]
+            u = out.uncertainty
             resp.uncertainty.CopyFrom(pb.UncertaintyResult(
-                kl=u["kl"], logits=np.frombuffer(u["logits"], dtype=np.float32).tolist()))
+                kl=u.kl, logits=np.frombuffer(u.logits, dtype=np.float32).tolist()))
         return resp
 
     async def ScoreTrajectory(self, request: pb.ScoreTrajectoryRequest, context):
@@ -561,9 +567,10 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except ServiceError as e:
             await self._fail("ScoreTrajectory", context, e)
             return
-        return pb.ScoreTrajectoryResponse(request_id=request.request_id, labels=out["labels"],
-                                          d_model=out["d_model"], worker_id=out["worker_id"],
-                                          hidden=np.frombuffer(out["hidden"], dtype=np.float32).tolist())
+        t = out.trajectory
+        return pb.ScoreTrajectoryResponse(request_id=request.request_id, labels=t.labels,
+                                          d_model=t.d_model, worker_id=out.worker_id,
+                                          hidden=np.frombuffer(t.hidden, dtype=np.float32).tolist())
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context):
         try:

@@ -21,11 +21,12 @@ run the same `generate` / `resume` coroutines below.
 Requests arrive typed (`channel_pb2.GenerateParams`, `ResumeParams`, `BuildParams`,
 `ScoreParams`, `TrajectoryParams`: proto/tinyloop/worker/v1/channel.proto), as the gateway
 checked them against the wire's rules; this actor checks them against the model (the Model's
-own errors) and fills the model's defaults.
+own errors) and fills the model's defaults. The unary calls answer typed too (`BuildResult`,
+`FreeResult`, `ScoreResult`, `TrajectoryResult`).
 
-Errors never cross Ray as exceptions: a call returns (or a stream yields) a dict
-`{"error": {"code", "reason", "message"}}` whose `code` names a gRPC status code; the gateway
-turns it into a `google.rpc.Status`. The status is chosen by the exception's type
+Errors never cross Ray as exceptions: a call answers with its result's `error` set (a stream
+yields `{"error": {"code", "reason", "message"}}`), whose `code` names a gRPC status code; the
+gateway turns it into a `google.rpc.Status`. The status is chosen by the exception's type
 (`_status`), never by its message. Ray-level failures (actor death) stay Ray exceptions.
 """
 from __future__ import annotations
@@ -60,6 +61,11 @@ DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per t
 
 def error(code: str, reason: str, message: str) -> dict:
     return {"error": {"code": code, "reason": reason, "message": message}}
+
+
+def _error_msg(d: dict) -> "cpb.Error":
+    """An `error` dict as the typed answers carry it."""
+    return cpb.Error(**d["error"])
 
 
 def _status(worker_id: str, e: BaseException) -> dict:
@@ -235,7 +241,7 @@ class WorkerActor:
         self._device = str(self.model.device)
         self._metrics = _StepMetrics(self.model.config.max_loops)
         self._channel_options = channel if channel is not None else ChannelOptions()
-        self._channel = None  # (grpc.aio server, {"address", "token"}) once started
+        self._channel: asyncio.Future | None = None  # -> (grpc.aio server, {"address", "token"})
         s = self.model.startup
         log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s", self.worker_id, s["load_s"],
                  s["graphs"], sum(v for k, v in s.items() if k.endswith("_graphs_s")))
@@ -243,11 +249,14 @@ class WorkerActor:
     # -- introspection ------------------------------------------------------------------
     async def channel(self) -> dict | None:
         """The token channel's {"address", "token"} (serving/channel.py), started on the actor's
-        event loop at the first ask; None when it is off."""
-        if self._channel is None and self._channel_options.enabled:
+        event loop at the first ask; None when it is off. Calls that ask at once (a gateway's
+        probe and its poll) share the one start."""
+        if not self._channel_options.enabled:
+            return None
+        if self._channel is None:
             from tinyloop.worker.serving import channel
-            self._channel = await channel.serve(self, self._channel_options)
-        return self._channel[1] if self._channel else None
+            self._channel = asyncio.ensure_future(channel.serve(self, self._channel_options))
+        return (await asyncio.shield(self._channel))[1]
 
     async def info(self) -> dict:
         cfg = self.model.config
@@ -500,18 +509,22 @@ class WorkerActor:
             self._leave(key, done)
 
     # -- handles ------------------------------------------------------------------------
-    async def build_handle(self, caller: str, p: "cpb.BuildParams") -> dict:
+    async def build_handle(self, caller: str, p: "cpb.BuildParams") -> "cpb.BuildResult":
         try:
             ids = self._prompt_ids(p.prompt)
             self.model.check_kv_mode(p.kv_mode or None)
         except ValueError as e:
-            return _status(self.worker_id, e)
+            return cpb.BuildResult(error=_error_msg(_status(self.worker_id, e)))
         # the defaults are the model's: l_used its default depth, max_loops its deepest; a
         # value past them is the Model's error, never clamped
         cfg = self.model.config
         max_loops = p.max_loops if p.HasField("max_loops") else cfg.max_loops
         l_used = p.l_used if p.HasField("l_used") else min(cfg.default_loops, max_loops)
-        return await self._build(caller, ids, l_used, max_loops, p.cache_window, p.seed if p.HasField("seed") else None)
+        built = await self._build(caller, ids, l_used, max_loops, p.cache_window,
+                                  p.seed if p.HasField("seed") else None)
+        if "error" in built:
+            return cpb.BuildResult(error=_error_msg(built))
+        return cpb.BuildResult(handle=cpb.Handle(**built))
 
     def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
         """The error for a handle larger than the whole byte budget (no eviction could fit it),
@@ -549,17 +562,18 @@ class WorkerActor:
                 "loops_used": handle.loops_used(), "max_loops": handle.max_loops(), "nbytes": nbytes,
                 "worker_id": self.worker_id, "expires_in_s": self.handles.ttl_s}
 
-    async def free_handle(self, caller: str, token: bytes, epoch: int) -> dict:
+    async def free_handle(self, caller: str, token: bytes, epoch: int) -> "cpb.FreeResult":
         entry = self._lookup(caller, token, epoch, touch=False)
         if isinstance(entry, dict):
             if entry["error"]["reason"] in ("NOT_OWNER",):
-                return entry
-            return {"freed": False}  # idempotent: already gone, for whatever reason
+                return cpb.FreeResult(error=_error_msg(entry))
+            return cpb.FreeResult(freed=False)  # idempotent: already gone, for whatever reason
         if entry.active:
-            return error("FAILED_PRECONDITION", "HANDLE_BUSY",
-                         f"{entry.active} resume(s) are streaming from this handle; free it after they finish")
+            return cpb.FreeResult(error=_error_msg(error(
+                "FAILED_PRECONDITION", "HANDLE_BUSY",
+                f"{entry.active} resume(s) are streaming from this handle; free it after they finish")))
         self.handles.drop(token)
-        return {"freed": True}
+        return cpb.FreeResult(freed=True)
 
     def _lookup(self, caller: str, token: bytes, epoch: int, touch: bool = True):
         if epoch != self.epoch:
@@ -591,7 +605,7 @@ class WorkerActor:
             self._sweep()
 
     # -- scoring ------------------------------------------------------------------------
-    async def score(self, p: "cpb.ScoreParams") -> dict:
+    async def score(self, p: "cpb.ScoreParams") -> "cpb.ScoreResult":
         try:
             ids = self._prompt_ids(p.prompt)
             if p.WhichOneof("score") == "consistency":
@@ -599,32 +613,32 @@ class WorkerActor:
                 max_tokens = c.max_tokens if c.HasField("max_tokens") else 32
                 r = await self._on_lane(lambda lane: self.model.score_with_consistency(
                     ids, c.loops_a, c.loops_b, max_tokens=max_tokens, lane=lane), len(ids))
-                return {"worker_id": self.worker_id, "consistency": {
-                    "agree": bool(r["agree"]), "answer_a": [int(t) for t in r["answer_a"]],
-                    "answer_b": [int(t) for t in r["answer_b"]], "first_divergence": int(r["first_divergence"])}}
+                return cpb.ScoreResult(worker_id=self.worker_id, consistency=cpb.ConsistencyAnswer(
+                    agree=bool(r["agree"]), answer_a=[int(t) for t in r["answer_a"]],
+                    answer_b=[int(t) for t in r["answer_b"]], first_divergence=int(r["first_divergence"])))
             if p.WhichOneof("score") != "uncertainty":
                 raise ValueError("a score request names consistency or uncertainty")
             u = p.uncertainty
             logits, kl = await self._on_lane(
                 lambda lane: self.model.score_with_uncertainty(ids, u.l_lo, u.l_hi, lane=lane), len(ids))
-            return {"worker_id": self.worker_id, "uncertainty": {
-                "kl": float(kl), "logits": logits.tobytes() if u.return_logits else b""}}
+            return cpb.ScoreResult(worker_id=self.worker_id, uncertainty=cpb.UncertaintyAnswer(
+                kl=float(kl), logits=logits.tobytes() if u.return_logits else b""))
         except _Refused as e:
-            return e.args[0]
+            return cpb.ScoreResult(worker_id=self.worker_id, error=_error_msg(e.args[0]))
         except Exception as e:  # the status by its type; the worker serves on
-            return _status(self.worker_id, e)
+            return cpb.ScoreResult(worker_id=self.worker_id, error=_error_msg(_status(self.worker_id, e)))
 
-    async def trajectory(self, p: "cpb.TrajectoryParams") -> dict:
+    async def trajectory(self, p: "cpb.TrajectoryParams") -> "cpb.TrajectoryResult":
         try:
             ids = self._prompt_ids(p.prompt)
             r = await self._on_lane(lambda lane: self.model.score_trajectory(ids, p.n_loops, lane=lane), len(ids))
         except _Refused as e:
-            return e.args[0]
+            return cpb.TrajectoryResult(worker_id=self.worker_id, error=_error_msg(e.args[0]))
         except Exception as e:  # the status by its type; the worker serves on
-            return _status(self.worker_id, e)
+            return cpb.TrajectoryResult(worker_id=self.worker_id, error=_error_msg(_status(self.worker_id, e)))
         hidden = r["hidden"]
-        return {"worker_id": self.worker_id, "labels": list(r["labels"]), "d_model": int(hidden.shape[1]),
-                "hidden": hidden.tobytes()}
+        return cpb.TrajectoryResult(worker_id=self.worker_id, trajectory=cpb.Trajectory(
+            labels=list(r["labels"]), d_model=int(hidden.shape[1]), hidden=hidden.tobytes()))
 
     # -- helpers ------------------------------------------------------------------------
     def _prompt_ids(self, prompt: "cpb.Prompt") -> list[int]:

@@ -55,7 +55,7 @@ def event(item: dict) -> cpb.StreamEvent:
         done = cpb.Complete(reason=c["reason"], worker_id=c["worker_id"],
                             usage=cpb.Usage(**{f: st[f] for f in USAGE if st.get(f) is not None}))
         if "handle" in c:
-            done.handle.token, done.handle.epoch = c["handle"]["token"], c["handle"]["epoch"]
+            done.handle.CopyFrom(cpb.Handle(**c["handle"]))
         return cpb.StreamEvent(complete=done)
     return cpb.StreamEvent(chunk=cpb.Chunk(ids=item["ids"], text=item["text"]))
 
@@ -72,7 +72,7 @@ def item(ev: cpb.StreamEvent) -> dict:
         stats["iterations_histogram"] = list(u.iterations_histogram)
         done = {"reason": c.reason, "worker_id": c.worker_id, "stats": stats}
         if c.HasField("handle"):
-            done["handle"] = {"token": c.handle.token, "epoch": c.handle.epoch}
+            done["handle"] = {f.name: getattr(c.handle, f.name) for f in cpb.Handle.DESCRIPTOR.fields}
         return {"complete": done}
     if kind == "error":
         return {"error": {"code": ev.error.code, "reason": ev.error.reason, "message": ev.error.message}}

@@ -239,12 +239,92 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., loop_iterations: _Optional[int] = ..., loop_token_iterations: _Optional[int] = ..., accepted_per_verify: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., iterations_per_token: _Optional[float] = ..., iterations_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Handle(_message.Message):
-    __slots__ = ("token", "epoch")
+    __slots__ = ("token", "epoch", "seq_len", "loops_used", "max_loops", "nbytes", "worker_id", "expires_in_s")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    LOOPS_USED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     token: bytes
     epoch: int
-    def __init__(self, token: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
+    seq_len: int
+    loops_used: int
+    max_loops: int
+    nbytes: int
+    worker_id: str
+    expires_in_s: float
+    def __init__(self, token: _Optional[bytes] = ..., epoch: _Optional[int] = ..., seq_len: _Optional[int] = ..., loops_used: _Optional[int] = ..., max_loops: _Optional[int] = ..., nbytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class BuildResult(_message.Message):
+    __slots__ = ("handle", "error")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    handle: Handle
+    error: Error
+    def __init__(self, handle: _Optional[_Union[Handle, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class FreeResult(_message.Message):
+    __slots__ = ("freed", "error")
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    freed: bool
+    error: Error
+    def __init__(self, freed: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class ScoreResult(_message.Message):
+    __slots__ = ("worker_id", "consistency", "uncertainty", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    UNCERTAINTY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    consistency: ConsistencyAnswer
+    uncertainty: UncertaintyAnswer
+    error: Error
+    def __init__(self, worker_id: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencyAnswer, _Mapping]] = ..., uncertainty: _Optional[_Union[UncertaintyAnswer, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class ConsistencyAnswer(_message.Message):
+    __slots__ = ("agree", "answer_a", "answer_b", "first_divergence")
+    AGREE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_A_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_B_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    agree: bool
+    answer_a: _containers.RepeatedScalarFieldContainer[int]
+    answer_b: _containers.RepeatedScalarFieldContainer[int]
+    first_divergence: int
+    def __init__(self, agree: _Optional[bool] = ..., answer_a: _Optional[_Iterable[int]] = ..., answer_b: _Optional[_Iterable[int]] = ..., first_divergence: _Optional[int] = ...) -> None: ...
+
+class UncertaintyAnswer(_message.Message):
+    __slots__ = ("kl", "logits")
+    KL_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    kl: float
+    logits: bytes
+    def __init__(self, kl: _Optional[float] = ..., logits: _Optional[bytes] = ...) -> None: ...
+
+class TrajectoryResult(_message.Message):
+    __slots__ = ("worker_id", "trajectory", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    trajectory: Trajectory
+    error: Error
+    def __init__(self, worker_id: _Optional[str] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("labels", "d_model", "hidden")
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    D_MODEL_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    d_model: int
+    hidden: bytes
+    def __init__(self, labels: _Optional[_Iterable[str]] = ..., d_model: _Optional[int] = ..., hidden: _Optional[bytes] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "reason", "message")
