@@ -102,6 +102,7 @@ def _serve(args) -> int:
 
     from tinyloop.gateway import workers
     from tinyloop.gateway.server import Gateway, GatewayOptions
+    from tinyloop.worker.serving.channel import ChannelOptions
 
     if args.model is not None:
         # a bad checkpoint is refused now, with the loader's message, before Ray or a worker starts
@@ -132,10 +133,11 @@ def _serve(args) -> int:
                                  max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
                                  kv_mode=args.kv_mode, prefill_together=args.prefill_together,
                                  speculative_max_running=args.speculative_max_running,
-                                 channel=args.worker_channel,
-                                 channel_host=args.worker_channel_host or (
-                                     "127.0.0.1" if args.ray_address is None else "0.0.0.0"),
-                                 channel_port=args.worker_channel_port)
+                                 channel=ChannelOptions(
+                                     args.worker_channel,
+                                     args.worker_channel_host or ("127.0.0.1" if args.ray_address is None
+                                                                  else "0.0.0.0"),
+                                     args.worker_channel_port))
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

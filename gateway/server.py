@@ -106,6 +106,12 @@ class _Worker:
                 ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
             self.stub, self.channel_token = cpb_grpc.WorkerChannelStub(self._channel), ch["token"]
 
+    async def refresh(self, use_channel: bool, timeout_s: float | None = None) -> None:
+        """Its info asked again (a restarted worker: a new epoch, channel address and token), and
+        the channel re-opened from it."""
+        self.info = await asyncio.wait_for(_ref(self.actor.info.remote()), timeout_s)
+        await self.connect(use_channel)
+
     async def close(self) -> None:
         if self._channel is not None:
             channel, self._channel, self.stub = self._channel, None, None
@@ -199,8 +205,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
     async def _probe(self, w: _Worker) -> None:
         while True:
             try:
-                w.info = await w.actor.info.remote()
-                await w.connect(self.o.worker_channel)
+                await w.refresh(self.o.worker_channel)
                 w.healthy = True
                 log.info("%s is back (epoch %d)", w.label, w.info["epoch"])
                 self._health_changed()
@@ -225,8 +230,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} is unavailable: "
                                f"{type(e).__name__}") from None
         if out.WhichOneof("result") == "error":
-            e = out.error
-            raise ServiceError.from_worker({"code": e.code, "reason": e.reason, "message": e.message})
+            raise ServiceError.from_worker(worker_channel.error_dict(out.error))
         return out
 
     # -- wire checks --------------------------------------------------------------------
@@ -500,8 +504,6 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         if build.cancelled() or build.exception() is not None:
             return
         built = build.result()
-        if built.WhichOneof("result") != "handle":
-            return
         metrics.ERRORS.labels("BuildResumeHandle", "ORPHANED_HANDLE_FREED").inc()
         w.actor.free_handle.remote(caller, built.handle.token, built.handle.epoch)
 
@@ -695,10 +697,8 @@ class Gateway:
                     continue
                 try:
                     stats = await asyncio.wait_for(_ref(w.actor.stats.remote()), self.options.health_interval_s * 5)
-                    if stats.get("epoch") != w.info.get("epoch"):
-                        # Ray restarted it between two polls: a new channel address and token
-                        w.info = await asyncio.wait_for(_ref(w.actor.info.remote()), self.options.health_interval_s * 5)
-                        await w.connect(self.options.worker_channel)
+                    if stats.get("epoch") != w.info.get("epoch"):  # Ray restarted it between two polls
+                        await w.refresh(self.options.worker_channel, self.options.health_interval_s * 5)
                 except (asyncio.TimeoutError, *_ACTOR_ERRORS):
                     self.servicer._worker_failed(w)
                     continue

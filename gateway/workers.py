@@ -4,7 +4,7 @@
 so); `max_task_retries` stays 0, because replaying a generation would duplicate tokens."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -37,9 +37,7 @@ class WorkerOptions:
     speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
     kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings
     # the token channel (worker/serving/channel.py): streams over gRPC into the worker, not Ray
-    channel: bool = True
-    channel_host: str = "0.0.0.0"  # every interface, the node's IP advertised; 127.0.0.1 for one host
-    channel_port: int = 0          # 0: a free port (one per worker on a node)
+    channel: ChannelOptions = field(default_factory=ChannelOptions)
 
 
 def cluster_gpus() -> int:
@@ -80,7 +78,7 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s, kv_mode=opts.kv_mode,
                  prefill_together=opts.prefill_together,
                  speculative_max_running=opts.speculative_max_running,
-                 channel=ChannelOptions(opts.channel, opts.channel_host, opts.channel_port)))
+                 channel=opts.channel))
     return actors
 
 

@@ -42,7 +42,7 @@ import time
 
 from tinyloop.worker.model.errors import HandleFreed, OutOfMemory, OutOfRange, TooLong
 from tinyloop.worker.serving import channel_pb2 as cpb  # the typed requests: imports no torch
-from tinyloop.worker.serving.channel import ChannelOptions
+from tinyloop.worker.serving.channel import ChannelOptions, error_message
 from tinyloop.worker.serving.handles import BudgetExhausted, HandleGone, HandleTable, NotOwner
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,6 @@ DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per t
 
 def error(code: str, reason: str, message: str) -> dict:
     return {"error": {"code": code, "reason": reason, "message": message}}
-
-
-def _error_msg(d: dict) -> "cpb.Error":
-    """An `error` dict as the typed answers carry it."""
-    return cpb.Error(**d["error"])
 
 
 def _status(worker_id: str, e: BaseException) -> dict:
@@ -514,7 +509,7 @@ class WorkerActor:
             ids = self._prompt_ids(p.prompt)
             self.model.check_kv_mode(p.kv_mode or None)
         except ValueError as e:
-            return cpb.BuildResult(error=_error_msg(_status(self.worker_id, e)))
+            return cpb.BuildResult(error=error_message(_status(self.worker_id, e)))
         # the defaults are the model's: l_used its default depth, max_loops its deepest; a
         # value past them is the Model's error, never clamped
         cfg = self.model.config
@@ -523,7 +518,7 @@ class WorkerActor:
         built = await self._build(caller, ids, l_used, max_loops, p.cache_window,
                                   p.seed if p.HasField("seed") else None)
         if "error" in built:
-            return cpb.BuildResult(error=_error_msg(built))
+            return cpb.BuildResult(error=error_message(built))
         return cpb.BuildResult(handle=cpb.Handle(**built))
 
     def _over_budget(self, seq_len: int, max_loops: int, window: int) -> dict | None:
@@ -566,10 +561,10 @@ class WorkerActor:
         entry = self._lookup(caller, token, epoch, touch=False)
         if isinstance(entry, dict):
             if entry["error"]["reason"] in ("NOT_OWNER",):
-                return cpb.FreeResult(error=_error_msg(entry))
+                return cpb.FreeResult(error=error_message(entry))
             return cpb.FreeResult(freed=False)  # idempotent: already gone, for whatever reason
         if entry.active:
-            return cpb.FreeResult(error=_error_msg(error(
+            return cpb.FreeResult(error=error_message(error(
                 "FAILED_PRECONDITION", "HANDLE_BUSY",
                 f"{entry.active} resume(s) are streaming from this handle; free it after they finish")))
         self.handles.drop(token)
@@ -624,18 +619,18 @@ class WorkerActor:
             return cpb.ScoreResult(worker_id=self.worker_id, uncertainty=cpb.UncertaintyAnswer(
                 kl=float(kl), logits=logits.tobytes() if u.return_logits else b""))
         except _Refused as e:
-            return cpb.ScoreResult(worker_id=self.worker_id, error=_error_msg(e.args[0]))
+            return cpb.ScoreResult(worker_id=self.worker_id, error=error_message(e.args[0]))
         except Exception as e:  # the status by its type; the worker serves on
-            return cpb.ScoreResult(worker_id=self.worker_id, error=_error_msg(_status(self.worker_id, e)))
+            return cpb.ScoreResult(worker_id=self.worker_id, error=error_message(_status(self.worker_id, e)))
 
     async def trajectory(self, p: "cpb.TrajectoryParams") -> "cpb.TrajectoryResult":
         try:
             ids = self._prompt_ids(p.prompt)
             r = await self._on_lane(lambda lane: self.model.score_trajectory(ids, p.n_loops, lane=lane), len(ids))
         except _Refused as e:
-            return cpb.TrajectoryResult(worker_id=self.worker_id, error=_error_msg(e.args[0]))
+            return cpb.TrajectoryResult(worker_id=self.worker_id, error=error_message(e.args[0]))
         except Exception as e:  # the status by its type; the worker serves on
-            return cpb.TrajectoryResult(worker_id=self.worker_id, error=_error_msg(_status(self.worker_id, e)))
+            return cpb.TrajectoryResult(worker_id=self.worker_id, error=error_message(_status(self.worker_id, e)))
         hidden = r["hidden"]
         return cpb.TrajectoryResult(worker_id=self.worker_id, trajectory=cpb.Trajectory(
             labels=list(r["labels"]), d_model=int(hidden.shape[1]), hidden=hidden.tobytes()))

@@ -44,11 +44,20 @@ class ChannelOptions:
     port: int = 0
 
 
+def error_message(item: dict) -> cpb.Error:
+    """An {"error": {"code", "reason", "message"}} item as the typed messages carry it."""
+    return cpb.Error(**item["error"])
+
+
+def error_dict(e: cpb.Error) -> dict:
+    """`error_message`'s inverse: the status fields the gateway maps (ServiceError.from_worker)."""
+    return {"code": e.code, "reason": e.reason, "message": e.message}
+
+
 def event(item: dict) -> cpb.StreamEvent:
     """One item of the actor's stream ({"ids", "text"} | {"complete"} | {"error"}) as a message."""
     if "error" in item:
-        e = item["error"]
-        return cpb.StreamEvent(error=cpb.Error(code=e["code"], reason=e["reason"], message=e["message"]))
+        return cpb.StreamEvent(error=error_message(item))
     if "complete" in item:
         c = item["complete"]
         st = c["stats"]
@@ -75,7 +84,7 @@ def item(ev: cpb.StreamEvent) -> dict:
             done["handle"] = {f.name: getattr(c.handle, f.name) for f in cpb.Handle.DESCRIPTOR.fields}
         return {"complete": done}
     if kind == "error":
-        return {"error": {"code": ev.error.code, "reason": ev.error.reason, "message": ev.error.message}}
+        return {"error": error_dict(ev.error)}
     return {"error": {"code": "INTERNAL", "reason": "INTERNAL", "message": "an empty event on the worker channel"}}
 
 
