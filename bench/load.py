@@ -25,6 +25,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from tqdm import tqdm
 
 from bench.batch import batched
 from bench.common import hardware, write
-from bench.decode import random_checkpoint
+from bench.decode import random_checkpoint, sync
 from tinyloop.worker.model.config import PRESETS
 
 
@@ -94,6 +95,21 @@ async def load(address: str, jobs: list[tuple[list[int], dict, int]], channels: 
             "ttft_ms_p50": 1e3 * pct(ttft, 50), "ttft_ms_p99": 1e3 * pct(ttft, 99),
             "tpot_ms_p50": tpot and 1e3 * pct(tpot, 50), "tpot_ms_p99": tpot and 1e3 * pct(tpot, 99),
             "tpot_p99_over_p50": tpot and pct(tpot, 99) / pct(tpot, 50)}
+
+
+async def probes(address: str, prompts: list[list[int]], loops: int) -> list[float]:
+    """Time to first token of one request at a time over one connected channel (one token each):
+    the service's own latency, with no other stream beside."""
+    from tinyloop.client import AsyncTinyLoopClient
+    async with AsyncTinyLoopClient(address) as c:
+        await c.model_info()
+        out = []
+        for p in prompts:
+            r = await one(c, p, dict(loops=loops, max_tokens=1, stop_token_ids=[]))
+            if "error" in r:
+                raise RuntimeError(f"a probe failed: {r['error']}")
+            out.append(r["ttft"])
+        return out
 
 
 def free_port() -> int:
@@ -179,8 +195,28 @@ def step_delta(before: dict, after: dict) -> dict:
                 d["tinyloop_worker_process_cpu_seconds_total"] / d["tinyloop_worker_stats_clock_seconds"])}
 
 
+def scheduler_alone(m, ps: list[list[int]], args) -> dict:
+    """The worker's scheduler in this process (no Ray, no gRPC, no event loop): every prompt
+    submitted at once, stepped until all are done, as the worker steps them."""
+    from tinyloop.worker.serving.scheduler import Job, Scheduler, SchedulerOptions
+    s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together))
+    for i, p in enumerate(ps):
+        req = m.make_request(p, loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
+        s.submit(Job(f"s{i}", lambda lane, req=req: m.start_chunked(req, lane), tokens=len(p)))
+    sync(m.device)
+    t0 = time.perf_counter()
+    steps = tokens = 0
+    while s.has_work():
+        tokens += sum(len(ev.ids) for _, ev in s.step() if hasattr(ev, "ids"))
+        steps += 1
+    sync(m.device)
+    wall = time.perf_counter() - t0
+    return {"streams": len(ps), "tokens": tokens, "steps": steps, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
 def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
-    """In-process, same GPU, no service: the batched step per B, and one stream alone."""
+    """In-process, same GPU, no service: the batched step per B (and, beside it, the worker's
+    scheduler alone with B streams arriving at once), and one stream alone."""
     from bench.service import local_stream, timing
     from tinyloop.worker.api import Model
     out = {}
@@ -190,8 +226,15 @@ def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
             batched(m, ps[:B], args.loops, 8)  # warm-up
             ms, _ = batched(m, ps[:B], args.loops, args.max_tokens)
             out[str(B)] = {"B": B, "ms_per_step": ms, "tokens_per_s": B * 1e3 / ms}
+            if B > 1:
+                scheduler_alone(m, ps[:B], args)  # warm-up
+                out[str(B)]["scheduler_alone"] = scheduler_alone(m, ps[:B], args)
         runs = [local_stream(m, ps[0], args.loops, args.max_tokens) for _ in range(4)]
         alone = timing(runs)
+        if args.probes:
+            qs = make_prompts(args.probes + 1, args.prompt_tokens, m.config.vocab_size, 77)
+            firsts = [local_stream(m, q, args.loops, 1) for q in qs]
+            alone["probe_ttft_ms_p50"] = 1e3 * statistics.median(r[1] - r[0] for r in firsts[1:])
     return out, alone
 
 
@@ -222,6 +265,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each load (a 64-stream run lasts well under a second): the median's row")
     ap.add_argument("--torch-threads", type=int, default=None, help="the in-process ceiling's")
+    ap.add_argument("--probes", type=int, default=64,
+                    help="one-token requests, one at a time, for the time to first token (0: none)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     if args.repeat < 1:
@@ -251,6 +296,17 @@ def main() -> int:
         warm = make_prompts(4, args.prompt_tokens, cfg.vocab_size, 99)
         asyncio.run(load(address, [(p, plain, args.loops) for p in warm], 1))  # warm-up
         time.sleep(1.5)  # the gateway's next probe brings the warm-up's steps: not the first run's
+
+        if args.probes:
+            qs = make_prompts(args.probes, args.prompt_tokens, cfg.vocab_size, 78)
+            before = worker_steps(mport)
+            got = asyncio.run(probes(address, qs, args.loops))
+            time.sleep(1.5)  # the gateway's next probe brings the worker's TTFT histogram
+            w = step_delta(before, worker_steps(mport))
+            extra["ttft_probes"] = {
+                "requests": len(got), "ttft_ms_p50": 1e3 * statistics.median(got),
+                "ttft_ms_p99": 1e3 * pct(got, 99), "gateway_ttft_ms_mean": w["gateway_ttft_ms_mean"],
+                "worker_ttft_ms_mean": w["worker_ttft_ms_mean"]}
 
         def measured(jobs, channels):
             """The run repeated --repeat times: the run of median tokens/s, with every run's."""
@@ -326,6 +382,8 @@ def main() -> int:
         "one_stream_vs_in_process": one_row and {
             "tokens_per_s_ratio": one_row["tokens_per_s"] / alone["tokens_per_s"],
             "ttft_overhead_ms": one_row["ttft_ms_p50"] - alone["ttft_ms"]},
+        "ttft_overhead_ms": "ttft_probes" in extra and (
+            extra["ttft_probes"]["ttft_ms_p50"] - alone["probe_ttft_ms_p50"]),
         "server": {"command": "python -m tinyloop.cli " + " ".join(serve_args(path, args, "PORT", "MPORT")),
                    "process": "the gateway in its own process (tinyloop serve), the worker a Ray actor, "
                               "the clients in the benchmark's process"},

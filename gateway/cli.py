@@ -61,8 +61,9 @@ def register(sub) -> None:
                    help="hops per second a worker's streams share after their first tokens: with more "
                         "streams than this allows at --coalesce-ms, each stream's chunks come less often")
     s.add_argument("--gil-switch-ms", type=float, default=0.5,
-                   help="the worker process's interpreter switch interval: how long its torch thread may "
-                        "wait for the GIL while the event loop thread streams tokens")
+                   help="the interpreter switch interval of this process and of each worker's: how long "
+                        "a thread that has work (a worker's torch thread, an event loop with a token to "
+                        "pass on, gRPC's poller) may wait for the GIL while another runs Python")
     s.add_argument("--max-message-mb", type=float, default=4.0)
     s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     s.add_argument("--auth-tokens", default=os.environ.get("TINYLOOP_AUTH_TOKENS"),
@@ -97,6 +98,7 @@ def _serve(args) -> int:
     import asyncio
     import logging
     import signal
+    import sys
 
     import ray
 
@@ -122,6 +124,7 @@ def _serve(args) -> int:
     if args.step_tokens < 1:
         raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     tokens = parse_tokens(args.auth_tokens)
+    sys.setswitchinterval(args.gil_switch_ms / 1e3)
     ray.init(address=args.ray_address, include_dashboard=False, namespace=workers.NAMESPACE,
              log_to_driver=True)
     opts = workers.WorkerOptions(model_path=args.model, lanes=args.lanes, max_seq_len=args.max_seq_len,

@@ -224,3 +224,25 @@ def test_a_busy_worker_decodes_greedy_speculative_streams_in_the_batch(tiny_path
         assert max(st.batch_rows for st in steps) == (2 if limit else 1)
         want = list(m.generate_speculative(LONG[8:15], max_tokens=10, **spec))[7:]
         assert tokens["spec"] == want == alone(m, LONG[8:15], loops=4, max_tokens=10)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_streams_that_arrive_together_make_the_worker_busy(tiny_path, together):
+    # A greedy speculative job submitted in the same step as a plain one sees a busy worker
+    # (speculative_max_running = 1: one other stream holds a lane) and decodes in the batch;
+    # alone on an idle worker it speculates. Its tokens are the same either way.
+    import dataclasses
+    spec = dict(draft_loops=1, verify_loops=4, draft_ahead=3)
+    with Model(tiny_path, max_seq_len=128, n_slots=3) as m:
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=1))
+        req = m.make_request(LONG[8:15], max_tokens=10, speculative=spec)
+        plain = dataclasses.replace(req, speculative=None)
+        s.submit(Job("spec", lambda lane: m.stream(req, lane), tokens=7,
+                     batched=lambda lane: m.start_chunked(plain, lane)))
+        if together:
+            s.submit(job(m, "plain", LONG[:6], loops=3, max_tokens=12))
+        tokens, _, steps = run(s)
+        assert sum(st.batched_not_speculative for st in steps) == (1 if together else 0)
+        assert tokens["spec"] == alone(m, LONG[8:15], loops=4, max_tokens=10)
+        if together:
+            assert tokens["plain"] == alone(m, LONG[:6], loops=3, max_tokens=12)

@@ -45,8 +45,8 @@ class SchedulerOptions:
     instead of one pass each (on CUDA, the runner's multi-row prefill graphs: one eager pass
     for all loses to a captured graph per prompt there, bench/results/load-policies-ab-cuda.json).
     speculative_max_running: a job with a batched alternative (`Job.batched`: a greedy
-    speculative stream) starts speculative only while fewer streams than this hold lanes, and
-    otherwise decodes in the batched step: a speculative stream steps alone, one draft-and-verify
+    speculative stream) starts speculative only while fewer other streams than this hold lanes
+    or wait for one, and otherwise decodes in the batched step: a speculative stream steps alone, one draft-and-verify
     after the other, and under load the shared step serves its tokens for less (the policy of
     vLLM's speculative_disable_by_batch_size). 0: always speculative."""
     max_queue: int = 256
@@ -238,7 +238,9 @@ class Scheduler:
 
     def _begin(self, job: Job, lane: int, stats: StepStats):
         limit = self.o.speculative_max_running
-        if job.batched is not None and limit and len(self._batched) + len(self._alone) >= limit:
+        # busy counts the streams that hold a lane or wait for one, this one aside: streams that
+        # arrive together would otherwise each see an idle worker and all start speculative
+        if job.batched is not None and limit and self.running - 1 + len(self._waiting) >= limit:
             stats.batched_not_speculative += 1
             return job.batched(lane)
         return job.begin(lane)
