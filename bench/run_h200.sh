@@ -8,7 +8,7 @@
 #                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
 #                                          #   exit: early exit's sweep, bench/early_exit.py; load-ab: load over the worker
-#                                          #   channel and over Ray, same run)
+#                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -58,6 +58,13 @@ for s in "${steps[@]}"; do
             mkdir -p "$OUT/ray"
             run load "${LOAD_S:-300}" python -m bench.load --out-dir "$OUT" ${LOAD_ARGS:-}
             run load-ray "${LOAD_S:-300}" python -m bench.load --out-dir "$OUT/ray" --no-worker-channel ${LOAD_ARGS:-} ;;
+        load-gil)  # the time to first token against the interpreter switch interval of the serve and
+                   # worker processes (--gil-switch-ms: 5 is Python's default), one-token probes
+            for g in ${GIL_VALUES:-5 0.05}; do
+                mkdir -p "$OUT/gil-$g"
+                run "load-gil-$g" "${LOAD_S:-150}" python -m bench.load --out-dir "$OUT/gil-$g" --concurrency 1 \
+                    --mixed 0 --gil-switch-ms "$g" ${LOAD_ARGS:-}
+            done ;;
         startup) run startup "${STARTUP_S:-300}" python -m bench.startup --preset bench-285m --lanes 1 8 64 --max-seq-len 4096 --out-dir "$OUT" ;;
         base-decode|base-batch)
             what=${s#base-}
