@@ -5,8 +5,8 @@ it: the floor under the gateway's time to first token, by each path a stream can
 
 A stream reaches the gateway either as a Ray streaming call
 (`actor.generate.options(num_returns="streaming")`, each yielded item awaited) or over the
-worker's token channel (worker/serving/channel.py: a gRPC stream from the worker process, the
-real `ChannelServicer` in front of the actor's `generate`). The worker yields the first tokens
+worker's token channel (worker/serving/channel.py: frames on a TCP connection from the worker
+process, the real channel server in front of the actor's `generate`). The worker yields the first tokens
 at once. This measures both alone on a local Ray cluster, from an asyncio driver as the
 gateway's: a plain actor call's round trip, and for each path a stream's first item and each
 further item (medians over --calls calls). A service's TTFT overhead over in-process
@@ -49,25 +49,24 @@ class Echo:
 
 
 async def _channel_hops(actor, calls: int, items: int) -> tuple[list[float], list[float]]:
-    import grpc
-
-    from tinyloop.worker.serving import channel, channel_pb2 as cpb, channel_pb2_grpc as cpb_grpc
+    from tinyloop.worker.serving import channel, channel_pb2 as cpb
     info = await actor.channel.remote()
     first, rest = [], []
-    async with grpc.aio.insecure_channel(info["address"]) as ch:
-        stub = cpb_grpc.WorkerChannelStub(ch)
-        md = ((channel.TOKEN_KEY, info["token"]),)
+    link = await channel.Link.open(info["address"], info["token"])
+    try:
         call = cpb.StreamCall(key="k", caller="bench", generate=cpb.GenerateParams(max_tokens=items))
-        async for _ in stub.Generate(call, metadata=md):  # the connection up and the handler warm
+        async for _ in link.stream("k", call):  # the connection up and the handler warm
             pass
         for _ in range(calls):
             t0 = time.perf_counter()
             t_first = None
-            async for ev in stub.Generate(call, metadata=md):
+            async for ev in link.stream("k", call):
                 if t_first is None:
                     t_first = time.perf_counter()
             first.append(t_first - t0)
             rest.append((time.perf_counter() - t_first) / items)  # the items after the first, and the Complete
+    finally:
+        await link.close()
     return first, rest
 
 

@@ -455,7 +455,7 @@ def ray_hop_body(r: Result) -> str:
     x = r.data.get("results") if isinstance(r.data.get("results"), dict) else {}
     return (table(["path", "first item", "each next item"],
                   [["Ray streaming call", ms(x.get("stream_first_item_ms")), ms(x.get("stream_next_item_ms"))],
-                   ["worker token channel (gRPC)", ms(x.get("channel_first_item_ms")),
+                   ["worker token channel", ms(x.get("channel_first_item_ms")),
                     ms(x.get("channel_next_item_ms"))]])
             + f"\n\nA plain Ray actor call's round trip: {ms(x.get('plain_call_ms'))}."
             + f"\n\nMedians over {text(x.get('calls'))} calls, {text(x.get('items_per_stream'))} items a stream; "

@@ -3,8 +3,8 @@
 Per RPC: auth and caller identity from metadata → cheap wire checks (the worker re-checks
 everything with the Model's own messages) → placement (new work: the least-loaded live
 worker; handle calls: the worker named inside the handle id) → the worker: Generate and Resume
-stream over the worker's token channel (gRPC straight into the worker process,
-worker/serving/channel.py), or a Ray streaming call where the channel is off; the unary calls
+stream over the worker's token channel (frames on one TCP connection straight into the
+worker process, worker/serving/channel.py), or a Ray streaming call where the channel is off; the unary calls
 are Ray calls.
 
 Cancellation: when the client cancels or its deadline passes, grpc.aio cancels the handler
@@ -34,7 +34,6 @@ from tinyloop.gateway import handles, metrics
 from tinyloop.gateway.status import ServiceError, invalid
 from tinyloop.worker.serving import channel as worker_channel
 from tinyloop.worker.serving import channel_pb2 as cpb
-from tinyloop.worker.serving import channel_pb2_grpc as cpb_grpc
 
 log = logging.getLogger("tinyloop.gateway")
 
@@ -92,30 +91,41 @@ class _Worker:
         for key, seconds in info.get("startup", {}).items():  # worker/api.py Model.startup
             if key.endswith("_s"):
                 metrics.STARTUP.labels(self.label, key[:-2]).set(seconds)
-        self.stub = self._channel = None
-        self.channel_token = ""
+        self.channel: dict | None = None  # {"address", "token"} of the worker's token channel, where taken up
+        self._link: worker_channel.Link | None = None
+        self._opening = asyncio.Lock()
+
+    @property
+    def channel_token(self) -> str:
+        return self.channel["token"] if self.channel else ""
 
     async def connect(self, use_channel: bool) -> None:
-        """(Re)open the token channel the worker's info offers (a restarted worker offers a new
-        address and token); without one, or with use_channel off, streams go through Ray."""
+        """Take up the token channel the worker's info offers (a restarted worker offers a new
+        address and token); its connection opens with the first stream. Without one, or with
+        use_channel off, streams go through Ray."""
         await self.close()
-        ch = self.info.get("channel") if use_channel else None
-        if ch:
-            size = worker_channel.MAX_MESSAGE_BYTES
-            self._channel = grpc.aio.insecure_channel(ch["address"], options=[
-                ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
-            self.stub, self.channel_token = cpb_grpc.WorkerChannelStub(self._channel), ch["token"]
+        self.channel = self.info.get("channel") if use_channel else None
+
+    async def link(self) -> worker_channel.Link:
+        """The open connection to the worker's channel: opened on first use, and again after
+        one ended (a restart, a network cut)."""
+        async with self._opening:
+            if self._link is None or self._link.closed:
+                if self._link is not None:
+                    await self._link.close()
+                self._link = await worker_channel.Link.open(self.channel["address"], self.channel["token"])
+            return self._link
 
     async def refresh(self, use_channel: bool, timeout_s: float | None = None) -> None:
         """Its info asked again (a restarted worker: a new epoch, channel address and token), and
-        the channel re-opened from it."""
+        the channel taken up from it."""
         self.info = await asyncio.wait_for(_ref(self.actor.info.remote()), timeout_s)
         await self.connect(use_channel)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel, self.stub = self._channel, None, None
-            await channel.close()
+        if self._link is not None:
+            link, self._link = self._link, None
+            await link.close()
 
     def load_now(self) -> int:
         """Jobs on the worker now, as far as this gateway can tell: the worker's count at the
@@ -368,7 +378,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         task = asyncio.current_task()
         self.streams.add(task)
         try:
-            items = (self._channel_items if w.stub is not None else self._ray_items)(w, key, actor_method, args)
+            items = (self._channel_items if w.channel is not None else self._ray_items)(w, key, actor_method, args)
             async for item in items:
                 if "error" in item:
                     done = True
@@ -432,26 +442,26 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                     pass
 
     async def _channel_items(self, w: _Worker, key: str, actor_method: str, args: tuple):
-        """The stream's items over the worker's token channel. Cancelling the call cancels the
-        worker's handler, and so its stream, at once."""
+        """The stream's items over the worker's token channel. Leaving early (the client left)
+        sends the worker a cancel, which stops its stream at once."""
         if actor_method == "generate":
             caller, p = args
             call = cpb.StreamCall(key=key, caller=caller, generate=p)
-            rpc = w.stub.Generate(call, metadata=((worker_channel.TOKEN_KEY, w.channel_token),))
         else:
             caller, token, epoch, p = args
             call = cpb.StreamCall(key=key, caller=caller, resume=p, handle_token=token, handle_epoch=epoch)
-            rpc = w.stub.Resume(call, metadata=((worker_channel.TOKEN_KEY, w.channel_token),))
         try:
-            async for ev in rpc:
+            link = await w.link()
+        except (OSError, asyncio.TimeoutError) as e:
+            raise _ChannelDown(f"{w.label}'s channel cannot be reached: {type(e).__name__}: {e}") from None
+        events = link.stream(key, call)
+        try:
+            async for ev in events:
                 yield worker_channel.item(ev)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                raise _ChannelDown(e.details()) from None
-            raise ServiceError("INTERNAL", "INTERNAL",
-                               f"{w.label}'s token channel failed: {e.code().name}: {e.details()}") from None
+        except worker_channel.ChannelClosed as e:
+            raise _ChannelDown(str(e)) from None
         finally:
-            rpc.cancel()  # a no-op once the call has finished
+            await events.aclose()
 
     def _complete(self, w: _Worker, c: dict) -> pb.Complete:
         st = c["stats"]

@@ -27,6 +27,7 @@ class Stubs:
     proto: pathlib.Path  # the .proto file
     out: pathlib.Path    # the committed stubs' directory
     package: str         # the package they import as
+    grpc: bool = True    # a gRPC service inside: its *_pb2_grpc.py too
 
     @property
     def name(self) -> str:
@@ -34,13 +35,13 @@ class Stubs:
 
     @property
     def files(self) -> tuple[str, ...]:
-        return (f"{self.name}_pb2.py", f"{self.name}_pb2.pyi", f"{self.name}_pb2_grpc.py")
+        return (f"{self.name}_pb2.py", f"{self.name}_pb2.pyi") + ((f"{self.name}_pb2_grpc.py",) if self.grpc else ())
 
 
 PROTOS = (
     Stubs(ROOT / "tinyloop" / "v1" / "tinyloop.proto", REPO / "client", "tinyloop.client"),
     Stubs(ROOT / "tinyloop" / "worker" / "v1" / "channel.proto", REPO / "worker" / "serving",
-          "tinyloop.worker.serving"),
+          "tinyloop.worker.serving", grpc=False),
 )
 
 
@@ -51,15 +52,16 @@ def generate_one(stubs: Stubs, out: pathlib.Path) -> list[pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     rc = protoc.main(["protoc", f"-I{stubs.proto.parent}", f"-I{include}", f"--python_out={out}",
-                      f"--pyi_out={out}", f"--grpc_python_out={out}", str(stubs.proto)])
+                      f"--pyi_out={out}", *([f"--grpc_python_out={out}"] if stubs.grpc else []), str(stubs.proto)])
     if rc != 0:
         raise RuntimeError(f"protoc failed on {stubs.proto.name} with exit code {rc}")
-    grpc_file = out / f"{stubs.name}_pb2_grpc.py"
     module = f"{stubs.name}_pb2"
-    alias = module.replace("_", "__")
-    text = grpc_file.read_text()
-    text = text.replace(f"import {module} as {alias}", f"from {stubs.package} import {module} as {alias}")
-    grpc_file.write_text(text)
+    if stubs.grpc:
+        grpc_file = out / f"{stubs.name}_pb2_grpc.py"
+        alias = module.replace("_", "__")
+        text = grpc_file.read_text()
+        text = text.replace(f"import {module} as {alias}", f"from {stubs.package} import {module} as {alias}")
+        grpc_file.write_text(text)
     # the message classes' __module__ is the name protoc was given; the package path makes them
     # importable by name, so a message pickles (a Ray call's argument) by reference to its class
     msg_file = out / f"{module}.py"

@@ -1,9 +1,11 @@
 """The worker's token channel (worker/serving/channel.py): Generate and Resume stream from the
-worker over gRPC, not Ray, and give the same tokens as the Ray path and the in-process Model;
-the channel refuses callers without its token and calls without their parameters, and serves on
-after them."""
+worker as frames on a TCP connection, not through Ray, and give the same tokens as the Ray path
+and the in-process Model; the channel refuses connections without its token, calls without
+their parameters and bytes that are no frames, and serves on after them."""
 from __future__ import annotations
 
+import asyncio
+import struct
 import time
 
 import grpc
@@ -11,7 +13,7 @@ import pytest
 
 from tinyloop.client import TinyLoopClient, TinyLoopError
 from tinyloop.gateway.server import GatewayOptions, GatewayThread
-from tinyloop.worker.serving import channel, channel_pb2 as cpb, channel_pb2_grpc as cpb_grpc
+from tinyloop.worker.serving import channel, channel_pb2 as cpb
 
 from service_helpers import MAX_MESSAGE, wait_idle
 
@@ -32,11 +34,11 @@ def test_streams_go_over_the_channel(gateway, actors):
     infos = ray.get([a.info.remote() for a in actors])
     for w, info in zip(gateway.gateway.servicer.workers, infos):
         assert info["channel"]["address"].rsplit(":", 1)[1].isdigit() and len(info["channel"]["token"]) >= 24
-        assert w.stub is not None and w.channel_token == info["channel"]["token"]
+        assert w.channel is not None and w.channel_token == info["channel"]["token"]
 
 
 def test_channel_and_ray_paths_give_the_same_tokens(gateway, ray_gateway, local_model, actors):
-    assert all(w.stub is None for w in ray_gateway.gateway.servicer.workers)
+    assert all(w.channel is None for w in ray_gateway.gateway.servicer.workers)
     want = local_model.generate(PROMPT, loops=4, max_tokens=24)[len(PROMPT):]
     with TinyLoopClient(gateway.address) as direct, TinyLoopClient(ray_gateway.address) as via_ray:
         ids_d, c_d = direct.generate(PROMPT, loops=4, max_tokens=24).collect()
@@ -68,53 +70,84 @@ def _params(**kw) -> cpb.GenerateParams:
     return cpb.GenerateParams(prompt=cpb.Prompt(ids=cpb.TokenIds(ids=PROMPT)), **kw)
 
 
-def _direct(actors):
+def _info(actors) -> dict:
     import ray
-    info = ray.get(actors[0].info.remote())["channel"]
-    return grpc.insecure_channel(info["address"]), info["token"]
+    return ray.get(actors[0].info.remote())["channel"]
 
 
-def test_channel_refuses_calls_without_its_token_and_malformed_ones(client, actors, local_model):
-    ch, token = _direct(actors)
-    stub = cpb_grpc.WorkerChannelStub(ch)
+async def _events(link: channel.Link, call: cpb.StreamCall) -> list[dict]:
+    return [channel.item(ev) async for ev in link.stream(call.key, call)]
+
+
+async def _raw_first_frame(address: str, data: bytes) -> tuple[cpb.LinkFrame | None, bool]:
+    """Send raw bytes as a new connection's start: (the worker's first frame back, whether the
+    worker then closed the connection)."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    first = await asyncio.wait_for(channel.read_frame(reader), 30)
+    closed = first is None or await asyncio.wait_for(channel.read_frame(reader), 30) is None
+    writer.close()
+    return first, closed
+
+
+def test_channel_refuses_connections_without_its_token_and_malformed_calls(client, actors, local_model):
+    info = _info(actors)
     call = cpb.StreamCall(key="k-test", caller="anonymous", generate=_params(loops=2, max_tokens=3))
-    for md in ((), ((channel.TOKEN_KEY, "wrong"),)):
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(call, metadata=md, timeout=30))
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    md = ((channel.TOKEN_KEY, token),)
-    for method, bad in ((stub.Generate, cpb.StreamCall(key="k-bad")),
-                        (stub.Resume, cpb.StreamCall(key="k-bad", generate=_params(loops=2, max_tokens=3)))):
-        with pytest.raises(grpc.RpcError) as e:
-            list(method(bad, metadata=md, timeout=30))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Params" in e.value.details()
-    # what the gateway would have refused, the worker's Model refuses too: the reason, no stream
-    events = [channel.item(ev) for ev in stub.Generate(cpb.StreamCall(key="k-zero", generate=_params(
-        loops=2, max_tokens=0)), metadata=md, timeout=30)]
-    assert len(events) == 1 and events[0]["error"]["code"] == "INVALID_ARGUMENT", events
-    assert "max_tokens" in events[0]["error"]["message"]
+    hello = lambda token: channel.frame(cpb.LinkFrame(hello=cpb.LinkHello(token=token)))  # noqa: E731
+    start = channel.frame(cpb.LinkFrame(key="k-test", start=call))
+    for data in (hello("wrong") + start, start, hello("")):
+        first, closed = asyncio.run(_raw_first_frame(info["address"], data))
+        assert closed and first.event.error.code == "UNAUTHENTICATED", first
+    # bytes that are no frame (a length past the limit; a body that does not parse): the
+    # connection is closed, nothing is answered on it
+    for junk in (struct.pack(">I", channel.MAX_FRAME_BYTES + 1), struct.pack(">I", 3) + b"\xff\xff\xff"):
+        first, closed = asyncio.run(_raw_first_frame(info["address"], hello(info["token"]) + junk))
+        assert first is None and closed
+
+    async def with_token():
+        link = await channel.Link.open(info["address"], info["token"])
+        try:
+            bad = await _events(link, cpb.StreamCall(key="k-bad"))
+            # what the gateway would have refused, the worker's Model refuses too: the reason, no stream
+            zero = await _events(link, cpb.StreamCall(key="k-zero", generate=_params(loops=2, max_tokens=0)))
+            good = await _events(link, call)
+            return bad, zero, good
+        finally:
+            await link.close()
+    bad, zero, good = asyncio.run(with_token())
+    assert len(bad) == 1 and bad[0]["error"]["code"] == "INVALID_ARGUMENT" and "Params" in bad[0]["error"]["message"]
+    assert len(zero) == 1 and zero[0]["error"]["code"] == "INVALID_ARGUMENT", zero
+    assert "max_tokens" in zero[0]["error"]["message"]
     # with the token, a call is a stream like the gateway's: chunks, then one Complete
-    events = [channel.item(ev) for ev in stub.Generate(call, metadata=((channel.TOKEN_KEY, token),), timeout=30)]
-    assert [t for ev in events[:-1] for t in ev["ids"]] == local_model.generate(PROMPT, loops=2, max_tokens=3)[len(PROMPT):]
-    assert events[-1]["complete"]["reason"] == "length" and events[-1]["complete"]["stats"]["completion_tokens"] == 3
-    ch.close()
+    want = local_model.generate(PROMPT, loops=2, max_tokens=3)[len(PROMPT):]
+    assert [t for ev in good[:-1] for t in ev["ids"]] == want
+    assert good[-1]["complete"]["reason"] == "length" and good[-1]["complete"]["stats"]["completion_tokens"] == 3
     ids, _ = client.generate(PROMPT, loops=2, max_tokens=3).collect()
-    assert len(ids) == 3
+    assert ids == want
     assert all(s["streams"] == 0 for s in wait_idle(actors))
 
 
-def test_a_direct_caller_leaving_mid_stream_frees_the_lane(actors):
-    ch, token = _direct(actors)
-    stub = cpb_grpc.WorkerChannelStub(ch)
-    call = cpb.StreamCall(key="k-leave", caller="anonymous", generate=_params(loops=8, max_tokens=2000))
-    stream = stub.Generate(call, metadata=((channel.TOKEN_KEY, token),), timeout=60)
-    assert next(stream).chunk.ids
+@pytest.mark.parametrize("how", ["cancel", "connection"])
+def test_a_direct_caller_leaving_mid_stream_frees_the_lane(actors, how):
+    # leaving: the stream closed early (a cancel frame), or the whole connection dropped
+    info = _info(actors)
+    call = cpb.StreamCall(key=f"k-leave-{how}", caller="anonymous", generate=_params(loops=8, max_tokens=2000))
+
+    async def leave():
+        link = await channel.Link.open(info["address"], info["token"])
+        events = link.stream(call.key, call)
+        first = await events.__anext__()
+        if how == "cancel":
+            await events.aclose()
+            await asyncio.sleep(0.2)  # the cancel frame goes out before the connection closes
+        await link.close()
+        return first
+    assert asyncio.run(leave()).chunk.ids
     t0 = time.monotonic()
-    stream.cancel()
     stats = wait_idle(actors)
     assert all(s["active_lanes"] == 0 and s["streams"] == 0 for s in stats), stats
     assert time.monotonic() - t0 < 2.0
-    ch.close()
 
 
 def test_a_restarted_worker_streams_over_its_new_channel(gateway, actors, local_model):

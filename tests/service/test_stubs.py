@@ -21,7 +21,7 @@ def test_committed_stubs_are_fresh(tmp_path):
     pytest.importorskip("grpc_tools")
     import generate
     pairs = generate.generate(tmp_path)
-    assert {c.name for _, c in pairs} >= {"tinyloop_pb2.py", "channel_pb2_grpc.py"}
+    assert {c.name for _, c in pairs} >= {"tinyloop_pb2.py", "tinyloop_pb2_grpc.py", "channel_pb2.py"}
     for fresh, committed in pairs:
         assert committed.exists(), f"{committed} is missing: run `make proto`"
         assert _normalise(committed.read_text()) == _normalise(fresh.read_text()), (
@@ -34,9 +34,11 @@ def test_stub_imports_by_package_path():
     svc = tinyloop_pb2.DESCRIPTOR.services_by_name["TinyLoop"]
     assert {m.name for m in svc.methods} == {"Generate", "BuildResumeHandle", "Resume", "FreeHandle", "Score",
                                              "ScoreTrajectory", "ModelInfo"}
-    from tinyloop.worker.serving import channel_pb2, channel_pb2_grpc
-    assert channel_pb2_grpc.channel__pb2 is channel_pb2
-    assert {m.name for m in channel_pb2.DESCRIPTOR.services_by_name["WorkerChannel"].methods} == {"Generate", "Resume"}
+    from tinyloop.worker.serving import channel_pb2
+    assert channel_pb2.LinkFrame.__module__ == "tinyloop.worker.serving.channel_pb2"  # pickles by reference
+    assert not channel_pb2.DESCRIPTOR.services_by_name  # the channel is frames on a TCP stream, not a gRPC service
+    assert set(channel_pb2.LinkFrame.DESCRIPTOR.oneofs_by_name["body"].fields) == {
+        channel_pb2.LinkFrame.DESCRIPTOR.fields_by_name[n] for n in ("hello", "start", "cancel", "event")}
 
 
 def test_sampling_fields_with_nonzero_defaults_are_optional():

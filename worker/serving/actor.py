@@ -14,8 +14,8 @@ they belong to. A cancelled request leaves the scheduler before its next step.
 Lanes. The Model's runner owns the cache lanes (`runner.lanes`); the scheduler hands them to
 streams, handle builds and scoring calls in arrival order, and queues the rest (`max_queue`).
 
-Streams reach the gateway over the worker's token channel (serving/channel.py: a gRPC server on
-this event loop, started at the first `info()`), or as Ray streaming calls where it is off; both
+Streams reach the gateway over the worker's token channel (serving/channel.py: frames on a TCP
+server on this event loop, started at the first `info()`), or as Ray streaming calls where it is off; both
 run the same `generate` / `resume` coroutines below.
 
 Requests arrive typed (`channel_pb2.GenerateParams`, `ResumeParams`, `BuildParams`,
@@ -236,7 +236,7 @@ class WorkerActor:
         self._device = str(self.model.device)
         self._metrics = _StepMetrics(self.model.config.max_loops)
         self._channel_options = channel if channel is not None else ChannelOptions()
-        self._channel: asyncio.Future | None = None  # -> (grpc.aio server, {"address", "token"})
+        self._channel: asyncio.Future | None = None  # -> (asyncio server, {"address", "token"})
         s = self.model.startup
         log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s", self.worker_id, s["load_s"],
                  s["graphs"], sum(v for k, v in s.items() if k.endswith("_graphs_s")))

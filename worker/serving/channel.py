@@ -1,37 +1,44 @@
-"""The worker's token channel (proto/tinyloop/worker/v1/channel.proto): the gateway's Generate and
-Resume streams over gRPC, straight into the worker process.
+"""The worker's token channel: the gateway's Generate and Resume streams straight into the
+worker process, as frames on one TCP connection per gateway (proto/tinyloop/worker/v1/channel.proto,
+`LinkFrame`: a 4-byte big-endian length, then the serialized frame).
 
 Why not Ray for the tokens. A Ray streaming call puts an object per item and wakes the caller
 through the cluster's core worker: a few milliseconds before the first item and about one per
-later hop, on the worker's one interpreter (bench/ray_hop.py). Every stream's first token pays
-that in TTFT, and with many streams the hops, not the GPU, bound the worker. A message on an
-open HTTP/2 connection costs a fraction of it. Ray keeps what it is good at: placement, restarts
-with a new epoch, and the unary calls (handles, scoring, stats).
+later hop, on the worker's one interpreter (bench/ray_hop.py). Ray keeps what it is good at:
+placement, restarts with a new epoch, and the unary calls (handles, scoring, stats).
 
-The servicer is a thin codec over the actor's own stream methods (`WorkerActor.generate` /
-`.resume`), which the Ray path calls too: the same validation, queueing, coalescing and errors
-either way. Cancelling the RPC (the gateway does when its client leaves) cancels the handler, so
-the actor's stream leaves the scheduler before its next step.
+Why not gRPC either. A gRPC round trip from Python costs about a millisecond of thread
+hand-offs inside grpcio on each side (its completion-queue poller wakes the event loop), a
+frame on an asyncio stream a tenth of that (bench/transport.py), and every stream's first
+token pays it once more behind the public API's own gRPC hop. The frames are protobuf messages,
+so the contract stays typed and versioned in the .proto.
 
-Access: every call carries the channel token the worker hands out through `info()` (so through
-Ray) in the `x-tinyloop-worker-token` metadata; a call without it is UNAUTHENTICATED.
+The server (`serve`) is a thin codec over the actor's own stream methods
+(`WorkerActor.generate` / `.resume`), which the Ray path calls too: the same validation,
+queueing, coalescing and errors either way. A `cancel` frame (the gateway sends one when its
+client leaves) or the connection's end cancels the stream's task, so the actor's stream leaves
+the scheduler before its next step. The gateway's side is `Link`: one connection, streams
+multiplexed by key, each read from its own queue.
+
+Access: the connection's first frame is a `LinkHello` with the channel token the worker hands
+out through `info()` (so through Ray); with any other first frame, or a wrong token, the
+worker answers one error frame and closes the connection.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import struct
 from dataclasses import dataclass
 
-import grpc
-
 from tinyloop.worker.serving import channel_pb2 as cpb
-from tinyloop.worker.serving import channel_pb2_grpc as cpb_grpc
 
 log = logging.getLogger(__name__)
 
-TOKEN_KEY = "x-tinyloop-worker-token"
 USAGE = tuple(cpb.Usage.DESCRIPTOR.fields_by_name)  # the usage figures a Complete carries
-MAX_MESSAGE_BYTES = 64 << 20  # a prompt of ids as JSON: the gateway's own limit is far below
+MAX_FRAME_BYTES = 64 << 20  # a frame's largest body (a long prompt of ids): the gateway's own limit is far below
+_LENGTH = struct.Struct(">I")
 
 
 @dataclass
@@ -88,37 +95,166 @@ def item(ev: cpb.StreamEvent) -> dict:
     return {"error": {"code": "INTERNAL", "reason": "INTERNAL", "message": "an empty event on the worker channel"}}
 
 
-class ChannelServicer(cpb_grpc.WorkerChannelServicer):
-    def __init__(self, actor, token: str):
-        self.actor, self.token = actor, token
+class ChannelClosed(Exception):
+    """The connection to the worker's channel ended (the worker died or restarted, or refused
+    the token)."""
 
-    async def _check(self, context) -> None:
-        md = dict(context.invocation_metadata() or ())
-        if not secrets.compare_digest(md.get(TOKEN_KEY, ""), self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the worker channel token is missing or wrong")
 
-    @staticmethod
-    async def _relay(stream):
+def frame(f: cpb.LinkFrame) -> bytes:
+    data = f.SerializeToString()
+    return _LENGTH.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> cpb.LinkFrame | None:
+    """The next frame; None at the connection's end. ValueError: a frame over MAX_FRAME_BYTES or
+    one that does not parse (the peer speaks something else)."""
+    try:
+        n, = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+        if n > MAX_FRAME_BYTES:
+            raise ValueError(f"a frame of {n} bytes, over the channel's limit {MAX_FRAME_BYTES}")
+        data = await reader.readexactly(n)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    f = cpb.LinkFrame()
+    try:
+        f.ParseFromString(data)
+    except Exception as e:  # protobuf's DecodeError
+        raise ValueError(f"a frame that is not a LinkFrame ({e})") from None
+    return f
+
+
+def _refusal(message: str) -> bytes:
+    return frame(cpb.LinkFrame(event=cpb.StreamEvent(error=cpb.Error(
+        code="UNAUTHENTICATED", reason="UNAUTHENTICATED", message=message))))
+
+
+class _Connection:
+    """One gateway's connection on the worker: its streams by key."""
+
+    def __init__(self, actor, token: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.actor, self.token, self.reader, self.writer = actor, token, reader, writer
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        try:
+            hello = await read_frame(self.reader)
+            if hello is None or hello.WhichOneof("body") != "hello":
+                self.writer.write(_refusal("the channel's first frame must be a LinkHello with its token"))
+                return
+            if not secrets.compare_digest(hello.hello.token, self.token):
+                self.writer.write(_refusal("the worker channel token is wrong"))
+                return
+            while (f := await read_frame(self.reader)) is not None:
+                kind = f.WhichOneof("body")
+                if kind == "start":
+                    if f.key in self.tasks:
+                        self._send(f.key, {"error": {"code": "INVALID_ARGUMENT", "reason": "INVALID_ARGUMENT",
+                                                     "message": f"stream {f.key!r} is already running"}})
+                        continue
+                    self.tasks[f.key] = asyncio.ensure_future(self._stream(f.key, f.start))
+                elif kind == "cancel":
+                    task = self.tasks.pop(f.key, None)
+                    if task is not None:
+                        task.cancel()
+        except ValueError as e:
+            log.warning("worker channel: closing a connection that sent %s", e)
+        finally:
+            for task in self.tasks.values():
+                task.cancel()
+            self.writer.close()
+
+    def _send(self, key: str, it: dict) -> None:
+        # one write per frame: frames of concurrent streams never interleave
+        self.writer.write(frame(cpb.LinkFrame(key=key, event=event(it))))
+
+    async def _stream(self, key: str, call: cpb.StreamCall) -> None:
+        kind = call.WhichOneof("params")
+        if kind == "generate":
+            stream = self.actor.generate(key, call.caller, call.generate)
+        elif kind == "resume":
+            stream = self.actor.resume(key, call.caller, call.handle_token, call.handle_epoch, call.resume)
+        else:
+            self._send(key, {"error": {"code": "INVALID_ARGUMENT", "reason": "INVALID_ARGUMENT",
+                                       "message": "a StreamCall carries GenerateParams or ResumeParams"}})
+            self.tasks.pop(key, None)
+            return
         try:
             async for it in stream:
-                yield event(it)
+                self._send(key, it)
+                if self.writer.transport.get_write_buffer_size() > (1 << 20):
+                    await self.writer.drain()  # a gateway that stopped reading: wait, do not buffer
+        except (ConnectionError, asyncio.CancelledError):
+            pass
         finally:
-            await stream.aclose()  # a cancelled RPC: the actor's stream leaves the scheduler now
+            await stream.aclose()  # cancelled or cut off: the actor's stream leaves the scheduler now
+            self.tasks.pop(key, None)
 
-    async def Generate(self, request: cpb.StreamCall, context):
-        await self._check(context)
-        if request.WhichOneof("params") != "generate":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Generate call carries GenerateParams")
-        async for ev in self._relay(self.actor.generate(request.key, request.caller, request.generate)):
-            yield ev
 
-    async def Resume(self, request: cpb.StreamCall, context):
-        await self._check(context)
-        if request.WhichOneof("params") != "resume":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Resume call carries ResumeParams")
-        async for ev in self._relay(self.actor.resume(request.key, request.caller, request.handle_token,
-                                                      request.handle_epoch, request.resume)):
-            yield ev
+class Link:
+    """The gateway's connection to one worker's channel: `await Link.open(address, token)`,
+    then `link.stream(key, call)` per stream, concurrently. A link whose connection ended
+    (`closed`) fails its streams with ChannelClosed; open a new one."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.closed = False
+        self._reading = asyncio.ensure_future(self._read())
+
+    @classmethod
+    async def open(cls, address: str, token: str, timeout_s: float = 10.0) -> "Link":
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port), limit=MAX_FRAME_BYTES + _LENGTH.size), timeout_s)
+        writer.write(frame(cpb.LinkFrame(hello=cpb.LinkHello(token=token))))
+        return cls(reader, writer)
+
+    async def _read(self) -> None:
+        try:
+            while (f := await read_frame(self.reader)) is not None:
+                q = self.queues.get(f.key)
+                if q is not None:
+                    q.put_nowait(f.event)
+                elif not f.key and f.event.WhichOneof("event") == "error":  # the worker refused the connection
+                    log.warning("worker channel refused this gateway: %s", f.event.error.message)
+        except ValueError as e:
+            log.warning("worker channel: %s", e)
+        finally:
+            self.closed = True
+            for q in self.queues.values():
+                q.put_nowait(None)
+            self.writer.close()
+
+    async def stream(self, key: str, call: cpb.StreamCall):
+        """The stream's events (StreamEvent) up to its Complete or Error; ChannelClosed when the
+        connection ends first. Closing the iterator early (the caller left) cancels the stream
+        on the worker."""
+        if self.closed:
+            raise ChannelClosed("the connection to the worker's channel has ended")
+        q = self.queues[key] = asyncio.Queue()
+        self.writer.write(frame(cpb.LinkFrame(key=key, start=call)))
+        done = False
+        try:
+            while True:
+                ev = await q.get()
+                if ev is None:
+                    raise ChannelClosed("the connection to the worker's channel ended mid-stream")
+                done = ev.WhichOneof("event") != "chunk"
+                yield ev
+                if done:
+                    return
+        finally:
+            del self.queues[key]
+            if not done and not self.closed:
+                self.writer.write(frame(cpb.LinkFrame(key=key, cancel=True)))
+
+    async def close(self) -> None:
+        self.writer.close()
+        self._reading.cancel()
+        try:
+            await self.writer.wait_closed()
+        except Exception:  # already reset by the peer
+            pass
 
 
 def _advertised(host: str) -> str:
@@ -135,14 +271,12 @@ def _advertised(host: str) -> str:
 async def serve(actor, options: ChannelOptions):
     """Start the channel on the running event loop: (server, {"address", "token"})."""
     token = secrets.token_urlsafe(24)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.so_reuseport", 0)])
-    cpb_grpc.add_WorkerChannelServicer_to_server(ChannelServicer(actor, token), server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
-    if port == 0:
-        raise RuntimeError(f"the worker channel cannot listen on {options.host}:{options.port}")
-    await server.start()
+
+    async def accept(reader, writer):
+        await _Connection(actor, token, reader, writer).run()
+
+    server = await asyncio.start_server(accept, options.host, options.port, limit=MAX_FRAME_BYTES + _LENGTH.size)
+    port = server.sockets[0].getsockname()[1]
     host = _advertised(options.host)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     log.info("worker channel listening on %s", address)

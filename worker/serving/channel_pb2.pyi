@@ -6,6 +6,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LinkFrame(_message.Message):
+    __slots__ = ("key", "hello", "start", "cancel", "event")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    hello: LinkHello
+    start: StreamCall
+    cancel: bool
+    event: StreamEvent
+    def __init__(self, key: _Optional[str] = ..., hello: _Optional[_Union[LinkHello, _Mapping]] = ..., start: _Optional[_Union[StreamCall, _Mapping]] = ..., cancel: _Optional[bool] = ..., event: _Optional[_Union[StreamEvent, _Mapping]] = ...) -> None: ...
+
+class LinkHello(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
 class StreamCall(_message.Message):
     __slots__ = ("key", "caller", "generate", "resume", "handle_token", "handle_epoch")
     KEY_FIELD_NUMBER: _ClassVar[int]
