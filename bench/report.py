@@ -112,7 +112,7 @@ CURRENT = [
     ("context", "cpu"), ("load", "cuda"), ("load", "cpu"), ("families", "cuda"),
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
-    ("ray-hop", "cpu"),
+    ("ray-hop", "cpu"), ("transport", "cuda"),
 ]
 
 
@@ -460,6 +460,19 @@ def ray_hop_body(r: Result) -> str:
             + f"\n\nA plain Ray actor call's round trip: {ms(x.get('plain_call_ms'))}."
             + f"\n\nMedians over {text(x.get('calls'))} calls, {text(x.get('items_per_stream'))} items a stream; "
             f"Ray {text(r.data.get('ray'))}.\n")
+
+
+def transport_body(r: Result) -> str:
+    x = r.data.get("results") if isinstance(r.data.get("results"), dict) else {}
+    g, a = x.get("grpc_aio", {}), x.get("asyncio_streams", {})
+    rows = [["gRPC, a new call", ms(g.get("new_call", {}).get("p50_ms"), 3), ms(g.get("new_call", {}).get("p99_ms"), 3)],
+            ["gRPC, one open call", ms(g.get("ping_pong_one_call", {}).get("p50_ms"), 3),
+             ms(g.get("ping_pong_one_call", {}).get("p99_ms"), 3)],
+            ["asyncio stream, one connection", ms(a.get("ping_pong_one_connection", {}).get("p50_ms"), 3),
+             ms(a.get("ping_pong_one_connection", {}).get("p99_ms"), 3)]]
+    return (table(["round trip", "p50", "p99"], rows)
+            + f"\n\nOver {text(r.data.get('calls'))} round trips; grpcio {text(r.data.get('grpcio'))}, "
+            f"{text(r.data.get('hardware', {}).get('cores'))} cores.\n")
 
 
 def decode_plot(results: list[Result]) -> str:
@@ -848,6 +861,10 @@ QUANT_ERROR_INTRO = ("`bench/quant_error.py`: the shared block quantized, the re
 RAY_HOP_INTRO = ("`bench/ray_hop.py`: the gateway's paths to a worker with no model behind it (a Ray streaming "
                  "call, the worker's token channel), a local Ray cluster and an asyncio driver: the floor under "
                  "the service's time to first token.")
+TRANSPORT_INTRO = ("`bench/transport.py`: a round trip between two processes on one host, before any of the "
+                   "service's code: gRPC from Python (grpc.aio; a new unary-stream call, and a ping-pong on one "
+                   "open call) against a length-prefixed frame on an asyncio stream, as the worker token channel "
+                   "sends its frames.")
 EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exit.md) on the embedded default model, "
                     "a sweep of rules and thresholds against full depth.")
 QUANT_QUALITY_INTRO = "`bench/quant_quality.py`: the embedded default model's held-out split, per weight format."
@@ -922,6 +939,8 @@ def render(results: Path = RESULTS) -> str:
         section("Early exit on the GPU", EARLY_EXIT_INTRO, n(("early-exit", "cuda")), early_exit_body),
         section("Early exit on a CPU", EARLY_EXIT_INTRO, n(("early-exit", "cpu")), early_exit_body),
         section("The hop to a worker on a CPU", RAY_HOP_INTRO, n(("ray-hop", "cpu")), ray_hop_body),
+        section("A round trip between two processes on the H200's host", TRANSPORT_INTRO, n(("transport", "cuda")),
+                transport_body),
         section("Losing a worker under load on a CPU", RECOVER_INTRO, n(("recover", "cpu")), recover_body,
                 recover_extra),
         section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),
