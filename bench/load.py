@@ -214,6 +214,27 @@ def scheduler_alone(m, ps: list[list[int]], args) -> dict:
     return {"streams": len(ps), "tokens": tokens, "steps": steps, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
+def scheduler_ttft(m, ps: list[list[int]], args) -> list[float]:
+    """Each prompt alone through the worker's scheduler in this process, one token: the seconds
+    from submit to the step's first-token events (the worker's own path to a first token, with
+    no event loop or thread hand-off)."""
+    from tinyloop.worker.serving.scheduler import Job, Scheduler, SchedulerOptions
+    s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together))
+    out = []
+    for i, p in enumerate(ps):
+        req = m.make_request(p, loops=args.loops, max_tokens=1, stop_token_ids=[])
+        t0 = time.perf_counter()
+        s.submit(Job(f"t{i}", lambda lane, req=req: m.start_chunked(req, lane), tokens=len(p)))
+        first = None
+        while s.has_work():
+            got = []
+            s.step(early=got.extend)
+            if first is None and got:
+                first = time.perf_counter()
+        out.append(first - t0)
+    return out
+
+
 def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
     """In-process, same GPU, no service: the batched step per B (and, beside it, the worker's
     scheduler alone with B streams arriving at once), and one stream alone."""
@@ -235,6 +256,7 @@ def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
             qs = make_prompts(args.probes + 1, args.prompt_tokens, m.config.vocab_size, 77)
             firsts = [local_stream(m, q, args.loops, 1) for q in qs]
             alone["probe_ttft_ms_p50"] = 1e3 * statistics.median(r[1] - r[0] for r in firsts[1:])
+            alone["scheduler_probe_ttft_ms_p50"] = 1e3 * statistics.median(scheduler_ttft(m, qs, args)[1:])
     return out, alone
 
 
