@@ -2,10 +2,11 @@
 
 Each stream prefills alone on its own cache lane (`join`), then its `DecodeState` waits
 here; a stream that decoded elsewhere up to a decided token can come in too (`add`: a greedy
-speculative stream handed over between rounds). A `step` runs every waiting stream's decided token through one `Runner.decode` (per-lane
-tokens, positions, depths and cache lanes: any lanes, in any order), then samples every
-stream's next token -- one sampling call per distinct set of sampling parameters, each row
-with its own random key (seed, absolute position) -- and reads them all in one host sync.
+speculative stream handed over between rounds). A `step` runs every waiting stream's decided
+token through one `Runner.decode` (per-lane tokens, positions, depths and cache lanes: any
+lanes, in any order), then samples every stream's next token -- one sampling call per
+distinct set of sampling parameters, each row with its own random key (seed, absolute
+position) -- and reads them all in one host sync.
 The step is pipelined like a stream alone: the step for the tokens just sampled is launched
 before the host reads them (`Batcher.step`). Streams join and leave between steps. A stream
 alone in the batcher steps exactly as it would outside it (DecodeState's pipelined calls).

@@ -27,6 +27,13 @@ Rollback. The cache is position addressed and every read is bounded by the reade
 (or the nodes written so far), so K / V left by rejected tokens are overwritten before anything
 reads them; nothing is copied back.
 
+Handoff. Between two rounds the state is the one plain decoding at verify_loops would have:
+t decided at p, every position < p holding K / V at all verify_loops iterations (the prefill
+ran at verify_loops; a round's drafts wrote [0, L_d) of the accepted positions and the verify
+[L_d, L_v) and the coda). A greedy stream (`SpeculativeStream`) can therefore end there and go
+on as a plain `DecodeState` whose decided token waits to run (`SpeculativeStream.handoff`),
+nothing recomputed: so the worker's scheduler moves it into its batched step once busy.
+
 Sampling (temperature > 0). Chain: speculative sampling (Leviathan et al. 2023; Chen et al.
 2023): d ~ q, accept with min(1, p(d) / q(d)), else draw from normalize(max(0, p - q)); the
 emitted token is distributed as p. Tree: the K first tokens are deterministic proposals (top-K
@@ -175,17 +182,12 @@ class SpeculativeStream:
     the end raises StopIteration whose value is the `Finish`. Nothing runs before the first
     `next` (like a generator: the prefill is the first step).
 
-    Handoff. Between two items a greedy stream is at a round boundary: its last token t is
-    decided at `pos` and not yet fed, and every position < pos holds K / V at all verify_loops
-    iterations, as plain decoding at verify_loops would have written them (the prefill ran at
-    verify_loops; a round's drafts wrote iterations [0, L_d) of its accepted positions, the
-    verify [L_d, L_v) and the coda, a tree's path moved to its linear slots). Plain greedy
-    decoding at verify_loops from there decides the tokens the rounds would (greedy speculative
-    output is generate's at verify_loops), so `handoff` ends this stream and returns that
-    decode's `DecodeState`, t waiting to run: the worker's scheduler moves a greedy stream
-    that steps alone into its batched step this way once the worker is busy. Greedy only: a
-    sampled chain's tokens are distributed as plain decoding's but are other draws (its
-    accept / residual numbers), so handing it over would change its tokens mid-stream."""
+    Handoff (the module's docstring): between two items, a greedy stream can end and go on as
+    plain decoding at verify_loops from its decided token (`handoff`), which decides the tokens
+    its rounds would have (greedy speculative output is generate's at verify_loops); the
+    worker's scheduler does so once the worker is busy. Greedy only: a sampled chain's tokens
+    are distributed as plain decoding's but are other draws (its accept / residual numbers),
+    so handing it over would change its tokens mid-stream."""
 
     def __init__(self, runner: Runner, lane: int, req: Request, spec: SpecParams):
         self.runner, self.lane, self.req, self.spec = runner, lane, req, spec

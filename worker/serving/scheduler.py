@@ -22,8 +22,9 @@ Each `step`:
    what happened as events.
 
 A job is a `begin(lane)` callable. What it returns says what the job is: a `Prefill` (a plain
-prompt, chunked here), a `DecodeState` (already prefilled: a resume), a token generator (a
-stream that steps alone) or, for a `task` job, the answer itself (handle builds, scores: the
+prompt, chunked here), a `DecodeState` (already prefilled: a resume), a token iterator (a
+stream that steps alone: a generator, or a `SpeculativeStream`, which a busy worker hands over
+to the batched step) or, for a `task` job, the answer itself (handle builds, scores: the
 lane is free again at once).
 """
 from __future__ import annotations
@@ -141,7 +142,7 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._prefilling: dict[str, tuple[int, Job, Prefill | None]] = {}  # arrival order (dicts keep it)
         self._batched: dict[int, str] = {}        # lane -> key of a stream in the batcher
-        self._alone: dict[str, tuple[int, object]] = {}  # key -> (lane, token generator)
+        self._alone: dict[str, tuple[int, object]] = {}  # key -> (lane, token iterator)
         self.last = StepStats()
 
     # -- from any thread ---------------------------------------------------------------------
