@@ -166,7 +166,7 @@ def worker_steps(mport: int) -> dict:
         out[f"tinyloop_time_to_first_token_seconds_{part}"] = float(m.group(1)) if m else 0.0
     for name in ("tinyloop_worker_step_cpu_seconds_total", "tinyloop_worker_process_cpu_seconds_total",
                  "tinyloop_worker_stats_clock_seconds", "tinyloop_worker_prompts_prefilled_together_total",
-                 "tinyloop_worker_speculative_batched_total"):
+                 "tinyloop_worker_speculative_batched_total", "tinyloop_worker_speculative_handed_to_batch_total"):
         m = re.search(rf'^{name}{{worker="worker-0"}} ([0-9.e+-]+)$', text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
@@ -185,6 +185,7 @@ def step_delta(before: dict, after: dict) -> dict:
             "batch_rows_mean": batched and d["tinyloop_worker_batch_rows_sum"] / batched,
             "prompts_prefilled_together": d["tinyloop_worker_prompts_prefilled_together_total"],
             "speculative_batched": d["tinyloop_worker_speculative_batched_total"],
+            "speculative_handed_to_batch": d["tinyloop_worker_speculative_handed_to_batch_total"],
             # where a stream's time to first token goes: the gateway's (its call to the first
             # chunk) and the worker's (arrival to the first tokens handed over), means
             "gateway_ttft_ms_mean": mean_ms("tinyloop_time_to_first_token_seconds"),

@@ -44,7 +44,8 @@ def register(sub) -> None:
                         "(on CUDA, multi-row prefill graphs) instead of one each")
     s.add_argument("--speculative-max-running", type=int, default=4,
                    help="a greedy speculative request decodes in the batched step instead (the same tokens) "
-                        "when this many streams already run on its worker (0: always speculative)")
+                        "when this many other streams run or wait on its worker, and one already speculating "
+                        "moves into the batched step between two rounds (0: always speculative)")
     s.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
                    help="stream tokens from each worker to the gateway over gRPC (the worker channel) "
                         "instead of Ray streaming calls; Ray keeps placement and the unary calls")

@@ -74,9 +74,14 @@ class WorkerSteps:
         not_spec = CounterMetricFamily("tinyloop_worker_speculative_batched",
                                        "greedy speculative requests a busy worker decoded in its batched step "
                                        "instead (the same tokens)", labels=["worker"])
+        handed = CounterMetricFamily("tinyloop_worker_speculative_handed_to_batch",
+                                     "greedy speculative streams a worker moved from their draft-and-verify "
+                                     "rounds to its batched step once it became busy (the same tokens)",
+                                     labels=["worker"])
         for worker, s in sorted(self.latest.items()):
             together.add_metric([worker], s.get("prefilled_together", 0))
             not_spec.add_metric([worker], s.get("batched_not_speculative", 0))
+            handed.add_metric([worker], s.get("handed_to_batch", 0))
             step_cpu.add_metric([worker], s.get("cpu_seconds_sum", 0.0))
             process_cpu.add_metric([worker], s.get("process_cpu_seconds", 0.0))
             clock.add_metric([worker], s.get("clock_s", 0.0))
@@ -85,6 +90,7 @@ class WorkerSteps:
         yield clock
         yield together
         yield not_spec
+        yield handed
 
 
 STEPS = WorkerSteps()

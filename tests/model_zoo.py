@@ -25,3 +25,16 @@ def write_checkpoint(path, cfg: LoopedConfig, seed: int = 0, std: float = 0.3) -
     """std 0.3 keeps a random model's greedy output varied, so parity tests can fail."""
     checkpoint.save(checkpoint.init_model(cfg, seed, std), path, dtype=torch.float32)
     return str(path)
+
+
+def damped_checkpoint(path, cfg: LoopedConfig, seed: int, damp: float) -> str:
+    """A random model whose shared block moves the residual little per iteration, so a shallow
+    draft agrees with the deep verifier often but not always: every accept / reject branch of
+    speculative decoding runs (a plain std-0.3 random model accepts ~1/vocab of its drafts)."""
+    model = checkpoint.init_model(cfg, seed, 0.3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("loop.") and name.endswith(("wo.weight", "w2.weight")):
+                p.mul_(damp)
+    checkpoint.save(model, path, dtype=torch.float32)
+    return str(path)

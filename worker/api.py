@@ -345,8 +345,10 @@ class Model:
 
     # -- generation ---------------------------------------------------------------------
     def stream(self, request: Request, lane: int = 0):
-        """A generator of token-id lists for a validated request on one cache lane, which the
-        caller holds (`runner.lanes`); its return value (StopIteration.value) is the `Finish`."""
+        """An iterator of token-id lists for a validated request on one cache lane, which the
+        caller holds (`runner.lanes`); its end's StopIteration.value is the `Finish`. Plain
+        decoding's is a generator; a speculative request's a `SpeculativeStream`, which a greedy
+        one can hand over to plain decoding between rounds (`handoff`)."""
         self._check_open()
         self._seat(lane, request.seed)
         if request.speculative is not None:

@@ -311,6 +311,33 @@ def test_batcher_on_graphs_equals_reference(batch_pair, monkeypatch):
         assert p + got[lane] == ref.generate(p, loops=L, max_tokens=n), lane
 
 
+def test_a_speculative_stream_handed_to_the_batcher_on_graphs(batch_pair, monkeypatch):
+    """A greedy speculative stream on lane 1 runs two rounds (its draft decode graph, the
+    verify), is handed over between rounds and goes on in the batcher beside a plain stream on
+    lane 2 (the bucket-2 graphs), then alone (its decode graph at verify_loops): its tokens are
+    the reference's generate at verify_loops, the plain stream's its own."""
+    from tinyloop.worker.generation.batcher import Batcher
+    fast, ref = batch_pair
+    calls = _replays(monkeypatch, fast.runner.graphs)
+    spec = dict(draft_loops=2, verify_loops=6, draft_ahead=3)
+    p, n = PROMPTS[1], 20
+    gen = fast.stream(fast.make_request(p, max_tokens=n, speculative=spec), 1)
+    got = next(gen) + next(gen) + next(gen)
+    b = Batcher(fast.runner)
+    b.add(gen.handoff())
+    plain = list(b.join(fast.start(fast.make_request(PROMPTS[0], loops=3, max_tokens=8), 2))[0])
+    finishes = {}
+    while b:
+        for lane, (ids, finish) in b.step().items():
+            (got if lane == 1 else plain).extend(ids)
+            if finish is not None:
+                finishes[lane] = finish
+    assert {bucket for kind, bucket, _ in calls if kind == "batch"} == {2}
+    assert p + got == ref.generate(p, loops=6, max_tokens=n)
+    assert PROMPTS[0] + plain == ref.generate(PROMPTS[0], loops=3, max_tokens=8)
+    assert finishes[1].stats["verify_steps"] == 2 and finishes[1].stats["completion_tokens"] == n
+
+
 def test_generate_batch_on_graphs_equals_reference(batch_pair):
     fast, ref = batch_pair
     prompts = [PROMPTS[1], PROMPTS[0], [4, 4, 2], [7]]

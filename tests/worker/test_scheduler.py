@@ -246,3 +246,85 @@ def test_streams_that_arrive_together_make_the_worker_busy(tiny_path, together):
         assert tokens["spec"] == alone(m, LONG[8:15], loops=4, max_tokens=10)
         if together:
             assert tokens["plain"] == alone(m, LONG[:6], loops=3, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def spec_path(ckpt_dir):
+    # drafts the verifier accepts in part: rounds emit several tokens, so the handoff happens past
+    # accepted drafts (a plain random model accepts ~1/vocab of them)
+    from model_zoo import CONFIGS, damped_checkpoint
+    return damped_checkpoint(ckpt_dir / "damped-scheduler.tinyloop", CONFIGS["gqa-prelude-coda"], 3, 0.03)
+
+
+def spec_job(m, key, prompt, spec, **kw):
+    """A speculative job as the actor makes it: greedy ones carry their batched alternative."""
+    import dataclasses
+    req = m.make_request(prompt, speculative=spec, **kw)
+    plain = dataclasses.replace(req, speculative=None)
+    return Job(key, lambda lane: m.stream(req, lane), tokens=len(prompt),
+               batched=(lambda lane: m.start_chunked(plain, lane)) if req.sampling.greedy else None)
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_speculative_stream_alone_goes_into_the_batch_once_the_worker_is_busy(spec_path, limit, stop):
+    # A greedy speculative stream starts alone on an idle worker and runs two rounds; then a
+    # plain stream arrives, which (speculative_max_running = 1) makes the worker busy: between
+    # two rounds the speculative stream goes on in the batched step at verify_loops, from where
+    # its rounds left it. Its tokens (a stop token after the handoff, or max_tokens) are the
+    # standalone speculative run's, = generate at verify_loops; its usage keeps the rounds'
+    # figures. With 0 it speculates to its end.
+    spec = dict(draft_loops=1, verify_loops=4, draft_ahead=3)
+    prompt = LONG[8:15]
+    with Model(spec_path, max_seq_len=128, n_slots=3) as m:
+        full = alone(m, prompt, loops=4, max_tokens=24)
+        kw = dict(max_tokens=24, stop_token_ids=[full[15]] if stop else None)
+        want = alone(m, prompt, loops=4, **kw)
+        assert len(want) == (full.index(full[15]) + 1 if stop else 24) and len(want) > 12
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=limit))
+        s.submit(spec_job(m, "spec", prompt, spec, **kw))
+        chunks = [ev.ids for _ in range(3) for key, ev in s.step()]
+        assert sum(map(len, chunks)) > 3, "no round accepted a draft: the handoff's position is not tested"
+        assert sum(map(len, chunks)) < len(want)
+        s.submit(job(m, "plain", LONG[:6], loops=3, max_tokens=20))
+        after, steps, ends = [], [], {}
+        while s.has_work():
+            for key, ev in s.step():
+                if key == "spec":
+                    after.append(ev.ids)
+                    if ev.finish is not None:
+                        ends[key] = ev.finish
+            steps.append(s.last)
+        assert sum(st.handed_to_batch for st in steps) == (1 if limit else 0)
+        assert steps[0].handed_to_batch == (1 if limit else 0)  # at once, at the next round boundary
+        assert sum(st.batched_not_speculative for st in steps) == 0
+        assert max(st.batch_rows for st in steps) == (2 if limit else 1)
+        tokens = [t for c in chunks + after for t in c]
+        assert tokens == want
+        assert tokens == list(m.generate_speculative(prompt, stop_token_ids=kw["stop_token_ids"],
+                                                     max_tokens=24, **spec))[len(prompt):]
+        finish = ends["spec"]
+        assert finish.reason == ("stop" if stop else "length") and finish.stats["completion_tokens"] == len(want)
+        if limit:
+            assert all(len(ids) <= 1 for ids in after)  # one token per batched step
+            assert finish.stats["verify_steps"] == 2 and finish.stats["drafted_tokens"] == 6
+            assert finish.stats["accepted_per_verify"] == pytest.approx(finish.stats["accepted_tokens"] / 2)
+        else:
+            assert finish.stats["verify_steps"] > 2
+        assert m.runner.lanes.free == 3 and not s.batcher
+
+
+def test_a_sampled_speculative_stream_is_never_handed_over(spec_path):
+    spec = dict(draft_loops=1, verify_loops=4, draft_ahead=3)
+    prompt, kw = LONG[8:15], dict(max_tokens=16, temperature=0.9, seed=5)
+    with Model(spec_path, max_seq_len=128, n_slots=3) as m:
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=1))
+        s.submit(spec_job(m, "spec", prompt, spec, **kw))
+        first = [t for _ in range(2) for key, ev in s.step() for t in ev.ids]
+        s.submit(job(m, "plain", LONG[:6], loops=3, max_tokens=20))
+        s.submit(job(m, "plain2", LONG[2:9], loops=2, max_tokens=20))
+        tokens, ends, steps = run(s)
+        assert sum(st.handed_to_batch for st in steps) == 0
+        assert max(st.batch_rows for st in steps) == 2  # the two plain streams only
+        assert first + tokens["spec"] == list(m.generate_speculative(prompt, **kw, **spec))[len(prompt):]
+        assert ends["spec"].stats["verify_steps"] >= 1

@@ -6,30 +6,18 @@ import torch
 
 from stage_graphs import with_stage_graphs
 
-from model_zoo import CONFIGS
+from model_zoo import CONFIGS, damped_checkpoint
 from tinyloop.kernels.tree_attention import ancestors_from_parents
 from tinyloop.worker import Model
 from tinyloop.worker.generation import speculative as spec_mod
+from tinyloop.worker.generation.batcher import Batcher
+from tinyloop.worker.generation.decode import DecodeState, decode_steps
 from tinyloop.worker.generation.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
-from tinyloop.worker.model import checkpoint
 from tinyloop.worker.runner.engine import Counters, Tree
 from tinyloop.worker.runner.stages import TreeStages, tree_layout
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
 N_TOKENS = 14
-
-
-def damped_checkpoint(path, cfg, seed: int, damp: float) -> str:
-    """A random model whose shared block moves the residual little per iteration, so a shallow
-    draft agrees with the deep verifier often but not always: every accept / reject branch runs
-    (a plain std-0.3 random model accepts ~1/vocab of its drafts)."""
-    model = checkpoint.init_model(cfg, seed, 0.3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("loop.") and name.endswith(("wo.weight", "w2.weight")):
-                p.mul_(damp)
-    checkpoint.save(model, path, dtype=torch.float32)
-    return str(path)
 
 
 # per config: partial acceptance and varied greedy output (without a prelude or coda a block
@@ -402,6 +390,113 @@ def test_stream_protocol_and_stats(tiny_spec):
     assert s["accepted_per_verify"] == pytest.approx(s["accepted_tokens"] / s["verify_steps"])
     assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["drafted_tokens"])
     assert s["completion_tokens"] == N_TOKENS and s["loop_iterations"] > 0
+
+
+# -- handoff to plain decoding --------------------------------------------------------------
+def _batched_to_end(runner, st):
+    """A handed-over state decoded to its end in a batcher of its own: (ids, Finish)."""
+    b, ids, finish = Batcher(runner), [], None
+    b.add(st)
+    while b:
+        for update in b.step().values():
+            new, finish = update
+            ids += new
+    return ids, finish
+
+
+def _alone_to_end(st):
+    st.advance()  # its decided token runs first: it has no logits to decide from
+    try:
+        gen, ids = decode_steps(st), []
+        while True:
+            ids += next(gen)
+    except StopIteration as stop:
+        return ids, stop.value
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("via", ["batcher", "alone"])
+def test_handoff_between_rounds_continues_as_generate_at_verify_loops(tiny_spec, tree, via):
+    """Hand a greedy stream over after its prefill's token or after some rounds: plain decoding
+    at verify_loops from its decided token, with nothing recomputed, gives generate's tokens;
+    the stats count the rounds that ran and every token's work once."""
+    m, Ld, Lv, K = tiny_spec, 2, 6, (3 if tree else 1)
+    spec = {"draft_loops": Ld, "verify_loops": Lv, "draft_ahead": 4, "k_branches": K, "tree": tree}
+    multi = 0
+    for prompt in PROMPTS[:2]:
+        want = _want(m, prompt, Lv)
+        for items in (1, 2, 4):
+            req = m.make_request(prompt, max_tokens=N_TOKENS, speculative=spec)
+            gen, got = m.stream(req), []
+            for _ in range(items):
+                got += next(gen)
+            multi += len(got) > items  # a round emitted accepted drafts before the handoff
+            assert gen.can_handoff
+            st = gen.handoff()
+            assert not gen.can_handoff and next(gen, None) is None  # the speculative stream is over
+            assert (st.req.loops, st.req.speculative, st.tok_id, st.generated) == (Lv, None, got[-1], len(got))
+            assert st.pos == len(prompt) + len(got) - 1 and st.batchable  # the position of got[-1]
+            rest, finish = _batched_to_end(m.runner, st) if via == "batcher" else _alone_to_end(st)
+            assert prompt + got + rest == want and finish.reason == want.finish_reason
+            s, T = finish.stats, len(prompt)
+            assert s["verify_steps"] == items - 1 and s["completion_tokens"] == N_TOKENS
+            assert s["k_branches"] == K and s["accepted_per_verify"] == pytest.approx(
+                s["accepted_tokens"] / s["verify_steps"] if items > 1 else 0.0)
+            plain_steps = N_TOKENS - len(got)  # each runs one decided token at verify_loops
+            assert s["loop_token_iterations"] == Lv * (T + s["verify_steps"] + K * s["drafted_tokens"] + plain_steps)
+            assert s["loop_iterations"] == Lv + Ld * s["drafted_tokens"] + Lv * (s["verify_steps"] + plain_steps)
+    assert multi, "no round accepted a draft before a handoff: the test could not tell positions apart"
+
+
+def test_handoff_near_max_tokens_and_before_a_stop_token(tiny_spec):
+    m, prompt, Lv = tiny_spec, PROMPTS[0], 6
+    spec = {"draft_loops": 2, "verify_loops": Lv, "draft_ahead": 4}
+    full = _want(m, prompt, Lv, 20)[len(prompt):]
+    last_token_left = 0
+    for n in range(2, 9):
+        req = m.make_request(prompt, max_tokens=n, speculative=spec)
+        gen = m.stream(req)
+        got = next(gen) + next(gen)
+        if not gen.can_handoff:  # the second chunk reached max_tokens: nothing to hand over
+            assert len(got) == n
+            continue
+        st = gen.handoff()
+        last_token_left += st.generated == n - 1
+        rest, finish = _batched_to_end(m.runner, st)
+        assert got + rest == full[:n] and finish.reason == "length" and finish.stats["completion_tokens"] == n
+    assert last_token_left, "no handoff with one token left to decode"
+    stopped = 0
+    for i in (3, 6, 9):
+        stop = full[i]
+        cut = full.index(stop) + 1
+        req = m.make_request(prompt, max_tokens=20, stop_token_ids=[stop], speculative=spec)
+        gen = m.stream(req)
+        got = next(gen) + next(gen)
+        if len(got) >= cut:
+            continue  # the stop token came before the handoff
+        st = gen.handoff()
+        rest, finish = _batched_to_end(m.runner, st)
+        assert got + rest == full[:cut] and finish.reason == "stop"
+        stopped += 1
+    assert stopped, "no stop token after a handoff"
+
+
+def test_a_sampled_or_unstarted_or_finished_stream_is_not_handed_over(tiny_spec):
+    m, prompt = tiny_spec, PROMPTS[0]
+    spec = {"draft_loops": 2, "verify_loops": 6, "draft_ahead": 4}
+    sampled = m.stream(m.make_request(prompt, max_tokens=8, temperature=0.9, seed=3, speculative=spec))
+    next(sampled)
+    greedy = m.stream(m.make_request(prompt, max_tokens=2, speculative=spec))
+    assert not greedy.can_handoff  # nothing decided yet: its prefill is its first step
+    assert len(next(greedy) + next(greedy)) == 2  # max_tokens reached
+    for gen in (sampled, greedy):
+        assert not gen.can_handoff
+        with pytest.raises(ValueError, match="only a started, unfinished greedy"):
+            gen.handoff()
+    sampled.close()
+    req = m.make_request(prompt, loops=6, max_tokens=8, temperature=0.9, seed=3)
+    with pytest.raises(ValueError, match="plain greedy"):
+        DecodeState.decided(m.runner, 0, req, 5, len(prompt), 1, Counters())
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -1,10 +1,12 @@
 """Continuous batching: the decode steps of many streams in one runner step.
 
 Each stream prefills alone on its own cache lane (`join`), then its `DecodeState` waits
-here. A `step` runs every waiting stream's decided token through one `Runner.decode` (per-lane
-tokens, positions, depths and cache lanes: any lanes, in any order), then samples every
-stream's next token -- one sampling call per distinct set of sampling parameters, each row
-with its own random key (seed, absolute position) -- and reads them all in one host sync.
+here; a stream that decoded elsewhere up to a decided token can come in too (`add`: a greedy
+speculative stream handed over between rounds). A `step` runs every waiting stream's decided
+token through one `Runner.decode` (per-lane tokens, positions, depths and cache lanes: any
+lanes, in any order), then samples every stream's next token -- one sampling call per
+distinct set of sampling parameters, each row with its own random key (seed, absolute
+position) -- and reads them all in one host sync.
 The step is pipelined like a stream alone: the step for the tokens just sampled is launched
 before the host reads them (`Batcher.step`). Streams join and leave between steps. A stream
 alone in the batcher steps exactly as it would outside it (DecodeState's pipelined calls).
@@ -54,6 +56,17 @@ class Batcher:
             self.states[st.lane] = st
             return [t], None
         return [t], st.finish()
+
+    def add(self, st: DecodeState) -> None:
+        """Take in a stream whose decided token is accepted already and waits to run
+        (`DecodeState.decided`: a speculative stream handed over between rounds). Like a stream
+        that joined, it runs in the next launch, from its host token at its position, and
+        `step` then hands it its row; it needs no logits of its own before that."""
+        if not self.eligible(st):
+            raise ValueError("the batched step takes plain decode on the full cache only")
+        if st.lane in self.states:
+            raise ValueError(f"lane {st.lane} already has a stream in the batch")
+        self.states[st.lane] = st
 
     def leave(self, lane: int) -> None:
         """Take a stream out (cancelled): its lane is in no later step. A step launched ahead

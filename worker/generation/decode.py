@@ -209,6 +209,21 @@ class DecodeState:
         self.exits = [req.early_exit] if req.early_exit is not None else None  # runner.decode's `exits`
         self.step_depths: list[int] = []         # iterations each decode step ran (early exit only)
 
+    @classmethod
+    def decided(cls, runner: Runner, lane: int, req: Request, tok_id: int, pos: int, generated: int,
+                work: Counters) -> "DecodeState":
+        """A stream whose token `tok_id` at `pos` is decided and accepted, and waits to run: the
+        lane holds K / V at `req.loops` for every position < pos, `generated` tokens were
+        emitted (tok_id the last) and `work` ran for them. It has no logits, so what it does
+        first is run tok_id (`advance`, or a batched step: `Batcher.add`), never `decide`.
+        A speculative stream handed over between rounds (speculative.SpeculativeStream.handoff).
+        Plain greedy with no penalty only: the tokens seen for a repetition penalty are gone."""
+        if not (req.sampling.greedy and req.sampling.repetition_penalty == 1.0):
+            raise ValueError("a decided state continues plain greedy decoding with no repetition penalty")
+        st = cls(runner, lane, req, None, None, work)
+        st.pos, st.tok_id, st.generated = pos, tok_id, generated
+        return st
+
     @property
     def logits(self) -> torch.Tensor:
         """(1, V): predicts the token at `pos` (read through the step's outputs: the runner may

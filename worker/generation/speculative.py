@@ -27,6 +27,13 @@ Rollback. The cache is position addressed and every read is bounded by the reade
 (or the nodes written so far), so K / V left by rejected tokens are overwritten before anything
 reads them; nothing is copied back.
 
+Handoff. Between two rounds the state is the one plain decoding at verify_loops would have:
+t decided at p, every position < p holding K / V at all verify_loops iterations (the prefill
+ran at verify_loops; a round's drafts wrote [0, L_d) of the accepted positions and the verify
+[L_d, L_v) and the coda). A greedy stream (`SpeculativeStream`) can therefore end there and go
+on as a plain `DecodeState` whose decided token waits to run (`SpeculativeStream.handoff`),
+nothing recomputed: so the worker's scheduler moves it into its batched step once busy.
+
 Sampling (temperature > 0). Chain: speculative sampling (Leviathan et al. 2023; Chen et al.
 2023): d ~ q, accept with min(1, p(d) / q(d)), else draw from normalize(max(0, p - q)); the
 emitted token is distributed as p. Tree: the K first tokens are deterministic proposals (top-K
@@ -39,12 +46,13 @@ number is sampling.uniform(seed, absolute position, stream): reproducible on any
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from tinyloop.kernels.tree_attention import MAX_NODES
-from tinyloop.worker.generation.decode import FINISH_LENGTH, FINISH_STOP, Finish, Request, TokenStream
+from tinyloop.worker.generation.decode import FINISH_LENGTH, FINISH_STOP, DecodeState, Finish, Request
 from tinyloop.worker.generation.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
                                                  draw, probs, uniform)
 from tinyloop.worker.runner.engine import Counters
@@ -162,46 +170,121 @@ class _Emitter:
         return out
 
 
-# -- the generators ------------------------------------------------------------------------
-def stream_speculative(runner: Runner, lane: int, req: Request, spec: SpecParams) -> TokenStream:
+# -- the stream ----------------------------------------------------------------------------
+def stream_speculative(runner: Runner, lane: int, req: Request, spec: SpecParams) -> "SpeculativeStream":
     """Prefill at verify_loops, then chain or tree rounds; yields each verify's tokens."""
-    chooser = _Chooser(req.sampling, req.seed, runner.device)
-    emit = _Emitter(req)
-    T = len(req.prompt)
-    first = runner.prefill(lane, req.prompt, spec.verify_loops)
-    work = first.work
-    t = chooser.target(first.logits[0], T)
-    yield emit.take([t])
-    rounds = drafted = accepted = 0
-    pos = T  # position of t: decided, not yet fed
-    last: StepOut | None = None  # the last draft step's outputs, let go at the next round
-    while emit.reason is None:
+    return SpeculativeStream(runner, lane, req, spec)
+
+
+class SpeculativeStream:
+    """One speculative stream on a cache lane, with the protocol of a plain `TokenStream`: each
+    `next` yields the tokens it decided (the first: the prefill's token; then one round's), and
+    the end raises StopIteration whose value is the `Finish`. Nothing runs before the first
+    `next` (like a generator: the prefill is the first step).
+
+    Handoff (the module's docstring): between two items, a greedy stream can end and go on as
+    plain decoding at verify_loops from its decided token (`handoff`), which decides the tokens
+    its rounds would have (greedy speculative output is generate's at verify_loops); the
+    worker's scheduler does so once the worker is busy. Greedy only: a sampled chain's tokens
+    are distributed as plain decoding's but are other draws (its accept / residual numbers),
+    so handing it over would change its tokens mid-stream."""
+
+    def __init__(self, runner: Runner, lane: int, req: Request, spec: SpecParams):
+        self.runner, self.lane, self.req, self.spec = runner, lane, req, spec
+        self._chooser = _Chooser(req.sampling, req.seed, runner.device)
+        self._emit = _Emitter(req)
+        self._work = Counters()
+        self._rounds = self._drafted = self._accepted = 0
+        self._t: int | None = None          # the last emitted token, decided at _pos, not yet fed
+        self._pos = len(req.prompt)
+        self._last: StepOut | None = None   # the last draft step's outputs, let go at the next round
+        self._over = False                  # finished, failed, closed or handed over
+
+    def __iter__(self) -> "SpeculativeStream":
+        return self
+
+    def __next__(self) -> list[int]:
+        if self._over:
+            raise StopIteration  # as a generator after its return
+        if self._emit.reason is not None:
+            self._end()
+            raise StopIteration(Finish(self._emit.reason, {
+                "prompt_tokens": len(self.req.prompt), "completion_tokens": self._emit.generated,
+                "loop_iterations": self._work.loop_iterations,
+                "loop_token_iterations": self._work.loop_token_iterations, **self.stats()}))
+        try:
+            return self._emit.take(self._step())
+        except BaseException:
+            self._end()
+            raise
+
+    def close(self) -> None:
+        """Stop here (cancelled): the stream lets go of what it holds and yields nothing more."""
+        self._end()
+
+    def _end(self) -> None:
+        self._over = True
+        self.runner.release(self._last)
+        self._last = None
+
+    def _step(self) -> list[int]:
+        """The prefill's token, or one round's tokens (before max_tokens / stop truncate them)."""
+        runner, spec, req = self.runner, self.spec, self.req
+        if self._t is None:
+            first = runner.prefill(self.lane, req.prompt, spec.verify_loops)
+            self._work = first.work
+            self._t = self._chooser.target(first.logits[0], self._pos)
+            return [self._t]
         # never draft past what max_tokens can still use: a round emits at most k + 1 tokens
-        k = min(spec.draft_ahead, req.max_tokens - emit.generated - 1)
+        k = min(spec.draft_ahead, req.max_tokens - self._emit.generated - 1)
+        t, pos = self._t, self._pos
         if spec.tree:  # side branches sit past the linear positions: keep every node inside the cache
             k = min(k, (runner.cache.max_seq_len - pos - 1) // spec.k_branches)
-            toks, n_acc, w = _tree_round(runner, lane, spec, chooser, t, pos, k)
+            toks, n_acc, w = _tree_round(runner, self.lane, spec, self._chooser, t, pos, k)
         else:
-            toks, n_acc, w, last = _chain_round(runner, lane, spec, chooser, t, pos, k, last)
-        work = work.plus(w)
-        rounds += 1
-        drafted += k
-        accepted += n_acc
-        pos += len(toks)
-        t = toks[-1]
-        yield emit.take(toks)
-    runner.release(last)
-    return Finish(emit.reason, {
-        "prompt_tokens": T, "completion_tokens": emit.generated,
-        "loop_iterations": work.loop_iterations,
-        "loop_token_iterations": work.loop_token_iterations,
-        "verify_steps": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
-        "accepted_per_verify": accepted / rounds if rounds else 0.0,
-        "tokens_per_verify": (emit.generated - 1) / rounds if rounds else 0.0,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "draft_loops": spec.draft_loops, "verify_loops": spec.verify_loops,
-        "draft_ahead": spec.draft_ahead, "k_branches": spec.k_branches,
-    })
+            toks, n_acc, w, self._last = _chain_round(runner, self.lane, spec, self._chooser, t, pos, k,
+                                                      self._last)
+        self._work = self._work.plus(w)
+        self._rounds += 1
+        self._drafted += k
+        self._accepted += n_acc
+        self._pos += len(toks)
+        self._t = toks[-1]
+        return toks
+
+    def stats(self) -> dict:
+        """The speculative figures so far (the Finish's stats beside the token and work counts)."""
+        rounds, drafted, accepted, spec = self._rounds, self._drafted, self._accepted, self.spec
+        return {
+            "verify_steps": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "accepted_per_verify": accepted / rounds if rounds else 0.0,
+            "tokens_per_verify": (self._emit.generated - 1) / rounds if rounds else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "draft_loops": spec.draft_loops, "verify_loops": spec.verify_loops,
+            "draft_ahead": spec.draft_ahead, "k_branches": spec.k_branches,
+        }
+
+    @property
+    def can_handoff(self) -> bool:
+        """Whether `handoff` may run now: a greedy stream (no repetition penalty) that has
+        emitted its prefill's token and goes on."""
+        sp = self.req.sampling
+        return (not self._over and self._t is not None and self._emit.reason is None
+                and sp.greedy and sp.repetition_penalty == 1.0)
+
+    def handoff(self) -> DecodeState:
+        """End this stream and return the plain decode at verify_loops that continues it: its
+        decided token waits to run at `pos` (no logits, nothing to decide: a batcher runs it,
+        `Batcher.add`), it counts the tokens emitted against max_tokens and the work so far, and
+        its Finish stats keep the speculative figures of the rounds that ran. ValueError when
+        the stream cannot be handed over (`can_handoff`)."""
+        if not self.can_handoff:
+            raise ValueError("only a started, unfinished greedy speculative stream can be handed over")
+        req = dataclasses.replace(self.req, speculative=None, loops=self.spec.verify_loops)
+        st = DecodeState.decided(self.runner, self.lane, req, self._t, self._pos, self._emit.generated, self._work)
+        st.extra_stats = self.stats()
+        self._end()
+        return st
 
 
 def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,

@@ -709,7 +709,7 @@ class _StepMetrics:
         self.seconds = [0] * (len(self.SECONDS) + 1)
         self.batch_sum = self.prefill_sum = self.steps = 0
         self.seconds_sum = self.cpu_seconds_sum = 0.0
-        self.prefilled_together = self.batched_not_speculative = 0
+        self.prefilled_together = self.batched_not_speculative = self.handed_to_batch = 0
         self.ttft = [0] * (len(self.TTFT) + 1)
         self.ttft_sum = 0.0
 
@@ -730,6 +730,7 @@ class _StepMetrics:
             self.cpu_seconds_sum += st.cpu_seconds
             self.prefilled_together += st.prefilled_together
             self.batched_not_speculative += st.batched_not_speculative
+            self.handed_to_batch += st.handed_to_batch
 
     def observe_ttft(self, seconds: float) -> None:
         """A stream's first tokens handed to its caller, `seconds` after it reached the worker
@@ -754,6 +755,7 @@ class _StepMetrics:
                     "seconds_sum": self.seconds_sum, "cpu_seconds_sum": self.cpu_seconds_sum,
                     "prefilled_together": self.prefilled_together,
                     "batched_not_speculative": self.batched_not_speculative,
+                    "handed_to_batch": self.handed_to_batch,
                     "iterations_bounds": list(self.ITERATIONS), "iterations_counts": list(self.iterations),
                     "iterations_sum": self.iterations_sum,
                     "ttft_bounds": list(self.TTFT), "ttft_counts": list(self.ttft), "ttft_sum": self.ttft_sum,

@@ -15,13 +15,16 @@ Each `step`:
    budget it fits or that it opens). A long prompt is cut into chunks over several steps, and the
    streams decoding meanwhile get a token every step instead of waiting for the whole prompt.
    The fresh prompts that fit the step whole prefill together, in one pass;
-4. runs one batched decode step (`Batcher.step`) for every stream in the batcher and one step
-   of each stream that steps alone (speculative decoding, L scheduling, the safety check, a
-   sliding window), and returns what happened as events.
+4. hands a greedy speculative stream that steps alone over to the batcher once the worker is
+   busy (`SchedulerOptions.speculative_max_running`), then runs one batched decode step
+   (`Batcher.step`) for every stream in the batcher and one step of each stream that steps
+   alone (speculative decoding, L scheduling, the safety check, a sliding window), and returns
+   what happened as events.
 
 A job is a `begin(lane)` callable. What it returns says what the job is: a `Prefill` (a plain
-prompt, chunked here), a `DecodeState` (already prefilled: a resume), a token generator (a
-stream that steps alone) or, for a `task` job, the answer itself (handle builds, scores: the
+prompt, chunked here), a `DecodeState` (already prefilled: a resume), a token iterator (a
+stream that steps alone: a generator, or a `SpeculativeStream`, which a busy worker hands over
+to the batched step) or, for a `task` job, the answer itself (handle builds, scores: the
 lane is free again at once).
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Callable
 
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, decode_steps, prefill_together
+from tinyloop.worker.generation.speculative import SpeculativeStream
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,16 @@ class SchedulerOptions:
     (`Runner.prefill_many`, right-padded to the longest, at most 2·step_tokens padded tokens)
     instead of one pass each (on CUDA, the runner's multi-row prefill graphs: one eager pass
     for all loses to a captured graph per prompt there, bench/results/load-policies-ab-cuda.json).
-    speculative_max_running: a job with a batched alternative (`Job.batched`: a greedy
-    speculative stream) starts speculative only while fewer other streams than this hold lanes
-    or wait for one, and otherwise decodes in the batched step: a speculative stream steps alone, one draft-and-verify
-    after the other, and under load the shared step serves its tokens for less (the policy of
-    vLLM's speculative_disable_by_batch_size). 0: always speculative."""
+    speculative_max_running: the worker is busy while this many streams other than a given
+    one hold lanes or wait for one. A job with a batched alternative (`Job.batched`: a greedy
+    speculative stream) starts speculative only while the worker is not busy, and otherwise
+    decodes in the batched step; a greedy speculative stream already stepping alone is handed
+    over to the batched step between two rounds once the worker becomes busy
+    (`SpeculativeStream.handoff`: plain decoding at verify_loops from where its rounds left
+    it, the same tokens, nothing recomputed) and stays there. A speculative stream steps alone,
+    one draft-and-verify after the other, each stalling the batched step, and under load the
+    shared step serves its tokens for less (the policy of vLLM's
+    speculative_disable_by_batch_size). 0: always speculative."""
     max_queue: int = 256
     step_tokens: int = 512
     prefill_together: bool = True
@@ -114,6 +123,7 @@ class StepStats:
     prefill_tokens: int = 0
     prefilled_together: int = 0  # prompts of the step's shared prefill pass (0: none ran)
     batched_not_speculative: int = 0  # speculative jobs started in the batch instead (busy worker)
+    handed_to_batch: int = 0  # greedy speculative streams moved from their rounds to the batch (busy worker)
     batch_rows: int = 0
     seconds: float = 0.0      # the step's wall time on the step thread
     cpu_seconds: float = 0.0  # the CPU time the step thread spent in it (the rest it waited: GPU, GIL)
@@ -132,7 +142,7 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._prefilling: dict[str, tuple[int, Job, Prefill | None]] = {}  # arrival order (dicts keep it)
         self._batched: dict[int, str] = {}        # lane -> key of a stream in the batcher
-        self._alone: dict[str, tuple[int, object]] = {}  # key -> (lane, token generator)
+        self._alone: dict[str, tuple[int, object]] = {}  # key -> (lane, token iterator)
         self.last = StepStats()
 
     # -- from any thread ---------------------------------------------------------------------
@@ -236,11 +246,16 @@ class Scheduler:
         if together:
             self._prefill_together(together, events)
 
-    def _begin(self, job: Job, lane: int, stats: StepStats):
+    def _busy(self) -> bool:
+        """Whether speculative decoding gives way to the batched step (speculative_max_running):
+        as many streams as the limit hold a lane or wait for one, a given one aside (it holds a
+        lane: it is in `running`). Streams that arrive together would otherwise each see an
+        idle worker and all start speculative."""
         limit = self.o.speculative_max_running
-        # busy counts the streams that hold a lane or wait for one, this one aside: streams that
-        # arrive together would otherwise each see an idle worker and all start speculative
-        if job.batched is not None and limit and self.running - 1 + len(self._waiting) >= limit:
+        return bool(limit) and self.running - 1 + len(self._waiting) >= limit
+
+    def _begin(self, job: Job, lane: int, stats: StepStats):
+        if job.batched is not None and self._busy():
             stats.batched_not_speculative += 1
             return job.batched(lane)
         return job.begin(lane)
@@ -288,7 +303,28 @@ class Scheduler:
             got = decode_steps(got)
         self._alone[key] = (lane, got)
 
+    def _hand_over(self, events: list[Event], stats: StepStats) -> None:
+        """On a busy worker, every greedy speculative stream stepping alone between two rounds
+        goes on in the batched step (`SpeculativeStream.handoff`); it runs there from this
+        step's launch on. Its tokens are those its rounds would have decided."""
+        if not self._alone or not self._busy():
+            return
+        for key, (lane, gen) in list(self._alone.items()):
+            if not (isinstance(gen, SpeculativeStream) and gen.can_handoff):
+                continue  # not speculative, sampled, or not started (its prefill runs below)
+            del self._alone[key]
+            try:
+                self.batcher.add(gen.handoff())
+            except Exception as e:  # this stream alone: the others go on
+                gen.close()
+                self.lanes.release(lane)
+                events.append((key, Failed(e)))
+                continue
+            self._batched[lane] = key
+            stats.handed_to_batch += 1
+
     def _decode(self, events: list[Event], stats: StepStats) -> None:
+        self._hand_over(events, stats)
         if self.batcher:
             try:
                 updates = self.batcher.step()
