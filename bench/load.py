@@ -12,6 +12,11 @@ each, measured in the same run on the same GPU with the service stopped, the cei
 runner's batched decode step alone at B = min(k, lanes) streams (`Batcher.step`, sampling and
 host sync included), and for k = 1 the in-process `Model.stream` (tokens/s, TTFT).
 
+The probes (--probes N): N streams one at a time over one connected channel, each read to its
+end, for the time to first token with no other stream beside; against the same streams
+in-process (`Model.stream`) and through the worker's scheduler alone, their p50 difference is
+the service's TTFT overhead.
+
 The mixed run: --mixed streams with depths drawn (seeded) from --mixed-depths, a tenth of them
 self-speculative (draft at half the depth); its depth-weighted tokens/s (tokens x depth / --loops)
 is what compares with the plain run at the same concurrency.
@@ -97,15 +102,15 @@ async def load(address: str, jobs: list[tuple[list[int], dict, int]], channels: 
             "tpot_p99_over_p50": tpot and pct(tpot, 99) / pct(tpot, 50)}
 
 
-async def probes(address: str, prompts: list[list[int]], loops: int) -> list[float]:
-    """Time to first token of one request at a time over one connected channel (one token each):
-    the service's own latency, with no other stream beside."""
+async def probes(address: str, prompts: list[list[int]], loops: int, max_tokens: int) -> list[float]:
+    """Time to first token of one stream at a time over one connected channel (each a whole
+    stream of max_tokens, read to its end): the service's own latency, no other stream beside."""
     from tinyloop.client import AsyncTinyLoopClient
     async with AsyncTinyLoopClient(address) as c:
         await c.model_info()
         out = []
         for p in prompts:
-            r = await one(c, p, dict(loops=loops, max_tokens=1, stop_token_ids=[]))
+            r = await one(c, p, dict(loops=loops, max_tokens=max_tokens, stop_token_ids=[]))
             if "error" in r:
                 raise RuntimeError(f"a probe failed: {r['error']}")
             out.append(r["ttft"])
@@ -216,14 +221,14 @@ def scheduler_alone(m, ps: list[list[int]], args) -> dict:
 
 
 def scheduler_ttft(m, ps: list[list[int]], args) -> list[float]:
-    """Each prompt alone through the worker's scheduler in this process, one token: the seconds
-    from submit to the step's first-token events (the worker's own path to a first token, with
-    no event loop or thread hand-off)."""
+    """Each prompt alone through the worker's scheduler in this process, stepped to its end: the
+    seconds from submit to the step's first-token events (the worker's own path to a first
+    token, with no event loop or thread hand-off)."""
     from tinyloop.worker.serving.scheduler import Job, Scheduler, SchedulerOptions
     s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together))
     out = []
     for i, p in enumerate(ps):
-        req = m.make_request(p, loops=args.loops, max_tokens=1, stop_token_ids=[])
+        req = m.make_request(p, loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
         t0 = time.perf_counter()
         s.submit(Job(f"t{i}", lambda lane, req=req: m.start_chunked(req, lane), tokens=len(p)))
         first = None
@@ -255,7 +260,7 @@ def ceiling(path: str, args, batches: list[int]) -> tuple[dict, dict]:
         alone = timing(runs)
         if args.probes:
             qs = make_prompts(args.probes + 1, args.prompt_tokens, m.config.vocab_size, 77)
-            firsts = [local_stream(m, q, args.loops, 1) for q in qs]
+            firsts = [local_stream(m, q, args.loops, args.max_tokens) for q in qs]
             alone["probe_ttft_ms_p50"] = 1e3 * statistics.median(r[1] - r[0] for r in firsts[1:])
             alone["scheduler_probe_ttft_ms_p50"] = 1e3 * statistics.median(scheduler_ttft(m, qs, args)[1:])
     return out, alone
@@ -288,8 +293,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each load (a 64-stream run lasts well under a second): the median's row")
     ap.add_argument("--torch-threads", type=int, default=None, help="the in-process ceiling's")
-    ap.add_argument("--probes", type=int, default=64,
-                    help="one-token requests, one at a time, for the time to first token (0: none)")
+    ap.add_argument("--probes", type=int, default=32,
+                    help="streams one at a time, for the time to first token (0: none)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     if args.repeat < 1:
@@ -323,7 +328,7 @@ def main() -> int:
         if args.probes:
             qs = make_prompts(args.probes, args.prompt_tokens, cfg.vocab_size, 78)
             before = worker_steps(mport)
-            got = asyncio.run(probes(address, qs, args.loops))
+            got = asyncio.run(probes(address, qs, args.loops, args.max_tokens))
             time.sleep(1.5)  # the gateway's next probe brings the worker's TTFT histogram
             w = step_delta(before, worker_steps(mport))
             extra["ttft_probes"] = {

@@ -55,6 +55,7 @@ DEFAULT_STEP_TOKENS = 512
 # Ray hops per second a worker's streams share after their first tokens: each hop costs the
 # worker's one interpreter (and so its step thread) about as much as a stream's step does
 DEFAULT_MAX_HOPS_PER_S = 640.0
+FIRST_TOKEN_WAIT_S = 0.002  # how long the step thread waits for the event loop to pass a first token on (_post)
 DEFAULT_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval in a worker process (see WorkerActor.__init__)
 DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per token costs ~3 ms of step time on CPU
 
@@ -294,11 +295,17 @@ class WorkerActor:
         the scheduler runs dry. Other tokens go at most every `_flush_s`, merged per job: the
         streams' consumers send them per hop (`_Pipe`) no sooner anyway, and each hand-over
         costs the event loop a wake-up and a push per job, Python that shares the interpreter
-        lock with this thread."""
+        lock with this thread.
+
+        A job's first tokens: this thread then waits (at most FIRST_TOKEN_WAIT_S) until the
+        event loop has passed them on, so they leave before this thread takes the interpreter
+        back to launch the next decode step, which would otherwise hold them up behind its
+        Python."""
         from tinyloop.worker.serving.scheduler import Tokens
         if step_stats is not None:
             self._metrics.observe(step_stats)
         urgent = step_stats is None
+        first = False
         pending, started = self._pending, self._started
         for key, ev in events:
             slot = pending.get(key)
@@ -317,19 +324,26 @@ class WorkerActor:
                 urgent = True
             elif key not in started:
                 started.add(key)
-                urgent = True
+                urgent = first = True
         now = time.monotonic()
         if pending and (urgent or now - self._flushed >= self._flush_s or not self.scheduler.has_work()):
             self._pending, self._flushed = {}, now
-            self._loop.call_soon_threadsafe(self._deliver, pending)
+            passed = threading.Event() if first else None
+            self._loop.call_soon_threadsafe(self._deliver, pending, passed)
+            if passed is not None:
+                passed.wait(FIRST_TOKEN_WAIT_S)
 
-    def _deliver(self, pending: dict) -> None:
-        """On the event loop: each job's gathered (ids, end) into its pipe."""
+    def _deliver(self, pending: dict, passed: threading.Event | None = None) -> None:
+        """On the event loop: each job's gathered (ids, end) into its pipe. `passed` is set once
+        the streams woken here have run (their tokens sent): callbacks run in order, and each
+        woken stream's step was scheduled by its push."""
         now = time.monotonic()
         for key, (ids, end) in pending.items():
             pipe = self._sinks.get(key)
             if pipe is not None:  # a job whose caller left gets nothing
                 pipe.push(ids, end, now)
+        if passed is not None:
+            self._loop.call_soon(passed.set)
 
     def _submit(self, begin, tokens: int = 0, task: bool = False, timeout_s: float | None = None,
                 key: str | None = None, batched=None):
