@@ -127,7 +127,7 @@ def serve_args(path: str, args, port, mport) -> list[str]:
     return ["serve", "--model", path, "--lanes", str(args.lanes), "--max-seq-len", str(args.max_seq_len),
             "--device", args.device, "--port", str(port), "--metrics-port", str(mport),
             "--step-tokens", str(args.step_tokens), "--coalesce-ms", str(args.coalesce_ms),
-            "--gil-switch-ms", str(args.gil_switch_ms), "--max-hops-per-s", str(args.max_hops_per_s),
+            "--gil-switch-ms", str(args.gil_switch_ms), "--first-token-wait-ms", str(args.first_token_wait_ms), "--max-hops-per-s", str(args.max_hops_per_s),
             "--speculative-max-running", str(args.speculative_max_running),
             "--prefill-together" if args.prefill_together else "--no-prefill-together",
             "--worker-channel" if args.worker_channel else "--no-worker-channel"]
@@ -231,13 +231,14 @@ def scheduler_ttft(m, ps: list[list[int]], args) -> list[float]:
         req = m.make_request(p, loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
         t0 = time.perf_counter()
         s.submit(Job(f"t{i}", lambda lane, req=req: m.start_chunked(req, lane), tokens=len(p)))
-        first = None
+        first = []
+
+        def early(events):  # the step's first tokens, handed over before its decode step runs
+            if events and not first:
+                first.append(time.perf_counter())
         while s.has_work():
-            got = []
-            s.step(early=got.extend)
-            if first is None and got:
-                first = time.perf_counter()
-        out.append(first - t0)
+            s.step(early=early)
+        out.append(first[0] - t0)
     return out
 
 
@@ -288,6 +289,7 @@ def main() -> int:
                     help="tinyloop serve's --worker-channel: tokens over the worker's gRPC channel, else Ray")
     ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
     ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
+    ap.add_argument("--first-token-wait-ms", type=float, default=0.0, help="tinyloop serve's --first-token-wait-ms")
     ap.add_argument("--max-hops-per-s", type=float, default=640.0, help="tinyloop serve's --max-hops-per-s")
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3,
@@ -399,6 +401,7 @@ def main() -> int:
                      "prefill_together": args.prefill_together,
                      "speculative_max_running": args.speculative_max_running,
                      "coalesce_ms": args.coalesce_ms, "gil_switch_ms": args.gil_switch_ms,
+                     "first_token_wait_ms": args.first_token_wait_ms,
                      "max_hops_per_s": args.max_hops_per_s, "worker_channel": args.worker_channel,
                      "repeat": args.repeat,
                      "greedy": True},

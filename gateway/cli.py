@@ -65,6 +65,9 @@ def register(sub) -> None:
                    help="the interpreter switch interval of this process and of each worker's: how long "
                         "a thread that has work (a worker's torch thread, an event loop with a token to "
                         "pass on, gRPC's poller) may wait for the GIL while another runs Python")
+    s.add_argument("--first-token-wait-ms", type=float, default=0.0,
+                   help="how long a worker's torch thread waits for its event loop to pass a stream's first "
+                        "tokens on before it launches the next decode step (0: it does not wait)")
     s.add_argument("--max-message-mb", type=float, default=4.0)
     s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     s.add_argument("--auth-tokens", default=os.environ.get("TINYLOOP_AUTH_TOKENS"),
@@ -118,6 +121,8 @@ def _serve(args) -> int:
         raise ValueError(f"--max-hops-per-s must be > 0, got {args.max_hops_per_s}")
     if not args.gil_switch_ms > 0:
         raise ValueError(f"--gil-switch-ms must be > 0, got {args.gil_switch_ms}")
+    if args.first_token_wait_ms < 0:
+        raise ValueError(f"--first-token-wait-ms must be >= 0, got {args.first_token_wait_ms}")
     if args.speculative_max_running < 0:
         raise ValueError(f"--speculative-max-running must be >= 0, got {args.speculative_max_running}")
     if not 0 <= args.worker_channel_port < 65536:
@@ -135,6 +140,7 @@ def _serve(args) -> int:
                                  coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
                                  init_scale=args.init_scale, step_tokens=args.step_tokens,
                                  max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
+                                 first_token_wait_s=args.first_token_wait_ms / 1e3,
                                  kv_mode=args.kv_mode, prefill_together=args.prefill_together,
                                  speculative_max_running=args.speculative_max_running,
                                  channel=ChannelOptions(

@@ -27,6 +27,7 @@ class WorkerOptions:
     coalesce_s: float = 0.05  # = worker.actor.DEFAULT_COALESCE_S
     max_hops_per_s: float = 640.0  # = worker.actor.DEFAULT_MAX_HOPS_PER_S
     gil_switch_s: float = 0.0005   # = worker.actor.DEFAULT_GIL_SWITCH_S
+    first_token_wait_s: float = 0.0  # = worker.actor.DEFAULT_FIRST_TOKEN_WAIT_S
     num_cpus: float = 1.0
     torch_threads: int | None = None
     max_restarts: int = -1
@@ -75,7 +76,8 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  handle_budget_bytes=opts.handle_budget_bytes, handle_ttl_s=opts.handle_ttl_s,
                  max_queue=opts.max_queue, coalesce_s=opts.coalesce_s, torch_threads=opts.torch_threads,
                  max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens,
-                 max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s, kv_mode=opts.kv_mode,
+                 max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s,
+                 first_token_wait_s=opts.first_token_wait_s, kv_mode=opts.kv_mode,
                  prefill_together=opts.prefill_together,
                  speculative_max_running=opts.speculative_max_running,
                  channel=opts.channel))

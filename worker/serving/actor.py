@@ -55,7 +55,7 @@ DEFAULT_STEP_TOKENS = 512
 # Ray hops per second a worker's streams share after their first tokens: each hop costs the
 # worker's one interpreter (and so its step thread) about as much as a stream's step does
 DEFAULT_MAX_HOPS_PER_S = 640.0
-FIRST_TOKEN_WAIT_S = 0.002  # how long the step thread waits for the event loop to pass a first token on (_post)
+DEFAULT_FIRST_TOKEN_WAIT_S = 0.0  # how long the step thread waits for the event loop to pass a first token on (_post)
 DEFAULT_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval in a worker process (see WorkerActor.__init__)
 DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per token costs ~3 ms of step time on CPU
 
@@ -197,6 +197,7 @@ class WorkerActor:
                  max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
                  torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
                  step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
+                 first_token_wait_s: float = DEFAULT_FIRST_TOKEN_WAIT_S,
                  max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
                  prefill_together: bool = True, speculative_max_running: int = 4,
                  channel: "ChannelOptions | None" = None):
@@ -207,6 +208,9 @@ class WorkerActor:
         # back, while the event loop thread streams tokens through Ray. At the interpreter's
         # 5 ms switch interval every such hand-back can cost the step thread up to 5 ms.
         sys.setswitchinterval(gil_switch_s)
+        if first_token_wait_s < 0:
+            raise ValueError(f"first_token_wait_s must be >= 0, got {first_token_wait_s}")
+        self.first_token_wait_s = first_token_wait_s
 
         from tinyloop.worker.api import Model
         from tinyloop.worker.serving.scheduler import Scheduler, SchedulerOptions
@@ -297,7 +301,7 @@ class WorkerActor:
         costs the event loop a wake-up and a push per job, Python that shares the interpreter
         lock with this thread.
 
-        A job's first tokens: this thread then waits (at most FIRST_TOKEN_WAIT_S) until the
+        A job's first tokens: this thread then waits (at most first_token_wait_s; 0: not) until the
         event loop has passed them on, so they leave before this thread takes the interpreter
         back to launch the next decode step, which would otherwise hold them up behind its
         Python."""
@@ -328,10 +332,10 @@ class WorkerActor:
         now = time.monotonic()
         if pending and (urgent or now - self._flushed >= self._flush_s or not self.scheduler.has_work()):
             self._pending, self._flushed = {}, now
-            passed = threading.Event() if first else None
+            passed = threading.Event() if first and self.first_token_wait_s else None
             self._loop.call_soon_threadsafe(self._deliver, pending, passed)
             if passed is not None:
-                passed.wait(FIRST_TOKEN_WAIT_S)
+                passed.wait(self.first_token_wait_s)
 
     def _deliver(self, pending: dict, passed: threading.Event | None = None) -> None:
         """On the event loop: each job's gathered (ids, end) into its pipe. `passed` is set once
