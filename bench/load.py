@@ -280,7 +280,7 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--mixed", type=int, default=64, help="streams of the mixed run (0: none)")
     ap.add_argument("--mixed-depths", type=int, nargs="+", default=[4, 8, 16, 32])
-    ap.add_argument("--step-tokens", type=int, default=512)
+    ap.add_argument("--step-tokens", type=int, default=1024)
     ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
                     help="tinyloop serve's --prefill-together")
     ap.add_argument("--speculative-max-running", type=int, default=4,

@@ -36,7 +36,7 @@ def register(sub) -> None:
     s.add_argument("--handle-budget-mb", type=float, default=1024.0, help="resume-handle bytes per worker")
     s.add_argument("--handle-ttl-s", type=float, default=600.0, help="idle time before a handle expires")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a lane, per worker")
-    s.add_argument("--step-tokens", type=int, default=512,
+    s.add_argument("--step-tokens", type=int, default=1024,
                    help="prompt tokens prefilled per scheduler step beside the decode step: longer prompts "
                         "are prefilled in chunks of this many, so running streams keep a token per step")
     s.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,

@@ -33,7 +33,7 @@ class WorkerOptions:
     max_restarts: int = -1
     max_loops: int | None = None  # None: the checkpoint's
     init_scale: float = 1.0       # Huginn's initial latent state scale (0: zero state)
-    step_tokens: int = 512        # prompt tokens prefilled per scheduler step (= worker.serving.actor's default)
+    step_tokens: int = 1024       # prompt tokens prefilled per scheduler step (= worker.serving.actor's default)
     prefill_together: bool = True  # a step's fresh prompts prefill together (SchedulerOptions)
     speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
     kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings

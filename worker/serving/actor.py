@@ -51,7 +51,7 @@ DEFAULT_HANDLE_BUDGET_BYTES = 1 << 30
 DEFAULT_HANDLE_TTL_S = 600.0
 DEFAULT_MAX_HANDLES = 4096
 DEFAULT_MAX_QUEUE = 256
-DEFAULT_STEP_TOKENS = 512
+DEFAULT_STEP_TOKENS = 1024
 # Ray hops per second a worker's streams share after their first tokens: each hop costs the
 # worker's one interpreter (and so its step thread) about as much as a stream's step does
 DEFAULT_MAX_HOPS_PER_S = 640.0

@@ -59,7 +59,7 @@ class SchedulerOptions:
     shared step serves its tokens for less (the policy of vLLM's
     speculative_disable_by_batch_size). 0: always speculative."""
     max_queue: int = 256
-    step_tokens: int = 512
+    step_tokens: int = 1024
     prefill_together: bool = True
     speculative_max_running: int = 4
 
