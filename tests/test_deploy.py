@@ -76,8 +76,14 @@ def test_gateway_probes_wait_for_the_workers_start_up():
     assert values["gateway"]["startupTimeoutS"] >= 600
 
 
-def test_serve_rejects_a_negative_coalescing_window(capsys):
+@pytest.mark.parametrize("flag, value, message", [
+    ("--coalesce-ms", "-1", "--coalesce-ms must be >= 0"),
+    ("--first-token-wait-ms", "-0.5", "--first-token-wait-ms must be >= 0"),
+    ("--gil-switch-ms", "0", "--gil-switch-ms must be > 0"),
+    ("--step-tokens", "0", "--step-tokens must be >= 1"),
+])
+def test_serve_rejects_bad_worker_settings(capsys, flag, value, message):
     """Checked before Ray starts: the error names the flag."""
     from tinyloop.cli import main
-    assert main(["serve", "--coalesce-ms", "-1"]) == 2
-    assert "--coalesce-ms must be >= 0" in capsys.readouterr().err
+    assert main(["serve", flag, value]) == 2
+    assert message in capsys.readouterr().err

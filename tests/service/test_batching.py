@@ -75,8 +75,11 @@ def test_cancel_mid_batch_frees_the_lane_and_the_others_go_on(one_worker, local_
 
 @pytest.fixture(scope="module")
 def chunking_worker(ray_cluster, model_path):
-    """Prompts prefilled 8 tokens a step: every prompt longer than that is chunked."""
-    with running_service(model_path, "w-chunking", n=1, lanes=LANES, worker_kw={"step_tokens": 8}) as service:
+    """Prompts prefilled 8 tokens a step: every prompt longer than that is chunked. Its step
+    thread waits for each stream's first tokens to leave before the next decode step
+    (first_token_wait_s), so the streams below run that path too."""
+    with running_service(model_path, "w-chunking", n=1, lanes=LANES,
+                         worker_kw={"step_tokens": 8, "first_token_wait_s": 0.002}) as service:
         yield service
 
 
