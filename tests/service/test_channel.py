@@ -150,6 +150,26 @@ def test_a_direct_caller_leaving_mid_stream_frees_the_lane(actors, how):
     assert time.monotonic() - t0 < 2.0
 
 
+def test_a_link_that_ended_is_opened_again_by_the_next_stream(gateway, local_model):
+    """The connection to a live worker ends (a network cut, a proxy's idle timeout): the next
+    stream opens a new one and streams there, and the worker stays in placement."""
+    want = local_model.generate(PROMPT, loops=2, max_tokens=5)[len(PROMPT):]
+    with TinyLoopClient(gateway.address) as client:
+        assert client.generate(PROMPT, loops=2, max_tokens=5).collect()[0] == want  # every link open
+        links = {}
+        for w in gateway.gateway.servicer.workers:
+            if w._link is not None:
+                links[w.label] = w._link
+                gateway.run(w._link.close())
+        assert links and all(link.closed for link in links.values())
+        for _ in range(2 * len(gateway.gateway.servicer.workers)):  # placement reaches every worker
+            assert client.generate(PROMPT, loops=2, max_tokens=5).collect()[0] == want
+    for w in gateway.gateway.servicer.workers:
+        assert w.healthy
+        if w.label in links:
+            assert w._link is not links[w.label] and not w._link.closed
+
+
 def test_a_restarted_worker_streams_over_its_new_channel(gateway, actors, local_model):
     """Ray restarts a killed worker with a new channel address and token; the gateway takes
     them up (from its probe or its poll) and streams there again. Last in the module: it

@@ -249,6 +249,7 @@ class Link:
                 self.writer.write(frame(cpb.LinkFrame(key=key, cancel=True)))
 
     async def close(self) -> None:
+        self.closed = True
         self.writer.close()
         self._reading.cancel()
         try:
