@@ -4,8 +4,10 @@
     python -m bench.load --device cpu --model default --prompt-tokens 32 --max-tokens 32 --lanes 8 \\
         --max-seq-len 2048 --concurrency 1 8 32 --mixed 8 --mixed-depths 2 4 8 --torch-threads 1  # CPU: load-cpu.json
 
-Per concurrency k (all streams start at once over client channels already connected, greedy,
-L = --loops; --repeat runs, the median run's row kept with every run's tokens/s): tokens/s over
+Per concurrency k (all streams start at once over --channels client channels already connected,
+which share one TCP connection to the gateway as one client process's channels do, gRPC's
+subchannel pool; greedy, L = --loops; --repeat runs, the median run's row kept with every
+run's tokens/s): tokens/s over
 the wall time, time to first token p50 / p99, time per output token (after the first) p50 / p99,
 errors, and the means of the gateway's and the worker's own time to first token. Beside
 each, measured in the same run on the same GPU with the service stopped, the ceiling: the
