@@ -9,6 +9,8 @@ triton reads from TRITON_INTERPRET=1 at its first import: the test suite sets it
 from .decode_attention import (
     decode_attention,
     decode_attention_ref,
+    rope_chunk_attention,
+    rope_chunk_attention_ref,
     rope_decode_attention,
     rope_decode_attention_ref,
 )
@@ -36,6 +38,8 @@ __all__ = [
     "rms_norm_ref",
     "rope_cache_write",
     "rope_cache_write_ref",
+    "rope_chunk_attention",
+    "rope_chunk_attention_ref",
     "rope_decode_attention",
     "rope_decode_attention_ref",
     "sample_top_k",

@@ -52,6 +52,42 @@ acc / l, which is the merge of one partial bit for bit. The merge kernel reads p
 decode_attention the grids depend on B, Hkv and S only. The slot is the position itself: a ring
 buffer (slot = position % W, every slot valid once wrapped) is not served by this op.
 
+Batch invariance (``invariant=True``). By default the launcher picks the grid's split length
+(`_split_len`) and MAX_ACTIVE (`_one_wave`) from B, to fill the GPU at any batch size, so a
+lane's cached slots are grouped into different splits at different B: its partials, their
+merge, and so its output's last bits change with how many lanes share the step. With invariant
+the launcher uses what a B = 1 call of the same cache shape uses, functions of Hkv, S, hd and
+the device only. A lane's active splits and spans then follow its own position alone, every
+program computes from its lane's q, k, v and cache alone (same shapes, same compiled kernel),
+and the merge of a (b, h) reads that lane's partials alone: a row's output is bit for bit what
+a B = 1 call on that row gives, at any B and with any other lanes. The price is the grid of a
+batch-1 step for every lane (more programs than one wave at large B, where the default takes
+longer splits instead); the engine asks for it where bitwise agreement across batch shapes is
+the contract. "The same compiled kernel" includes Triton's specialization of integer arguments
+and pointers by divisibility by 16: strides and offsets like the engine's (views of one fused
+projection, whatever row) keep it; a copy with other strides compiles alike for the values but
+is not what the bitwise guarantee covers.
+
+Chunks (``rope_chunk_attention``): T tokens a sequence at positions (B, T), each row (b, t) as
+if it were a decode step of its own at p = positions[b, t] over the sequence's cache, in which
+the chunk's other tokens are already written. Flattened to B * T rows (row b * T + t on cache
+row slots[b]), it is two launches of the split kernel. First WRITE_ONLY, over a (B * T, Hkv, 1)
+grid: each live row's split-0 program rotates its k and stores k_new, v_new into slot p through
+`_rope_new_kv`, the code the normal launch stores them with (so the bits are the same), and
+exits: no partials, no o, no merge. Then the normal launch with invariant=True over the B * T
+rows: each row reads slots [0, p) of its cache row, which hold the cache before the chunk and
+the chunk's tokens at lower positions, and attends to its own new key from registers, so row
+(b, t) is bitwise rope_decode_attention(invariant=True) of that token alone once the lower
+positions are written, which is what T sequential decode steps at consecutive positions give.
+That launch also stores each live row's k_new, v_new again, into a slot the rows of the same
+sequence at higher positions read concurrently: the op's contract above forbids live rows
+sharing a cache row for this reason, but here each store writes the bits the write-only launch
+already put there, so a reader sees the same values before and after it. Two live rows of one
+sequence at the same position are still the caller's error (their stores differ). Idle rows
+(positions outside [0, S)) write nothing and output their own v, as the decode op's idle lanes.
+With PDL the attention launch's wait covers the write-only launch's stores (the wait is for the
+whole previous grid), and slots are expanded to rows on the device: no host sync, capturable.
+
 Both ops launch their split and merge kernels with programmatic dependent launch where the
 GEMV does (Hopper and later, `_launch.use_pdl`). Each kernel lets the next one launch at once,
 then waits for the previous kernel's writes: the merge kernel launches while the split kernel
@@ -256,6 +292,21 @@ def _lane_splits(n_cached, SPLIT_LEN, MAX_ACTIVE):
 
 
 @triton.jit
+def _rope_new_kv(k_row, stride_k_d, v_row, stride_v_d, k_slot, v_slot, stride_kc_d, stride_vc_d, live,
+                 offs_d, partner, mask_d, cos, sin_signed):
+    """The new token's k_new = rot(k) and v_new, each rounded to its cache's dtype, stored into
+    its cache slot (k_slot, v_slot) when the row is live. One function for the normal and the
+    WRITE_ONLY launch, so both store the same bits."""
+    k_new = _load_rotated(k_row, stride_k_d, offs_d, partner, mask_d, cos,
+                          sin_signed).to(k_slot.dtype.element_ty)  # (BLOCK_D,)
+    v_new = tl.load(v_row + offs_d * stride_v_d, mask=mask_d, other=0.0).to(v_slot.dtype.element_ty)
+    if live:  # an `if`, not `mask_d & live`: the interpreter types that mask int32 and rejects it
+        tl.store(k_slot + offs_d * stride_kc_d, k_new, mask=mask_d)
+        tl.store(v_slot + offs_d * stride_vc_d, v_new, mask=mask_d)
+    return k_new, v_new
+
+
+@triton.jit
 def _rope_decode_attention_split_kernel(
     q_ptr,  # (B, H, hd): q[:, 0]
     k_ptr,  # (B, Hkv, hd): k[:, 0]
@@ -287,6 +338,7 @@ def _rope_decode_attention_split_kernel(
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     SLOTS: tl.constexpr,
+    WRITE_ONLY: tl.constexpr,  # store k_new, v_new (split 0, the only one launched) and exit
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -319,6 +371,15 @@ def _rope_decode_attention_split_kernel(
     lane = _cache_lane(slots_ptr, stride_slots, b, SLOTS)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q, k, v: the projection launched just before writes them
+    k_base = k_cache_ptr + lane * stride_kc_b + kvh * stride_kc_h
+    v_base = v_cache_ptr + lane * stride_vc_b + kvh * stride_vc_h
+    k_row = k_ptr + b * stride_k_b + kvh * stride_k_h
+    v_row = v_ptr + b * stride_v_b + kvh * stride_v_h
+    if WRITE_ONLY:  # rope_chunk_attention's first launch: the cache write alone
+        _rope_new_kv(k_row, stride_k_d, v_row, stride_v_d, k_base + pos * stride_kc_s,
+                     v_base + pos * stride_vc_s, stride_kc_d, stride_vc_d, live, offs_d, partner, mask_d,
+                     cos, sin)
+        return
 
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < GROUP
@@ -327,8 +388,6 @@ def _rope_decode_attention_split_kernel(
     q = _load_rotated(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h, stride_q_d,
                       offs_d[None, :], partner[None, :], mask_g[:, None] & mask_d[None, :],
                       cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
-    k_base = k_cache_ptr + lane * stride_kc_b + kvh * stride_kc_h
-    v_base = v_cache_ptr + lane * stride_vc_b + kvh * stride_vc_h
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -336,13 +395,9 @@ def _rope_decode_attention_split_kernel(
     if split == 0:
         # The new token: its key is the first of split 0's online softmax (one score per head,
         # so l = 1 and acc = v_new), then it goes into the cache for the next steps.
-        k_new = _load_rotated(k_ptr + b * stride_k_b + kvh * stride_k_h, stride_k_d, offs_d, partner,
-                              mask_d, cos, sin).to(k_cache_ptr.dtype.element_ty)  # (BLOCK_D,)
-        v_new = tl.load(v_ptr + b * stride_v_b + kvh * stride_v_h + offs_d * stride_v_d,
-                        mask=mask_d, other=0.0).to(v_cache_ptr.dtype.element_ty)
-        if live:  # an `if`, not `mask_d & live`: the interpreter types that mask int32 and rejects it
-            tl.store(k_base + pos * stride_kc_s + offs_d * stride_kc_d, k_new, mask=mask_d)
-            tl.store(v_base + pos * stride_vc_s + offs_d * stride_vc_d, v_new, mask=mask_d)
+        k_new, v_new = _rope_new_kv(k_row, stride_k_d, v_row, stride_v_d, k_base + pos * stride_kc_s,
+                                    v_base + pos * stride_vc_s, stride_kc_d, stride_vc_d, live, offs_d,
+                                    partner, mask_d, cos, sin)
         m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
         l = tl.full([BLOCK_G], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
@@ -466,23 +521,29 @@ def _check(op, q, k_cache, v_cache, seq_lens, slots):
     _check_cache_dtypes(op, q, k_cache, v_cache)
 
 
-def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots):
+def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk=False):
+    """rope_decode_attention's inputs (one token a lane), or with chunk rope_chunk_attention's:
+    T tokens a sequence, positions (B, T), slots required."""
+    if chunk and slots is None:
+        raise ValueError(f"{op}: slots (B,) is required: the cache row of each sequence, which "
+                         f"the chunk's tokens write and read")
     check_device(op, q=q, k=k, v=v, cos=cos, sin=sin, positions=positions,
                  k_cache=k_cache, v_cache=v_cache, **({} if slots is None else {"slots": slots}))
-    check_rank(op, "q", q, 4, "(B, 1, H, hd)")
+    tok = "T" if chunk else "1"
+    check_rank(op, "q", q, 4, f"(B, {tok}, H, hd)")
     B, T, H, hd = q.shape
-    if T != 1:
+    if T != 1 and not chunk:
         raise ValueError(f"{op}: one new token per lane, q must have shape (B, 1, H, hd), "
                          f"got {tuple(q.shape)}")
     if hd % 2:
         raise ValueError(f"{op}: head dim must be even for rotate-half RoPE, got {hd}")
-    check_rank(op, "k", k, 4, "(B, 1, Hkv, hd)")
+    check_rank(op, "k", k, 4, f"(B, {tok}, Hkv, hd)")
     Hkv = k.shape[2]
-    check_shape(op, "k", k, (B, 1, Hkv, hd))
-    check_shape(op, "v", v, (B, 1, Hkv, hd))
+    check_shape(op, "k", k, (B, T, Hkv, hd))
+    check_shape(op, "v", v, (B, T, Hkv, hd))
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"{op}: query heads {H} must be a multiple of kv heads {Hkv}")
-    check_shape(op, "positions", positions, (B,))
+    check_shape(op, "positions", positions, (B, T) if chunk else (B,))
     check_rank(op, "k_cache", k_cache, 4, cache_layout(slots))
     S = k_cache.shape[2]
     rows = B if slots is None else k_cache.shape[0]
@@ -504,7 +565,7 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots):
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None, lane_split_len=None, has_slots=False):
+                     max_active=None, lane_split_len=None, has_slots=False, write_only=False):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd). has_slots: the SLOTS constexpr (inputs and strides then carry the
@@ -512,21 +573,25 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     positions: rope_decode_attention's, whose split kernel also takes o (after acc) and
     max_active (after qk_scale; default num_splits), and writes its lanes' active splits only
     (_lane_splits of lane_split_len slots at least, default split_len <= it).
+    write_only: rope_decode_attention's WRITE_ONLY launch, split 0 of each (row, kv head) alone:
+    no partials, no o, no merge (returns None).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
-    o = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
+    # the write-only kernel stores no o and no partials: one-row stand-ins for its pointers
+    o = torch.empty((1 if write_only else B, H, hd), dtype=q.dtype, device=q.device)
     if B * H * hd == 0:
-        return o
+        return None if write_only else o
     BLOCK_D = _block_d(hd)
     num_splits = triton.cdiv(max(S, 1), split_len)
     max_active = min(max_active or num_splits, num_splits)
     lane_split_len = split_len if lane_split_len is None else lane_split_len
-    m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    parts = 1 if write_only else B
+    m = torch.empty((parts, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty((B, H, num_splits, hd), dtype=torch.float32, device=q.device)
+    acc = torch.empty((parts, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
     rope = positions is not None
-    split_kernel[(B, Hkv, num_splits)](
+    split_kernel[(B, Hkv, 1 if write_only else num_splits)](
         *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, lane_split_len if rope else split_len,
         float(scale) * LOG2E,
@@ -538,10 +603,13 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
         SLOTS=has_slots,
+        **({"WRITE_ONLY": write_only} if rope else {}),
         num_warps=4,
         num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
     )
+    if write_only:
+        return None
     _decode_attention_merge_kernel[(B * H,)](
         m, l, acc, o, positions if rope else o, positions.stride(0) if rope else 0,
         H, S, hd, num_splits, lane_split_len if rope else split_len, max_active,
@@ -578,10 +646,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None):
 
 
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
-                          lane_split_len=None, slots=None):
+                          lane_split_len=None, slots=None, write_only=False):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
-    and longer ones than split_len."""
+    and longer ones than split_len. write_only: the WRITE_ONLY launch (the cache write alone,
+    returns None; the split parameters then matter not)."""
     q, k, v = q[:, 0], k[:, 0], v[:, 0]  # views: drop T = 1
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     slots_t, stride_slots = slots_arg(slots, positions)
@@ -590,7 +659,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), stride_slots, *k_cache.stride(), *v_cache.stride()),
                             q, Hkv, S, scale, split_len, positions, max_active, lane_split_len,
-                            has_slots=slots is not None)
+                            has_slots=slots is not None, write_only=write_only)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
@@ -603,20 +672,67 @@ def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
     return max(_sm_count(device) // (B * Hkv), 1) if device.type == "cuda" else None
 
 
-def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None):
+def _rope_splits(B: int, Hkv: int, S: int, hd: int, device: torch.device, invariant: bool) -> tuple:
+    """rope_decode_attention's (split_len, max_active, lane_split_len) for B rows. invariant:
+    those of B = 1, whatever B is, so they are functions of Hkv, S, hd and the device alone."""
+    rows = 1 if invariant else B
+    split_len = _split_len(rows, Hkv, S, device, _block_n(_block_d(hd)))
+    return split_len, _one_wave(rows, Hkv, device), min(split_len, LANE_SPLIT_LEN)
+
+
+def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, invariant=False):
     """RoPE + cache write of one new token per lane + decode attention, in one split launch and
     the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered
     at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype.
 
     slots (B,) int32 / int64 on the caches' device: the caches are whole layers (n_slots, Hkv,
     S, hd) and row b writes and reads cache slot slots[b] (an idle row neither). A slot a live
-    row uses must be no other row's (the caller's error otherwise: the rows run concurrently)."""
+    row uses must be no other row's (the caller's error otherwise: the rows run concurrently).
+
+    invariant: launch with B = 1's split parameters (module docstring, "Batch invariance"), so
+    a row's output is bit for bit the same at any B (and as a row of rope_chunk_attention);
+    otherwise they follow B, which fills the GPU better but groups a row's partials by B."""
     _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    split_len = _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd)))
-    return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len,
-                                  _one_wave(B, Hkv, q.device), min(split_len, LANE_SPLIT_LEN), slots)
+    return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
+                                  *_rope_splits(B, Hkv, S, hd, q.device, invariant), slots)
+
+
+def _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots, split_len,
+                          max_active=None, lane_split_len=None):
+    """rope_chunk_attention with explicit split parameters (as _rope_decode_attention's): the
+    write-only launch over the B * T rows, then the attention launch over them. q, k, v become
+    (B * T, 1, ., hd) rows: views where the strides allow it (the engine's projections), copies
+    otherwise; each row carries its sequence's slot."""
+    B, T, H, hd = q.shape
+    Hkv = k.shape[2]
+    rows = B * T
+    q, k, v = q.reshape(rows, 1, H, hd), k.reshape(rows, 1, Hkv, hd), v.reshape(rows, 1, Hkv, hd)
+    pos = positions.reshape(rows)
+    row_slots = slots[:, None].expand(B, T).reshape(rows)  # a copy on the device: no host sync
+    args = (q, k, v, cos, sin, pos, k_cache, v_cache, scale, split_len, max_active, lane_split_len)
+    _rope_decode_attention(*args, slots=row_slots, write_only=True)
+    o = _rope_decode_attention(*args, slots=row_slots)  # (B * T, H, hd)
+    return o.view(B, T, H, hd).permute(0, 2, 1, 3)
+
+
+def rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots):
+    """RoPE + cache write + causal attention of a chunk of T tokens a sequence (a speculative
+    verify, a prefill chunk): q (B, T, H, hd), k, v (B, T, Hkv, hd), positions (B, T) int64,
+    slots (B,) (required: sequence b's cache row), tables and caches as rope_decode_attention's
+    -> o (B, H, T, hd) in q.dtype (a view of a (B, T, H, hd) tensor).
+
+    Row (b, t) is, bit for bit, rope_decode_attention(invariant=True) of that token alone at
+    positions[b, t] once the sequence's other chunk tokens are in the cache (module docstring,
+    "Chunks"). A live position of a sequence must be no other row's of it (the caller's error
+    otherwise, not checked: the rows run concurrently); an idle one (outside [0, S)) writes and
+    reads nothing and outputs its own v."""
+    _check_rope("rope_chunk_attention", q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk=True)
+    B, T, H, hd = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    return _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots,
+                                 *_rope_splits(B * T, Hkv, S, hd, q.device, invariant=True))
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
@@ -649,11 +765,14 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale, slots=None):
     return masked_attention_ref(q[:, :, None], k_cache, v_cache, valid[:, None], scale)[:, :, 0]
 
 
-def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None):
+def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None,
+                              invariant=False):
     """The spec, in plain torch: rope_cache_write at rows p_b of the tables then decode_attention
     over p_b + 1 slots for a live lane; an idle lane (p_b outside [0, S)) writes nothing and
     outputs its own v, rounded to the cache dtype as if it had gone through the cache. Writes the
-    caches in place. With slots, each row alone on its cache slot's view (its writes land there)."""
+    caches in place. With slots, each row alone on its cache slot's view (its writes land there).
+    invariant is the launcher's argument, with nothing to change here: the reference computes
+    row by row, so a row's output never depends on the batch."""
     if slots is not None:
         return by_slot("rope_decode_attention_ref", slots, q.shape[0], k_cache, lambda b, s:
                        rope_decode_attention_ref(q[b], k[b], v[b], cos, sin, positions[b], k_cache[s],
@@ -666,3 +785,34 @@ def rope_decode_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, sc
     G = q.shape[2] // k.shape[2]
     v_alone = v[:, 0].to(v_cache.dtype).repeat_interleave(G, dim=1).to(q.dtype)  # (B, H, hd)
     return torch.where(live[:, None, None], o, v_alone)
+
+
+def rope_chunk_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots):
+    """The spec, in plain torch: rope_cache_write of the whole chunk (rows positions[b, t] of
+    the tables; an idle position writes nothing), then decode_attention of each token over its
+    p + 1 slots; an idle token outputs its own v as rope_decode_attention_ref's idle lane.
+    Writes the caches in place. -> (B, H, T, hd) in q.dtype. Each sequence alone on its cache
+    slot's view (its writes land there)."""
+    if slots is None:
+        raise ValueError("rope_chunk_attention_ref: slots (B,) is required: the cache row of each "
+                         "sequence, which the chunk's tokens write and read")
+    return by_slot("rope_chunk_attention_ref", slots, q.shape[0], k_cache, lambda b, s:
+                   _rope_chunk_attention_ref(q[b], k[b], v[b], cos, sin, positions[b], k_cache[s],
+                                             v_cache[s], scale))
+
+
+def _rope_chunk_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, scale):
+    """rope_chunk_attention_ref over caches (B, Hkv, S, hd), row b the cache of sequence b."""
+    B, T, H, hd = q.shape
+    if T == 0:
+        return torch.empty((B, H, 0, hd), dtype=q.dtype, device=q.device)
+    S = k_cache.shape[2]
+    live = (positions >= 0) & (positions < S)  # (B, T)
+    rows = torch.where(live, positions, 0)  # row 0 for an idle token, as the kernel
+    q_rot = rope_cache_write_ref(q, k, v, cos[rows], sin[rows], positions, k_cache, v_cache)  # (B, H, T, hd)
+    o = torch.stack([decode_attention_ref(q_rot[:, :, t], k_cache, v_cache,
+                                          torch.where(live[:, t], positions[:, t] + 1, 0), scale)
+                     for t in range(T)], dim=2)  # (B, H, T, hd)
+    G = H // k.shape[2]
+    v_alone = v.to(v_cache.dtype).repeat_interleave(G, dim=2).to(q.dtype).transpose(1, 2)  # (B, H, T, hd)
+    return torch.where(live[:, None, :, None], o, v_alone)

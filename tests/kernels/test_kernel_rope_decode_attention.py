@@ -8,12 +8,14 @@ from test_kernel_rope import rope_tables
 from tinyloop.kernels import (
     decode_attention,
     rope_cache_write,
+    rope_chunk_attention,
+    rope_chunk_attention_ref,
     rope_decode_attention,
     rope_decode_attention_ref,
 )
-from tinyloop.kernels.decode_attention import _rope_decode_attention
+from tinyloop.kernels.decode_attention import _rope_chunk_attention, _rope_decode_attention, _rope_splits
 
-F32, F16 = torch.float32, torch.float16
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 Inputs = namedtuple("Inputs", "q k v cos sin positions k_cache v_cache k_buf v_buf")
 
@@ -313,6 +315,217 @@ def test_rope_decode_attention_rejects_bad_slots(op):
             call(torch.tensor([0, 1], device=DEVICE), v_cache=a.v_cache[:3])
 
 
+# -- batch invariance and chunks ------------------------------------------------------------
+# Forced split parameters (split_len, max_active, lane_split_len) at S = 64: the grid's 4 splits
+# of 16, a lane split of 8 slots, at most 3 active. Position 40 takes 3 splits of 14 slots, 20
+# three of 7, 63 three of 21, 7 one (o written by the split kernel): the interpreter's own
+# launcher would keep every lane in one split, where invariance is trivial.
+FORCED = (16, 3, 8)
+INV_S = 64
+INV_POSITIONS = [40, 7, 63, 20, INV_S]  # the last lane idle
+INV_SLOTS = [4, 0, 5, 2, 1]  # of 6 cache slots (slot 3 unused)
+# GQA 2, MHA, GQA 3. fp16 for the half-precision cases: the interpreter's tl.dot multiplies
+# bf16 operands wrongly (their raw bits), so bf16 attention is checked on the GPU only.
+INV_CASES = [(4, 2, 16, F32), (4, 4, 32, F16), (6, 2, 16, F16)]
+
+
+def split_launch(split_params):
+    """rope_decode_attention(invariant=True), or with split_params its private launcher."""
+    def launch(*args, slots):
+        if split_params is None:
+            return rope_decode_attention(*args, slots=slots, invariant=True)
+        return _rope_decode_attention(*args, *split_params, slots=slots)
+    return launch
+
+
+def assert_lanes_equal_batch_one(B_list, n_slots, H, Hkv, hd, S, dtype, positions, slots, seed, split_params):
+    """Lane b of a B-lane call is bitwise a B = 1 call on lane b alone, other lanes at other
+    positions on other slots; the B-lane call's caches are those of the B = 1 calls one after
+    another (whole buffers)."""
+    launch, scale = split_launch(split_params), hd ** -0.5
+    n = max(B_list)
+    slots = torch.tensor(slots[:n], device=DEVICE)
+    alone, singles = make_slot_inputs(n, n_slots, H, Hkv, hd, S, dtype, positions[:n], seed), []
+    for b in range(n):
+        singles.append(launch(alone.q[b:b + 1], alone.k[b:b + 1], alone.v[b:b + 1], alone.cos, alone.sin,
+                              alone.positions[b:b + 1], alone.k_cache, alone.v_cache, scale,
+                              slots=slots[b:b + 1])[0])
+    for B in B_list:
+        a = make_slot_inputs(B, n_slots, H, Hkv, hd, S, dtype, positions[:B], seed)
+        out = launch(*a[:8], scale, slots=slots[:B])
+        for b in range(B):
+            assert torch.equal(out[b], singles[b]), f"B = {B}: lane {b} (pos {positions[b]}) differs from B = 1"
+        if B == n:
+            assert torch.equal(a.k_buf, alone.k_buf) and torch.equal(a.v_buf, alone.v_buf)
+    return singles
+
+
+@pytest.mark.parametrize("H, Hkv, hd, dtype", INV_CASES)
+@pytest.mark.parametrize("split_params", [FORCED, None])
+def test_rope_decode_attention_invariant_lanes_equal_batch_one(H, Hkv, hd, dtype, split_params):
+    """invariant=True (None: the public flag; FORCED: several splits a lane, the merge) at
+    B = 1, 2, 5."""
+    singles = assert_lanes_equal_batch_one([1, 2, 5], 6, H, Hkv, hd, INV_S, dtype, INV_POSITIONS, INV_SLOTS,
+                                           seed=hd + H, split_params=split_params)
+    ref = make_slot_inputs(5, 6, H, Hkv, hd, INV_S, dtype, INV_POSITIONS, seed=hd + H)
+    expected = rope_decode_attention_ref(*ref[:8], hd ** -0.5, slots=torch.tensor(INV_SLOTS, device=DEVICE))
+    assert_close(torch.stack(singles), expected, "attention")
+
+
+def make_chunk_inputs(B, T, n_slots, H, Hkv, hd, S, dtype, positions, seed):
+    """A chunk of T tokens for each of B sequences: q (B, T, H, hd), k, v (B, T, Hkv, hd) views of
+    one fused projection (B, T, (H + 2 Hkv) hd), positions (B, T); caches of n_slots rows, tables
+    and buffers as make_inputs'. Deterministic in seed."""
+    a = make_inputs(n_slots, H, Hkv, hd, S, dtype, [0] * n_slots, seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * hd, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    return a._replace(q=q.view(B, T, H, hd), k=k.view(B, T, Hkv, hd), v=v.view(B, T, Hkv, hd),
+                      positions=torch.tensor(positions, dtype=torch.int64, device=DEVICE))
+
+
+def sequential_decode(a, scale, slots, decode, order=None):
+    """The chunk's tokens as T decode steps, token t of every sequence at step t (or at step
+    order.index(t)): (B, H, T, hd) in token order."""
+    T = a.q.shape[1]
+    out = [None] * T
+    for t in range(T) if order is None else order:
+        out[t] = decode(a.q[:, t:t + 1], a.k[:, t:t + 1], a.v[:, t:t + 1], a.cos, a.sin, a.positions[:, t],
+                        a.k_cache, a.v_cache, scale, slots=slots)
+    return torch.stack(out, dim=2)
+
+
+CHUNK_POSITIONS = [[40 + t for t in range(5)], [21 + t for t in range(5)]]  # 3 active splits each
+CHUNK_SLOTS = [3, 1]  # of 4 cache slots
+
+
+@pytest.mark.parametrize("H, Hkv, hd, dtype, split_params, descending", [
+    (*INV_CASES[0], FORCED, False), (*INV_CASES[1], FORCED, True),
+    (*INV_CASES[0], None, True), (*INV_CASES[1], None, False)])
+def test_rope_chunk_attention_equals_sequential_decode(H, Hkv, hd, dtype, split_params, descending):
+    """A chunk of T = 5 at consecutive positions for two sequences on different slots: bitwise
+    the T invariant decode steps one after another (by position), outputs and the whole cache
+    buffers. descending: the chunk's tokens come in descending position, so a row reads slots
+    that rows after it hold: the interpreter runs rows in order, and only the write-only launch
+    puts those keys in the cache before the row that needs them runs."""
+    scale, slots = hd ** -0.5, torch.tensor(CHUNK_SLOTS, device=DEVICE)
+    positions = [row[::-1] for row in CHUNK_POSITIONS] if descending else CHUNK_POSITIONS
+    chunk, seq = (make_chunk_inputs(2, 5, 4, H, Hkv, hd, INV_S, dtype, positions, seed=hd) for _ in range(2))
+    if split_params is None:
+        out = rope_chunk_attention(*chunk[:8], scale, slots)
+    else:
+        out = _rope_chunk_attention(*chunk[:8], scale, slots, *split_params)
+    assert out.shape == (2, H, 5, hd) and out.dtype == dtype
+    expected = sequential_decode(seq, scale, slots, split_launch(split_params),
+                                 order=[4, 3, 2, 1, 0] if descending else None)
+    assert torch.equal(out, expected)
+    assert torch.equal(chunk.k_buf, seq.k_buf) and torch.equal(chunk.v_buf, seq.v_buf)
+
+
+@pytest.mark.parametrize("H, Hkv, hd, dtype", INV_CASES)
+def test_rope_chunk_attention_matches_ref(H, Hkv, hd, dtype):
+    """Positions not consecutive, out of order and idle (S, -1) mixed in: the op (forced splits)
+    against the reference, outputs and caches (each live token's slot written, nothing else); the
+    reference is bitwise the sequential decode reference where positions ascend (sequence 0)."""
+    S, scale = INV_S, hd ** -0.5
+    positions = [[10, 11, 12, 13, 14], [50, 9, S, -1, 30]]
+    slots = torch.tensor(CHUNK_SLOTS, device=DEVICE)
+    got, ref, orig, seq = (make_chunk_inputs(2, 5, 4, H, Hkv, hd, S, dtype, positions, seed=H + hd) for _ in range(4))
+    out = _rope_chunk_attention(*got[:8], scale, slots, *FORCED)
+    out_ref = rope_chunk_attention_ref(*ref[:8], scale, slots)
+    assert_close(out, out_ref, "attention")
+    live = (ref.positions >= 0) & (ref.positions < S)
+    written = torch.zeros(got.k_buf.shape[:3], dtype=torch.bool, device=DEVICE)  # (layers, n_slots, S + 2)
+    lane = slots[:, None].expand(2, 5)
+    written[1, lane[live], ref.positions[live]] = True
+    for name in ("k_buf", "v_buf"):
+        buf, buf_ref, buf_orig = getattr(got, name), getattr(ref, name), getattr(orig, name)
+        assert torch.equal(buf[~written], buf_orig[~written]), f"{name}: a slot no live token holds changed"
+        assert torch.equal(buf_ref[~written], buf_orig[~written])
+        assert_close(buf[written], buf_ref[written])
+    seq_out = sequential_decode(seq._replace(q=seq.q[:1], k=seq.k[:1], v=seq.v[:1], positions=seq.positions[:1]),
+                                scale, slots[:1], rope_decode_attention_ref)
+    assert torch.equal(out_ref[:1], seq_out)
+
+
+@pytest.mark.parametrize("op", [rope_chunk_attention, rope_chunk_attention_ref])
+def test_rope_chunk_attention_idle_rows(op):
+    """Idle tokens (positions S, -1, a whole sequence of them on a poisoned slot) output their
+    own v exactly and write nothing; the poisoned slot is never read."""
+    H, Hkv, hd, S = 4, 2, 16, INV_S
+    positions = [[S, 5, -1, 6, S + 3], [-1, S, -1, S, 2 * S]]
+    slots = torch.tensor([0, 2], device=DEVICE)
+    got = make_chunk_inputs(2, 5, 3, H, Hkv, hd, S, F32, positions, seed=9)
+    got.k_cache[2] = float("nan")
+    got.v_cache[2] = float("inf")
+    before = got.k_buf.clone(), got.v_buf.clone()
+    out = op(*got[:8], hd ** -0.5, slots)
+    G = H // Hkv
+    idle = (got.positions < 0) | (got.positions >= S)
+    for b, t in idle.nonzero().tolist():
+        assert torch.equal(out[b, :, t], got.v[b, t].repeat_interleave(G, dim=0))
+    assert not torch.isnan(out).any()
+    for buf, old in zip((got.k_buf, got.v_buf), before):  # only slots 5 and 6 of sequence 0 changed
+        changed = (buf != old) & ~(buf.isnan() & old.isnan())
+        assert changed.any(dim=(-1, -2)).nonzero().tolist() == [[1, 0, 5], [1, 0, 6]]
+
+
+def test_rope_chunk_attention_write_only_launch():
+    """The write-only launch stores exactly what the normal launch stores (the whole buffers
+    bitwise equal after each), idle lanes nothing, and writes no output. bf16 too: the cache
+    write takes no tl.dot, which the interpreter gets wrong in bf16 (only the writes compared)."""
+    H, Hkv, hd, S = 4, 2, 32, INV_S
+    positions, slots = [33, 0, S, 63, -1], torch.tensor(INV_SLOTS, device=DEVICE)
+    for dtype in (F32, BF16):
+        w, n, orig = (make_slot_inputs(5, 6, H, Hkv, hd, S, dtype, positions, seed=4) for _ in range(3))
+        assert _rope_decode_attention(*w[:8], 0.2, *FORCED, slots=slots, write_only=True) is None
+        _rope_decode_attention(*n[:8], 0.2, *FORCED, slots=slots)
+        assert torch.equal(w.k_buf, n.k_buf) and torch.equal(w.v_buf, n.v_buf)
+        assert not torch.equal(w.k_buf, orig.k_buf)
+
+
+@pytest.mark.parametrize("op", [rope_chunk_attention, rope_chunk_attention_ref])
+def test_rope_chunk_attention_rejects_bad_inputs(op):
+    a = make_chunk_inputs(2, 5, 3, 4, 2, 16, 8, F32, [[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]], seed=0)
+    slots = torch.tensor([0, 2], device=DEVICE)
+    name = op.__name__
+
+    def call(**kw):
+        args = {**a._asdict(), "slots": slots, **kw}
+        args.pop("k_buf"), args.pop("v_buf")
+        op(**args, scale=1.0)
+
+    with pytest.raises(ValueError, match=rf"{name}: slots \(B,\) is required"):
+        call(slots=None)
+    with pytest.raises(ValueError, match=rf"{name}: slots must have shape \(2,\), got \(3,\)"):
+        call(slots=torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: slots\[1\] = 3 is outside \[0, 3\)"):
+        call(slots=torch.tensor([0, 3], device=DEVICE))
+    if op is rope_chunk_attention_ref:
+        return
+    with pytest.raises(ValueError, match=rf"{name}: positions must have shape \(2, 5\), got \(2,\)"):
+        call(positions=a.positions[:, 0])
+    with pytest.raises(ValueError, match=rf"{name}: positions must have shape \(2, 5\), got \(2, 4\)"):
+        call(positions=a.positions[:, :4])
+    with pytest.raises(ValueError, match=rf"{name}: positions dtype"):
+        call(positions=a.positions.int())
+    with pytest.raises(ValueError, match=rf"{name}: q must be 4-D \(B, T, H, hd\)"):
+        call(q=a.q[:, 0])
+    with pytest.raises(ValueError, match=rf"{name}: k must have shape \(2, 5, 2, 16\), got \(2, 4, 2, 16\)"):
+        call(k=a.k[:, :4])
+    with pytest.raises(ValueError, match=rf"{name}: v must have shape \(2, 5, 2, 16\)"):
+        call(v=a.v[:1])
+    with pytest.raises(ValueError, match=rf"{name}: k must be 4-D \(B, T, Hkv, hd\)"):
+        call(k=a.k[0])
+    with pytest.raises(ValueError, match=rf"{name}: query heads 3 must be a multiple of kv heads 2"):
+        call(q=a.q[:, :, :3])
+    with pytest.raises(ValueError, match=rf"{name}: k_cache must be 4-D \(n_slots, Hkv, S, hd\)"):
+        call(k_cache=a.k_cache[0])
+    with pytest.raises(ValueError, match=rf"{name}: cos must have shape \(P, 8\) with P >= S = 8"):
+        call(cos=a.cos[:-1])
+
+
+
 GPU_POSITIONS = [[0], [127], [2047], [2048], [0, 127, 2047, 2048]]  # 2048 = S: an idle lane
 
 
@@ -393,3 +606,45 @@ def test_rope_decode_attention_gpu_slots_cuda_graph(split_len, max_active):
         graph.replay()
         assert_close(out.clone(), rope_decode_attention_ref(*ref[:8], hd ** -0.5, slots=slots), "attention")
         assert_caches(got, ref, new, S, slots)
+
+
+# bench-285m's attention (16 heads of 128, MHA, S 4096) and the embedded default model's (5 heads
+# of 64, 1 KV head, S 512): positions with several active splits (a batch-1 lane of 3000 slots
+# takes one wave's cap), a short one in one split, the last slot, an idle lane.
+GPU_INV_SHAPES = {
+    "bench-285m": (16, 16, 128, 4096, [1000, 3000, 17, 4095, 2500], [[1000 + t for t in range(5)],
+                                                                      [3000 + t for t in range(5)]]),
+    "embedded": (5, 1, 64, 512, [200, 450, 0, 511, 300], [[200 + t for t in range(5)], [450 + t for t in range(5)]]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", GPU_INV_SHAPES)
+def test_rope_decode_attention_gpu_invariant_bf16(shape):
+    """invariant=True on the H200: lane b of B = 1, 2, 5 lanes bitwise a B = 1 call on it alone,
+    where the default's split parameters differ with B (bench-285m's: 8 active splits a lane at
+    B = 1, 1 at B = 5)."""
+    H, Hkv, hd, S, positions, _ = GPU_INV_SHAPES[shape]
+    device = torch.device("cuda")
+    assert all(_rope_splits(B, Hkv, S, hd, device, True) == _rope_splits(1, Hkv, S, hd, device, False)
+               for B in (2, 5))
+    if shape == "bench-285m":  # the default groups a lane's partials by B here
+        assert _rope_splits(5, Hkv, S, hd, device, False) != _rope_splits(1, Hkv, S, hd, device, False)
+    assert_lanes_equal_batch_one([1, 2, 5], 6, H, Hkv, hd, S, BF16, positions, INV_SLOTS, seed=11,
+                                 split_params=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", GPU_INV_SHAPES)
+def test_rope_chunk_attention_gpu_bf16(shape):
+    """A chunk of 5 tokens for two sequences (several active splits each) on the H200: bitwise
+    the 5 invariant decode steps, outputs and caches, and close to the reference."""
+    H, Hkv, hd, S, _, positions = GPU_INV_SHAPES[shape]
+    scale, slots = hd ** -0.5, torch.tensor(CHUNK_SLOTS, device=DEVICE)
+    chunk, seq, ref = (make_chunk_inputs(2, 5, 4, H, Hkv, hd, S, BF16, positions, seed=12) for _ in range(3))
+    out = rope_chunk_attention(*chunk[:8], scale, slots)
+    assert torch.equal(out, sequential_decode(seq, scale, slots, split_launch(None)))
+    assert torch.equal(chunk.k_buf, seq.k_buf) and torch.equal(chunk.v_buf, seq.v_buf)
+    assert_close(out.contiguous(), rope_chunk_attention_ref(*ref[:8], scale, slots), "attention")
