@@ -44,12 +44,14 @@ computing row pid % M of y on row block pid // M. Row m of y is then bit for bit
 M = 1 call computes for row m alone: a row's value depends only on its own inputs and the
 shape's fixed tile, never on M, on which rows ride with it, or on which captured batch size
 runs it. (The batched kernel below sums in another order than the M = 1 kernel, with a tile
-that may change with M, and stops at 16 rows.) The row index runs fastest, so the M programs of one weight block run side by side and share its
-weights through L2: the weight is read from HBM about once whatever M. The decode step's
-M = 1 launch is unchanged (m = 0; one integer division per program), so batch 1 pays nothing.
-M > 1 does M times one row's FMAs on the CUDA cores: still bound by the weight read for a few
-rows, but past that it costs more than the tensor cores' tl.dot below (bench/gemv_invariant.py
-times both against cuBLAS). All options but argmax_key (M = 1) work on every row.
+that may change with M, and stops at 16 rows.) The row index runs fastest, so the M programs
+of one weight block run side by side and share its weights through L2: the weight is read
+from HBM about once whatever M. The decode step's M = 1 launch is unchanged (m = 0; one
+integer division per program), so batch 1 pays nothing. M > 1 does M times one row's work
+(its FMAs on the CUDA cores, its weight tiles read from L2): still bound by the HBM read for a
+few rows, but past that it costs more than the tensor cores' tl.dot below, which reads each
+tile once for 16 rows (bench/gemv_invariant.py times both against cuBLAS). All options work on
+every row, but argmax_key (M = 1 only).
 
 Layout, 2 <= M <= 16 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
 weight tile is loaded once and applied to all M rows by a tl.dot with the (16, BLOCK_K) x tile
@@ -543,8 +545,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     if invariant and M < 1:
         raise ValueError(f"{op}: x (..., K) must hold M >= 1 rows, got shape {tuple(x.shape)} (M = {M})")
     if not invariant and not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_ROWS} rows, "
-                         f"got shape {tuple(x.shape)} (M = {M}); invariant=True takes any M >= 1")
+        raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_ROWS} rows, got shape {tuple(x.shape)} "
+                         f"(M = {M})" + ("; invariant=True takes any M >= 1" if M > MAX_ROWS else ""))
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"{op}: weight must be 2-D (N, K) with unit stride along K, "
                          f"got shape {tuple(weight.shape)} strides {weight.stride()}")

@@ -486,5 +486,48 @@ def test_gemv_invariant_rejects_bad_inputs():
         gemv(torch.randn(3, 1, 16, device=DEVICE), w, invariant=True, argmax_key=new_key())
     with pytest.raises(ValueError, match=r"residual must have shape \(17, 8\), got \(1, 8\)"):
         gemv(torch.randn(17, 16, device=DEVICE), w, invariant=True, residual=torch.randn(1, 8, device=DEVICE))
-    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(17, 16\) \(M = 17\); invariant=True takes any"):
+    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(17, 16\) \(M = 17\); invariant=True"):
         gemv(torch.randn(17, 16, device=DEVICE), w)
+
+
+# (name, N, K, fusion) of the decode step's projections with the options it fuses: bench-285m's
+# (d 2048, 16 heads of 128, SwiGLU 5632, vocab 32000: the shapes of TILES) and the embedded
+# default model's (d 320, 5 heads of 64 and 1 kv head, SwiGLU 704, vocab 256)
+INVARIANT_GPU_SHAPES = [
+    ("285m.wqkv", 6144, 2048, "norm"), ("285m.wo", 2048, 2048, "residual"),
+    ("285m.w13", 11264, 2048, "norm+swiglu"), ("285m.w2", 2048, 5632, "residual"),
+    ("285m.head", 32000, 2048, "norm"),
+    ("default.wqkv", 448, 320, "norm"), ("default.wo", 320, 320, "residual"),
+    ("default.w13", 1408, 320, "norm+swiglu"), ("default.w2", 320, 704, "residual"),
+    ("default.head", 256, 320, "norm"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("M", [2, 5, 16, 64])
+@pytest.mark.parametrize("name,N,K,fusion", INVARIANT_GPU_SHAPES, ids=[s[0] for s in INVARIANT_GPU_SHAPES])
+def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pdl):
+    """bf16, the shapes' fixed tiles (TILES with PDL, else default_tile): row m of the invariant
+    M-row call is torch.equal to the M = 1 call on row m alone (a tensor of its own, as the
+    decode step's); the heads also with the float32 logits Model.logits asks for."""
+    torch.manual_seed(M)
+    norm, swiglu, residual = FUSIONS[fusion]
+    out_n = N // 2 if swiglu else N
+    x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    kw = {"swiglu": swiglu, "pdl": pdl}
+    if norm:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    if residual:
+        kw["residual"] = torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)
+    for out_dtype in (None, torch.float32) if name.endswith("head") else (None,):
+        y = gemv(x, w, invariant=True, out_dtype=out_dtype, **kw)
+        assert y.shape == (M, 1, out_n)
+        for m in range(M):
+            one = first_rows(kw, slice(m, m + 1))
+            if residual:
+                one["residual"] = one["residual"].clone()
+            assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, **one)), (out_dtype, m)
+        assert_matches_ref(y, x, w, {k: v for k, v in kw.items() if k != "pdl"})
