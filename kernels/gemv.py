@@ -23,9 +23,9 @@ into the projection that reads its input or writes its output, row by row:
 - ``residual`` (..., N), y's shape: y = residual + (x @ W.T rounded to x.dtype), rounded once
   more, exactly like the unfused ``residual + linear(x, W)``.
 - ``argmax_key`` (M = 1, invariant or not): the argmax of y without reading y back -- each
-  program maxes one int64 key (the order-preserving bits of its largest value, then N - 1 - its row) into the
-  tensor with one atomic, skipped when the key it reads is already larger. The decode step's
-  head leaves its greedy token this way (kernels.sampling.greedy_feed).
+  program maxes one int64 key (the order-preserving bits of its largest value, then N - 1 -
+  its row) into the tensor with one atomic, skipped when the key it reads is already larger.
+  The decode step's head leaves its greedy token this way (kernels.sampling.greedy_feed).
 
 Layout, M = 1 (``_gemv_kernel``): one program per BLOCK_N output rows, looping over K in
 BLOCK_K chunks and accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the
