@@ -187,11 +187,11 @@ def test_untabled_shapes_take_a_fixed_tile_not_the_autotuner():
     gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
     assert not gemv_mod.autotuning()
     torch.manual_seed(0)
-    for M in (1, 3, 12):
+    for M, invariant in ((1, False), (3, False), (12, False), (3, True), (33, True)):
         x = torch.randn(M, 1, 320, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(448, 320, device="cuda") / 320 ** 0.5).to(torch.bfloat16)
         nw = (1 + 0.1 * torch.randn(320, device="cuda")).to(torch.bfloat16)
-        assert_close(gemv(x, w, norm_weight=nw), gemv_ref(x, w, norm_weight=nw), "projection")
+        assert_close(gemv(x, w, norm_weight=nw, invariant=invariant), gemv_ref(x, w, norm_weight=nw), "projection")
     assert not gemv_mod._gemv_tuned.cache and not gemv_mod._gemv_rows_tuned.cache
 
 
