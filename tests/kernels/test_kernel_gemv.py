@@ -531,3 +531,34 @@ def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pd
                 one["residual"] = one["residual"].clone()
             assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, **one)), (out_dtype, m)
         assert_matches_ref(y, x, w, {k: v for k, v in kw.items() if k != "pdl"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fusion", ["norm", "residual"])
+def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion, monkeypatch):
+    """TINYLOOP_AUTOTUNE=1, a shape no table holds, the invariant call first: it runs the tile
+    tuned for the plain M = 1 call (tuned on row 0 alone), so its rows are the M = 1 calls' bits,
+    float32 y included. (The autotuner's caches are emptied after: the other tests run fixed tiles.)"""
+    import importlib
+    gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
+    monkeypatch.setenv("TINYLOOP_AUTOTUNE", "1")
+    gemv_mod.autotuning.cache_clear()
+    try:
+        torch.manual_seed(4)
+        M, N, K = 7, 400, 336  # in no table
+        x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+        kw = ({"norm_weight": (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)} if fusion == "norm"
+              else {"residual": torch.randn(M, 1, N, device="cuda", dtype=torch.bfloat16)})
+        for out_dtype in (torch.float32, None):
+            y = gemv(x, w, invariant=True, out_dtype=out_dtype, **kw)
+            for m in range(M):
+                one = first_rows(kw, slice(m, m + 1))
+                assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, **one)), (out_dtype, m)
+        assert gemv_mod._gemv_tuned.cache and gemv_mod._PLAIN_CONFIG
+        assert_matches_ref(y, x, w, kw)
+    finally:  # (autotuning() reads the environment again at its next call, after monkeypatch's undo)
+        gemv_mod.autotuning.cache_clear()
+        gemv_mod._gemv_tuned.cache.clear()
+        gemv_mod._PLAIN_CONFIG.clear()
