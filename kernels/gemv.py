@@ -1,6 +1,8 @@
-"""Projection (GEMV) of one to 16 rows with the decode step's neighbours fused in.
+"""Projection (GEMV) of one to 16 rows (any number, batch-invariant) with the decode step's
+neighbours fused in.
 
-    y = x @ W.T                x (M, K), 1 <= M <= 16;  W (N, K) row-major (an nn.Linear weight)
+    y = x @ W.T                x (M, K), 1 <= M <= 16 (any M >= 1 with invariant=True);
+                               W (N, K) row-major (an nn.Linear weight)
 
 x may carry any leading dims holding M = x.numel() / K rows (a batch-1 decode step's (1, 1, K),
 a batched step's (B, 1, K) over its B lanes); y keeps them: (..., N). A decode step reads every
@@ -12,17 +14,18 @@ into the projection that reads its input or writes its output, row by row:
   (W @ (x * norm_weight)) * rsqrt(mean(x^2) + eps) in fp32 -- the same algebra with the
   scale applied after the dot, so each program sums x^2 from the chunks it loads anyway and
   no normalized vector is written and read back. (The unfused path rounds the normalized x
-  to x.dtype before its dot; this one does not, so the two differ by that rounding. For
-  M > 1, x * norm_weight is rounded to x.dtype, the dtype tl.dot takes, before the dot.)
+  to x.dtype before its dot; this one does not, so the two differ by that rounding. In the
+  batched kernel, x * norm_weight is rounded to x.dtype, the dtype tl.dot takes, before the
+  dot.)
 - ``swiglu``: W is the fused (gate | up) projection of shape (2F, K) and y (..., F) is
   silu(x @ W_gate.T) * (x @ W_up.T), each product rounded to x.dtype first (as the unfused
   projection's output is), then silu and the product rounded as ``swiglu`` does.
 - ``residual`` (..., N), y's shape: y = residual + (x @ W.T rounded to x.dtype), rounded once
   more, exactly like the unfused ``residual + linear(x, W)``.
-- ``argmax_key`` (M = 1): the argmax of y without reading y back -- each program maxes one
-  int64 key (the order-preserving bits of its largest value, then N - 1 - its row) into the
-  tensor with one atomic, skipped when the key it reads is already larger. The decode step's
-  head leaves its greedy token this way (kernels.sampling.greedy_feed).
+- ``argmax_key`` (M = 1, invariant or not): the argmax of y without reading y back -- each
+  program maxes one int64 key (the order-preserving bits of its largest value, then N - 1 -
+  its row) into the tensor with one atomic, skipped when the key it reads is already larger.
+  The decode step's head leaves its greedy token this way (kernels.sampling.greedy_feed).
 
 Layout, M = 1 (``_gemv_kernel``): one program per BLOCK_N output rows, looping over K in
 BLOCK_K chunks and accumulating a (BLOCK_N, BLOCK_K) fp32 tile that is reduced once at the
@@ -32,6 +35,23 @@ split-K: a program owns its rows, which keeps the epilogues (silu, the residual)
 atomics; the row block is small enough that even the 2048-row projections launch a few hundred
 programs. The tiles are fixed per device and shape (`TILES`, else `default_tile`); under the
 interpreter one tile runs.
+
+Layout, any M, batch-invariant (``invariant=True``): ``_gemv_kernel`` itself -- the M = 1
+kernel, the same compiled function (M is not specialized), constexprs and tile as the M = 1
+call of that shape (TILES / default_tile; the interpreter's 8 x 64; with TINYLOOP_AUTOTUNE the
+tile tuned for the M = 1 plain call) -- over M * cdiv(N, BLOCK_N) programs, program pid
+computing row pid % M of y on row block pid // M. Row m of y is then bit for bit what the
+M = 1 call computes for row m alone: a row's value depends only on its own inputs and the
+shape's fixed tile, never on M, on which rows ride with it, or on which captured batch size
+runs it. (The batched kernel below sums in another order than the M = 1 kernel, with a tile
+that may change with M, and stops at 16 rows.) The row index runs fastest, so the M programs
+of one weight block run side by side and share its weights through L2: the weight is read
+from HBM about once whatever M. The decode step's M = 1 launch is unchanged (m = 0; one
+integer division per program), so batch 1 pays nothing. M > 1 does M times one row's work
+(its FMAs on the CUDA cores, its weight tiles read from L2): still bound by the HBM read for a
+few rows, but past that it costs more than the tensor cores' tl.dot below, which reads each
+tile once for 16 rows (bench/gemv_invariant.py times both against cuBLAS). All options work on
+every row, but argmax_key (M = 1 only).
 
 Layout, 2 <= M <= 16 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
 weight tile is loaded once and applied to all M rows by a tl.dot with the (16, BLOCK_K) x tile
@@ -43,9 +63,9 @@ batch-1 step's. Fixed tiles per device and shape (`ROWS_TILES`, else `default_ro
 ``pdl`` (on by default on Hopper and later; TINYLOOP_PDL=0 turns it off): programmatic
 dependent launch, so a projection starts while the previous kernel drains, with its first
 weight chunk loaded before it waits (the weight read, nearly all of a projection's cost, then
-overlaps the previous kernel's tail; bench/gemv.py times both launches). M = 1 then loads each
-next chunk one step ahead in registers; M > 1 leaves the loop over the other chunks to
-Triton's software pipeliner and applies the first chunk after it.
+overlaps the previous kernel's tail; bench/gemv.py times both launches). The GEMV kernel then
+loads each next chunk one step ahead in registers; the batched kernel leaves the loop over the
+other chunks to Triton's software pipeliner and applies the first chunk after it.
 """
 import functools
 import math
@@ -87,14 +107,17 @@ def _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM: tl.constexpr):
     return xv[None, :], ss
 
 
-@triton.jit
+# M is not specialized: the M = 1 launch and the invariant M > 1 launches of a tile are one
+# compiled kernel, the same instructions for every row (Triton would otherwise compile M = 1 apart).
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr,  # (K,)
+    x_ptr,  # (M, K) contiguous
     w_ptr,  # (N, K) or (2N, K) with SWIGLU, unit stride along K
     nw_ptr,  # (K,) norm weight, read only when NORM
-    res_ptr,  # (N,) residual, read only when RESIDUAL
-    y_ptr,  # (N,)
-    key_ptr,  # (1,) int64, written only when ARGMAX
+    res_ptr,  # (M, N) contiguous residual, read only when RESIDUAL
+    y_ptr,  # (M, N) contiguous
+    key_ptr,  # (1,) int64, written only when ARGMAX (M = 1)
+    M,
     N,
     K,
     stride_w,
@@ -110,8 +133,17 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
 ):
+    # Program pid computes row m of x and y on W's row block `block`, the row index fastest: the
+    # M programs of one block run side by side and share its weights through L2, so the weight
+    # is read from HBM about once whatever M. (One division per program; M = 1 has m = 0.)
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    block = pid // M
+    m = (pid - block * M).to(tl.int64)
+    x_ptr += m * K
+    y_ptr += m * N
+    if RESIDUAL:
+        res_ptr += m * N
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
@@ -222,7 +254,7 @@ _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
 
 EVICTION_POLICIES = ("", "evict_first", "evict_last")  # gemv's eviction_policy (tl.load's)
 
-MAX_ROWS = 16  # rows of x one call takes: one BLOCK_M tile of the batched kernel
+MAX_ROWS = 16  # rows of x a call takes without invariant: one BLOCK_M tile of the batched kernel
 
 # Fixed M = 1 tiles, by device name, then (N, K, NORM, SWIGLU, RESIDUAL, PDL): (BLOCK_N, BLOCK_K,
 # num_warps, num_stages). Every launch takes a fixed tile: this table's, else `default_tile`'s.
@@ -469,13 +501,18 @@ def check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, evi
 
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
-         argmax_key=None, eviction_policy=""):
-    """x (..., K) holding 1 <= M <= 16 rows, weight (N, K) (with swiglu: (2F, K)) -> y (..., N or F).
+         argmax_key=None, eviction_policy="", invariant=False):
+    """x (..., K) holding 1 <= M <= 16 rows (any M >= 1 with invariant), weight (N, K) (with
+    swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
     kept; residual has y's shape. M = 1 runs the GEMV kernel, M > 1 the batched one (one read
     of each weight tile for all rows). Options as in the module docstring; all tensors share
     x's dtype except norm_weight, which may be any float dtype.
+    invariant: M > 1 runs the GEMV kernel too, one program per row and row block (module
+    docstring, "batch-invariant"), so row m of y is bit for bit the M = 1 call's y for row m
+    of x (and of residual) alone, whatever M and the other rows; M = 1 is the same launch
+    either way.
     pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
     under the interpreter it selects the prefetching loop alone.
     out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
@@ -505,9 +542,11 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     if x.dim() < 1:
         raise ValueError(f"{op}: x must be (..., K), got a 0-d tensor")
     M = math.prod(x.shape[:-1])
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_ROWS} rows, "
-                         f"got shape {tuple(x.shape)} (M = {M})")
+    if invariant and M < 1:
+        raise ValueError(f"{op}: x (..., K) must hold M >= 1 rows, got shape {tuple(x.shape)} (M = {M})")
+    if not invariant and not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_ROWS} rows, got shape {tuple(x.shape)} "
+                         f"(M = {M})" + ("; invariant=True takes any M >= 1" if M > MAX_ROWS else ""))
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"{op}: weight must be 2-D (N, K) with unit stride along K, "
                          f"got shape {tuple(weight.shape)} strides {weight.stride()}")
@@ -522,28 +561,28 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     y, residual = check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, eviction_policy)
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy)
-    if M > 1:
-        return _gemv_rows(x.reshape(M, K).contiguous(), weight, norm_weight, residual, y, M, N, K, eps, pdl,
-                          flags)
-    x1 = x.reshape(K).contiguous()
+    xm = x.reshape(M, K).contiguous()
+    if M > 1 and not invariant:
+        return _gemv_rows(xm, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags)
 
-    def args(out, key=argmax_key):
-        return (x1, weight, x1 if norm_weight is None else norm_weight.contiguous(),
+    def args(out, key=argmax_key, rows=M):  # rows = 1: row 0 alone (the plain call `_launch_tuned` tunes)
+        return (xm, weight, xm if norm_weight is None else norm_weight.contiguous(),
                 out if residual is None else residual, out, out if key is None else key,
-                N, K, weight.stride(0), float(eps))
+                rows, N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
+    # M programs per row block (`_gemv_kernel`: row fastest); M = 1 is the decode step's launch.
     if interpreting():
-        _gemv[(triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
+        _gemv[(M * triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
     t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
-                      **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
+                      rows=M, **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
-    _gemv[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-                                 num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    _gemv[(M * triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
+                                     num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 
@@ -556,24 +595,28 @@ def _device_name_of(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def _launch_tuned(tuned, N, args, y, dtype, key, **meta):
-    """tuned[grid](*args(y), **meta) over cdiv(N, BLOCK_N) programs. A call that is not the plain
-    one -- a y of another dtype than `dtype` (x's: a float32 y), or the argmax epilogue -- runs
-    the tile tuned for the plain call (y of x's dtype, no argmax key: `args(y, None)`), found
-    once per key (shape and options): the autotuner keys on every argument's dtype, and a tile
-    of its own would sum each row in another order, so the logits would depend on how they
-    were asked for (a float32 y would differ from the bf16 one widened, the logits with the
-    argmax key from those without it)."""
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, **meta):
+    """tuned[grid](*args(y), **meta) over rows * cdiv(N, BLOCK_N) programs. A call that is not the
+    plain one -- a y of another dtype than `dtype` (x's: a float32 y), the argmax epilogue, or
+    gemv's invariant call of rows > 1 rows of x -- runs the tile tuned for the plain call (y of
+    x's dtype, no argmax key, one row: `args(y, None)`, with rows > 1 `args(y, None, 1)`: row 0
+    alone), found once per key (shape and options): the autotuner keys on every argument's
+    dtype, not on M, and a tile of its own would sum each row in another order, so the logits
+    would depend on how they were asked for (a float32 y would differ from the bf16 one widened,
+    the logits with the argmax key from those without it, a row of a batch from the row
+    alone)."""
+    grid = lambda meta: (rows * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     argmax = meta.get("ARGMAX", False)
-    if y.dtype == dtype and not argmax:
+    if y.dtype == dtype and not argmax and rows == 1:
         tuned[grid](*args(y), **meta)
         return
     key = (tuned, dtype, *key)
     config = _PLAIN_CONFIG.get(key)
     if config is None:
         plain = dict(meta, ARGMAX=False) if argmax else meta
-        tuned[grid](*args(torch.empty(y.shape, dtype=dtype, device=y.device), None), **plain)
+        scratch = torch.empty(y.shape, dtype=dtype, device=y.device)
+        one_row = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        tuned[one_row](*(args(scratch, None) if rows == 1 else args(scratch, None, 1)), **plain)
         config = _PLAIN_CONFIG[key] = tuned.best_config
     tuned.fn[grid(config.kwargs)](*args(y), **meta, **config.all_kwargs())  # as the autotuner launches it
 
@@ -619,10 +662,11 @@ def argmax_key_ref(y):
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
-             out_dtype=None, argmax_key=None, eviction_policy=""):
+             out_dtype=None, argmax_key=None, eviction_policy="", invariant=False):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
     row by row over x's leading dims (the norm statistics are per row). (pdl and
-    eviction_policy change how the kernel reads, not what it computes.)"""
+    eviction_policy change how the kernel reads, not what it computes; invariant, which
+    kernel's summation order a row gets, and this spec has one of its own.)"""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

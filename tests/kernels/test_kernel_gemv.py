@@ -187,11 +187,11 @@ def test_untabled_shapes_take_a_fixed_tile_not_the_autotuner():
     gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
     assert not gemv_mod.autotuning()
     torch.manual_seed(0)
-    for M in (1, 3, 12):
+    for M, invariant in ((1, False), (3, False), (12, False), (3, True), (33, True)):
         x = torch.randn(M, 1, 320, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(448, 320, device="cuda") / 320 ** 0.5).to(torch.bfloat16)
         nw = (1 + 0.1 * torch.randn(320, device="cuda")).to(torch.bfloat16)
-        assert_close(gemv(x, w, norm_weight=nw), gemv_ref(x, w, norm_weight=nw), "projection")
+        assert_close(gemv(x, w, norm_weight=nw, invariant=invariant), gemv_ref(x, w, norm_weight=nw), "projection")
     assert not gemv_mod._gemv_tuned.cache and not gemv_mod._gemv_rows_tuned.cache
 
 
@@ -395,3 +395,170 @@ def test_gemv_rejects_other_out_dtypes():
     w = torch.randn(8, 16, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="out_dtype must be x's dtype torch.bfloat16 or torch.float32, got torch.float16"):
         gemv(x, w, out_dtype=torch.float16)
+
+
+
+# invariant=True: any M through the M = 1 kernel, one program per (row, row block), so each row
+# is bit for bit the M = 1 call's for that row alone. Under the interpreter the M = 1 tile is
+# 8 x 64: N = 13 leaves a partial last row block and K = 100 two chunks, the last partial;
+# K = 40 takes the one-chunk path. (Shapes this small: the interpreter runs ~100 programs a
+# second, and M = 33 is 33 programs per row block.)
+INV_N, INV_K = 13, 100
+INVARIANT_MS = (1, 2, 3, 5, 17, 33)
+INVARIANT_FUSIONS = [*FUSIONS, "out_f32"]  # out_f32: the plain projection with a float32 y
+
+
+def invariant_case(M, dtype, fusion, seed, K=INV_K):
+    """rows_case (N = INV_N) for one of INVARIANT_FUSIONS, x (M, 1, K)."""
+    x, w, kw = rows_case((M, 1), dtype, "plain" if fusion == "out_f32" else fusion, seed, N=INV_N, K=K)
+    if fusion == "out_f32":
+        kw["out_dtype"] = torch.float32
+    return x, w, kw
+
+
+def first_rows(kw, rows):
+    """gemv's keyword arguments for x[rows] (the same rows of the residual)."""
+    return dict(kw, residual=kw["residual"][rows]) if "residual" in kw else kw
+
+
+def assert_matches_ref(y, x, w, kw):
+    """y within the projection tolerance of gemv_ref; a float32 y (out_f32) holds values of x's
+    dtype, so it is compared in x's dtype, with that dtype's tolerance."""
+    ref_kw = {k: v for k, v in kw.items() if k != "out_dtype"}
+    assert_close(y.to(x.dtype), gemv_ref(x, w, **ref_kw), "projection")
+
+
+@pytest.mark.parametrize("fusion,dtype,pdl,K", [
+    *[(f, d, False, INV_K) for f in INVARIANT_FUSIONS for d in (torch.float32, torch.bfloat16)],
+    ("norm+swiglu", torch.bfloat16, True, INV_K), ("residual", torch.float32, True, INV_K),  # prefetch loop
+    ("norm", torch.bfloat16, False, 40), ("residual", torch.bfloat16, True, 40),  # one chunk
+], ids=str)
+def test_gemv_invariant_rows_are_the_one_row_calls(fusion, dtype, pdl, K):
+    """For each M of INVARIANT_MS, row m of gemv(x[:M], invariant=True) is torch.equal to the M = 1
+    call on x[m:m + 1] (its norm statistics, SwiGLU, residual row and float32 y its own), and y
+    matches the reference."""
+    x, w, kw = invariant_case(max(INVARIANT_MS), dtype, fusion, seed=11, K=K)
+    singles = [gemv(x[m:m + 1], w, pdl=pdl, **first_rows(kw, slice(m, m + 1))) for m in range(x.shape[0])]
+    for M in INVARIANT_MS:
+        kw_m = first_rows(kw, slice(0, M))
+        y = gemv(x[:M], w, pdl=pdl, invariant=True, **kw_m)
+        assert y.shape == (M, 1, INV_N) and y.dtype == (torch.float32 if fusion == "out_f32" else dtype)
+        for m in range(M):
+            assert torch.equal(y[m:m + 1], singles[m]), (M, m)
+        assert_matches_ref(y, x[:M], w, kw_m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_invariant_row_does_not_depend_on_its_batch(dtype):
+    """One row (x, residual) among 4 other rows and among 16 others, at other positions: the
+    same bits each time (norm and residual fused, so its statistics and epilogue are its own)."""
+    g = torch.Generator().manual_seed(3)
+    K = INV_K
+    w = (torch.randn(INV_N, K, generator=g) / K ** 0.5).to(DEVICE, dtype)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
+    row, res = torch.randn(1, K, generator=g), torch.randn(1, INV_N, generator=g)
+    outs = []
+    for M, at in ((5, 0), (5, 3), (17, 16), (17, 9)):
+        x, r = 3 * torch.randn(M, K, generator=g), torch.randn(M, INV_N, generator=g)
+        x[at], r[at] = row[0], res[0]
+        x, r = x.to(DEVICE, dtype), r.to(DEVICE, dtype)
+        y = gemv(x, w, norm_weight=nw, residual=r, invariant=True)
+        assert_matches_ref(y, x, w, {"norm_weight": nw, "residual": r})
+        outs.append(y[at])
+    for y in outs[1:]:
+        assert torch.equal(y, outs[0])
+
+
+def test_gemv_invariant_one_row_is_the_plain_call():
+    """M = 1 with invariant is the M = 1 launch itself: the same y and argmax key."""
+    x, w, kw = invariant_case(1, torch.bfloat16, "norm", seed=5)
+    keys = new_key(), new_key()
+    y = gemv(x, w, argmax_key=keys[0], **kw)
+    assert torch.equal(gemv(x, w, argmax_key=keys[1], invariant=True, **kw), y)
+    assert torch.equal(keys[0], keys[1]) and argmax_of(keys[0], INV_N) == int(y.argmax())
+
+
+def test_gemv_invariant_rejects_bad_inputs():
+    w = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"gemv: x \(\.\.\., K\) must hold M >= 1 rows, got shape \(0, 16\) \(M = 0\)"):
+        gemv(torch.randn(0, 16, device=DEVICE), w, invariant=True)
+    with pytest.raises(ValueError, match=r"gemv: argmax_key takes one row of x \(M = 1\), got M = 3"):
+        gemv(torch.randn(3, 1, 16, device=DEVICE), w, invariant=True, argmax_key=new_key())
+    with pytest.raises(ValueError, match=r"residual must have shape \(17, 8\), got \(1, 8\)"):
+        gemv(torch.randn(17, 16, device=DEVICE), w, invariant=True, residual=torch.randn(1, 8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(17, 16\) \(M = 17\); invariant=True"):
+        gemv(torch.randn(17, 16, device=DEVICE), w)
+
+
+# (name, N, K, fusion) of the decode step's projections with the options it fuses: bench-285m's
+# (d 2048, 16 heads of 128, SwiGLU 5632, vocab 32000: the shapes of TILES) and the embedded
+# default model's (d 320, 5 heads of 64 and 1 kv head, SwiGLU 704, vocab 256)
+INVARIANT_GPU_SHAPES = [
+    ("285m.wqkv", 6144, 2048, "norm"), ("285m.wo", 2048, 2048, "residual"),
+    ("285m.w13", 11264, 2048, "norm+swiglu"), ("285m.w2", 2048, 5632, "residual"),
+    ("285m.head", 32000, 2048, "norm"),
+    ("default.wqkv", 448, 320, "norm"), ("default.wo", 320, 320, "residual"),
+    ("default.w13", 1408, 320, "norm+swiglu"), ("default.w2", 320, 704, "residual"),
+    ("default.head", 256, 320, "norm"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("M", [2, 5, 16, 64])
+@pytest.mark.parametrize("name,N,K,fusion", INVARIANT_GPU_SHAPES, ids=[s[0] for s in INVARIANT_GPU_SHAPES])
+def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pdl):
+    """bf16, the shapes' fixed tiles (TILES with PDL, else default_tile): row m of the invariant
+    M-row call is torch.equal to the M = 1 call on row m alone (a tensor of its own, as the
+    decode step's); the heads also with the float32 logits Model.logits asks for."""
+    torch.manual_seed(M)
+    norm, swiglu, residual = FUSIONS[fusion]
+    out_n = N // 2 if swiglu else N
+    x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    kw = {"swiglu": swiglu, "pdl": pdl}
+    if norm:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    if residual:
+        kw["residual"] = torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)
+    for out_dtype in (None, torch.float32) if name.endswith("head") else (None,):
+        y = gemv(x, w, invariant=True, out_dtype=out_dtype, **kw)
+        assert y.shape == (M, 1, out_n)
+        for m in range(M):
+            one = first_rows(kw, slice(m, m + 1))
+            if residual:
+                one["residual"] = one["residual"].clone()
+            assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, **one)), (out_dtype, m)
+        assert_matches_ref(y, x, w, {k: v for k, v in kw.items() if k != "pdl"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fusion", ["norm", "residual"])
+def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion, monkeypatch):
+    """TINYLOOP_AUTOTUNE=1, a shape no table holds, the invariant call first: it runs the tile
+    tuned for the plain M = 1 call (tuned on row 0 alone), so its rows are the M = 1 calls' bits,
+    float32 y included. (The autotuner's caches are emptied after: the other tests run fixed tiles.)"""
+    import importlib
+    gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
+    monkeypatch.setenv("TINYLOOP_AUTOTUNE", "1")
+    gemv_mod.autotuning.cache_clear()
+    try:
+        torch.manual_seed(4)
+        M, N, K = 7, 400, 336  # in no table
+        x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+        kw = ({"norm_weight": (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)} if fusion == "norm"
+              else {"residual": torch.randn(M, 1, N, device="cuda", dtype=torch.bfloat16)})
+        for out_dtype in (torch.float32, None):
+            y = gemv(x, w, invariant=True, out_dtype=out_dtype, **kw)
+            for m in range(M):
+                one = first_rows(kw, slice(m, m + 1))
+                assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, **one)), (out_dtype, m)
+        assert gemv_mod._gemv_tuned.cache and gemv_mod._PLAIN_CONFIG
+        assert_matches_ref(y, x, w, kw)
+    finally:  # (autotuning() reads the environment again at its next call, after monkeypatch's undo)
+        gemv_mod.autotuning.cache_clear()
+        gemv_mod._gemv_tuned.cache.clear()
+        gemv_mod._PLAIN_CONFIG.clear()

@@ -1,0 +1,122 @@
+"""Batch-invariant projections (kernels/gemv.py, ``invariant=True``) against today's paths, per
+row count M, on bench-285m's five projections with the options the decode step fuses there.
+
+    source bench/gpu_env.sh && python -m bench.gemv_invariant --out-dir $OUT
+
+invariant=True runs M rows through the M = 1 kernel, one program per (row, row block), so each
+row is bit for bit its M = 1 call's; it does M times one row's FMAs and L2 reads where the
+batched kernel (2 <= M <= 16) reads each weight tile once for all rows through tl.dot. Per
+projection and M: microseconds of one call of the invariant gemv, of today's gemv (the M = 1
+kernel at M = 1, the batched kernel for 2..16, nothing past 16) and of torch.nn.functional.linear
+(cuBLAS, the plain projection without the fused options, every M), and the weight read's GB/s
+for each; "rows_bitwise" says whether every row of the invariant call equals its M = 1 call
+(it must), "today_rows_bitwise" whether today's batched kernel's rows do (they need not). Each
+time is a graph of back-to-back calls cycling through copies of the weight that overflow the
+L2 (as bench/gemv.py times them), so every call reads its weight from HBM, with PDL as the
+decode step launches it (TINYLOOP_PDL), on the fixed tiles (`tiles` in the JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import hardware, write
+from bench.decode import ceilings, device_ms
+from tinyloop.kernels.gemv import MAX_ROWS, gemv
+
+gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
+
+# (name, N, K, fusion): one bench-285m layer's projections and its head, as bench/gemv.py fuses them
+SHAPES = [
+    ("wqkv", 6144, 2048, "norm"),
+    ("wo", 2048, 2048, "residual"),
+    ("w13", 11264, 2048, "norm+swiglu"),
+    ("w2", 2048, 5632, "residual"),
+    ("head", 32000, 2048, "norm"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--rows", default="1,2,4,5,8,16,32,64", help="row counts M, comma-separated")
+    ap.add_argument("--calls", type=int, default=16, help="back-to-back calls per graph")
+    ap.add_argument("--repeat", type=int, default=15, help="graph replays timed per measurement")
+    args = ap.parse_args()
+    ms = [int(m) for m in args.rows.split(",") if m]
+    if not ms or any(m < 1 for m in ms):
+        ap.error(f"--rows: each M must be >= 1, got {ms}")
+    dev = torch.device("cuda")
+    c = ceilings(dev)
+
+    def cuda_ms(fn, ws):
+        """GPU ms of one call: a graph of args.calls back-to-back calls, replayed, cycling through
+        the weight copies `ws` (together past the L2, so each call reads its weight from HBM)."""
+        for w in ws[:2]:
+            fn(w)  # compile outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(args.calls):
+                fn(ws[i % len(ws)])
+        return device_ms(g.replay, dev, repeat=args.repeat) / args.calls
+
+    results, tiles = [], {}
+    header = (f"{'proj':5s} {'M':>3s} | {'invariant':>9s} {'today':>9s} {'F.linear':>9s} us | "
+              f"{'inv/today':>9s} {'inv/linear':>10s} | inv GB/s | bitwise")
+    print(header)
+    for name, N, K, fusion in SHAPES:
+        torch.manual_seed(0)
+        # >= 300 MB of copies (5x the H200's L2), at least 2
+        ws = [(torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+              for _ in range(max(2, -(-300_000_000 // (N * K * 2))))]
+        mb = N * K * 2 / 1e6
+        swiglu = "swiglu" in fusion
+        out_n = N // 2 if swiglu else N
+        nw = (1 + 0.1 * torch.randn(K, device=dev)).to(torch.bfloat16)
+        pdl = gemv_mod.use_pdl(dev)
+        tiles[name] = gemv_mod.tile(dev, out_n, K, "norm" in fusion, swiglu, "residual" in fusion, pdl)
+        for M in ms:
+            x = torch.randn(M, 1, K, device=dev, dtype=torch.bfloat16)
+            kw = {"swiglu": swiglu}
+            if "norm" in fusion:
+                kw["norm_weight"] = nw
+            if "residual" in fusion:
+                kw["residual"] = torch.randn(M, 1, out_n, device=dev, dtype=torch.bfloat16)
+
+            def rows_equal(y, w=ws[0]):
+                """Every row of y equals the M = 1 call on that row alone."""
+                return all(torch.equal(y[m:m + 1], gemv(
+                    x[m:m + 1].clone(), w,
+                    **dict(kw, residual=kw["residual"][m:m + 1].clone()) if "residual" in kw else kw))
+                    for m in range(M))
+
+            inv_ms = cuda_ms(lambda w: gemv(x, w, invariant=True, **kw), ws)
+            rows_bitwise = rows_equal(gemv(x, ws[0], invariant=True, **kw))
+            today_ms = today_bitwise = None
+            if M <= MAX_ROWS:
+                today_ms = cuda_ms(lambda w: gemv(x, w, **kw), ws)
+                today_bitwise = rows_equal(gemv(x, ws[0], **kw))
+            linear_ms = cuda_ms(lambda w: F.linear(x, w), ws)
+            results.append({
+                "name": name, "N": N, "K": K, "fusion": fusion, "M": M, "weight_MB": mb,
+                "invariant_ms": inv_ms, "today_ms": today_ms, "torch_linear_ms": linear_ms,
+                "invariant_GBps": mb / inv_ms, "today_GBps": mb / today_ms if today_ms else None,
+                "torch_GBps": mb / linear_ms, "rows_bitwise": rows_bitwise, "today_rows_bitwise": today_bitwise})
+            today = f"{today_ms * 1e3:9.1f}" if today_ms else f"{'-':>9s}"
+            ratio = f"{inv_ms / today_ms:9.2f}" if today_ms else f"{'-':>9s}"
+            print(f"{name:5s} {M:3d} | {inv_ms * 1e3:9.1f} {today} {linear_ms * 1e3:9.1f} us | {ratio} "
+                  f"{inv_ms / linear_ms:10.2f} | {mb / inv_ms:8.0f} | {rows_bitwise}"
+                  + ("" if today_bitwise is None or M == 1 else f" (today {today_bitwise})"))
+        del ws
+    write("gemv-invariant-cuda", {"hardware": hardware(dev), "ceilings": c, "pdl": gemv_mod.use_pdl(dev),
+                                  "tiles": tiles, "rows": results}, args.out_dir)
+    if not all(r["rows_bitwise"] for r in results):
+        raise SystemExit("invariant rows differ from their M = 1 calls (see rows_bitwise)")
+
+
+if __name__ == "__main__":
+    main()
