@@ -12,6 +12,11 @@ first), each prefilled with its own random prompt of --context tokens, at L = --
   alone         one stream's pipelined batch-1 decode (the fused GEMV graph), for the
                 tokens/s a worker gets without batching
 
+  invariant     graphs, with batch-invariant kernels (Settings.batch_invariant; on CUDA unless
+                --no-invariant): every row's projection and attention as the batch-1 step
+                computes it, so each stream equals its run alone; its cost against graphs
+                (`invariant_cost`, the same run)
+
 The graphs' model is built as a worker builds it (`Model(cuda_graphs=True)`: every graph
 captured at load, `graph_capture_s` their seconds), with max(--batch) lanes.
 
@@ -32,6 +37,7 @@ from tinyloop.worker import Model
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import decode_steps
 from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.model.settings import Settings
 
 
 def prompts(n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -77,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per stream")
     ap.add_argument("--steps", type=int, default=32, help="batched steps timed")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per figure (median)")
+    ap.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the batch-invariant kernels (CUDA), same run")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     kw = dict(max_seq_len=args.context + args.steps + 64, device=dev, dtype=dtype, n_slots=lanes,
               prefill_graph_len=args.context)
     graphs, eager = Model(path, cuda_graphs=cuda, **kw), Model(path, cuda_graphs=False, **kw)
+    invariant = Model(path, cuda_graphs=True, settings=Settings(batch_invariant=True), **kw) \
+        if cuda and args.invariant else None
     result: dict = {"hardware": hardware(dev), "model": f"{args.preset} (random init, {str(dtype)[6:]})",
                     "loops": args.loops, "context": args.context, "steps": args.steps, "lanes": lanes}
     if cuda:
@@ -101,20 +111,39 @@ def main(argv: list[str] | None = None) -> None:
         alone_ms.append(sorted(r[0] for r in runs)[len(runs) // 2])
         alone_ids.append(runs[0][1])
     result["alone_ms_per_token"] = sorted(alone_ms)[len(alone_ms) // 2]
+    models = (("graphs", graphs), ("eager", eager)) if cuda else (("eager", eager),)
+    alone_of = {name: alone_ids for name, _ in models}
+    if invariant is not None:
+        models += (("invariant", invariant),)
+        inv_ms, alone_of["invariant"] = [], []
+        for p in ps:
+            runs = [alone(invariant, p, args.loops, args.steps) for _ in range(args.repeat)]
+            inv_ms.append(sorted(r[0] for r in runs)[len(runs) // 2])
+            alone_of["invariant"].append(runs[0][1])
+        # the batch-1 step is the same launches with or without batch invariance: its cost here
+        result["invariant_alone_ms_per_token"] = sorted(inv_ms)[len(inv_ms) // 2]
+        result["invariant_alone_cost"] = result["invariant_alone_ms_per_token"] / result["alone_ms_per_token"] - 1
+        result["invariant_alone_equals_graphs_alone"] = alone_of["invariant"] == alone_ids
     rows = []
     for B in tqdm(args.batch, desc="batch"):
         row = {"streams": B}
-        for name, m in (("graphs", graphs), ("eager", eager)) if cuda else (("eager", eager),):
+        for name, m in models:
             runs = [batched(m, ps[:B], args.loops, args.steps) for _ in range(args.repeat)]
             ms = sorted(r[0] for r in runs)[len(runs) // 2]
-            same = [a == b for a, b in zip(runs[0][1], alone_ids)]
+            same = [a == b for a, b in zip(runs[0][1], alone_of[name])]
             row[name] = {"ms_per_step": ms, "tokens_per_s": B * 1e3 / ms,
                          "streams_equal_alone": sum(same)}
+        if "invariant" in row:
+            row["invariant_cost"] = row["invariant"]["ms_per_step"] / row["graphs"]["ms_per_step"] - 1
         row["speedup_vs_alone"] = row["graphs" if cuda else "eager"]["tokens_per_s"] / (1e3 / result["alone_ms_per_token"])
         rows.append(row)
         best = row["graphs" if cuda else "eager"]
         print(f"B={B}: {best['ms_per_step']:.3f} ms/step, {best['tokens_per_s']:.0f} tok/s "
               f"({row['speedup_vs_alone']:.2f}x one stream alone), streams equal alone: {best['streams_equal_alone']}/{B}")
+        if "invariant" in row:
+            inv = row["invariant"]
+            print(f"     invariant: {inv['ms_per_step']:.3f} ms/step ({row['invariant_cost']:+.1%}), "
+                  f"streams equal alone: {inv['streams_equal_alone']}/{B}")
         result["rows"] = rows
         write(f"batch-{dev.type}", result, args.out_dir)
     print(f"alone: {result['alone_ms_per_token']:.3f} ms/token")

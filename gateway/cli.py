@@ -29,6 +29,11 @@ def register(sub) -> None:
                    help="what the KV cache stores (docs/kv-cache.md): kv (K and V), h (the layer input, K/V "
                         "rebuilt at read), h-int8 / h-int4 (h quantized per head), delta-int8 (h0 + int8 deltas "
                         "per iteration); default: the workers' TINYLOOP_KV_* environment, else kv")
+    s.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels on the GPU: every stream's tokens bit for bit its run alone "
+                        "(batched, speculative, resumed), greedy speculative rounds on the device; costs more "
+                        "the more rows a step has (docs/performance.md); default: the workers' "
+                        "TINYLOOP_BATCH_INVARIANT, else off")
     s.add_argument("--device", default=None,
                    help="cpu | cuda: every worker takes a GPU, waiting for one if the cluster has none free yet "
                         "(default: cuda when the cluster has a GPU for every worker, else cpu)")
@@ -141,7 +146,8 @@ def _serve(args) -> int:
                                  init_scale=args.init_scale, step_tokens=args.step_tokens,
                                  max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
                                  first_token_wait_s=args.first_token_wait_ms / 1e3,
-                                 kv_mode=args.kv_mode, prefill_together=args.prefill_together,
+                                 kv_mode=args.kv_mode, batch_invariant=args.batch_invariant,
+                                 prefill_together=args.prefill_together,
                                  speculative_max_running=args.speculative_max_running,
                                  channel=ChannelOptions(
                                      args.worker_channel,

@@ -37,6 +37,7 @@ class WorkerOptions:
     prefill_together: bool = True  # a step's fresh prompts prefill together (SchedulerOptions)
     speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
     kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings
+    batch_invariant: bool | None = None  # batch-invariant kernels (Settings.batch_invariant); None: the worker's settings
     # the token channel (worker/serving/channel.py): streams over gRPC into the worker, not Ray
     channel: ChannelOptions = field(default_factory=ChannelOptions)
 
@@ -78,6 +79,7 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens,
                  max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s,
                  first_token_wait_s=opts.first_token_wait_s, kv_mode=opts.kv_mode,
+                 batch_invariant=opts.batch_invariant,
                  prefill_together=opts.prefill_together,
                  speculative_max_running=opts.speculative_max_running,
                  channel=opts.channel))

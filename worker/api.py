@@ -85,14 +85,16 @@ class Model:
     layer input, K / V rebuilt from it at read), "h-int8" / "h-int4" (h quantized per head),
     "delta-int8" (h⁰ plus int8 Δh per later iteration); None: `settings.kv_mode` (the
     environment's TINYLOOP_KV_* switches), else "kv". Fixed for the Model's life: a call that
-    names another mode is a ValueError."""
+    names another mode is a ValueError. batch_invariant: `Settings.batch_invariant` (None: the
+    settings'): every row computed by the batch-1 decode step's kernels, so batched,
+    speculative and resumed streams equal their plain runs bit for bit on the GPU."""
 
     def __init__(self, path: str | os.PathLike | None = None, max_seq_len: int = 2048,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  n_slots: int | None = None, backend: str | None = None, cuda_graphs: bool | None = None,
                  prefill_graph_len: int | None = None, cache_budget_bytes: int | None = None,
                  settings: Settings | None = None, max_loops: int | None = None, init_scale: float = 1.0,
-                 kv_mode: str | None = None):
+                 kv_mode: str | None = None, batch_invariant: bool | None = None):
         if path is None:
             from tinyloop.worker.model.default_model import default_model_path
             path = default_model_path()
@@ -108,7 +110,8 @@ class Model:
             raise ValueError(f"init_scale must be a finite number >= 0, got {init_scale}")
         # explicit arguments win over `settings`, which defaults to the environment's
         settings = (Settings.from_env() if settings is None else settings).replace(
-            backend=backend, cuda_graphs=cuda_graphs, prefill_graph_len=prefill_graph_len, kv_mode=kv_mode)
+            backend=backend, cuda_graphs=cuda_graphs, prefill_graph_len=prefill_graph_len, kv_mode=kv_mode,
+            batch_invariant=batch_invariant)
         self.settings = settings
         self.prefill_graph_len = settings.prefill_graph_len
         t0 = time.perf_counter()
@@ -132,15 +135,25 @@ class Model:
         self._module = model
         if n_slots is None:
             n_slots = self._lanes_within(cache_budget_bytes)
-        ops = select_ops(self.device, settings.backend)
+        if settings.batch_invariant:
+            if self.kv_mode != "kv":
+                raise ValueError(f"batch_invariant runs the K/V cache's decode kernels; kv_mode {self.kv_mode!r} "
+                                 f"has no batch-invariant read: use kv_mode 'kv'")
+            if quant_checkpoint.spec_of(meta, self.path) is not None:
+                raise ValueError(f"batch_invariant has no INT4 kernels; {self.path} holds quantized weights "
+                                 f"({self.weight_format})")
+        ops = select_ops(self.device, settings.backend, settings.batch_invariant)
         if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
-                                settings.l2_keep_fraction, settings.l2_stream)
+                                settings.l2_keep_fraction, settings.l2_stream, ops.invariant)
             quant_checkpoint.use_kernels(model, ops.int4)
         cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
         cache = make_cache(self.kv_mode, self.config, n_slots, self.max_seq_len, self.config.max_loops,
                            self.device, self.dtype)
-        self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len))
+        device_rounds = (settings.batch_invariant and bool(cuda_graphs) if settings.device_rounds is None
+                         else settings.device_rounds)
+        self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len,
+                                                               device_rounds=device_rounds))
         self.n_slots = n_slots
         # seconds by part and graph count: what a worker's start-up cost (the actor logs it)
         self.startup = self.runner.startup

@@ -56,7 +56,7 @@ from tinyloop.worker.generation.decode import FINISH_LENGTH, FINISH_STOP, Decode
 from tinyloop.worker.generation.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
                                                  draw, probs, uniform)
 from tinyloop.worker.runner.engine import Counters
-from tinyloop.worker.runner.runner import Runner, StepOut
+from tinyloop.worker.runner.runner import RoundOut, Runner, StepOut
 from tinyloop.worker.runner.stages import TreeStages
 
 MAX_DRAFT_AHEAD = 16
@@ -199,6 +199,7 @@ class SpeculativeStream:
         self._pos = len(req.prompt)
         self._last: StepOut | None = None   # the last draft step's outputs, let go at the next round
         self._over = False                  # finished, failed, closed or handed over
+        self._ahead: RoundOut | None = None  # a device round launched, not read yet (_device_round)
 
     def __iter__(self) -> "SpeculativeStream":
         return self
@@ -226,6 +227,7 @@ class SpeculativeStream:
         self._over = True
         self.runner.release(self._last)
         self._last = None
+        self._ahead = None  # a round launched ahead runs on; what it writes is past what was decided
 
     def _step(self) -> list[int]:
         """The prefill's token, or one round's tokens (before max_tokens / stop truncate them)."""
@@ -235,6 +237,15 @@ class SpeculativeStream:
             self._work = first.work
             self._t = self._chooser.target(first.logits[0], self._pos)
             return [self._t]
+        if self._on_device():
+            toks, n_acc, w = self._device_round()
+            self._work = self._work.plus(w)
+            self._rounds += 1
+            self._drafted += spec.draft_ahead
+            self._accepted += n_acc
+            self._pos += len(toks)
+            self._t = toks[-1]
+            return toks
         # never draft past what max_tokens can still use: a round emits at most k + 1 tokens
         k = min(spec.draft_ahead, req.max_tokens - self._emit.generated - 1)
         t, pos = self._t, self._pos
@@ -251,6 +262,33 @@ class SpeculativeStream:
         self._pos += len(toks)
         self._t = toks[-1]
         return toks
+
+    def _on_device(self) -> bool:
+        """Whether the next round runs whole on the device: a greedy chain (no repetition
+        penalty) on a runner with device rounds, whose round stays inside the cache."""
+        spec, sp = self.spec, self.req.sampling
+        return (self.runner.settings.device_rounds and not spec.tree and sp.greedy
+                and sp.repetition_penalty == 1.0 and (self._ahead is not None
+                                                      or self.runner.round_fits(self._pos, spec.draft_ahead)))
+
+    def _device_round(self) -> tuple[list[int], int, Counters]:
+        """One round on the device (runner.chain_round), its tokens read while the next round,
+        launched first, runs: the next one starts where this one leaves the lane, so the GPU
+        does not wait for the host between rounds. It is launched only where it can be needed
+        (this round cannot reach max_tokens) and fits the cache; a stream that ends leaves it
+        running unread (it writes only positions past what was decided).
+        -> (the round's tokens, drafts accepted, its work). Drafts always k = draft_ahead
+        tokens: the emitter cuts what max_tokens does not take."""
+        runner, spec = self.runner, self.spec
+        k = spec.draft_ahead
+        cur = self._ahead or runner.chain_round(self.lane, spec.draft_loops, spec.verify_loops, k,
+                                                state=(self._t, self._pos))
+        self._ahead = None
+        # the next round starts at most k + 1 positions on and writes k + 1 more
+        if self._emit.generated + k + 1 < self.req.max_tokens and runner.round_fits(self._pos, k, rounds=2):
+            self._ahead = runner.chain_round(self.lane, spec.draft_loops, spec.verify_loops, k)
+        n, toks = cur.result()
+        return toks, n, cur.work
 
     def stats(self) -> dict:
         """The speculative figures so far (the Finish's stats beside the token and work counts)."""

@@ -200,6 +200,7 @@ class Block(nn.Module):
 
     gemv = None  # the fused projection of up to gemv_rows rows (kernels/gemv.py) on CUDA; None: the ops below
     gemv_rows = 0
+    invariant = False  # every pass through token_step, the batch-1 step's kernels (Settings.batch_invariant)
     loop_layers = 0  # in the shared block: its layer count (LoopedTransformer sets it); 0 elsewhere
     l2_keep_fraction = 0.0  # use_fast_path sets both (Settings); no fast path: nothing kept, nothing hinted
     l2_stream = ""
@@ -225,7 +226,7 @@ class Block(nn.Module):
         return "evict_last" if name in self._l2_kept else self.l2_stream
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
-        if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
+        if self.gemv is not None and (self.invariant or (x.shape[1] == 1 and x.shape[0] <= self.gemv_rows)):
             return self.token_step(x, attend)
         a = self.attention(self.attention_norm(x), attend)
         if self.sum_norm:
@@ -241,7 +242,8 @@ class Block(nn.Module):
 
     def token_step(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
         """forward() for one token per lane (x (B, 1, D), a decode step of one stream or a
-        batched one) in four fused projections, each reading its weight once for all lanes:
+        batched one; with `invariant`, any (B, T, D): every row as the batch-1 step computes it)
+        in four fused projections, each reading its weight once for all lanes:
         the input norms ride in the
         (q|k|v) and (gate|up) projections, SiLU·up in the latter's epilogue, and the residual
         adds in the epilogues of wo and w2 (sandwich norm's post-norms need the whole projected
@@ -327,13 +329,18 @@ class LoopedTransformer(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
     def use_fast_path(self, rms_norm, gemv=None, gemv_rows: int = 1, swiglu=None, l2_keep_fraction: float = 0.7,
-                      l2_stream: str = "evict_first") -> None:
+                      l2_stream: str = "evict_first", invariant: bool = False) -> None:
         """Inference on CUDA: fused projections, a fused RMSNorm kernel (with the residual add
         before the feed-forward norm), a fused SwiGLU and, given `gemv`, decode steps of up to
         `gemv_rows` lanes in fused projections (fewer, larger launches: decode of a small model
         is bound by launches as much as by weight reads), their weight loads hinted for L2 as
-        `Block.eviction` says (settings.Settings: l2_keep_fraction, l2_stream)."""
+        `Block.eviction` says (settings.Settings: l2_keep_fraction, l2_stream). invariant (with
+        `gemv` in its batch-invariant form): every pass, of any batch and chunk size, runs the
+        fused projections row by row as a batch-1 decode step does (Settings.batch_invariant)."""
+        if invariant and gemv is None:
+            raise ValueError("invariant runs every pass through the fused projection: give gemv")
         self.gemv, self.gemv_rows = gemv, gemv_rows if gemv is not None else 0
+        self.invariant = invariant
         self.l2_stream = l2_stream
         for m in [*self.modules(), *(m for variant in self.loop_variants for m in variant.modules())]:
             if isinstance(m, (Attention, FeedForward)):
@@ -343,7 +350,7 @@ class LoopedTransformer(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.kernel = rms_norm
             elif isinstance(m, Block):
-                m.gemv, m.gemv_rows = self.gemv, self.gemv_rows
+                m.gemv, m.gemv_rows, m.invariant = self.gemv, self.gemv_rows, invariant
                 m.l2_keep_fraction, m.l2_stream, m._l2_kept = l2_keep_fraction, l2_stream, None
 
     @property
@@ -407,7 +414,8 @@ class LoopedTransformer(nn.Module):
         e = None
         if self.adapter is not None:
             e = x[..., self.config.d_model:]
-            x = linear(x, self.adapter.weight)
+            # (invariant: the fused projection, row by row as a decode step runs it)
+            x = self.gemv(x, self.adapter.weight) if self.invariant else linear(x, self.adapter.weight)
             if self.adapter.bias is not None:
                 x = x + self.adapter.bias
         loop = self.loop_variants[index % len(self.loop_variants)] if self.loop_variants else self.loop
@@ -430,6 +438,7 @@ class LoopedTransformer(nn.Module):
 
     gemv = None  # see Block.gemv
     gemv_rows = 0
+    invariant = False  # see Block.invariant
     l2_stream = ""
 
     def logits(self, x: torch.Tensor, dtype: torch.dtype | None = None,
@@ -440,7 +449,7 @@ class LoopedTransformer(nn.Module):
         (kernels.gemv's `argmax_key`; in the fused projection's epilogue on the decode path)."""
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         norm = self.norm
-        if self.gemv is not None and x.shape[1] == 1 and x.shape[0] <= self.gemv_rows:
+        if self.gemv is not None and (self.invariant or (x.shape[1] == 1 and x.shape[0] <= self.gemv_rows)):
             return self.gemv(x, head, norm_weight=None if norm is None else norm.weight,
                              eps=1e-6 if norm is None else norm.eps, out_dtype=dtype,
                              argmax_key=argmax_key, eviction_policy=self.l2_stream)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyloop.kernels.decode_attention import decode_attention_ref, rope_decode_attention_ref
+from tinyloop.kernels.decode_attention import (decode_attention_ref, rope_chunk_attention_ref,
+                                               rope_decode_attention_ref)
 from tinyloop.kernels.hcache import h_cache_write_ref, h_decode_attention_ref, h_encode_ref, h_rows_ref
 from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
 from tinyloop.kernels.tree_attention import tree_attention_ref
@@ -17,10 +18,12 @@ from tinyloop.kernels.tree_attention import tree_attention_ref
 class Ops:
     """The torch reference backend: runs on any device, CPU included."""
     name = "torch"
+    invariant = False  # batch-invariant kernels (Settings.batch_invariant): the Triton backend's option
     apply_rope = staticmethod(apply_rope_ref)
     rope_cache_write = staticmethod(rope_cache_write_ref)
     decode_attention = staticmethod(decode_attention_ref)
     rope_decode_attention = staticmethod(rope_decode_attention_ref)
+    rope_chunk_attention = staticmethod(rope_chunk_attention_ref)
     tree_attention = staticmethod(tree_attention_ref)
     # store-h caches (kernels/hcache.py)
     h_cache_write = staticmethod(h_cache_write_ref)
@@ -34,12 +37,22 @@ class Ops:
 
 
 class TritonOps(Ops):
-    """Triton kernels for the decode hot path (CUDA only)."""
+    """Triton kernels for the decode hot path (CUDA only). invariant (Settings.batch_invariant):
+    the projection and the decode attention in their batch-invariant forms, for any number of
+    rows, and chunks of tokens attend through the decode attention kernel (`rope_chunk_attention`),
+    so that every row is computed as the batch-1 decode step computes it."""
     name = "triton"
 
-    def __init__(self):
-        from tinyloop.kernels.decode_attention import decode_attention, rope_decode_attention
+    def __init__(self, invariant: bool = False):
+        import functools
+
+        from tinyloop.kernels.decode_attention import decode_attention, rope_chunk_attention, rope_decode_attention
         from tinyloop.kernels.gemv import gemv
+        self.invariant = invariant
+        if invariant:
+            gemv = functools.partial(gemv, invariant=True)
+            rope_decode_attention = functools.partial(rope_decode_attention, invariant=True)
+        self.rope_chunk_attention = rope_chunk_attention
         from tinyloop.kernels.int4_gemv import int4_gemv, int4_matmul
         from tinyloop.worker.model.quant import route_gemv
         # the fused projection serves up to Settings.fused_rows lanes (Model passes it); a
@@ -63,14 +76,19 @@ class TritonOps(Ops):
         self.h_decode_attention = h_decode_attention
 
 
-def select_ops(device: torch.device, backend: str | None = None) -> Ops:
+def select_ops(device: torch.device, backend: str | None = None, invariant: bool = False) -> Ops:
+    """The ops of `backend` (None: triton on CUDA, else torch); invariant: the Triton backend's
+    batch-invariant kernels (the torch backend has no such form: ValueError)."""
     backend = backend or ("triton" if device.type == "cuda" else "torch")
     if backend == "torch":
+        if invariant:
+            raise ValueError("batch_invariant needs the triton backend (the torch reference ops have no "
+                             "batch-invariant form)")
         return Ops()
     if backend == "triton":
         if device.type != "cuda":
             raise ValueError(f"backend 'triton' needs a CUDA device, got {device}")
-        return TritonOps()
+        return TritonOps(invariant)
     raise ValueError(f"unknown backend {backend!r}: expected 'torch' or 'triton'")
 
 

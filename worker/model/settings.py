@@ -28,7 +28,18 @@ class Settings:
     between even and odd iterations (the file's sign channel), or draws it per iteration
     (quant_checkpoint.use_rounding); neither: round to nearest at every iteration. dual_bit:
     iterations 0..dual_bit_switch run an INT2 copy of the quantized shared block made at load
-    (None: as the file says, `tinyloop quantize --dual-bit`)."""
+    (None: as the file says, `tinyloop quantize --dual-bit`).
+    batch_invariant (triton backend): every row of every pass is computed by the batch-1
+    decode step's own kernels (the projection of one row, decode attention with splits fixed
+    per cache shape), so a token's logits do not depend on the batch, the chunk or the graph
+    bucket it ran in: a lane of a batched step equals its stream alone, a speculative verify
+    equals plain decoding, a chunked prompt its unchunked prefill, bit for bit in bf16. It costs
+    nothing at batch 1 and more the more rows a pass has (docs/performance.md); greedy
+    speculative decoding replays a whole round as one graph only with it.
+    device_rounds: greedy speculative chains run each round, drafts to acceptance, on the
+    device with no host value inside (one graph per round with CUDA graphs), the host reading
+    a round's tokens while the next runs; None: on with batch_invariant and CUDA graphs (without
+    batch-invariant kernels a round's verify attends over the whole cache)."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -40,6 +51,8 @@ class Settings:
     cross_iter_round: bool = False
     dual_bit: bool | None = None
     dual_bit_switch: int = 3
+    batch_invariant: bool = False
+    device_rounds: bool | None = None
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -73,13 +86,15 @@ class Settings:
         """Defaults overridden by TINYLOOP_BACKEND, TINYLOOP_CUDA_GRAPHS (0/1),
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
-        TINYLOOP_DUAL_BIT (0/1) and TINYLOOP_DUAL_BIT_SWITCH; kv_mode by the reference runtime's
-        switches (`kv_mode_from_env`)."""
+        TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_BATCH_INVARIANT (0/1) and
+        TINYLOOP_DEVICE_ROUNDS (0/1); kv_mode by the reference runtime's switches
+        (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
-                 "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int}
+                 "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
+                 "batch_invariant": flag, "device_rounds": flag}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")

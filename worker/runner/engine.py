@@ -216,6 +216,11 @@ class Engine:
                 # lane of a batched step) writes and reads nothing
                 return ops.rope_decode_attention(q, k, v, model.rope_cos, model.rope_sin, p.positions[:, 0],
                                                  kc, vc, scale, slots=slots)[:, :, None]
+            if W == 0 and ops.invariant:
+                # batch-invariant: a chunk's K / V written first, then each of its tokens attends
+                # through the decode step's own kernel at its position (as if decoded one by one)
+                return ops.rope_chunk_attention(q, k, v, model.rope_cos, model.rope_sin, p.positions, kc, vc,
+                                                scale, slots=slots)
             if W == 0 or T == 1:
                 # write first, then read: a single new token cannot evict a key it needs
                 write_idx = p.positions if W == 0 else p.positions % W

@@ -9,7 +9,9 @@ lane a request holds and the graph count does not grow with the lane count.
   its multi-row form (2 or 4 prompts of one bucket, each at its own depth: kind "prefill2" /
   "prefill4"), which a step's fresh prompts share (`Runner.prefill_many`);
 - the stages of a batched decode step (`stages.BatchStep`), per lane-count bucket;
-- the stages of a tree / chain verify (`stages.TreeStages`), per node-count bucket.
+- the stages of a tree / chain verify (`stages.TreeStages`), per node-count bucket;
+- a greedy speculative round, drafts to acceptance (`rounds.ChainRound`), per (draft_loops,
+  verify_loops, drafts), captured on first use.
 
 Every graph shares one memory pool: replays never overlap. Only `runner.Runner` uses this
 module. Batch-1 decode of a small looped model is bound by weight reads and kernel launches;
@@ -120,6 +122,25 @@ class Graphs:
         self.decode[loops] = dg
         return dg
 
+    def capture_round(self, key: tuple, rnd) -> torch.cuda.CUDAGraph:
+        """The graph of a speculative round (rounds.ChainRound), captured on first use. Its
+        warm-up runs the round on the lane in rnd.slot from that lane's state, which the caller
+        sets first: each warm-up run starts from that state again (a round moves its lane on,
+        and a second round from where the first left could pass the cache's end), the capture
+        runs nothing, and the state is restored after it, so the caller's replay is the round it
+        asked for (the warm-up wrote positions that round overwrites before anything reads them)."""
+        g = self.stages.get(("round", key, "round"))
+        if g is None:
+            state = rnd.state.clone()
+
+            def warm_run():
+                rnd.state.copy_(state)
+                rnd.run()
+            g = self.stages[("round", key, "round")] = self._capture(rnd.run, True, warm_run)
+            rnd.state.copy_(state)
+            self.warm.add(("round", key, "round"))
+        return g
+
     def capture_stage(self, kind: str, bucket: int, stage, run) -> None:
         key = (kind, bucket, stage)
         if key not in self.stages:
@@ -132,16 +153,17 @@ class Graphs:
     def replay(self, kind: str, bucket: int, stage) -> None:
         self.stages[(kind, bucket, stage)].replay()
 
-    def _capture(self, fn, warm: bool) -> torch.cuda.CUDAGraph:
-        """Capture fn() as a CUDA graph in the shared pool; warm: run it twice first on a side
-        stream (compile its Triton kernels, settle its allocations outside the graph)."""
+    def _capture(self, fn, warm: bool, warm_fn=None) -> torch.cuda.CUDAGraph:
+        """Capture fn() as a CUDA graph in the shared pool; warm: run it (or warm_fn) twice
+        first on a side stream (compile its Triton kernels, settle its allocations outside the
+        graph)."""
         dev = self.device
         if warm:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    fn()
+                    (warm_fn or fn)()
             torch.cuda.current_stream(dev).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):

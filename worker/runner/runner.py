@@ -8,6 +8,7 @@ stages:
     extend(lane, residual, start, stop)     iterations [start, stop) and the coda over a chunk's residual
     decode(lanes, tokens, positions, depths) one decode step of B lanes, each at its own depth
     verify(lane, residual, pos, start, stop) a draft chain's iterations [start, stop) -> every logit
+    chain_round(lane, Ld, Lv, k, state)     a greedy speculative round, drafts to acceptance, on the device
     tree(lane, nodes, pos)                  a draft tree's stages (drafting depth by depth, verify)
     trace(lane, tokens, loops)              every stage's last-position residual (scoring)
 
@@ -37,6 +38,7 @@ from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.ops import Ops
 from tinyloop.worker.runner.early_exit import ExitRule, ExitState, fill_skipped
 from tinyloop.worker.runner.engine import Counters, Engine
+from tinyloop.worker.runner.rounds import ChainRound
 from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages, batch_buckets, batch_buffers,
                                            device_tensor, prefill_buckets, prefill_buffers)
 
@@ -47,12 +49,15 @@ class RunnerSettings:
     prefill graphs cover (0: prefill stays eager). verify_buckets: the node counts the verify
     graphs are built for (a chain of the default draft_ahead 4, and the longest tree).
     prefill_rows: the prompt counts of the multi-row prefill graphs (`prefill_many`), each for
-    the length buckets whose rows × bucket is at most prefill_rows_len tokens."""
+    the length buckets whose rows × bucket is at most prefill_rows_len tokens. device_rounds:
+    greedy speculative chains run whole rounds on the device (`chain_round`), one graph per
+    round where graphs are captured (eager elsewhere: the CPU tests)."""
     cuda_graphs: bool = False
     prefill_graph_len: int = 2048
     verify_buckets: tuple[int, ...] = (5, 17)
     prefill_rows: tuple[int, ...] = (2, 4)
     prefill_rows_len: int = 512
+    device_rounds: bool = False
 
 
 class LanePool:
@@ -191,6 +196,28 @@ class ChunkOut:
     norm: torch.Tensor | None = None
 
 
+class RoundOut:
+    """A launched chain round's result: its copy to the host is queued behind it; `result()`
+    waits for that copy alone -> (drafts accepted n, the round's n + 1 tokens)."""
+
+    def __init__(self, out: torch.Tensor, k: int, work: Counters):
+        self.k, self.work = k, work
+        if out.is_cuda:
+            self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self._host.copy_(out, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = out.clone(), None
+
+    def result(self) -> tuple[int, list[int]]:
+        if self._done is not None:
+            self._done.synchronize()
+        vals = self._host.tolist()
+        n = vals[0]
+        return n, vals[1:n + 2]
+
+
 class TreeRun:
     """A draft tree's (or chain's) stages on one lane (stages.TreeStages), replayed where a
     verify bucket's graphs cover them, else run eagerly. `tokens` (1, nodes) and `logits`
@@ -252,6 +279,9 @@ class Runner:
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
         self._prefill_shared = None
         self._batch_shared = None
+        self._rounds: dict[tuple[int, int, int], ChainRound] = {}
+        # each lane's speculative round state, (token, position), read and left by its rounds
+        self._round_state = torch.zeros(cache.n_slots, 2, dtype=torch.long, device=self.device)
         self.startup = {"graphs": 0, "graph_bytes": 0}
         if settings.cuda_graphs:
             from tinyloop.worker.runner.graphs import Graphs
@@ -684,6 +714,38 @@ class Runner:
         if owner is not None and owner is not prev:
             owner.detach()
 
+    # -- speculative rounds on the device ------------------------------------------------------
+    def round_fits(self, pos: int, k: int, rounds: int = 1) -> bool:
+        """Whether `rounds` chain rounds of k drafts, the first starting at pos, stay inside the
+        cache (each writes k + 1 positions and moves at most k + 1 on)."""
+        return pos + rounds * (k + 1) <= self.cache.max_seq_len
+
+    @torch.no_grad()
+    def chain_round(self, lane: int, draft_loops: int, verify_loops: int, k: int,
+                    state: tuple[int, int] | None = None) -> "RoundOut":
+        """One greedy chain round on `lane` (rounds.ChainRound): state (t, pos), the decided
+        token and its position, or None: where the lane's last round left it. Launched, not
+        waited for: `RoundOut.result()` reads it. The graph of the (Ld, Lv, k) round is
+        captured on its first use where graphs are; a round that would pass the cache's end is
+        the caller's to avoid (`round_fits`)."""
+        key = (draft_loops, verify_loops, k)
+        rnd = self._rounds.get(key)
+        if rnd is None:
+            rnd = self._rounds[key] = ChainRound(self.engine, self._round_state, draft_loops, verify_loops, k)
+        if state is not None:
+            t, pos = state
+            if not self.round_fits(pos, k):
+                raise ValueError(f"a round of {k} drafts at {pos} passes the cache's {self.cache.max_seq_len} positions")
+            self._round_state[lane].copy_(device_tensor([t, pos], self.device))
+        rnd.slot.fill_(lane)
+        if self.graphs is not None:
+            self.graphs.capture_round(key, rnd).replay()
+        else:
+            rnd.run()
+        iterations, token_iterations = rnd.work
+        work = self.counters.add(iterations, token_iterations)
+        return RoundOut(rnd.out, k, work)
+
     # -- speculative verify ------------------------------------------------------------------
     @torch.no_grad()
     def verify(self, lane: int, residual: torch.Tensor, pos: int, start: int, stop: int) -> ChunkOut:
@@ -691,6 +753,14 @@ class Runner:
         first token at pos, through iterations [start, stop) and the coda: every position's
         logits (n, V) (a view the next verify or tree call overwrites)."""
         n = residual.shape[1]
+        if self.ops.invariant:
+            # a causal chunk, not a tree pass: each row attends through the decode step's kernel
+            # (the tree kernel sums in another order), eager stages
+            e = self.engine
+            p = e.make_pass(self._slots([lane]), self._arange(pos, pos + n), pos + n)
+            x = e.run_loops(residual, p, start, stop)
+            logits = e.logits(e.coda(x, p))[0]
+            return ChunkOut(logits, self.counters.add(stop - start, n * (stop - start)))
         tr = self.tree(lane, n, pos, TreeStages.span(start, stop))
         tr.load_chain(residual, pos)
         for stage in TreeStages.span(start, stop):

@@ -199,6 +199,7 @@ class WorkerActor:
                  step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
                  first_token_wait_s: float = DEFAULT_FIRST_TOKEN_WAIT_S,
                  max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
+                 batch_invariant: bool | None = None,
                  prefill_together: bool = True, speculative_max_running: int = 4,
                  channel: "ChannelOptions | None" = None):
         import sys
@@ -220,7 +221,8 @@ class WorkerActor:
         self.worker_id = f"worker-{index}"
         self.epoch = _next_epoch(index)
         self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes,
-                           max_loops=max_loops, init_scale=init_scale, kv_mode=kv_mode)
+                           max_loops=max_loops, init_scale=init_scale, kv_mode=kv_mode,
+                           batch_invariant=batch_invariant)
         self.lanes = self.model.n_slots
         self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens,
                                                                        prefill_together=prefill_together,

@@ -1,0 +1,125 @@
+"""Where a speculative round's time goes on the GPU: its parts timed alone, and one whole
+greedy speculative generate against the GPU's busy time.
+
+    source bench/gpu_env.sh && python -m bench.profile_speculative --out-dir $OUT
+
+Parts (each the median of many calls, synchronised around each, so host time counts): the
+batch-1 decode step at draft_loops and at verify_loops (graph replays), the verify of a chain
+of draft_ahead + 1 tokens from the draft's residuals, and a whole chain round. Then one
+speculative generate and one plain generate under torch.profiler: wall time, the union of the
+GPU's kernel intervals (busy), kernels launched and the host's top operators, so the gap between
+wall and busy is the device waiting on the host. The model is built as bench/speculative.py
+builds it (graphs captured at load, one lane)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import hardware, write
+from bench.speculative import PROMPTS
+from tinyloop.worker import Model
+from tinyloop.worker.generation import speculative as spec_mod
+from tinyloop.worker.generation.speculative import SpecParams, _Chooser
+
+
+def _ms(fn, dev, n=50, warmup=5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _busy(prof) -> tuple[float, int, list]:
+    """(ms the GPU ran kernels or copies, union of intervals; kernels; top host ops by self time)."""
+    spans, kernels = [], 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((e.time_range.start, e.time_range.end))
+            kernels += 1
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    top = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]
+    host = [{"op": a.key, "calls": a.count, "self_cpu_ms": a.self_cpu_time_total / 1e3} for a in top]
+    return busy / 1e3, kernels, host
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-loops", type=int, default=2)
+    ap.add_argument("--verify-loops", type=int, default=8)
+    ap.add_argument("--draft-ahead", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args(argv)
+    Ld, Lv, k = args.draft_loops, args.verify_loops, args.draft_ahead
+    with Model(args.model, max_seq_len=512, device="cuda", n_slots=1) as m:
+        dev, r = m.device, m.runner
+        prompt = m.tokenizer.encode(PROMPTS[0])
+        m.generate(prompt, loops=Lv, max_tokens=4)
+        pos = len(prompt)
+        r.prefill(0, prompt, Lv)
+        parts = {}
+        out = [None]
+
+        def step(L):
+            out[0] = r.decode([0], [65], [pos], [L], prev=out[0])
+        parts["decode_ms_at_draft_loops"] = _ms(lambda: step(Ld), dev)
+        parts["decode_ms_at_verify_loops"] = _ms(lambda: step(Lv), dev)
+        res = out[0].residual.new_zeros(1, k + 1, out[0].residual.shape[-1])
+        parts["verify_ms"] = _ms(lambda: r.verify(0, res, pos, Ld, Lv), dev)
+        chooser = _Chooser(m.make_request(prompt).sampling, 0, dev)
+        sp = SpecParams(Ld, Lv, k)
+        last = [None]
+
+        def round_():
+            _, _, _, last[0] = spec_mod._chain_round(r, 0, sp, chooser, 65, pos, k, last[0])
+        parts["chain_round_ms"] = _ms(round_, dev)
+        r.release(last[0])
+        r.release(out[0])
+        print(parts)
+
+        runs = {}
+        for name, fn in [("plain", lambda: m.generate(prompt, loops=Lv, max_tokens=args.max_tokens)),
+                         ("chain", lambda: m.generate_speculative(prompt, max_tokens=args.max_tokens, draft_loops=Ld,
+                                                                  verify_loops=Lv, draft_ahead=k))]:
+            fn()
+            torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            g = fn()
+            torch.cuda.synchronize(dev)
+            wall = (time.perf_counter() - t) * 1e3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize(dev)
+            busy, kernels, host = _busy(prof)
+            runs[name] = {"wall_ms": wall, "tokens": g.stats["completion_tokens"], "gpu_busy_ms_profiled": busy,
+                          "gpu_records": kernels, "host_top": host,
+                          **{k2: g.stats[k2] for k2 in ("verify_steps", "accepted_per_verify") if k2 in g.stats}}
+            print(name, {k2: v for k2, v in runs[name].items() if k2 != "host_top"})
+        write("profile-speculative-cuda", {"hardware": hardware(dev), "model": m.path, "draft_loops": Ld,
+                                           "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs},
+              args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

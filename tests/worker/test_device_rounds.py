@@ -1,0 +1,94 @@
+"""Greedy speculative chains as whole rounds on the device (runner/rounds.py), run eagerly here
+(the GPU replays the same round as one graph): the tokens equal generate(loops=verify_loops)
+with the next round launched before the host reads this one, each round's work is every
+chunk token's verify_loops iterations once, a stream that ends leaves its launched round
+harmless, and interleaved lanes keep their own state."""
+import pytest
+
+from model_zoo import CONFIGS, damped_checkpoint
+from tinyloop.worker import Model
+from tinyloop.worker.model.settings import Settings
+from tinyloop.worker.runner.engine import Counters
+
+PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
+ON = Settings(device_rounds=True)
+
+
+@pytest.fixture(scope="module")
+def rounds_model(ckpt_dir):
+    path = damped_checkpoint(ckpt_dir / "damped-rounds.tinyloop", CONFIGS["gqa-prelude-coda"], 3, 0.03)
+    with Model(path, max_seq_len=96, n_slots=2, settings=ON) as m:
+        yield m
+
+
+def test_rounds_equal_generate(rounds_model):
+    m = rounds_model
+    assert m.runner.settings.device_rounds
+    accepted = drafted = 0
+    for prompt, (Ld, Lv, ahead) in zip(PROMPTS, [(2, 6, 4), (1, 5, 3), (3, 8, 6)]):
+        want = m.generate(prompt, loops=Lv, max_tokens=20)
+        for n in (1, 2, 5, 20):
+            out = m.generate_speculative(prompt, max_tokens=n, draft_loops=Ld, verify_loops=Lv, draft_ahead=ahead)
+            assert out == want[:len(prompt) + n] and out.stats["completion_tokens"] == n
+        accepted += out.stats["accepted_tokens"]
+        drafted += out.stats["drafted_tokens"]
+    assert 0 < accepted < drafted, "acceptance must be partial for the test to cover both branches"
+
+
+def test_stop_token_and_the_round_left_running(rounds_model):
+    """A stop token inside a round ends the stream; the round launched ahead of it runs
+    unread, and the next request on the lane is unaffected."""
+    m, prompt = rounds_model, PROMPTS[0]
+    full = m.generate(prompt, loops=6, max_tokens=24)[len(prompt):]
+    for i in (1, 6, 13):
+        stop = full[i]
+        want = m.generate(prompt, loops=6, max_tokens=24, stop_token_ids=[stop])
+        out = m.generate_speculative(prompt, max_tokens=24, draft_loops=2, verify_loops=6, draft_ahead=4,
+                                     stop_token_ids=[stop])
+        assert out == want and out.finish_reason == "stop"
+    assert m.generate_speculative(PROMPTS[1], max_tokens=12, draft_loops=2, verify_loops=6) == \
+        m.generate(PROMPTS[1], loops=6, max_tokens=12)
+
+
+def test_each_round_runs_every_chunk_token_verify_loops_once(rounds_model):
+    m, prompt = rounds_model, PROMPTS[1]
+    r = m.runner
+    lane = r.lanes.acquire()
+    try:
+        r.prefill(lane, prompt, 6)
+        before = r.counters.snapshot()
+        out = r.chain_round(lane, 2, 6, 4, state=(5, len(prompt)))
+        assert r.counters.since(before) == out.work == Counters(5 * 2 + 4, 5 * 6)
+        n, toks = out.result()
+        assert 0 <= n <= 4 and len(toks) == n + 1
+    finally:
+        r.lanes.release(lane)
+
+
+def test_lanes_keep_their_own_round_state(rounds_model):
+    """Two streams' rounds interleaved, each launched ahead of the other's read: each lane's
+    rounds start where its own last round left it."""
+    m = rounds_model
+    spec = {"draft_loops": 2, "verify_loops": 6, "draft_ahead": 3}
+    reqs = [m.make_request(p, max_tokens=16, speculative=spec) for p in PROMPTS[:2]]
+    streams = [m.stream(req, lane) for lane, req in enumerate(reqs)]
+    got = [list(p) for p in PROMPTS[:2]]
+    live = [True, True]
+    while any(live):
+        for i, s in enumerate(streams):
+            if live[i]:
+                try:
+                    got[i] += next(s)
+                except StopIteration:
+                    live[i] = False
+    for p, g in zip(PROMPTS[:2], got):
+        assert g == m.generate(p, loops=6, max_tokens=16)
+
+
+def test_a_round_past_the_cache_is_refused_and_streams_near_the_end_fall_back(rounds_model):
+    m = rounds_model
+    with pytest.raises(ValueError, match="passes the cache"):
+        m.runner.chain_round(0, 2, 6, 4, state=(1, m.max_seq_len - 3))
+    prompt = [7] * (m.max_seq_len - 12)
+    out = m.generate_speculative(prompt, max_tokens=10, draft_loops=2, verify_loops=6, draft_ahead=4)
+    assert out == m.generate(prompt, loops=6, max_tokens=10)

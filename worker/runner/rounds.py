@@ -1,0 +1,93 @@
+"""A greedy speculative chain round over static buffers: drafts, verify and acceptance with no
+host value inside, so one CUDA graph replays the whole round (`Graphs.capture_round`) and the
+host reads one small result per round, after the next round has been launched.
+
+A round of `ChainRound(engine, Ld, Lv, k)` on the lane in `slot` reads its lane's state, the
+decided token t and its position p, from `state[lane]` (device memory), and then:
+
+- feeds t at p, d_1 at p + 1, ..., d_k at p + k, one batch-1 decode step each at depth Ld,
+  each the computation of the plain decode step (`graphs.decode_step`): the same kernels in the
+  same order, the head's argmax key and `greedy_feed` giving the next draft. The last step runs
+  no coda (only its residual is needed). Every step keeps its residual after Ld iterations.
+- verifies the chunk [t, d_1 .. d_k] at positions p .. p + k: iterations [Ld, Lv) from the
+  saved residuals, the coda and the head over the k + 1 rows (the speculative module's
+  warm-start verification).
+- accepts on the device: n = the number of leading drafts equal to the verifier's argmax;
+  the round decides targets[0 .. n] (the verifier's tokens at p + 1 .. p + n + 1), and leaves
+  state[lane] = (targets[n], p + n + 1) for the next round.
+- writes [n, targets[0], ..., targets[k]] into `out`, which the runner copies to the host.
+
+Because the state lives in device memory per lane, a round of one lane may be launched while
+rounds of other lanes run or wait, and a lane's next round may be launched before the host
+has read this one: it starts where this one leaves the state.
+
+With batch-invariant kernels (Settings.batch_invariant) every row of the verify is computed as
+the plain decode step computes it, so the tokens equal generate(loops=Lv)'s bit for bit;
+without them they do in fp32 (the CPU tests) and up to near ties in bf16. Only `runner.Runner`
+builds and runs rounds.
+"""
+from __future__ import annotations
+
+import torch
+
+from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
+from tinyloop.kernels.sampling import greedy_feed, greedy_feed_ref
+from tinyloop.worker.runner.engine import Engine
+
+
+class ChainRound:
+    """The static buffers and the eager run of one (Ld, Lv, k) round (what a graph captures)."""
+
+    def __init__(self, engine: Engine, state: torch.Tensor, draft_loops: int, verify_loops: int, k: int):
+        if not 1 <= draft_loops < verify_loops:
+            raise ValueError(f"a round drafts at 1 <= draft_loops < verify_loops, got {draft_loops}, {verify_loops}")
+        if k < 1:
+            raise ValueError(f"a round drafts k >= 1 tokens, got {k}")
+        self.engine, self.state = engine, state
+        self.Ld, self.Lv, self.k = draft_loops, verify_loops, k
+        cfg, dev = engine.config, engine.cache.device
+        table = engine.model.tok_embeddings.weight.detach()
+        self.table = table
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.x = table.new_zeros(1, 1, table.shape[1])
+        self.key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=dev)
+        # greedy_feed's host ring (the plain step's): written, never read here
+        self.ring = torch.zeros(2, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.residuals = torch.zeros(1, k + 1, cfg.residual_width, dtype=table.dtype, device=dev)
+        self.drafts = torch.zeros(k, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(k + 1, device=dev)[None]
+        self.chunk_positions = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
+        self._feed = greedy_feed if dev.type == "cuda" else greedy_feed_ref
+
+    @property
+    def work(self) -> tuple[int, int]:
+        """(loop iterations, token iterations) one round runs: every chunk token Lv in all."""
+        return (self.k + 1) * self.Ld + (self.Lv - self.Ld), (self.k + 1) * self.Lv
+
+    @torch.no_grad()
+    def run(self) -> None:
+        e, k, S = self.engine, self.k, self.engine.cache.max_seq_len
+        lane_state = self.state.index_select(0, self.slot)          # (1, 2): token, position
+        self.tokens.copy_(lane_state[:, :1])
+        self.positions.copy_(lane_state[:, 1:])
+        torch.add(self.offsets, self.positions, out=self.chunk_positions)
+        torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
+        for i in range(k + 1):
+            p = e.make_pass(self.slot, self.positions, S)
+            h = e.run_loops(e.prelude(self.x, p), p, 0, self.Ld)
+            self.residuals[:, i].copy_(h[:, 0])
+            if i < k:
+                e.logits(e.coda(h, p), p, argmax_key=self.key)
+                self.drafts[i:i + 1].copy_(self._feed(self.key, self.tokens, self.positions, self.ring,
+                                                      self.table, self.x))
+        pc = e.make_pass(self.slot, self.chunk_positions, S)
+        h = e.run_loops(self.residuals, pc, self.Ld, self.Lv)
+        targets = e.logits(e.coda(h, pc))[0].argmax(-1)             # (k + 1,): tokens at p + 1 .. p + k + 1
+        n = (targets[:k] == self.drafts).long().cumprod(0).sum()    # leading drafts the verifier agrees with
+        self.out[0] = n
+        self.out[1:].copy_(targets)
+        nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])
+        self.state.index_copy_(0, self.slot, nxt.view(1, 2))
