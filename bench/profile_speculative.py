@@ -5,7 +5,8 @@ greedy speculative generate against the GPU's busy time.
 
 Parts (each the median of many calls, synchronised around each, so host time counts): the
 batch-1 decode step at draft_loops and at verify_loops (graph replays), the verify of a chain
-of draft_ahead + 1 tokens from the draft's residuals, and a whole chain round. Then one
+of draft_ahead + 1 tokens from the draft's residuals, a whole chain round driven by the host
+(speculative._chain_round) and, with device rounds, one round on the device (one graph). Then one
 speculative generate and one plain generate under torch.profiler: wall time, the union of the
 GPU's kernel intervals (busy), kernels launched and the host's top operators, so the gap between
 wall and busy is the device waiting on the host. The model is built as bench/speculative.py
@@ -22,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import hardware, write
 from bench.speculative import PROMPTS
 from tinyloop.worker import Model
+from tinyloop.worker.model.settings import Settings
 from tinyloop.worker.generation import speculative as spec_mod
 from tinyloop.worker.generation.speculative import SpecParams, _Chooser
 
@@ -69,10 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--verify-loops", type=int, default=8)
     ap.add_argument("--draft-ahead", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="batch-invariant kernels and device rounds (Settings.batch_invariant)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     Ld, Lv, k = args.draft_loops, args.verify_loops, args.draft_ahead
-    with Model(args.model, max_seq_len=512, device="cuda", n_slots=1) as m:
+    with Model(args.model, max_seq_len=512, device="cuda", n_slots=1,
+               settings=Settings(batch_invariant=args.batch_invariant)) as m:
         dev, r = m.device, m.runner
         prompt = m.tokenizer.encode(PROMPTS[0])
         m.generate(prompt, loops=Lv, max_tokens=4)
@@ -93,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
 
         def round_():
             _, _, _, last[0] = spec_mod._chain_round(r, 0, sp, chooser, 65, pos, k, last[0])
-        parts["chain_round_ms"] = _ms(round_, dev)
+        parts["chain_round_host_ms"] = _ms(round_, dev)
+        if r.settings.device_rounds:
+            parts["chain_round_device_ms"] = _ms(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(), dev)
         r.release(last[0])
         r.release(out[0])
         print(parts)
@@ -116,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                           "gpu_records": kernels, "host_top": host,
                           **{k2: g.stats[k2] for k2 in ("verify_steps", "accepted_per_verify") if k2 in g.stats}}
             print(name, {k2: v for k2, v in runs[name].items() if k2 != "host_top"})
-        write("profile-speculative-cuda", {"hardware": hardware(dev), "model": m.path, "draft_loops": Ld,
+        write("profile-speculative-cuda", {"hardware": hardware(dev), "model": m.path,
+                                           "batch_invariant": args.batch_invariant,
+                                           "device_rounds": r.settings.device_rounds, "draft_loops": Ld,
                                            "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs},
               args.out_dir)
 

@@ -7,7 +7,8 @@
 #                                          #   int4-tune, exit, load-ab on demand (load: the service under load; carry .whl for
 #                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
-#                                          #   exit: early exit's sweep, bench/early_exit.py; load-ab: load over the worker
+#                                          #   exit: early exit's sweep, bench/early_exit.py; invariant: the
+#                                          #   batch-invariant kernels' GPU tests and benches; load-ab: load over the worker
 #                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
@@ -86,6 +87,13 @@ for s in "${steps[@]}"; do
                 --formats "${formats[@]}" "${tiles[@]}" ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         exit) run early-exit "${EXIT_S:-540}" python -m bench.early_exit --device cuda --out-dir "$OUT" ${EXIT_ARGS:-} ;;
+        invariant)  # batch-invariant kernels and greedy speculative rounds on the device: their GPU tests
+                    # (bitwise equality), the speculative bench, the round's profile, the projection per M
+            run invariant-tests "${TESTS_S:-300}" python -m pytest -m gpu tests/kernels/test_kernel_gemv.py \
+                tests/kernels/test_kernel_rope_decode_attention.py tests/worker/test_gpu_invariant.py -q -p no:cacheprovider
+            run speculative 200 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT"
+            run profile-speculative 90 python -m bench.profile_speculative --out-dir "$OUT"
+            run gemv-invariant 90 python -m bench.gemv_invariant --out-dir "$OUT" ;;
         kv) run kv-decode "${KV_S:-420}" python -m bench.kv_decode --out-dir "$OUT" ${KV_ARGS:-}
             run kv-quality 240 python -m bench.kv_quality --device cuda --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
