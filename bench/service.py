@@ -75,9 +75,9 @@ def local_stream(model, prompt, loops, max_tokens, speculative=None):
 
 
 def in_process(path: str, prompt: list[int], loops: int, max_tokens: int, reps: int, device: str,
-               spec: dict | None, max_seq_len: int) -> tuple[dict, dict | None]:
+               spec: dict | None, max_seq_len: int, batch_invariant: bool | None = None) -> tuple[dict, dict | None]:
     from tinyloop.worker.api import Model
-    with Model(path, max_seq_len=max_seq_len, device=device) as model:
+    with Model(path, max_seq_len=max_seq_len, device=device, batch_invariant=batch_invariant) as model:
         plain = [local_stream(model, prompt, loops, max_tokens) for _ in range(reps + 1)]  # the first warms up
         fast = spec and [local_stream(model, prompt, loops, max_tokens, spec) for _ in range(reps + 1)]
     return timing(plain), spec and spec_row(plain, fast)
@@ -95,7 +95,7 @@ def one_stream(client, prompt, loops, max_tokens, speculative=None):
 
 def service(path: str, prompt: list[int], loops: int, max_tokens: int, reps: int, device: str,
             concurrency: list[int], torch_threads: int, spec: dict | None,
-            max_seq_len: int) -> tuple[dict, dict | None]:
+            max_seq_len: int, batch_invariant: bool | None = None) -> tuple[dict, dict | None]:
     import ray
 
     from tinyloop.client import TinyLoopClient
@@ -104,7 +104,8 @@ def service(path: str, prompt: list[int], loops: int, max_tokens: int, reps: int
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     actors = workers.spawn(1, workers.WorkerOptions(model_path=path, lanes=max(concurrency),
                                                     max_seq_len=max_seq_len, device=device,
-                                                    torch_threads=torch_threads))
+                                                    torch_threads=torch_threads,
+                                                    batch_invariant=batch_invariant))
     gw = GatewayThread(actors, GatewayOptions(port=0))
     try:
         with TinyLoopClient(gw.address) as c:
@@ -147,6 +148,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--draft-loops", type=int, default=None,
                    help="speculative draft depth, below --loops (default: loops // 2)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels, in-process and in the worker (default: the environment's)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "service-cpu.json"))
     args = p.parse_args()
     if args.draft_loops is None and args.loops >= 2 and not args.no_speculative:
@@ -170,9 +173,9 @@ def main() -> int:
             path = os.path.join(tmp, f"{args.preset}.tinyloop")
             make_model(args.preset, path)
         base, base_spec = in_process(path, prompt, args.loops, args.max_tokens, args.reps, args.device, spec,
-                                     max_seq_len)
+                                     max_seq_len, args.batch_invariant)
         svc, svc_spec = service(path, prompt, args.loops, args.max_tokens, args.reps, args.device,
-                                args.concurrency, args.torch_threads, spec, max_seq_len)
+                                args.concurrency, args.torch_threads, spec, max_seq_len, args.batch_invariant)
     from bench.common import provenance
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
@@ -182,7 +185,8 @@ def main() -> int:
                      "torch": torch.__version__, "torch_threads": args.torch_threads},
         "workload": {"model": args.model or f"preset {args.preset}", "max_seq_len": max_seq_len,
                      "loops": args.loops, "prompt_tokens": args.prompt_tokens,
-                     "max_tokens": args.max_tokens, "reps": args.reps, "greedy": True},
+                     "max_tokens": args.max_tokens, "reps": args.reps, "greedy": True,
+                     "batch_invariant": args.batch_invariant},
         "in_process": base,
         "service": svc,
         "overhead": {"per_token_ms": svc["per_token_ms"] - base["per_token_ms"],

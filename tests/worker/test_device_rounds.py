@@ -92,3 +92,13 @@ def test_a_round_past_the_cache_is_refused_and_streams_near_the_end_fall_back(ro
     prompt = [7] * (m.max_seq_len - 12)
     out = m.generate_speculative(prompt, max_tokens=10, draft_loops=2, verify_loops=6, draft_ahead=4)
     assert out == m.generate(prompt, loops=6, max_tokens=10)
+
+
+def test_settings_and_refusals(tiny_path):
+    env = Settings.from_env({"TINYLOOP_BATCH_INVARIANT": "1", "TINYLOOP_DEVICE_ROUNDS": "0"})
+    assert env.batch_invariant is True and env.device_rounds is False
+    assert Settings.from_env({}).batch_invariant is False and Settings.from_env({}).device_rounds is None
+    with pytest.raises(ValueError, match="needs the triton backend"):
+        Model(tiny_path, max_seq_len=32, batch_invariant=True)
+    with Model(tiny_path, max_seq_len=32) as m:  # CPU: no graphs, so no device rounds unless asked
+        assert not m.runner.settings.device_rounds

@@ -33,6 +33,10 @@ class Tree:
     prefix_lens: torch.Tensor    # (B,) int64 slots [0, prefix_len) are the shared prefix
     ancestors: torch.Tensor      # (B, N) int64 bitmask over the N nodes written so far
     query_nodes: torch.Tensor | None = None  # (T,) node index of each query; None: all N nodes
+    # batch-invariant reads (Ops.invariant): each node's depth (B, N) and the cache slots of its
+    # ancestors by depth (B, N, D), so that it attends as a decode step of its branch would
+    depth: torch.Tensor | None = None
+    ancestor_slots: torch.Tensor | None = None
 
 
 RopeRows = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # LoopedTransformer.rope_rows
@@ -268,6 +272,8 @@ class Engine:
         """Write the nodes' K / V at their slots, then attend with the ancestor bitmask. Keys
         past kv_len (nodes not written yet, stale entries) are never part of the read."""
         t = p.tree
+        if self.ops.invariant:
+            return self._attend_tree_invariant(q, k, v, p, kc, vc)
         qr = self.ops.rope_cache_write(q, k, v, *p.rope_rows(), t.slots, kc, vc, slots=p.slots)  # (B, H, T, hd)
         if t.query_nodes is not None:
             # a subset of the nodes asks (one depth of a tree being drafted): the op's query
@@ -278,6 +284,20 @@ class Engine:
         out = self.ops.tree_attention(qr, kc[:, :, :p.kv_len], vc[:, :, :p.kv_len], t.prefix_lens,
                                       t.ancestors, self.scale, slots=p.slots)
         return out if t.query_nodes is None else out.index_select(2, t.query_nodes)
+
+    def _attend_tree_invariant(self, q, k, v, p: Pass, kc, vc):
+        """The tree pass with batch-invariant kernels: each node attends as the decode step of
+        its own branch would at its position (its ancestors read from their node slots in depth
+        order), through the decode step's kernel, so a tree verify equals plain decoding."""
+        t, model = p.tree, self.model
+        if t.depth is None or t.ancestor_slots is None:
+            raise ValueError("a batch-invariant tree pass needs each node's depth and ancestor slots")
+        slots, depth, anc, positions = t.slots, t.depth, t.ancestor_slots, p.positions
+        if t.query_nodes is not None:
+            slots, depth = slots.index_select(1, t.query_nodes), depth.index_select(1, t.query_nodes)
+            anc = anc.index_select(1, t.query_nodes)
+        return self.ops.rope_tree_attention(q, k, v, model.rope_cos, model.rope_sin, positions, slots, depth, anc,
+                                            t.prefix_lens, kc, vc, self.scale, slots=p.slots)
 
     def _trace(self, p: Pass, label: str, x: torch.Tensor) -> None:
         if p.trace is not None:

@@ -196,6 +196,19 @@ def batch_buffers(engine: Engine, bucket: int) -> tuple:
             torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device))
 
 
+def ancestor_table(parents: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents (N,) int64 (-1: the root; parents[u] < u) -> (depth (N,), ancestors (N, width)):
+    each node's depth and its ancestors' node indices by depth (root first), 0 past its depth.
+    Host work, once per tree shape."""
+    parents = parents.tolist()
+    depth, anc = [], []
+    for u, p in enumerate(parents):
+        chain = [] if p < 0 else anc[p][:depth[p]] + [p]
+        depth.append(len(chain))
+        anc.append(chain + [0] * (width - len(chain)))
+    return torch.tensor(depth, dtype=torch.long), torch.tensor(anc, dtype=torch.long).view(len(parents), width)
+
+
 def tree_layout(K: int, depth: int, device=None):
     """The breadth-first draft tree: node 0 the root, node 1 + (i - 1)·K + b the depth-i node of
     branch b. -> (parents (N,) int64, node depths (N,) int64)."""
@@ -233,12 +246,20 @@ class TreeStages(StagedPass):
         self.slots = self.offsets.clone()       # (1, bucket): pos + node
         self.positions = self.offsets.clone()   # (1, bucket): pos + the node's depth (a pad's: its slot)
         self.prefix = torch.zeros(1, dtype=torch.long, device=device)
-        self.chain = ancestors_from_parents(torch.arange(-1, bucket - 1, device=device)[None])
+        chain = torch.arange(-1, bucket - 1, device=device)
+        self.chain = ancestors_from_parents(chain[None])
         self.ancestors = self.chain.clone()
-        self.trees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (K, k): tree_layout's, padded
+        # each node's depth and its ancestors' node indices (the batch-invariant read's), and
+        # the ancestors' slots: the chain's, or the loaded tree's
+        self.chain_table = tuple(t.to(device)[None] for t in ancestor_table(chain.cpu(), max(bucket - 1, 1)))
+        self.depth, self.ancestor_nodes = (t.clone() for t in self.chain_table)
+        self.ancestor_slots = self.ancestor_nodes.clone()
+        # (K, k): tree_layout's ancestors and positions and the invariant read's table, padded
+        self.trees: dict[tuple[int, int], tuple] = {}
         S = engine.cache.max_seq_len
         self.p = engine.make_pass(self.slot, self.positions, S)
-        self.p.tree = Tree(self.slots, self.prefix, self.ancestors)
+        self.p.tree = Tree(self.slots, self.prefix, self.ancestors, depth=self.depth,
+                           ancestor_slots=self.ancestor_slots)
         self.p.rope_rows()  # gathered now, into buffers the loads refresh (see Pass)
 
     @staticmethod
@@ -251,9 +272,12 @@ class TreeStages(StagedPass):
     def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.engine.logits(h, self.p)[0]
 
-    def _place(self, lane: int, pos: int, ancestors: torch.Tensor, depths: torch.Tensor | None) -> None:
+    def _place(self, lane: int, pos: int, ancestors: torch.Tensor, depths: torch.Tensor | None,
+               table: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.slot.fill_(lane)
         torch.add(self.offsets, pos, out=self.slots)
+        self.depth.copy_(table[0])
+        torch.add(table[1], pos, out=self.ancestor_slots)  # node u sits at slot pos + u
         if depths is None:
             self.positions.copy_(self.slots)
         else:
@@ -270,7 +294,7 @@ class TreeStages(StagedPass):
         n = residual.shape[1]
         self.x[:, :n].copy_(residual)
         self.x[:, n:].zero_()  # pads: any finite value does
-        self._place(lane, pos, self.chain, None)
+        self._place(lane, pos, self.chain, None, self.chain_table)
 
     @torch.no_grad()
     def load_tree(self, lane: int, t: int, pos: int, K: int, k: int) -> None:
@@ -279,9 +303,10 @@ class TreeStages(StagedPass):
         if (K, k) not in self.trees:
             parents, depths = tree_layout(K, k, self.offsets.device)
             pad = torch.arange(parents.shape[0], self.bucket, device=parents.device)
-            self.trees[(K, k)] = (ancestors_from_parents(torch.cat([parents, torch.full_like(pad, -1)])[None]),
-                                  torch.cat([depths, pad])[None])
-        ancestors, depths = self.trees[(K, k)]
+            padded = torch.cat([parents, torch.full_like(pad, -1)])  # a pad: a root of its own, depth 0
+            table = tuple(x.to(pad.device)[None] for x in ancestor_table(padded.cpu(), max(self.bucket - 1, 1)))
+            self.trees[(K, k)] = (ancestors_from_parents(padded[None]), torch.cat([depths, pad])[None], table)
+        ancestors, depths, table = self.trees[(K, k)]
         self.tokens.zero_()
         self.tokens[:, :1].fill_(t)
-        self._place(lane, pos, ancestors, depths)
+        self._place(lane, pos, ancestors, depths, table)
