@@ -54,6 +54,13 @@ def test_chain_speculative_equals_generate(model, draft_loops):
         assert got.stats["accepted_tokens"] > 0 or model.config.vocab_size > 256
 
 
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_tree_speculative_equals_generate(model, K):
+    for p in model.prompts:
+        assert model.generate_tree_speculative(p, max_tokens=N, draft_loops=2, verify_loops=8, draft_ahead=4,
+                                               K_branches=K) == model.generate(p, loops=8, max_tokens=N)
+
+
 def test_chain_speculative_on_the_host_path_equals_generate(model):
     """Without device rounds (the path sampled chains take) the verify is still exact."""
     r = model.runner
