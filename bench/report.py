@@ -112,7 +112,7 @@ CURRENT = [
     ("context", "cpu"), ("load", "cuda"), ("load", "cpu"), ("families", "cuda"),
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
-    ("ray-hop", "cpu"), ("transport", "cuda"),
+    ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
 ]
 
 
@@ -533,16 +533,24 @@ def batch_body(r: Result) -> str:
     d = r.data
     alone = d.get("alone_ms_per_token")
     alone_rate = 1e3 / alone if isnum(alone) and alone else None
-    rows = [["one stream alone (pipelined batch-1 decode)", ms(alone), count(alone_rate), "1.00×", DASH, DASH, DASH]]
+    inv = "invariant_alone_ms_per_token" in d
+    rows = [["one stream alone (pipelined batch-1 decode)", ms(alone), count(alone_rate), "1.00×", DASH, DASH, DASH,
+             *([ms(d.get("invariant_alone_ms_per_token")), pct(100 * d["invariant_alone_cost"])
+                if isnum(d.get("invariant_alone_cost")) else DASH, DASH] if inv else [])]]
     for row in d.get("rows") or []:
         if not isinstance(row, dict):
             continue
-        gr, ea = row.get("graphs") or {}, row.get("eager") or {}
+        gr, ea, iv = row.get("graphs") or {}, row.get("eager") or {}, row.get("invariant") or {}
+        cost = row.get("invariant_cost")
         rows.append([text(row.get("streams")), ms(gr.get("ms_per_step")), count(gr.get("tokens_per_s")),
                      times(row.get("speedup_vs_alone")), text(gr.get("streams_equal_alone")),
-                     ms(ea.get("ms_per_step"), 2), count(ea.get("tokens_per_s"))])
+                     ms(ea.get("ms_per_step"), 2), count(ea.get("tokens_per_s")),
+                     *([ms(iv.get("ms_per_step")), pct(100 * cost) if isnum(cost) else DASH,
+                        text(iv.get("streams_equal_alone"))] if inv else [])])
     return table(["streams", "ms per step", "tokens/s", "× one stream alone", "streams with the alone tokens",
-                  "eager: ms per step", "eager: tokens/s"], rows) + "\n"
+                  "eager: ms per step", "eager: tokens/s",
+                  *(["batch-invariant: ms per step", "its cost", "batch-invariant: streams with the alone tokens"]
+                    if inv else [])], rows) + "\n"
 
 
 def prefill_extra(r: Result) -> list[str]:
@@ -586,13 +594,25 @@ def warmstart_body(r: Result) -> str:
 
 def speculative_extra(r: Result) -> list[str]:
     d = r.data
-    return [f"Model: {model_name(d.get('model'))}, {text(d.get('dtype'))}, backend {text(d.get('backend'))}; "
+    inv = (f"; batch-invariant kernels {yesno(d.get('batch_invariant'))}, device rounds {yesno(d.get('device_rounds'))}"
+           if "batch_invariant" in d else "")
+    return [f"Model: {model_name(d.get('model'))}, {text(d.get('dtype'))}, backend {text(d.get('backend'))}{inv}; "
             f"{text(d.get('prompts'))} prompts, {text(d.get('max_tokens'))} tokens each, median of "
             f"{text(d.get('repeat'))}"]
 
 
 def speculative_body(r: Result) -> str:
-    d = r.data
+    temps = r.data.get("temperatures")
+    if not isinstance(temps, dict) or not temps:
+        return speculative_table(r.data)
+    out = []
+    for t in sorted(temps, key=lambda k: float(k) if k.replace(".", "", 1).isdigit() else 0.0):
+        label = "Greedy" if t in ("0", "0.0") else f"Sampled at temperature {t} (top-k 50, seeded)"
+        out.append(f"{label}:\n\n{speculative_table(temps[t])}")
+    return "\n".join(out)
+
+
+def speculative_table(d: dict) -> str:
     rows = []
     for key, label in (("baseline", "plain generate"), ("baseline_after", "plain generate, again after")):
         b = d.get(key) if isinstance(d.get(key), dict) else {}
@@ -607,6 +627,30 @@ def speculative_body(r: Result) -> str:
                          text(x.get("diverged_at"))])
     return table(["mode", "draft L", "verify L", "branches K", "draft ahead", "tokens/s", "vs plain generate",
                   "accepted / verify", "acceptance", "greedy parity", "diverged at token"], rows) + "\n"
+
+
+def gemv_invariant_body(r: Result) -> str:
+    rows = []
+    for x in r.data.get("rows") or []:
+        if isinstance(x, dict) and x.get("M") in (1, 2, 5, 16, 64):  # (the file holds every M timed)
+            rows.append([text(x.get("name")), text(x.get("M")), us(x.get("invariant_ms")), us(x.get("today_ms")),
+                         us(x.get("torch_linear_ms")), yesno(x.get("rows_bitwise")), yesno(x.get("today_rows_bitwise"))])
+    return table(["projection", "rows M", "batch-invariant", "today's path", "cuBLAS (plain)",
+                  "invariant rows = M = 1 calls", "today's rows = M = 1 calls"], rows or [[DASH] * 7]) + "\n"
+
+
+def profile_speculative_body(r: Result) -> str:
+    d = r.data
+    parts = d.get("parts") if isinstance(d.get("parts"), dict) else {}
+    rows = [[k.replace("_ms", "").replace("_", " "), ms(v)] for k, v in parts.items()]
+    runs = d.get("runs") if isinstance(d.get("runs"), dict) else {}
+    gen = [[name, ms(get(x, "wall_ms"), 2), ms(get(x, "gpu_busy_ms_profiled"), 2), text(get(x, "tokens")),
+            text(get(x, "verify_steps"))] for name, x in runs.items()]
+    return (f"Draft L {text(d.get('draft_loops'))}, verify L {text(d.get('verify_loops'))}, draft ahead "
+            f"{text(d.get('draft_ahead'))}; batch-invariant kernels {yesno(d.get('batch_invariant'))}, device rounds "
+            f"{yesno(d.get('device_rounds'))}.\n\n"
+            + table(["part (median, synchronised)", "time"], rows or [[DASH] * 2]) + "\n\nOne generate:\n\n"
+            + table(["run", "wall", "GPU busy", "tokens", "rounds"], gen or [[DASH] * 5]) + "\n")
 
 
 def service_extra(r: Result) -> list[str]:
@@ -905,6 +949,12 @@ SPEC_INTRO = ("`bench/speculative.py`: drafts at the draft L, verified at the ve
               "token at a time, tree rounds K branches a position. Plain generate runs at the verify L in the "
               "same run, before and after the speculative modes. `diverged at token`: where a prompt's tokens part "
               "from plain generate's (bf16 near ties).")
+PROFILE_SPEC_INTRO = ("`bench/profile_speculative.py`: a speculative round's parts timed alone on the embedded "
+                      "default model, and one greedy generate of each kind against the GPU's busy time (the gap is "
+                      "the GPU waiting on the host).")
+GEMV_INV_INTRO = ("`bench/gemv_invariant.py`: bench-285m's projections with their fused options, M rows a call: "
+                  "the batch-invariant path (every row through the M = 1 kernel), today's (the M = 1 kernel, the "
+                  "batched tl.dot kernel for 2 to 16 rows) and cuBLAS, microseconds a call, weights read from HBM.")
 LOAD_INTRO = ("`bench/load.py`: concurrent streams, all started at once, each its own prompt, through `tinyloop serve` "
               "(gateway process, one Ray worker) from asyncio clients; the ceiling is the runner's batched step alone "
               "at the same B (sampling and host sync included), measured in the same run before the service starts. "
@@ -935,6 +985,9 @@ def render(results: Path = RESULTS) -> str:
         section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),
         section("Self-speculative decoding", SPEC_INTRO, n(("speculative", "cuda")), speculative_body,
                 speculative_extra),
+        section("A speculative round's parts", PROFILE_SPEC_INTRO, n(("profile-speculative", "cuda")),
+                profile_speculative_body),
+        section("Batch-invariant projections", GEMV_INV_INTRO, n(("gemv-invariant", "cuda")), gemv_invariant_body),
         section("The service on the GPU", SERVICE_INTRO, n(("service", "gpu")), service_body, service_extra),
         section("The service under load on the GPU", LOAD_INTRO, n(("load", "cuda")), load_body, load_extra),
         startup_section(startups),
