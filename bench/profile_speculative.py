@@ -64,6 +64,23 @@ def _busy(prof) -> tuple[float, int, list]:
     return busy / 1e3, kernels, host
 
 
+def round_kernels(r, Ld: int, Lv: int, k: int, pos: int, reps: int = 10) -> list[dict]:
+    """The kernels of one device round (its graph replayed `reps` times under the profiler), by
+    name: launches and GPU microseconds per round, most expensive first."""
+    r.chain_round(0, Ld, Lv, k, state=(65, pos)).result()  # captured before the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            r.chain_round(0, Ld, Lv, k, state=(65, pos)).result()
+    by: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:80]
+            n, t = by.get(name, (0, 0.0))
+            by[name] = (n + 1, t + (e.time_range.end - e.time_range.start))
+    rows = [{"kernel": name, "per_round": n / reps, "us_per_round": t / reps} for name, (n, t) in by.items()]
+    return sorted(rows, key=lambda x: -x["us_per_round"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -101,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         parts["chain_round_host_ms"] = _ms(round_, dev)
         if r.settings.device_rounds:
             parts["chain_round_device_ms"] = _ms(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(), dev)
+        kernels = []
+        if r.settings.device_rounds:
+            kernels = round_kernels(r, Ld, Lv, k, pos)
         r.release(last[0])
         r.release(out[0])
         print(parts)
@@ -126,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         write("profile-speculative-cuda", {"hardware": hardware(dev), "model": m.path,
                                            "batch_invariant": args.batch_invariant,
                                            "device_rounds": r.settings.device_rounds, "draft_loops": Ld,
-                                           "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs},
+                                           "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs,
+                                           "round_kernels": kernels},
               args.out_dir)
 
 

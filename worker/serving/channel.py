@@ -128,6 +128,11 @@ def _refusal(message: str) -> bytes:
         code="UNAUTHENTICATED", reason="UNAUTHENTICATED", message=message))))
 
 
+def _invalid(message: str) -> dict:
+    """An INVALID_ARGUMENT error event (the wire's error item) for a malformed call."""
+    return {"error": {"code": "INVALID_ARGUMENT", "reason": "INVALID_ARGUMENT", "message": message}}
+
+
 class _Connection:
     """One gateway's connection on the worker: its streams by key."""
 
@@ -148,8 +153,7 @@ class _Connection:
                 kind = f.WhichOneof("body")
                 if kind == "start":
                     if f.key in self.tasks:
-                        self._send(f.key, {"error": {"code": "INVALID_ARGUMENT", "reason": "INVALID_ARGUMENT",
-                                                     "message": f"stream {f.key!r} is already running"}})
+                        self._send(f.key, _invalid(f"stream {f.key!r} is already running"))
                         continue
                     self.tasks[f.key] = asyncio.ensure_future(self._stream(f.key, f.start))
                 elif kind == "cancel":
@@ -174,8 +178,7 @@ class _Connection:
         elif kind == "resume":
             stream = self.actor.resume(key, call.caller, call.handle_token, call.handle_epoch, call.resume)
         else:
-            self._send(key, {"error": {"code": "INVALID_ARGUMENT", "reason": "INVALID_ARGUMENT",
-                                       "message": "a StreamCall carries GenerateParams or ResumeParams"}})
+            self._send(key, _invalid("a StreamCall carries GenerateParams or ResumeParams"))
             self.tasks.pop(key, None)
             return
         try:
@@ -205,7 +208,7 @@ class Link:
     async def open(cls, address: str, token: str, timeout_s: float = 10.0) -> "Link":
         host, port = address.rsplit(":", 1)
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port), limit=MAX_FRAME_BYTES + _LENGTH.size), timeout_s)
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
         writer.write(frame(cpb.LinkFrame(hello=cpb.LinkHello(token=token))))
         return cls(reader, writer)
 
@@ -276,7 +279,7 @@ async def serve(actor, options: ChannelOptions):
     async def accept(reader, writer):
         await _Connection(actor, token, reader, writer).run()
 
-    server = await asyncio.start_server(accept, options.host, options.port, limit=MAX_FRAME_BYTES + _LENGTH.size)
+    server = await asyncio.start_server(accept, options.host, options.port)
     port = server.sockets[0].getsockname()[1]
     host = _advertised(options.host)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
