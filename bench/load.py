@@ -204,14 +204,24 @@ def step_delta(before: dict, after: dict) -> dict:
                 d["tinyloop_worker_process_cpu_seconds_total"] / d["tinyloop_worker_stats_clock_seconds"])}
 
 
+def _scheduler(m, args):
+    """The worker's scheduler over the model's runner, with the worker's options from args,
+    and a function that makes one prompt's job as the worker makes it."""
+    from tinyloop.worker.serving.scheduler import Job, Scheduler, SchedulerOptions
+    s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together))
+
+    def job(key: str, p: list[int]) -> Job:
+        req = m.make_request(p, loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
+        return Job(key, lambda lane: m.start_chunked(req, lane), tokens=len(p))
+    return s, job
+
+
 def scheduler_alone(m, ps: list[list[int]], args) -> dict:
     """The worker's scheduler in this process (no Ray, no gRPC, no event loop): every prompt
     submitted at once, stepped until all are done, as the worker steps them."""
-    from tinyloop.worker.serving.scheduler import Job, Scheduler, SchedulerOptions
-    s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together))
+    s, job = _scheduler(m, args)
     for i, p in enumerate(ps):
-        req = m.make_request(p, loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
-        s.submit(Job(f"s{i}", lambda lane, req=req: m.start_chunked(req, lane), tokens=len(p)))
+        s.submit(job(f"s{i}", p))
     sync(m.device)
     t0 = time.perf_counter()
     steps = tokens = 0
@@ -227,13 +237,12 @@ def scheduler_ttft(m, ps: list[list[int]], args) -> list[float]:
     """Each prompt alone through the worker's scheduler in this process, stepped to its end: the
     seconds from submit to the step's first-token events (the worker's own path to a first
     token, with no event loop or thread hand-off)."""
-    from tinyloop.worker.serving.scheduler import Job, Scheduler, SchedulerOptions
-    s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together))
+    s, job = _scheduler(m, args)
     out = []
     for i, p in enumerate(ps):
-        req = m.make_request(p, loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
+        j = job(f"t{i}", p)
         t0 = time.perf_counter()
-        s.submit(Job(f"t{i}", lambda lane, req=req: m.start_chunked(req, lane), tokens=len(p)))
+        s.submit(j)
         first = []
 
         def early(events):  # the step's first tokens, handed over before its decode step runs
