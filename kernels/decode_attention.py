@@ -88,6 +88,29 @@ sequence at the same position are still the caller's error (their stores differ)
 With PDL the attention launch's wait covers the write-only launch's stores (the wait is for the
 whole previous grid), and slots are expanded to rows on the device: no host sync, capturable.
 
+Trees (``rope_tree_attention``): the nodes of a speculative draft tree, T rows a sequence, each
+row (b, t) with a RoPE position, a write slot, a depth and the cache slots of its ancestors at
+depths 0 .. depth - 1, over a prefix of base[b] slots. The row attends to a virtual sequence of
+n = base + depth cached keys (virtual position j < base is slot j, j >= base the ancestor slot
+ancestor_slots[b, t, j - base]) plus its own new key, and its new k / v go to its write slot.
+It is the chunk's two launches with the TREE constexpr, which changes only addresses: the split
+kernel's tile loop loads the key and value of position j from the slot gathered for it
+(`_tile_slots`), k_new / v_new are stored at the write slot, and n_cached (of `_lane_splits`,
+in the split and the merge kernel) is base + depth instead of the position. Everything that
+computes numbers (rotation at the row's position, dots, online softmax, merge) is the decode
+path's code with the invariant split parameters of n cached slots, so a node at position base +
+depth is, bit for bit, rope_decode_attention(invariant=True) at that position on a cache whose
+slots base, base + 1, ... hold its ancestors' k / v: what decoding its branch linearly gives,
+since each ancestor wrote at its own write slot the bits that branch's decode step at the
+ancestor's position writes. Each write slot is stored by both launches with the same bits, so a
+descendant reading it concurrently sees one value, in whatever order the rows come (the
+write-only launch has stored every row's before any attends). A row at a position other than
+base + depth (a pad) computes the same over its virtual sequence, rotated at its position; an
+idle row (position outside [0, S)) reads and writes nothing. Depth and base are clamped in the
+kernels to [0, D] and [0, S], and a write slot outside [0, S) stores nothing, so unchecked CUDA
+values stay inside the tensors; the ancestor slots themselves are the caller's there (checked
+on CPU).
+
 Both ops launch their split and merge kernels with programmatic dependent launch where the
 GEMV does (Hopper and later, `_launch.use_pdl`). Each kernel lets the next one launch at once,
 then waits for the previous kernel's writes: the merge kernel launches while the split kernel
@@ -95,8 +118,9 @@ runs (and waits for its partials), and the projection after the merge starts loa
 weights while the merge drains. decode_attention's split and merge kernels read nothing
 before the wait. rope_decode_attention's split kernel loads positions[b] and its cos / sin rows
 before it (and a program with no slot of its lane exits there), with ``slots`` its lane's
-cache slot too, and its merge kernel loads positions[b], since they never come from the
-projection launched just before (which writes q, k, v): the contract is that positions, slots
+cache slot too (with TREE the row's write slot, depth and base), and its merge kernel loads
+positions[b] (with TREE the depth and base), since they never come from the projection launched
+just before (which writes q, k, v): the contract is that positions, slots, the tree's tensors
 and the tables are not written by a kernel launched with PDL since the last ordinary launch in
 the stream (only such a kernel can still be running). The engine's tables never change, and it
 writes positions (and slots) by a host copy or fill before the step (or, in a captured step,
@@ -857,9 +881,9 @@ def rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancest
     real node) it is, bit for bit, rope_decode_attention(invariant=True) at that position with
     the node's ancestors at the linear slots base, base + 1, ... (module docstring, "Trees").
     A row at another position (a pad) computes the same over its virtual sequence, rotated at
-    its position. A live write slot must be no other live row's of its sequence, and no row may
-    have a row at a higher depth as an ancestor (the caller's errors otherwise, not checked);
-    an idle row (position outside [0, S)) writes and reads nothing and outputs its own v."""
+    its position. A live write slot must be no other live row's of its sequence (the caller's
+    error otherwise, not checked: the rows run concurrently); an idle row (position outside
+    [0, S)) writes and reads nothing and outputs its own v."""
     op = "rope_tree_attention"
     _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk=True)
     check_device(op, q=q, write_slots=write_slots, depth=depth, ancestor_slots=ancestor_slots, base=base)

@@ -660,8 +660,9 @@ def test_rope_chunk_attention_gpu_bf16(shape):
 # at cache slot pos + u, its RoPE position is pos + depth(u), and it attends to the prefix [0,
 # pos), its ancestors and itself. Forced split parameters at S = 64: lane splits of 4 slots, at
 # most 4 active, so the tree part of a virtual sequence rooted at 11 crosses a split boundary
-# (depth 3: 14 slots in 4 splits of 4, the last from 12) and one rooted at 49 a tile boundary
-# (BLOCK_N 16 on the interpreter: the last split of 13 slots, 39 .. 52, has a tile from 55).
+# (depth 3: 14 slots in 4 splits of 4, the last from 12). With the chunk tests' FORCED one
+# rooted at 49 crosses a tile boundary (BLOCK_N 16 on the interpreter; depth 2: 51 slots in 3
+# splits of 17, the last 34 .. 50 with a tile from 50).
 TREE_FORCED = (16, 4, 4)
 TREE_POS = [11, 49]
 TREE_SLOTS = [2, 0]  # of 3 cache slots
