@@ -13,6 +13,8 @@ from .decode_attention import (
     rope_chunk_attention_ref,
     rope_decode_attention,
     rope_decode_attention_ref,
+    rope_tree_attention,
+    rope_tree_attention_ref,
 )
 from .gemv import ARGMAX_KEY_NONE, argmax_key_ref, gemv, gemv_ref
 from .rmsnorm import rms_norm, rms_norm_ref
@@ -42,6 +44,8 @@ __all__ = [
     "rope_chunk_attention_ref",
     "rope_decode_attention",
     "rope_decode_attention_ref",
+    "rope_tree_attention",
+    "rope_tree_attention_ref",
     "sample_top_k",
     "sample_top_k_ref",
     "swiglu",

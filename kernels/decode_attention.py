@@ -88,6 +88,29 @@ sequence at the same position are still the caller's error (their stores differ)
 With PDL the attention launch's wait covers the write-only launch's stores (the wait is for the
 whole previous grid), and slots are expanded to rows on the device: no host sync, capturable.
 
+Trees (``rope_tree_attention``): the nodes of a speculative draft tree, T rows a sequence, each
+row (b, t) with a RoPE position, a write slot, a depth and the cache slots of its ancestors at
+depths 0 .. depth - 1, over a prefix of base[b] slots. The row attends to a virtual sequence of
+n = base + depth cached keys (virtual position j < base is slot j, j >= base the ancestor slot
+ancestor_slots[b, t, j - base]) plus its own new key, and its new k / v go to its write slot.
+It is the chunk's two launches with the TREE constexpr, which changes only addresses: the split
+kernel's tile loop loads the key and value of position j from the slot gathered for it
+(`_tile_slots`), k_new / v_new are stored at the write slot, and n_cached (of `_lane_splits`,
+in the split and the merge kernel) is base + depth instead of the position. Everything that
+computes numbers (rotation at the row's position, dots, online softmax, merge) is the decode
+path's code with the invariant split parameters of n cached slots, so a node at position base +
+depth is, bit for bit, rope_decode_attention(invariant=True) at that position on a cache whose
+slots base, base + 1, ... hold its ancestors' k / v: what decoding its branch linearly gives,
+since each ancestor wrote at its own write slot the bits that branch's decode step at the
+ancestor's position writes. Each write slot is stored by both launches with the same bits, so a
+descendant reading it concurrently sees one value, in whatever order the rows come (the
+write-only launch has stored every row's before any attends). A row at a position other than
+base + depth (a pad) computes the same over its virtual sequence, rotated at its position; an
+idle row (position outside [0, S)) reads and writes nothing. Depth and base are clamped in the
+kernels to [0, D] and [0, S], and a write slot outside [0, S) stores nothing, so unchecked CUDA
+values stay inside the tensors; the ancestor slots themselves are the caller's there (checked
+on CPU).
+
 Both ops launch their split and merge kernels with programmatic dependent launch where the
 GEMV does (Hopper and later, `_launch.use_pdl`). Each kernel lets the next one launch at once,
 then waits for the previous kernel's writes: the merge kernel launches while the split kernel
@@ -95,8 +118,9 @@ runs (and waits for its partials), and the projection after the merge starts loa
 weights while the merge drains. decode_attention's split and merge kernels read nothing
 before the wait. rope_decode_attention's split kernel loads positions[b] and its cos / sin rows
 before it (and a program with no slot of its lane exits there), with ``slots`` its lane's
-cache slot too, and its merge kernel loads positions[b], since they never come from the
-projection launched just before (which writes q, k, v): the contract is that positions, slots
+cache slot too (with TREE the row's write slot, depth and base), and its merge kernel loads
+positions[b] (with TREE the depth and base), since they never come from the projection launched
+just before (which writes q, k, v): the contract is that positions, slots, the tree's tensors
 and the tables are not written by a kernel launched with PDL since the last ordinary launch in
 the stream (only such a kernel can still be running). The engine's tables never change, and it
 writes positions (and slots) by a host copy or fill before the step (or, in a captured step,
@@ -161,16 +185,31 @@ SPLIT_BLOCK_N = 128
 
 
 @triton.jit
+def _tile_slots(offs_n, mask_n, anc_row, stride_anc_d, base, TREE: tl.constexpr):
+    """The cache slot of each position of a tile: the position itself, or with TREE the virtual
+    sequence's slot (position j < base is slot j, j >= base the ancestor slot anc_row[j - base])."""
+    if TREE:
+        tail = offs_n >= base
+        anc = tl.load(anc_row + (offs_n - base) * stride_anc_d, mask=mask_n & tail, other=0)
+        return tl.where(tail, anc, offs_n)
+    else:
+        return offs_n
+
+
+@triton.jit
 def _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
-                  start, end, offs_d, mask_d, m, l, acc, qk_scale,
-                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Online softmax of the group's queries q (BLOCK_G, BLOCK_D) over cache slots [start, end),
-    continuing from the running (m, l, acc): returns the updated triple."""
+                  start, end, offs_d, mask_d, m, l, acc, qk_scale, anc_row, stride_anc_d, base,
+                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, TREE: tl.constexpr):
+    """Online softmax of the group's queries q (BLOCK_G, BLOCK_D) over cache positions [start,
+    end), continuing from the running (m, l, acc): returns the updated triple. Position j is
+    cache slot j, or with TREE the slot `_tile_slots` gathers for it (anc_row, stride_anc_d and
+    base unused otherwise); only the addresses differ, every number is computed alike."""
     # Every tile of this loop holds at least one valid slot, so m is finite after the first.
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        k = tl.load(k_base + offs_n[None, :] * stride_kc_s + offs_d[:, None] * stride_kc_d,
+        slot_n = _tile_slots(offs_n, mask_n, anc_row, stride_anc_d, base, TREE)
+        k = tl.load(k_base + slot_n[None, :] * stride_kc_s + offs_d[:, None] * stride_kc_d,
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
         s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -178,7 +217,7 @@ def _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stri
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
+        v = tl.load(v_base + slot_n[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m = m_new
@@ -274,9 +313,22 @@ def _decode_attention_split_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
-                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
+                              start, end, offs_d, mask_d, m, l, acc, qk_scale, k_base, 0, 0,
+                              BLOCK_N, INPUT_PRECISION, False)
     _store_partials(m_ptr, l_ptr, acc_ptr, m, l, acc, b, heads, split, H, HD, NUM_SPLITS,
                     mask_g, offs_d, mask_d)
+
+
+@triton.jit
+def _tree_cached(b, live, depth_ptr, stride_depth, base_ptr, stride_base, ROWS_PER_SEQ, S, MAX_DEPTH):
+    """(cached slots before the new token, prefix length) of rope_tree_attention's row b: its
+    virtual sequence of base + depth positions (0 for an idle row, as the decode op's), base
+    that of the row's sequence b // ROWS_PER_SEQ. Clamped to depth in [0, MAX_DEPTH] and base in
+    [0, S], so a CUDA launch, whose values nobody checks, never reads past ancestor_slots' row
+    or the cache row (the range checks are on CPU tensors only, as the slots')."""
+    depth = tl.minimum(tl.maximum(tl.load(depth_ptr + b * stride_depth), 0), MAX_DEPTH)
+    base = tl.minimum(tl.maximum(tl.load(base_ptr + (b // ROWS_PER_SEQ) * stride_base), 0), S)
+    return tl.where(live, base + depth, 0).to(tl.int32), base.to(tl.int32)
 
 
 @triton.jit
@@ -332,6 +384,12 @@ def _rope_decode_attention_split_kernel(
     H, S, HD, GROUP, NUM_SPLITS, SPLIT_LEN,
     qk_scale,
     MAX_ACTIVE,  # a lane's most active splits, <= NUM_SPLITS
+    write_slots_ptr,  # (B,) int64 with TREE: row b's write slot (else unused, as the next three)
+    depth_ptr,  # (B,) int64 with TREE: row b's depth
+    anc_ptr,  # (B, MAX_DEPTH) int64 with TREE: row b's ancestors' slots at depths 0 .. depth - 1
+    base_ptr,  # (B // ROWS_PER_SEQ,) int64 with TREE: each sequence's prefix length
+    stride_ws, stride_depth, stride_anc_b, stride_anc_d, stride_base,
+    ROWS_PER_SEQ, MAX_DEPTH,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -339,6 +397,7 @@ def _rope_decode_attention_split_kernel(
     PDL: tl.constexpr,
     SLOTS: tl.constexpr,
     WRITE_ONLY: tl.constexpr,  # store k_new, v_new (split 0, the only one launched) and exit
+    TREE: tl.constexpr,  # rope_tree_attention: a gathered virtual sequence, a write slot apart
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -349,7 +408,16 @@ def _rope_decode_attention_split_kernel(
     pos = tl.load(positions_ptr + b * stride_pos)
     live = (pos >= 0) & (pos < S)
     row = tl.where(live, pos, 0)  # of the tables: in range, since P >= S
-    n_cached = row.to(tl.int32)  # cache slots before the new token
+    if TREE:  # its tree's tensors come from where positions do: before the wait too
+        n_cached, base = _tree_cached(b, live, depth_ptr, stride_depth, base_ptr, stride_base,
+                                      ROWS_PER_SEQ, S, MAX_DEPTH)
+        slot = tl.load(write_slots_ptr + b * stride_ws)  # where k_new, v_new go: not pos
+        write = live & (slot >= 0) & (slot < S)  # a slot outside the cache row: no store at all
+    else:
+        n_cached = row.to(tl.int32)  # cache slots before the new token
+        base = n_cached  # unused
+        slot = pos
+        write = live
     # A split past the lane's cached slots has nothing to add: it exits here, before the wait
     # and with nothing written (the merge reads the lane's active splits only). Split 0 always
     # runs: it holds the new key.
@@ -376,8 +444,8 @@ def _rope_decode_attention_split_kernel(
     k_row = k_ptr + b * stride_k_b + kvh * stride_k_h
     v_row = v_ptr + b * stride_v_b + kvh * stride_v_h
     if WRITE_ONLY:  # rope_chunk_attention's first launch: the cache write alone
-        _rope_new_kv(k_row, stride_k_d, v_row, stride_v_d, k_base + pos * stride_kc_s,
-                     v_base + pos * stride_vc_s, stride_kc_d, stride_vc_d, live, offs_d, partner, mask_d,
+        _rope_new_kv(k_row, stride_k_d, v_row, stride_v_d, k_base + slot * stride_kc_s,
+                     v_base + slot * stride_vc_s, stride_kc_d, stride_vc_d, write, offs_d, partner, mask_d,
                      cos, sin)
         return
 
@@ -395,14 +463,15 @@ def _rope_decode_attention_split_kernel(
     if split == 0:
         # The new token: its key is the first of split 0's online softmax (one score per head,
         # so l = 1 and acc = v_new), then it goes into the cache for the next steps.
-        k_new, v_new = _rope_new_kv(k_row, stride_k_d, v_row, stride_v_d, k_base + pos * stride_kc_s,
-                                    v_base + pos * stride_vc_s, stride_kc_d, stride_vc_d, live, offs_d,
+        k_new, v_new = _rope_new_kv(k_row, stride_k_d, v_row, stride_v_d, k_base + slot * stride_kc_s,
+                                    v_base + slot * stride_vc_s, stride_kc_d, stride_vc_d, write, offs_d,
                                     partner, mask_d, cos, sin)
         m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
         l = tl.full([BLOCK_G], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
     m, l, acc = _attend_slots(q, k_base, v_base, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
-                              start, end, offs_d, mask_d, m, l, acc, qk_scale, BLOCK_N, INPUT_PRECISION)
+                              start, end, offs_d, mask_d, m, l, acc, qk_scale, anc_ptr + b * stride_anc_b,
+                              stride_anc_d, base, BLOCK_N, INPUT_PRECISION, TREE)
     if n_active == 1:
         # The lane's only split: its softmax is complete, and it writes o itself (the merge of
         # one partial is this division, bit for bit; the merge kernel skips the lane).
@@ -427,17 +496,28 @@ def _decode_attention_merge_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
     ROPE: tl.constexpr,
+    # TREE only (with ROPE): rope_tree_attention's, as its split kernel takes them; defaults
+    # for every other launch (hcache's among them)
+    depth_ptr=0, base_ptr=0, stride_depth=0, stride_base=0, ROWS_PER_SEQ=1, MAX_DEPTH=0,
+    TREE: tl.constexpr = False,
 ):
     """o of each (b, h) from its splits' partials. decode_attention's split kernel writes every
     split; rope_decode_attention's writes the lane's active splits only, and none when there is
-    one (it wrote o itself): the merge reads the positions to know which."""
+    one (it wrote o itself): the merge reads the positions (with TREE the row's depth and base
+    too) to know which."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)  # b * H + h
     n_splits = NUM_SPLITS
     if ROPE:  # the positions before the wait, as the split kernel reads them
         pos = tl.load(positions_ptr + (bh // H) * stride_pos)
-        n_splits, _ = _lane_splits(tl.where((pos >= 0) & (pos < S), pos, 0).to(tl.int32), SPLIT_LEN, MAX_ACTIVE)
+        live = (pos >= 0) & (pos < S)
+        if TREE:
+            n_cached, _ = _tree_cached(bh // H, live, depth_ptr, stride_depth, base_ptr, stride_base,
+                                       ROWS_PER_SEQ, S, MAX_DEPTH)
+        else:
+            n_cached = tl.where(live, pos, 0).to(tl.int32)
+        n_splits, _ = _lane_splits(n_cached, SPLIT_LEN, MAX_ACTIVE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if ROPE:
@@ -565,7 +645,7 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None, lane_split_len=None, has_slots=False, write_only=False):
+                     max_active=None, lane_split_len=None, has_slots=False, write_only=False, tree=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd). has_slots: the SLOTS constexpr (inputs and strides then carry the
@@ -575,6 +655,8 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     (_lane_splits of lane_split_len slots at least, default split_len <= it).
     write_only: rope_decode_attention's WRITE_ONLY launch, split 0 of each (row, kv head) alone:
     no partials, no o, no merge (returns None).
+    tree: rope_tree_attention's (write_slots, depth, ancestor_slots, base) rows (`_tree_rows`),
+    the TREE constexpr of both kernels; None: stand-ins the kernels never read.
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     # the write-only kernel stores no o and no partials: one-row stand-ins for its pointers
@@ -591,11 +673,13 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     acc = torch.empty((parts, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device) and not interpreting()
     rope = positions is not None
+    if rope:
+        tree_args = _tree_args(tree, positions)
     split_kernel[(B, Hkv, 1 if write_only else num_splits)](
         *inputs, m, l, acc, *((o,) if rope else ()), *strides,
         H, S, hd, H // Hkv, num_splits, lane_split_len if rope else split_len,
         float(scale) * LOG2E,
-        *((max_active,) if rope else ()),
+        *((max_active, *tree_args) if rope else ()),
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
         BLOCK_N=_block_n(BLOCK_D),
@@ -603,7 +687,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
         SLOTS=has_slots,
-        **({"WRITE_ONLY": write_only} if rope else {}),
+        **({"WRITE_ONLY": write_only, "TREE": tree is not None} if rope else {}),
         num_warps=4,
         num_stages=SPLIT_STAGES,
         launch_pdl=pdl,
@@ -617,10 +701,29 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         BLOCK_D=BLOCK_D,
         PDL=pdl,
         ROPE=rope,
+        # the tree's depth and base, their strides, ROWS_PER_SEQ and MAX_DEPTH (`_tree_args`)
+        **({} if tree is None else {"depth_ptr": tree_args[1], "base_ptr": tree_args[3],
+                                    "stride_depth": tree_args[5], "stride_base": tree_args[8],
+                                    "ROWS_PER_SEQ": tree_args[9], "MAX_DEPTH": tree_args[10], "TREE": True}),
         num_warps=1 if BLOCK_D <= 64 else 2,
         launch_pdl=pdl,
     )
     return o
+
+
+def _tree_args(tree, stand_in):
+    """The rope split kernel's TREE arguments from `_tree_rows`' tuple (write_slots (R,), depth
+    (R,), ancestor_slots (R, D), base (R // T,), T): the four tensors, their five strides,
+    ROWS_PER_SEQ = T and MAX_DEPTH = D. Without a tree (or with D = 0, no ancestor to read)
+    stand_in takes the place of what the kernel never reads."""
+    if tree is None:
+        return (stand_in,) * 4 + (0,) * 5 + (1, 0)
+    write_slots, depth, anc, base, T = tree
+    D = anc.shape[1]
+    if D == 0:  # an empty tensor's pointer may be null, which a launch refuses
+        anc = stand_in[:, None]
+    return (write_slots, depth, anc, base, write_slots.stride(0), depth.stride(0), anc.stride(0),
+            anc.stride(1), base.stride(0), T, D)
 
 
 def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len, slots=None):
@@ -646,11 +749,12 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None):
 
 
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
-                          lane_split_len=None, slots=None, write_only=False):
+                          lane_split_len=None, slots=None, write_only=False, tree=None):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
     and longer ones than split_len. write_only: the WRITE_ONLY launch (the cache write alone,
-    returns None; the split parameters then matter not)."""
+    returns None; the split parameters then matter not). tree: rope_tree_attention's rows
+    (`_tree_rows`): each row's virtual sequence and write slot."""
     q, k, v = q[:, 0], k[:, 0], v[:, 0]  # views: drop T = 1
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     slots_t, stride_slots = slots_arg(slots, positions)
@@ -659,7 +763,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), stride_slots, *k_cache.stride(), *v_cache.stride()),
                             q, Hkv, S, scale, split_len, positions, max_active, lane_split_len,
-                            has_slots=slots is not None, write_only=write_only)
+                            has_slots=slots is not None, write_only=write_only, tree=tree)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
@@ -733,6 +837,98 @@ def rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, 
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots,
                                  *_rope_splits(B * T, Hkv, S, hd, q.device, invariant=True))
+
+
+def _tree_rows(write_slots, depth, ancestor_slots, base):
+    """rope_tree_attention's (B, T) tensors flattened to the B * T rows of its launches (views
+    where the strides allow, as the chunk's q, k, v), base kept per sequence: the kernels read
+    base[row // T], so no copy expands it. -> the `tree` tuple of _rope_decode_attention."""
+    B, T, D = ancestor_slots.shape
+    return (write_slots.reshape(B * T), depth.reshape(B * T), ancestor_slots.reshape(B * T, D), base, T)
+
+
+def _rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache,
+                         v_cache, scale, slots, split_len, max_active=None, lane_split_len=None):
+    """rope_tree_attention with explicit split parameters (as _rope_chunk_attention's): the
+    write-only launch over the B * T rows (each stores at its write slot), then the attention
+    launch over them, both with TREE."""
+    B, T, H, hd = q.shape
+    Hkv = k.shape[2]
+    rows = B * T
+    q, k, v = q.reshape(rows, 1, H, hd), k.reshape(rows, 1, Hkv, hd), v.reshape(rows, 1, Hkv, hd)
+    pos = positions.reshape(rows)
+    row_slots = slots[:, None].expand(B, T).reshape(rows)  # a copy on the device: no host sync
+    tree = _tree_rows(write_slots, depth, ancestor_slots, base)
+    args = (q, k, v, cos, sin, pos, k_cache, v_cache, scale, split_len, max_active, lane_split_len)
+    _rope_decode_attention(*args, slots=row_slots, write_only=True, tree=tree)
+    o = _rope_decode_attention(*args, slots=row_slots, tree=tree)  # (B * T, H, hd)
+    return o.view(B, T, H, hd).permute(0, 2, 1, 3)
+
+
+def rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache, v_cache,
+                        scale, slots):
+    """RoPE + cache write + attention of a draft tree's nodes (a speculative tree verify): q (B,
+    T, H, hd), k, v (B, T, Hkv, hd), positions (B, T) int64 (each row's RoPE position),
+    write_slots (B, T) int64 (the cache slot its rotated k / v go to), depth (B, T) int64 >= 0,
+    ancestor_slots (B, T, D) int64 (D >= every depth: the slots of the row's ancestors at depths
+    0 .. depth - 1, later entries unused), base (B,) int64 (the prefix length), slots (B,)
+    (required: sequence b's cache row), tables and caches as rope_decode_attention's -> o (B, H,
+    T, hd) in q.dtype (a view of a (B, T, H, hd) tensor).
+
+    Row (b, t) attends to the virtual sequence of base[b] + depth[b, t] cached keys (position j
+    < base is slot j, j >= base slot ancestor_slots[b, t, j - base]) plus its own new key, with
+    the splits of an invariant decode step over that many: where positions == base + depth (a
+    real node) it is, bit for bit, rope_decode_attention(invariant=True) at that position with
+    the node's ancestors at the linear slots base, base + 1, ... (module docstring, "Trees").
+    A row at another position (a pad) computes the same over its virtual sequence, rotated at
+    its position. A live write slot must be no other live row's of its sequence (the caller's
+    error otherwise, not checked: the rows run concurrently); an idle row (position outside
+    [0, S)) writes and reads nothing and outputs its own v."""
+    op = "rope_tree_attention"
+    _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk=True)
+    check_device(op, q=q, write_slots=write_slots, depth=depth, ancestor_slots=ancestor_slots, base=base)
+    _check_tree(op, positions, write_slots, depth, ancestor_slots, base, k_cache.shape[2])
+    B, T, H, hd = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    return _rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache,
+                                v_cache, scale, slots, *_rope_splits(B * T, Hkv, S, hd, q.device, invariant=True))
+
+
+def _check_tree(op, positions, write_slots, depth, ancestor_slots, base, S):
+    """rope_tree_attention's tree tensors (positions (B, T) already checked): shapes and dtypes
+    always, values where reading them costs no host sync (CPU tensors, as check_slots): depth in
+    [0, D], base in [0, S], and for a live row (position in [0, S)) its write slot and its
+    ancestors' slots inside the cache row."""
+    B, T = positions.shape
+    check_shape(op, "write_slots", write_slots, (B, T))
+    check_shape(op, "depth", depth, (B, T))
+    check_rank(op, "ancestor_slots", ancestor_slots, 3, "(B, T, D)")
+    D = ancestor_slots.shape[2]
+    check_shape(op, "ancestor_slots", ancestor_slots, (B, T, D))
+    check_shape(op, "base", base, (B,))
+    for name, t in (("write_slots", write_slots), ("depth", depth), ("ancestor_slots", ancestor_slots),
+                    ("base", base)):
+        check_dtype(op, name, t, (torch.int64,))
+    if positions.device.type != "cpu":
+        return
+    live = (positions >= 0) & (positions < S)
+    for b, row in enumerate(depth.tolist()):
+        for t, d in enumerate(row):
+            if not 0 <= d <= D:
+                raise ValueError(f"{op}: depth[{b}, {t}] = {d} is outside [0, D = {D}]: ancestor_slots "
+                                 f"(B, T, D) holds D ancestors a row")
+    for b, n in enumerate(base.tolist()):
+        if not 0 <= n <= S:
+            raise ValueError(f"{op}: base[{b}] = {n} is outside [0, S = {S}]: the prefix is cache slots [0, base)")
+    for b, t in live.nonzero().tolist():
+        w = int(write_slots[b, t])
+        if not 0 <= w < S:
+            raise ValueError(f"{op}: write_slots[{b}, {t}] = {w} is outside [0, S = {S}) of a live row "
+                             f"(position {int(positions[b, t])})")
+        for i, a in enumerate(ancestor_slots[b, t, :int(depth[b, t])].tolist()):
+            if not 0 <= a < S:
+                raise ValueError(f"{op}: ancestor_slots[{b}, {t}, {i}] = {a} is outside [0, S = {S}) "
+                                 f"(row depth {int(depth[b, t])})")
 
 
 def masked_attention_ref(q, k_cache, v_cache, mask, scale):
@@ -816,3 +1012,41 @@ def _rope_chunk_attention_ref(q, k, v, cos, sin, positions, k_cache, v_cache, sc
     G = H // k.shape[2]
     v_alone = v.to(v_cache.dtype).repeat_interleave(G, dim=2).to(q.dtype).transpose(1, 2)  # (B, H, T, hd)
     return torch.where(live[:, None, :, None], o, v_alone)
+
+
+def rope_tree_attention_ref(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache,
+                            v_cache, scale, slots):
+    """The spec, in plain torch: rope_cache_write of every live row at its write slot (rows
+    positions[b, t] of the tables; an idle row writes nothing), then per live row
+    decode_attention over its virtual sequence, gathered from the cache: slots [0, base), its
+    ancestors' slots, its own write slot last; an idle row outputs its own v as
+    rope_decode_attention_ref's idle lane. Writes the caches in place. -> (B, H, T, hd) in
+    q.dtype. Each sequence alone on its cache slot's view (its writes land there)."""
+    op = "rope_tree_attention_ref"
+    if slots is None:
+        raise ValueError(f"{op}: slots (B,) is required: the cache row of each sequence, which "
+                         f"the tree's nodes write and read")
+    _check_tree(op, positions, write_slots, depth, ancestor_slots, base, k_cache.shape[2])
+    return by_slot(op, slots, q.shape[0], k_cache, lambda b, s:
+                   _rope_tree_attention_ref(q[b], k[b], v[b], cos, sin, positions[b], write_slots[b], depth[b],
+                                            ancestor_slots[b], base[b], k_cache[s], v_cache[s], scale))
+
+
+def _rope_tree_attention_ref(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache,
+                             v_cache, scale):
+    """rope_tree_attention_ref of one sequence (B = 1 slices) on its cache row (1, Hkv, S, hd)."""
+    _, T, H, hd = q.shape
+    S = k_cache.shape[2]
+    live = (positions >= 0) & (positions < S)  # (1, T)
+    rows = torch.where(live, positions, 0)  # row 0 for an idle row, as the kernel
+    q_rot = rope_cache_write_ref(q, k, v, cos[rows], sin[rows], torch.where(live, write_slots, -1),
+                                 k_cache, v_cache)  # (1, H, T, hd)
+    G = H // k.shape[2]
+    o = v.to(v_cache.dtype).repeat_interleave(G, dim=2).to(q.dtype).transpose(1, 2).clone()  # idle: own v
+    n = int(base[0])
+    for t in live[0].nonzero()[:, 0].tolist():
+        idx = torch.cat([torch.arange(n, device=q.device), ancestor_slots[0, t, :int(depth[0, t])],
+                         write_slots[0, t:t + 1]])  # the virtual sequence, the row's own key last
+        o[:, :, t] = decode_attention_ref(q_rot[:, :, t], k_cache[:, :, idx], v_cache[:, :, idx],
+                                          torch.tensor([idx.numel()], device=q.device), scale)
+    return o

@@ -12,8 +12,11 @@ from tinyloop.kernels import (
     rope_chunk_attention_ref,
     rope_decode_attention,
     rope_decode_attention_ref,
+    rope_tree_attention,
+    rope_tree_attention_ref,
 )
-from tinyloop.kernels.decode_attention import _rope_chunk_attention, _rope_decode_attention, _rope_splits
+from tinyloop.kernels.decode_attention import (_rope_chunk_attention, _rope_decode_attention, _rope_splits,
+                                               _rope_tree_attention)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -648,3 +651,287 @@ def test_rope_chunk_attention_gpu_bf16(shape):
     assert torch.equal(out, sequential_decode(seq, scale, slots, split_launch(None)))
     assert torch.equal(chunk.k_buf, seq.k_buf) and torch.equal(chunk.v_buf, seq.v_buf)
     assert_close(out.contiguous(), rope_chunk_attention_ref(*ref[:8], scale, slots), "attention")
+
+
+# -- trees ----------------------------------------------------------------------------------
+# A draft tree of K branches and `depth` levels rooted at pos, breadth first as the engine lays
+# it out (worker/runner/stages.py tree_layout): node 0 the root, node 1 + (i - 1) K + c the
+# depth-i node of branch c, whose parent is node 0 (i = 1) or the node K before it. Node u sits
+# at cache slot pos + u, its RoPE position is pos + depth(u), and it attends to the prefix [0,
+# pos), its ancestors and itself. Forced split parameters at S = 64: lane splits of 4 slots, at
+# most 4 active, so the tree part of a virtual sequence rooted at 11 crosses a split boundary
+# (depth 3: 14 slots in 4 splits of 4, the last from 12). With the chunk tests' FORCED one
+# rooted at 49 crosses a tile boundary (BLOCK_N 16 on the interpreter; depth 2: 51 slots in 3
+# splits of 17, the last 34 .. 50 with a tile from 50).
+TREE_FORCED = (16, 4, 4)
+TREE_POS = [11, 49]
+TREE_SLOTS = [2, 0]  # of 3 cache slots
+
+
+def tree_nodes(K, depth):
+    """(depths, ancestors) of the N = 1 + K depth nodes: ancestors[u] the nodes from the root
+    down to u's parent."""
+    N = 1 + K * depth
+    depths = [0] + [(u - 1) // K + 1 for u in range(1, N)]
+    parents = [-1] + [0 if depths[u] == 1 else u - K for u in range(1, N)]
+    ancestors = [[]]
+    for u in range(1, N):
+        ancestors.append(ancestors[parents[u]] + [parents[u]])
+    return depths, ancestors
+
+
+def tree_args(K, depth, pos, pads=0, D=None):
+    """rope_tree_attention's (positions, write_slots, depth, ancestor_slots, base) for one tree a
+    sequence rooted at pos[b], followed by `pads` rows as the engine pads a bucket: at the slots
+    after the tree, at RoPE positions equal to their slots, depth 0 (the prefix and themselves).
+    D: ancestor_slots' last dim (default depth), entries past a row's depth -1 (never read)."""
+    depths, ancestors = tree_nodes(K, depth)
+    N, D = len(depths), depth if D is None else D
+    T = N + pads
+    rows = []
+    for p in pos:
+        positions = [p + d for d in depths] + [p + u for u in range(N, T)]
+        anc = [[p + a for a in ancestors[u]] + [-1] * (D - len(ancestors[u])) for u in range(N)]
+        rows.append((positions, [p + u for u in range(T)], depths + [0] * pads, anc + [[-1] * D] * pads))
+    t = [torch.tensor([r[i] for r in rows], dtype=torch.int64, device=DEVICE) for i in range(4)]
+    return (*t, torch.tensor(pos, dtype=torch.int64, device=DEVICE))
+
+
+def tree_launch(split_params):
+    """rope_tree_attention, or with split_params its private launcher."""
+    def launch(*args, scale, slots):
+        if split_params is None:
+            return rope_tree_attention(*args, scale, slots)
+        return _rope_tree_attention(*args, scale, slots, *split_params)
+    return launch
+
+
+def call_tree(launch, a, tree, scale, slots):
+    """launch on the inputs a (make_chunk_inputs') and the tree's tensors (tree_args')."""
+    return launch(a.q, a.k, a.v, a.cos, a.sin, *tree, a.k_cache, a.v_cache, scale=scale, slots=slots)
+
+
+def assert_tree_equals_branch_decode(K, depth, H, Hkv, hd, S, dtype, pos, slot_list, n_slots, seed,
+                                     split_params, pads=0):
+    """Every node's output bitwise an invariant decode step at pos + depth(u) of its branch
+    decoded linearly (its ancestors' K / V written at slots pos .. pos + depth - 1 by the steps
+    before) on a copy of the cache, and every node's K / V at its write slot pos + u the bits that
+    decode wrote at pos + depth(u); nothing outside the tree's (and pads') slots changed. Pads
+    finite. -> the op's output and inputs."""
+    depths, ancestors = tree_nodes(K, depth)
+    N = len(depths)
+    scale, slots = hd ** -0.5, torch.tensor(slot_list, device=DEVICE)
+    tree = tree_args(K, depth, pos, pads)
+    T = N + pads
+    got, orig = (make_chunk_inputs(len(pos), T, n_slots, H, Hkv, hd, S, dtype, tree[0].tolist(), seed)
+                 for _ in range(2))
+    out = call_tree(tree_launch(split_params), got, tree, scale, slots)
+    assert out.shape == (len(pos), H, T, hd) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    decode = split_launch(None if split_params is None else split_params)
+    base = torch.tensor(pos, device=DEVICE)
+    for leaf in range(N - K, N):  # one linear decode per branch, on its own copy of the cache
+        lin = make_chunk_inputs(len(pos), T, n_slots, H, Hkv, hd, S, dtype, tree[0].tolist(), seed)
+        for d, u in enumerate(ancestors[leaf] + [leaf]):
+            o = decode(lin.q[:, u:u + 1], lin.k[:, u:u + 1], lin.v[:, u:u + 1], lin.cos, lin.sin, base + d,
+                       lin.k_cache, lin.v_cache, scale, slots=slots)
+            assert torch.equal(out[:, :, u], o), f"node {u} (branch of leaf {leaf}, depth {d}) differs"
+            for b, (p, s) in enumerate(zip(pos, slot_list)):
+                assert torch.equal(got.k_cache[s, :, p + u], lin.k_cache[s, :, p + d]), f"k of node {u}"
+                assert torch.equal(got.v_cache[s, :, p + u], lin.v_cache[s, :, p + d]), f"v of node {u}"
+    written = torch.zeros(got.k_buf.shape[:3], dtype=torch.bool, device=DEVICE)  # (layers, n_slots, S + 2)
+    for p, s in zip(pos, slot_list):
+        written[1, s, p:p + T] = True
+    for name in ("k_buf", "v_buf"):
+        buf, buf_orig = getattr(got, name), getattr(orig, name)
+        assert torch.equal(buf[~written], buf_orig[~written]), f"{name}: a slot outside the tree changed"
+        assert not torch.equal(buf[written], buf_orig[written])
+    return out, got, tree
+
+
+@pytest.mark.parametrize("K, H, Hkv, hd, dtype, split_params, pads", [
+    (3, *INV_CASES[0], TREE_FORCED, 0), (2, *INV_CASES[1], TREE_FORCED, 2), (2, *INV_CASES[2], FORCED, 1),
+    (3, *INV_CASES[1], None, 0)])
+def test_rope_tree_attention_equals_branch_decode(K, H, Hkv, hd, dtype, split_params, pads):
+    """Trees of K = 2, 3 branches and depth 3 rooted at 11 and 49 (forced splits, a split and a
+    tile boundary inside the tree's part, and the chunk tests' splits; the public launcher),
+    pads after some: bitwise the branches decoded linearly, outputs and caches."""
+    assert_tree_equals_branch_decode(K, 3, H, Hkv, hd, INV_S, dtype, TREE_POS, TREE_SLOTS, 3, seed=K + hd,
+                                     split_params=split_params, pads=pads)
+
+
+@pytest.mark.parametrize("H, Hkv, hd, dtype, split_params", [(*INV_CASES[0], TREE_FORCED), (*INV_CASES[1], None)])
+def test_rope_tree_attention_chain_equals_chunk(H, Hkv, hd, dtype, split_params):
+    """A chain (K = 1: node u at slot and position pos + u, its ancestors the nodes before it) is
+    rope_chunk_attention of the same tokens, bitwise: outputs and the whole cache buffers. The
+    chain's ancestor_slots has room past the deepest node (D = 6 > depth 4)."""
+    scale, slots = hd ** -0.5, torch.tensor(TREE_SLOTS, device=DEVICE)
+    tree = tree_args(1, 4, TREE_POS, D=6)
+    assert torch.equal(tree[0], tree[1])  # a chain's positions are its slots
+    tree_in, chunk_in = (make_chunk_inputs(2, 5, 3, H, Hkv, hd, INV_S, dtype, tree[0].tolist(), seed=hd)
+                         for _ in range(2))
+    out = call_tree(tree_launch(split_params), tree_in, tree, scale, slots)
+    if split_params is None:
+        expected = rope_chunk_attention(*chunk_in[:8], scale, slots)
+    else:
+        expected = _rope_chunk_attention(*chunk_in[:8], scale, slots, *split_params)
+    assert torch.equal(out, expected)
+    assert torch.equal(tree_in.k_buf, chunk_in.k_buf) and torch.equal(tree_in.v_buf, chunk_in.v_buf)
+
+
+@pytest.mark.parametrize("H, Hkv, hd, dtype", INV_CASES)
+def test_rope_tree_attention_matches_ref(H, Hkv, hd, dtype):
+    """The op (forced splits) against the reference: a tree of K = 2, depth 3 a sequence with two
+    pads, one of them idle in sequence 1 (position S; its write slot must stay untouched), the
+    slots past the tree poisoned in the op's cache (NaN keys, inf values: never read); outputs
+    and caches (the tree's and live pads' slots written, nothing else). The idle row outputs its
+    own v exactly."""
+    S, scale, slots = INV_S, hd ** -0.5, torch.tensor(TREE_SLOTS, device=DEVICE)
+    tree = list(tree_args(2, 3, TREE_POS, pads=2))
+    tree[0][1, -1] = S  # idle
+    T = tree[0].shape[1]
+    got, ref, orig = (make_chunk_inputs(2, T, 3, H, Hkv, hd, S, dtype, tree[0].tolist(), seed=H + hd)
+                      for _ in range(3))
+    for p, s in zip(TREE_POS, TREE_SLOTS):
+        got.k_cache[s, :, p + T:] = float("nan")
+        got.v_cache[s, :, p + T:] = float("inf")
+    out = call_tree(tree_launch(TREE_FORCED), got, tree, scale, slots)
+    out_ref = call_tree(rope_tree_attention_ref, ref, tree, scale, slots)
+    assert_close(out, out_ref, "attention")
+    G = H // Hkv
+    assert torch.equal(out[1, :, -1], got.v[1, -1].repeat_interleave(G, dim=0))
+    written = torch.zeros(got.k_buf.shape[:3], dtype=torch.bool, device=DEVICE)
+    live = (tree[0] >= 0) & (tree[0] < S)
+    for b, s in enumerate(TREE_SLOTS):
+        written[1, s, tree[1][b][live[b]]] = True
+    for p, s in zip(TREE_POS, TREE_SLOTS):
+        got.k_buf[1, s, p + T:S], got.v_buf[1, s, p + T:S] = ref.k_buf[1, s, p + T:S], ref.v_buf[1, s, p + T:S]
+    for name in ("k_buf", "v_buf"):
+        buf, buf_ref, buf_orig = getattr(got, name), getattr(ref, name), getattr(orig, name)
+        assert torch.equal(buf[~written], buf_orig[~written]), f"{name}: a slot no live row writes changed"
+        assert torch.equal(buf_ref[~written], buf_orig[~written])
+        assert_close(buf[written], buf_ref[written])
+
+
+@pytest.mark.parametrize("op", [rope_tree_attention, rope_tree_attention_ref])
+def test_rope_tree_attention_rejects_bad_inputs(op):
+    S = 16
+    tree = tree_args(2, 2, [3, 7])  # T = 5, D = 2
+    a = make_chunk_inputs(2, 5, 3, 4, 2, 16, S, F32, tree[0].tolist(), seed=0)
+    slots = torch.tensor([0, 2], device=DEVICE)
+    name = op.__name__
+    keys = ("positions", "write_slots", "depth", "ancestor_slots", "base")
+
+    def call(**kw):
+        args = {**a._asdict(), **dict(zip(keys, tree)), "slots": slots, **kw}
+        args.pop("k_buf"), args.pop("v_buf")
+        op(**args, scale=1.0)
+
+    def with_value(i, index, value):
+        t = tree[i].clone()
+        t[index] = value
+        return {keys[i]: t}
+
+    with pytest.raises(ValueError, match=rf"{name}: slots \(B,\) is required"):
+        call(slots=None)
+    with pytest.raises(ValueError, match=rf"{name}: slots\[1\] = 3 is outside \[0, 3\)"):
+        call(slots=torch.tensor([0, 3], device=DEVICE))
+    with pytest.raises(ValueError, match=rf"{name}: write_slots must have shape \(2, 5\), got \(2, 4\)"):
+        call(write_slots=tree[1][:, :4])
+    with pytest.raises(ValueError, match=rf"{name}: depth must have shape \(2, 5\), got \(5,\)"):
+        call(depth=tree[2][0])
+    with pytest.raises(ValueError, match=rf"{name}: ancestor_slots must be 3-D \(B, T, D\)"):
+        call(ancestor_slots=tree[3][..., 0])
+    with pytest.raises(ValueError, match=rf"{name}: ancestor_slots must have shape \(2, 5, 2\), got \(1, 5, 2\)"):
+        call(ancestor_slots=tree[3][:1])
+    with pytest.raises(ValueError, match=rf"{name}: base must have shape \(2,\), got \(1,\)"):
+        call(base=tree[4][:1])
+    for i in range(1, 5):
+        with pytest.raises(ValueError, match=rf"{name}: {keys[i]} dtype must be one of"):
+            call(**{keys[i]: tree[i].int()})
+    with pytest.raises(ValueError, match=rf"{name}: depth\[1, 4\] = 3 is outside \[0, D = 2\]"):
+        call(**with_value(2, (1, 4), 3))  # deeper than ancestor_slots holds
+    with pytest.raises(ValueError, match=rf"{name}: depth\[0, 1\] = -1 is outside"):
+        call(**with_value(2, (0, 1), -1))
+    with pytest.raises(ValueError, match=rf"{name}: base\[1\] = 17 is outside \[0, S = 16\]"):
+        call(**with_value(4, 1, 17))
+    with pytest.raises(ValueError, match=rf"{name}: write_slots\[0, 2\] = 16 is outside \[0, S = 16\) of a live row"):
+        call(**with_value(1, (0, 2), 16))
+    with pytest.raises(ValueError, match=rf"{name}: ancestor_slots\[1, 3, 1\] = -1 is outside \[0, S = 16\)"):
+        call(**with_value(3, (1, 3, 1), -1))
+    # an idle row's write slot and ancestors are never used: any value passes
+    idle = {**with_value(0, (0, 4), S), **with_value(1, (0, 4), 99)}
+    call(**idle, ancestor_slots=with_value(3, (0, 4, 0), -5)["ancestor_slots"])
+    if op is rope_tree_attention_ref:
+        return
+    with pytest.raises(ValueError, match=rf"{name}: positions must have shape \(2, 5\), got \(2, 4\)"):
+        call(positions=tree[0][:, :4])
+    with pytest.raises(ValueError, match=rf"{name}: q must be 4-D \(B, T, H, hd\)"):
+        call(q=a.q[:, 0])
+    with pytest.raises(ValueError, match=rf"{name}: k_cache dtype"):
+        call(k_cache=a.k_cache.half())
+
+
+# bench-285m's and the embedded model's attention (GPU_INV_SHAPES) with trees of K = 2, 4 branches
+# and depth 4 (N = 9, 17) rooted near 1000 / 300 for two sequences, pads to a bucket of 20.
+GPU_TREE_SHAPES = {"bench-285m": (16, 16, 128, 4096, [1000, 1237]), "embedded": (5, 1, 64, 512, [300, 211])}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("shape", GPU_TREE_SHAPES)
+def test_rope_tree_attention_gpu_bf16(shape, K):
+    """On the H200, bf16, the public launcher: every node bitwise its branch decoded linearly
+    (invariant decode steps), caches included; a chain bitwise rope_chunk_attention; close to the
+    reference."""
+    H, Hkv, hd, S, pos = GPU_TREE_SHAPES[shape]
+    N = 1 + 4 * K
+    out, _, tree = assert_tree_equals_branch_decode(K, 4, H, Hkv, hd, S, BF16, pos, TREE_SLOTS, 3, seed=K,
+                                                    split_params=None, pads=20 - N)
+    scale, slots = hd ** -0.5, torch.tensor(TREE_SLOTS, device=DEVICE)
+    ref = make_chunk_inputs(2, 20, 3, H, Hkv, hd, S, BF16, tree[0].tolist(), seed=K)
+    assert_close(out.contiguous(), call_tree(rope_tree_attention_ref, ref, tree, scale, slots), "attention")
+    chain = tree_args(1, 8, pos, D=8)
+    tree_in, chunk_in = (make_chunk_inputs(2, 9, 3, H, Hkv, hd, S, BF16, chain[0].tolist(), seed=K + 1)
+                         for _ in range(2))
+    out = call_tree(tree_launch(None), tree_in, chain, scale, slots)
+    assert torch.equal(out, rope_chunk_attention(*chunk_in[:8], scale, slots))
+    assert torch.equal(tree_in.k_buf, chunk_in.k_buf) and torch.equal(tree_in.v_buf, chunk_in.v_buf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", GPU_TREE_SHAPES)
+def test_rope_tree_attention_gpu_cuda_graph(shape):
+    """One captured rope_tree_attention (K = 4, depth 4) replayed with the tree rooted elsewhere
+    (its tensors copied into the captured ones): bitwise the branches decoded linearly at the
+    new roots, outputs and caches."""
+    H, Hkv, hd, S, pos = GPU_TREE_SHAPES[shape]
+    K, depth = 4, 4
+    scale, slots = hd ** -0.5, torch.tensor(TREE_SLOTS, device=DEVICE)
+    static = [t.clone() for t in tree_args(K, depth, pos)]
+    got = make_chunk_inputs(2, 1 + K * depth, 3, H, Hkv, hd, S, BF16, static[0].tolist(), seed=3)
+    launch = tree_launch(None)
+    call_tree(launch, got, static, scale, slots)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call_tree(launch, got, static, scale, slots)
+    depths, ancestors = tree_nodes(K, depth)
+    for new_pos in ([p + 37 for p in pos], [p - 100 for p in pos]):
+        for t, new in zip(static, tree_args(K, depth, new_pos)):
+            t.copy_(new)
+        fresh = make_chunk_inputs(2, 1 + K * depth, 3, H, Hkv, hd, S, BF16, static[0].tolist(), seed=3)
+        got.k_buf.copy_(fresh.k_buf)
+        got.v_buf.copy_(fresh.v_buf)
+        graph.replay()
+        base = torch.tensor(new_pos, device=DEVICE)
+        for leaf in range(len(depths) - K, len(depths)):
+            lin = make_chunk_inputs(2, 1 + K * depth, 3, H, Hkv, hd, S, BF16, static[0].tolist(), seed=3)
+            for d, u in enumerate(ancestors[leaf] + [leaf]):
+                o = rope_decode_attention(lin.q[:, u:u + 1], lin.k[:, u:u + 1], lin.v[:, u:u + 1], lin.cos, lin.sin,
+                                          base + d, lin.k_cache, lin.v_cache, scale, slots=slots, invariant=True)
+                assert torch.equal(out[:, :, u], o), f"root {new_pos}: node {u} differs"
+                for p, s in zip(new_pos, TREE_SLOTS):
+                    assert torch.equal(got.k_cache[s, :, p + u], lin.k_cache[s, :, p + d])
+
