@@ -14,7 +14,7 @@ from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
 from tinyloop.worker.generation.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
 from tinyloop.worker.runner.engine import Counters, Tree
-from tinyloop.worker.runner.stages import TreeStages, tree_layout
+from tinyloop.worker.runner.stages import TreeStages, ancestor_table, tree_layout
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
 N_TOKENS = 14
@@ -329,6 +329,22 @@ def test_tree_rounds_on_the_stages_equal_the_eager_rounds(tiny_spec, staged_spec
                 assert len(staged) == rounds if 1 + K * k <= 17 else len(staged) < rounds
                 accepted += a.stats["accepted_tokens"]
     assert accepted > 20  # accepted paths moved their K / V: the walk ran past the root
+
+
+@pytest.mark.parametrize("K, k", [(1, 4), (2, 3), (4, 2), (3, 5)])
+def test_ancestor_table_is_the_bitmask_by_depth(K, k):
+    """The batch-invariant tree read's table (each node's depth and its ancestors root first)
+    names exactly the ancestors of the tree mask, in increasing depth."""
+    parents, depths = tree_layout(K, k)
+    width = K * k
+    depth, anc = ancestor_table(parents, width)
+    masks = ancestors_from_parents(parents[None])[0].tolist()
+    assert depth.tolist() == depths.tolist()
+    for u, m in enumerate(masks):
+        chain = anc[u, :depth[u]].tolist()
+        assert set(chain) | {u} == {b for b in range(len(masks)) if m >> b & 1}
+        assert [int(depths[a]) for a in chain] == list(range(int(depth[u])))
+        assert (anc[u, depth[u]:] == 0).all()
 
 
 def test_tree_layout():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.kernels.decode_attention import (decode_attention_ref, rope_chunk_attention_ref,
-                                               rope_decode_attention_ref)
+                                               rope_decode_attention_ref, rope_tree_attention_ref)
 from tinyloop.kernels.hcache import h_cache_write_ref, h_decode_attention_ref, h_encode_ref, h_rows_ref
 from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
 from tinyloop.kernels.tree_attention import tree_attention_ref
@@ -24,6 +24,7 @@ class Ops:
     decode_attention = staticmethod(decode_attention_ref)
     rope_decode_attention = staticmethod(rope_decode_attention_ref)
     rope_chunk_attention = staticmethod(rope_chunk_attention_ref)
+    rope_tree_attention = staticmethod(rope_tree_attention_ref)
     tree_attention = staticmethod(tree_attention_ref)
     # store-h caches (kernels/hcache.py)
     h_cache_write = staticmethod(h_cache_write_ref)
@@ -46,13 +47,14 @@ class TritonOps(Ops):
     def __init__(self, invariant: bool = False):
         import functools
 
-        from tinyloop.kernels.decode_attention import decode_attention, rope_chunk_attention, rope_decode_attention
+        from tinyloop.kernels.decode_attention import (decode_attention, rope_chunk_attention, rope_decode_attention,
+                                                       rope_tree_attention)
         from tinyloop.kernels.gemv import gemv
         self.invariant = invariant
         if invariant:
             gemv = functools.partial(gemv, invariant=True)
             rope_decode_attention = functools.partial(rope_decode_attention, invariant=True)
-        self.rope_chunk_attention = rope_chunk_attention
+        self.rope_chunk_attention, self.rope_tree_attention = rope_chunk_attention, rope_tree_attention
         from tinyloop.kernels.int4_gemv import int4_gemv, int4_matmul
         from tinyloop.worker.model.quant import route_gemv
         # the fused projection serves up to Settings.fused_rows lanes (Model passes it); a

@@ -753,14 +753,6 @@ class Runner:
         first token at pos, through iterations [start, stop) and the coda: every position's
         logits (n, V) (a view the next verify or tree call overwrites)."""
         n = residual.shape[1]
-        if self.ops.invariant:
-            # a causal chunk, not a tree pass: each row attends through the decode step's kernel
-            # (the tree kernel sums in another order), eager stages
-            e = self.engine
-            p = e.make_pass(self._slots([lane]), self._arange(pos, pos + n), pos + n)
-            x = e.run_loops(residual, p, start, stop)
-            logits = e.logits(e.coda(x, p))[0]
-            return ChunkOut(logits, self.counters.add(stop - start, n * (stop - start)))
         tr = self.tree(lane, n, pos, TreeStages.span(start, stop))
         tr.load_chain(residual, pos)
         for stage in TreeStages.span(start, stop):

@@ -252,13 +252,13 @@ class TreeStages(StagedPass):
         # each node's depth and its ancestors' node indices (the batch-invariant read's), and
         # the ancestors' slots: the chain's, or the loaded tree's
         self.chain_table = tuple(t.to(device)[None] for t in ancestor_table(chain.cpu(), max(bucket - 1, 1)))
-        self.depth, self.ancestor_nodes = (t.clone() for t in self.chain_table)
+        self.node_depth, self.ancestor_nodes = (t.clone() for t in self.chain_table)
         self.ancestor_slots = self.ancestor_nodes.clone()
         # (K, k): tree_layout's ancestors and positions and the invariant read's table, padded
         self.trees: dict[tuple[int, int], tuple] = {}
         S = engine.cache.max_seq_len
         self.p = engine.make_pass(self.slot, self.positions, S)
-        self.p.tree = Tree(self.slots, self.prefix, self.ancestors, depth=self.depth,
+        self.p.tree = Tree(self.slots, self.prefix, self.ancestors, depth=self.node_depth,
                            ancestor_slots=self.ancestor_slots)
         self.p.rope_rows()  # gathered now, into buffers the loads refresh (see Pass)
 
@@ -276,7 +276,7 @@ class TreeStages(StagedPass):
                table: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.slot.fill_(lane)
         torch.add(self.offsets, pos, out=self.slots)
-        self.depth.copy_(table[0])
+        self.node_depth.copy_(table[0])
         torch.add(table[1], pos, out=self.ancestor_slots)  # node u sits at slot pos + u
         if depths is None:
             self.positions.copy_(self.slots)
