@@ -89,8 +89,8 @@ for s in "${steps[@]}"; do
         exit) run early-exit "${EXIT_S:-540}" python -m bench.early_exit --device cuda --out-dir "$OUT" ${EXIT_ARGS:-} ;;
         invariant)  # batch-invariant kernels and greedy speculative rounds on the device: their GPU tests
                     # (bitwise equality), the speculative bench, the round's profile, the projection per M
-            run invariant-tests "${TESTS_S:-300}" python -m pytest -m gpu tests/kernels/test_kernel_gemv.py \
-                tests/kernels/test_kernel_rope_decode_attention.py tests/worker/test_gpu_invariant.py -q -p no:cacheprovider
+            run invariant-tests "${TESTS_S:-330}" python -m pytest -m gpu tests/kernels/test_kernel_gemv.py \
+                tests/kernels/test_kernel_rope_decode_attention.py tests/worker/test_gpu_invariant.py tests/worker/test_gpu_engine.py -q -p no:cacheprovider
             run speculative 200 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT"
             run profile-speculative 90 python -m bench.profile_speculative --out-dir "$OUT"
             run gemv-invariant 90 python -m bench.gemv_invariant --out-dir "$OUT" ;;
