@@ -91,9 +91,9 @@ for s in "${steps[@]}"; do
                     # (bitwise equality), the speculative bench, the round's profile, the projection per M
             run invariant-tests "${TESTS_S:-330}" python -m pytest -m gpu tests/kernels/test_kernel_gemv.py \
                 tests/kernels/test_kernel_rope_decode_attention.py tests/worker/test_gpu_invariant.py tests/worker/test_gpu_engine.py -q -p no:cacheprovider
-            run speculative 200 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT"
-            run profile-speculative 90 python -m bench.profile_speculative --out-dir "$OUT"
-            run gemv-invariant 90 python -m bench.gemv_invariant --out-dir "$OUT" ;;
+            run speculative "${SPEC_S:-150}" python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ${SPEC_ARGS:-}
+            run profile-speculative 45 python -m bench.profile_speculative --out-dir "$OUT"
+            run gemv-invariant 45 python -m bench.gemv_invariant --out-dir "$OUT" ;;
         kv) run kv-decode "${KV_S:-420}" python -m bench.kv_decode --out-dir "$OUT" ${KV_ARGS:-}
             run kv-quality 240 python -m bench.kv_quality --device cuda --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
