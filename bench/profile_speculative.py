@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         parts["chain_round_host_ms"] = _ms(round_, dev)
         if r.settings.device_rounds:
             parts["chain_round_device_ms"] = _ms(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(), dev)
-        kernels = []
+        by_kernel = []
         if r.settings.device_rounds:
-            kernels = round_kernels(r, Ld, Lv, k, pos)
+            by_kernel = round_kernels(r, Ld, Lv, k, pos)
         r.release(last[0])
         r.release(out[0])
         print(parts)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "batch_invariant": args.batch_invariant,
                                            "device_rounds": r.settings.device_rounds, "draft_loops": Ld,
                                            "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs,
-                                           "round_kernels": kernels},
+                                           "round_kernels": by_kernel},
               args.out_dir)
 
 
