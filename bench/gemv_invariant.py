@@ -25,18 +25,13 @@ import torch.nn.functional as F
 
 from bench.common import hardware, write
 from bench.decode import ceilings, device_ms
+from bench.gemv import SHAPES as GEMV_SHAPES
 from tinyloop.kernels.gemv import MAX_ROWS, gemv
 
 gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 
 # (name, N, K, fusion): one bench-285m layer's projections and its head, as bench/gemv.py fuses them
-SHAPES = [
-    ("wqkv", 6144, 2048, "norm"),
-    ("wo", 2048, 2048, "residual"),
-    ("w13", 11264, 2048, "norm+swiglu"),
-    ("w2", 2048, 5632, "residual"),
-    ("head", 32000, 2048, "norm"),
-]
+SHAPES = [s for s in GEMV_SHAPES if s[0] != "ouro_head"]
 
 
 def main() -> None:

@@ -804,11 +804,12 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
 
 
 def _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots, split_len,
-                          max_active=None, lane_split_len=None):
+                          max_active=None, lane_split_len=None, tree=None):
     """rope_chunk_attention with explicit split parameters (as _rope_decode_attention's): the
     write-only launch over the B * T rows, then the attention launch over them. q, k, v become
     (B * T, 1, ., hd) rows: views where the strides allow it (the engine's projections), copies
-    otherwise; each row carries its sequence's slot."""
+    otherwise; each row carries its sequence's slot. tree: `_tree_rows`' tuple, both launches
+    with TREE (rope_tree_attention)."""
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
     rows = B * T
@@ -816,8 +817,8 @@ def _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
     pos = positions.reshape(rows)
     row_slots = slots[:, None].expand(B, T).reshape(rows)  # a copy on the device: no host sync
     args = (q, k, v, cos, sin, pos, k_cache, v_cache, scale, split_len, max_active, lane_split_len)
-    _rope_decode_attention(*args, slots=row_slots, write_only=True)
-    o = _rope_decode_attention(*args, slots=row_slots)  # (B * T, H, hd)
+    _rope_decode_attention(*args, slots=row_slots, write_only=True, tree=tree)
+    o = _rope_decode_attention(*args, slots=row_slots, tree=tree)  # (B * T, H, hd)
     return o.view(B, T, H, hd).permute(0, 2, 1, 3)
 
 
@@ -852,17 +853,8 @@ def _rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ances
     """rope_tree_attention with explicit split parameters (as _rope_chunk_attention's): the
     write-only launch over the B * T rows (each stores at its write slot), then the attention
     launch over them, both with TREE."""
-    B, T, H, hd = q.shape
-    Hkv = k.shape[2]
-    rows = B * T
-    q, k, v = q.reshape(rows, 1, H, hd), k.reshape(rows, 1, Hkv, hd), v.reshape(rows, 1, Hkv, hd)
-    pos = positions.reshape(rows)
-    row_slots = slots[:, None].expand(B, T).reshape(rows)  # a copy on the device: no host sync
-    tree = _tree_rows(write_slots, depth, ancestor_slots, base)
-    args = (q, k, v, cos, sin, pos, k_cache, v_cache, scale, split_len, max_active, lane_split_len)
-    _rope_decode_attention(*args, slots=row_slots, write_only=True, tree=tree)
-    o = _rope_decode_attention(*args, slots=row_slots, tree=tree)  # (B * T, H, hd)
-    return o.view(B, T, H, hd).permute(0, 2, 1, 3)
+    return _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots, split_len, max_active,
+                                 lane_split_len, tree=_tree_rows(write_slots, depth, ancestor_slots, base))
 
 
 def rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache, v_cache,
