@@ -655,7 +655,11 @@ def profile_speculative_body(r: Result) -> str:
 
 def service_extra(r: Result) -> list[str]:
     w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
-    return [f"Workload: preset {code(w.get('preset'))}, random weights, L = {text(w.get('loops'))}, prompt of "
+    model = w.get("model")
+    what = (f"model {code(model)}" if isinstance(model, str) and not model.startswith("preset")
+            else f"{text(model) if model else 'preset ' + code(w.get('preset'))}, random weights")
+    inv = f", batch-invariant kernels {yesno(w.get('batch_invariant'))}" if w.get("batch_invariant") is not None else ""
+    return [f"Workload: {what}{inv}, L = {text(w.get('loops'))}, prompt of "
             f"{text(w.get('prompt_tokens'))} tokens, {text(w.get('max_tokens'))} tokens generated, greedy: "
             f"{yesno(w.get('greedy'))}, {text(w.get('reps'))} repetitions"]
 
