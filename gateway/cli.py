@@ -134,6 +134,9 @@ def _serve(args) -> int:
         raise ValueError(f"--worker-channel-port must be in [0, 65535], got {args.worker_channel_port}")
     if args.step_tokens < 1:
         raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
+    if args.batch_invariant and args.device == "cpu":
+        raise ValueError("--batch-invariant runs the Triton kernels: it needs the workers on a CUDA device, "
+                         "not --device cpu")
     tokens = parse_tokens(args.auth_tokens)
     sys.setswitchinterval(args.gil_switch_ms / 1e3)
     ray.init(address=args.ray_address, include_dashboard=False, namespace=workers.NAMESPACE,

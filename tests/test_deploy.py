@@ -87,3 +87,9 @@ def test_serve_rejects_bad_worker_settings(capsys, flag, value, message):
     from tinyloop.cli import main
     assert main(["serve", flag, value]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_rejects_batch_invariance_on_cpu_workers(capsys):
+    from tinyloop.cli import main
+    assert main(["serve", "--device", "cpu", "--batch-invariant"]) == 2
+    assert "--batch-invariant runs the Triton kernels" in capsys.readouterr().err
