@@ -74,6 +74,16 @@ def alone(model: Model, p: list[int], loops: int, steps: int) -> tuple[float, li
     return (time.perf_counter() - t) * 1e3 / steps, ids
 
 
+def alone_median(model: Model, ps: list[list[int]], args) -> tuple[float, list[list[int]]]:
+    """(the median over prompts of each prompt's median ms per token alone, each prompt's tokens)."""
+    ms, ids = [], []
+    for p in ps:
+        runs = [alone(model, p, args.loops, args.steps) for _ in range(args.repeat)]
+        ms.append(sorted(r[0] for r in runs)[len(runs) // 2])
+        ids.append(runs[0][1])
+    return sorted(ms)[len(ms) // 2], ids
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench-285m", help="random-init model preset")
@@ -105,23 +115,13 @@ def main(argv: list[str] | None = None) -> None:
         result["graphs"] = graphs.startup["graphs"]
         result["batch_buckets"] = sorted({b for kind, b, _ in graphs.runner.graphs.stages if kind == "batch"})
     ps = prompts(max(args.batch), args.context, cfg.vocab_size)
-    alone_ms, alone_ids = [], []
-    for p in ps:
-        runs = [alone(graphs if cuda else eager, p, args.loops, args.steps) for _ in range(args.repeat)]
-        alone_ms.append(sorted(r[0] for r in runs)[len(runs) // 2])
-        alone_ids.append(runs[0][1])
-    result["alone_ms_per_token"] = sorted(alone_ms)[len(alone_ms) // 2]
+    result["alone_ms_per_token"], alone_ids = alone_median(graphs if cuda else eager, ps, args)
     models = (("graphs", graphs), ("eager", eager)) if cuda else (("eager", eager),)
     alone_of = {name: alone_ids for name, _ in models}
     if invariant is not None:
         models += (("invariant", invariant),)
-        inv_ms, alone_of["invariant"] = [], []
-        for p in ps:
-            runs = [alone(invariant, p, args.loops, args.steps) for _ in range(args.repeat)]
-            inv_ms.append(sorted(r[0] for r in runs)[len(runs) // 2])
-            alone_of["invariant"].append(runs[0][1])
         # the batch-1 step is the same launches with or without batch invariance: its cost here
-        result["invariant_alone_ms_per_token"] = sorted(inv_ms)[len(inv_ms) // 2]
+        result["invariant_alone_ms_per_token"], alone_of["invariant"] = alone_median(invariant, ps, args)
         result["invariant_alone_cost"] = result["invariant_alone_ms_per_token"] / result["alone_ms_per_token"] - 1
         result["invariant_alone_equals_graphs_alone"] = alone_of["invariant"] == alone_ids
     rows = []

@@ -630,13 +630,16 @@ def speculative_table(d: dict) -> str:
 
 
 def gemv_invariant_body(r: Result) -> str:
-    rows = []
+    by: dict = {}
     for x in r.data.get("rows") or []:
-        if isinstance(x, dict) and x.get("M") in (1, 2, 5, 16, 64):  # (the file holds every M timed)
-            rows.append([text(x.get("name")), text(x.get("M")), us(x.get("invariant_ms")), us(x.get("today_ms")),
-                         us(x.get("torch_linear_ms")), yesno(x.get("rows_bitwise")), yesno(x.get("today_rows_bitwise"))])
-    return table(["projection", "rows M", "batch-invariant", "today's path", "cuBLAS (plain)",
-                  "invariant rows = M = 1 calls", "today's rows = M = 1 calls"], rows or [[DASH] * 7]) + "\n"
+        if isinstance(x, dict):
+            by.setdefault(x.get("name"), {})[x.get("M")] = x
+    Ms = (1, 8, 64)
+    rows = [[text(name), *(us(get(m, M, "invariant_ms")) for M in Ms), us(get(m, 8, "today_ms")),
+             us(get(m, 64, "torch_linear_ms")), yesno(all(x.get("rows_bitwise") for x in m.values()))]
+            for name, m in by.items()]
+    return table(["projection", *(f"batch-invariant, M = {M}" for M in Ms), "today's path, M = 8",
+                  "cuBLAS, M = 64", "every invariant row = its M = 1 call"], rows or [[DASH] * 7]) + "\n"
 
 
 def profile_speculative_body(r: Result) -> str:

@@ -200,8 +200,8 @@ class RoundOut:
     """A launched chain round's result: its copy to the host is queued behind it; `result()`
     waits for that copy alone -> (drafts accepted n, the round's n + 1 tokens)."""
 
-    def __init__(self, out: torch.Tensor, k: int, work: Counters):
-        self.k, self.work = k, work
+    def __init__(self, out: torch.Tensor, work: Counters):
+        self.work = work
         if out.is_cuda:
             self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             self._host.copy_(out, non_blocking=True)
@@ -744,7 +744,7 @@ class Runner:
             rnd.run()
         iterations, token_iterations = rnd.work
         work = self.counters.add(iterations, token_iterations)
-        return RoundOut(rnd.out, k, work)
+        return RoundOut(rnd.out, work)
 
     # -- speculative verify ------------------------------------------------------------------
     @torch.no_grad()

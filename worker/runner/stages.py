@@ -251,9 +251,8 @@ class TreeStages(StagedPass):
         self.ancestors = self.chain.clone()
         # each node's depth and its ancestors' node indices (the batch-invariant read's), and
         # the ancestors' slots: the chain's, or the loaded tree's
-        self.chain_table = tuple(t.to(device)[None] for t in ancestor_table(chain.cpu(), max(bucket - 1, 1)))
-        self.node_depth, self.ancestor_nodes = (t.clone() for t in self.chain_table)
-        self.ancestor_slots = self.ancestor_nodes.clone()
+        self.chain_table = self._table(chain)
+        self.node_depth, self.ancestor_slots = (t.clone() for t in self.chain_table)
         # (K, k): tree_layout's ancestors and positions and the invariant read's table, padded
         self.trees: dict[tuple[int, int], tuple] = {}
         S = engine.cache.max_seq_len
@@ -261,6 +260,10 @@ class TreeStages(StagedPass):
         self.p.tree = Tree(self.slots, self.prefix, self.ancestors, depth=self.node_depth,
                            ancestor_slots=self.ancestor_slots)
         self.p.rope_rows()  # gathered now, into buffers the loads refresh (see Pass)
+
+    def _table(self, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ancestor_table` of the bucket's parents (N,), as (1, N) and (1, N, N - 1) device tensors."""
+        return tuple(t.to(parents.device)[None] for t in ancestor_table(parents.cpu(), max(self.bucket - 1, 1)))
 
     @staticmethod
     def span(start: int, stop: int, prelude: bool = False) -> list:
@@ -304,8 +307,8 @@ class TreeStages(StagedPass):
             parents, depths = tree_layout(K, k, self.offsets.device)
             pad = torch.arange(parents.shape[0], self.bucket, device=parents.device)
             padded = torch.cat([parents, torch.full_like(pad, -1)])  # a pad: a root of its own, depth 0
-            table = tuple(x.to(pad.device)[None] for x in ancestor_table(padded.cpu(), max(self.bucket - 1, 1)))
-            self.trees[(K, k)] = (ancestors_from_parents(padded[None]), torch.cat([depths, pad])[None], table)
+            self.trees[(K, k)] = (ancestors_from_parents(padded[None]), torch.cat([depths, pad])[None],
+                                  self._table(padded))
         ancestors, depths, table = self.trees[(K, k)]
         self.tokens.zero_()
         self.tokens[:, :1].fill_(t)
