@@ -298,24 +298,6 @@ def default_tile(K: int) -> tuple[int, int, int, int]:
 ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {}
 
 
-# Fixed tiles of the batch-invariant launch (every M, M = 1 included), keyed like TILES; a
-# shape without an entry takes `default_invariant_tile`. One tile per shape, never per M: the
-# tile sets the order each row is summed in.
-INVARIANT_TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {}
-
-
-def default_invariant_tile(N: int, K: int) -> tuple[int, int, int, int]:
-    """The invariant tile of a shape INVARIANT_TILES does not hold: default_rows_tile's."""
-    return default_rows_tile(N)
-
-
-def invariant_tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
-                   pdl: bool) -> tuple[int, int, int, int]:
-    """The batch-invariant launch's (BLOCK_N, BLOCK_K, num_warps, num_stages) on a CUDA device."""
-    t = INVARIANT_TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, pdl))
-    return t if t is not None else default_invariant_tile(N, K)
-
-
 def default_rows_tile(N: int) -> tuple[int, int, int, int]:
     """The M = 2..16 tile of a shape ROWS_TILES does not hold, by _ROWS_CONFIGS' reasoning:
     BLOCK_N 8 up to 4096 rows (so a 2048-row projection's grid of N / BLOCK_N programs covers
@@ -377,7 +359,6 @@ def _gemv_rows_kernel(
     nw_ptr,  # (K,) norm weight, read only when NORM
     res_ptr,  # (M, N) contiguous residual, read only when RESIDUAL
     y_ptr,  # (M, N) contiguous
-    key_ptr,  # (1,) int64, written only when ARGMAX (M = 1)
     M,
     N,
     K,
@@ -387,7 +368,6 @@ def _gemv_rows_kernel(
     NORM: tl.constexpr,
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
-    ARGMAX: tl.constexpr,
     EVICT: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
@@ -396,23 +376,18 @@ def _gemv_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """_gemv_kernel's job for any M >= 1 rows of x, BLOCK_M at a time: each weight tile is loaded
-    once per row tile and applied to its rows by one tl.dot of the (BLOCK_M, BLOCK_K) x tile
-    (rows >= M zero) with its transpose, accumulating y's (BLOCK_M, BLOCK_N) tile in fp32.
-    Program pid computes row tile pid % cdiv(M, BLOCK_M) on W's row block pid // that (the row
-    tile fastest, so the tiles of one weight block run side by side and share it through L2)."""
+    """_gemv_kernel for 2 <= M <= BLOCK_M rows of x: each weight tile is loaded once and applied
+    to every row by one tl.dot of the (BLOCK_M, BLOCK_K) x tile (rows >= M zero) with its
+    transpose, accumulating y's (BLOCK_M, BLOCK_N) tile in fp32."""
     pid = tl.program_id(0)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    block = pid // m_tiles
-    m0 = (pid - block * m_tiles) * BLOCK_M
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n = rows of W
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n = rows of W
     row_mask = rows < N
-    ms = m0 + tl.arange(0, BLOCK_M)  # rows of x and y
+    ms = tl.arange(0, BLOCK_M)  # rows of x and y
     m_mask = ms < M
     cols = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
 
-    x_rows = x_ptr + ms.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + ms[:, None] * K
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     up_rows = w_rows
     if SWIGLU:
@@ -458,17 +433,11 @@ def _gemv_rows_kernel(
             up *= inv_rms
         up = up.to(dtype).to(tl.float32)
         y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
-    out_offs = ms.to(tl.int64)[:, None] * N + rows[None, :]
+    out_offs = ms[:, None] * N + rows[None, :]
     out_mask = m_mask[:, None] & row_mask[None, :]
     if RESIDUAL:
         y += tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
-    y = y.to(dtype)
-    tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
-    if ARGMAX:
-        # M = 1: row 0 of the tile, picked out by a sum over the tile's rows with the others
-        # zeroed (exact: each column adds zeros to its one value)
-        y0 = tl.sum(tl.where((ms == 0)[:, None], y.to(tl.float32), 0.0), axis=0)
-        _argmax_key_max(key_ptr, y0, rows, row_mask, N)
+    tl.store(y_ptr + out_offs, y.to(dtype).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..16, chosen for Hopper but not yet timed
@@ -593,9 +562,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy)
     xm = x.reshape(M, K).contiguous()
-    if invariant:
-        return _gemv_invariant(xm, weight, norm_weight, residual, y, argmax_key, M, N, K, eps, pdl, flags)
-    if M > 1:
+    if M > 1 and not invariant:
         return _gemv_rows(xm, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags)
 
     def args(out, key=argmax_key, rows=M):  # rows = 1: row 0 alone (the plain call `_launch_tuned` tunes)
@@ -659,9 +626,12 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     contiguous, so (M, N) in memory."""
     def args(out, key=None):  # (no argmax key: M > 1)
         return (x, weight, x if norm_weight is None else norm_weight.contiguous(),
-                out if residual is None else residual, out, out, M, N, K, weight.stride(0), float(eps),
-                _m_bucket(M))
-    flags = dict(flags, ARGMAX=False, DOT_F32=_dot_f32(x.dtype), BLOCK_M=MAX_ROWS)
+                out if residual is None else residual, out, M, N, K, weight.stride(0), float(eps), _m_bucket(M))
+    # the dot in fp32: for fp32 x (exact products like gemv_ref's, not tf32), and for bf16 under
+    # the interpreter, whose tl.dot multiplies bf16 bit patterns as integers (bf16 products are
+    # exact in fp32, so this is the tensor cores' math)
+    dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
+    flags = dict(flags, DOT_F32=dot_f32, BLOCK_M=MAX_ROWS)
     if interpreting():
         _gemv_rows_kernel[(triton.cdiv(N, 16),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False,
                                                  BLOCK_N=16, BLOCK_K=64)
@@ -676,36 +646,6 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
     bn, bk, warps, stages = t
     _gemv_rows_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
                                              num_warps=warps, num_stages=stages, launch_pdl=pdl)
-    return y
-
-
-def _dot_f32(dtype: torch.dtype) -> bool:
-    """The batched kernel's dot in fp32: for fp32 x (exact products like gemv_ref's, not tf32),
-    and for bf16 under the interpreter, whose tl.dot multiplies bf16 bit patterns as integers
-    (bf16 products are exact in fp32, so this is the tensor cores' math)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
-
-
-def _gemv_invariant(x, weight, norm_weight, residual, y, argmax_key, M, N, K, eps, pdl, flags, tile=None):
-    """gemv's batch-invariant launch for any M: the batched kernel over cdiv(M, 16) row tiles
-    with the shape's fixed INVARIANT_TILES tile (never one that depends on M), x (M, K)
-    contiguous; tile: another (BLOCK_N, BLOCK_K, num_warps, num_stages), for a tile sweep
-    (bench/invariant_tiles.py)."""
-    args = (x, weight, x if norm_weight is None else norm_weight.contiguous(),
-            y if residual is None else residual, y, y if argmax_key is None else argmax_key,
-            M, N, K, weight.stride(0), float(eps), 0)
-    flags = dict(flags, ARGMAX=argmax_key is not None, DOT_F32=_dot_f32(x.dtype), BLOCK_M=MAX_ROWS)
-    m_tiles = triton.cdiv(M, MAX_ROWS)
-    if interpreting():
-        _gemv_rows_kernel[(m_tiles * triton.cdiv(N, 16),)](*args, **flags, PREFETCH=bool(pdl), PDL=False,
-                                                           BLOCK_N=16, BLOCK_K=64)
-        return y
-    pdl = use_pdl(x.device) if pdl is None else pdl
-    bn, bk, warps, stages = tile or invariant_tile(x.device, N, K, flags["NORM"], flags["SWIGLU"],
-                                                   flags["RESIDUAL"], pdl)
-    _gemv_rows_kernel[(m_tiles * triton.cdiv(N, bn),)](*args, **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn,
-                                                       BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                                                       launch_pdl=pdl)
     return y
 
 

@@ -31,6 +31,17 @@ class EagerGraphs:
             run()  # the warm-up: a stage whose inputs were not loaded for it fails here
             self.stages[(kind, bucket, stage)] = run
 
+    def capture_call(self, fn):
+        """A "graph" of fn (the sampler's): its replay runs fn eagerly, logged as kind "call"."""
+        fn()  # the warm-up, as the GPU's
+        log = self.log
+
+        class Call:
+            def replay(self):
+                log.append(("call", None, fn))
+                fn()
+        return Call()
+
     def covers(self, kind, bucket, stages):
         return all((kind, bucket, s) in self.stages for s in stages)
 

@@ -22,7 +22,7 @@ from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, Prefill, Request, decode_steps, start,
                                               stream)
 from tinyloop.worker.generation.resume import ResumeHandle
-from tinyloop.worker.generation.sampling import SamplingParams
+from tinyloop.worker.runner.sampler import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
 from tinyloop.worker.model import checkpoint, quant_checkpoint
 from tinyloop.worker.model.cache import check_kv_mode, lane_bytes, make_cache

@@ -102,13 +102,21 @@ def _batched(model, reqs, schedule, poison: bool):
     return out
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+# every stream on its own parameters: greedy, greedy with a penalty, and samplers that differ in
+# temperature, top-k, top-p and penalty (one batched sampling call over all of them)
+MIXED = [SAMPLED, GREEDY, dict(temperature=0.7, top_k=5), dict(temperature=1.2, top_k=0, top_p=0.8),
+         dict(temperature=0.0, repetition_penalty=1.5), dict(temperature=0.5, top_k=100, top_p=0.9),
+         dict(temperature=1.0, top_k=12, repetition_penalty=1.1)]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, MIXED], ids=["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("poison", [False, True], ids=["clean", "poisoned"])
 def test_batched_streams_equal_standalone(model, sampling, poison):
-    reqs = [_request(model, sampling, **kw) for *_, kw in SCHEDULE]
+    of = (lambda i: sampling[i]) if isinstance(sampling, list) else (lambda i: sampling)
+    reqs = [_request(model, of(i), **kw) for i, (*_, kw) in enumerate(SCHEDULE)]
     # a stop token taken from lane 1's own greedy/sampled stream, so it does stop mid-way
     first_ids, _, _ = _alone(model, reqs[0], 0)
-    reqs[0] = _request(model, sampling, stop=[first_ids[5]], **SCHEDULE[0][3])
+    reqs[0] = _request(model, of(0), stop=[first_ids[5]], **SCHEDULE[0][3])
     alone = [_alone(model, r, 0) for r in reqs]
     batched = _batched(model, reqs, [s[:3] for s in SCHEDULE], poison)
     for i, ((ids, finish, logits), (b_ids, b_finish, b_logits)) in enumerate(zip(alone, batched.values())):

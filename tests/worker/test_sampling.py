@@ -1,7 +1,10 @@
 """Seeded sampling: reproducible, seed-dependent, and never outside top-k / top-p."""
 import torch
 
-from tinyloop.worker.generation.sampling import SamplingParams, probs, sample, uniform
+from tinyloop.worker import Model
+from tinyloop.worker.runner.sampler import RowSampling, SamplingParams, probs, sample, sample_rows, uniform
+
+from stage_graphs import with_stage_graphs
 
 PROMPT = [3, 17, 42, 99, 7]
 
@@ -55,3 +58,65 @@ def test_repetition_penalty_lowers_seen_tokens(tiny_model):
     gen = lambda out: out[len(PROMPT):]
     assert len(set(gen(penalised))) >= len(set(gen(plain)))
     assert penalised != plain
+
+
+# one row each: greedy, greedy with a penalty, and samplers of every shape (top-k of several
+# widths, none, top-p, penalties), so one call mixes them all
+ROWS = [SamplingParams(), SamplingParams(repetition_penalty=1.4), SamplingParams(0.9, 40, 0.95, 1.3),
+        SamplingParams(0.7, 5), SamplingParams(1.2, 0, 0.8), SamplingParams(0.5, 100, 0.9),
+        SamplingParams(1.0, 12, 1.0, 1.1), SamplingParams(2.0, 1), SamplingParams(0.05, 0)]
+
+
+def _rows_case(B, V=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g) * 3
+    seen = torch.rand(B, V, generator=g) < 0.2
+    return logits, seen, torch.arange(B) * 7 + 1, torch.arange(B) + 30
+
+
+def test_each_row_samples_as_it_would_alone():
+    """sample_rows over rows of different parameters: row b's token is, exactly, the token of
+    `sample` on row b alone with its own parameters (and so the same whichever rows ride with
+    it), over many draws."""
+    params = ROWS * 40
+    logits, seen, seed, pos = _rows_case(len(params))
+    got = sample_rows(logits, seen, RowSampling.of(params, logits.shape[1], logits.device), seed, pos)
+    alone = torch.cat([sample(logits[b:b + 1], seen[b:b + 1], p, seed[b:b + 1], pos[b:b + 1])
+                       for b, p in enumerate(params)])
+    assert torch.equal(got, alone)
+    for b, p in enumerate(params):  # and each kept inside its own top-k
+        if not p.greedy and 0 < p.top_k < logits.shape[1]:
+            assert int(got[b]) in torch.topk(logits[b], p.top_k).indices.tolist()
+
+
+def test_probs_rows_are_the_one_row_distributions():
+    params = ROWS[2:]
+    logits, _, _, _ = _rows_case(len(params), seed=1)
+    rows = probs(logits, RowSampling.of(params, logits.shape[1], logits.device))
+    for b, p in enumerate(params):
+        assert torch.equal(rows[b:b + 1], probs(logits[b:b + 1], p))
+
+
+def test_runner_sampler_graphs_equal_the_eager_ops(tiny_path):
+    """Runner.sample through its sampler "graphs" (the buffers, buckets and copies the GPU
+    replays; here run eagerly) equals sample_rows on the same rows, for row counts that pad
+    their bucket and for every parameter mix."""
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        graphs = with_stage_graphs(m, [2])
+        V = m.runner.config.vocab_size
+        for B, rows in ((1, ROWS[2:3]), (1, ROWS[:1]), (3, ROWS[1:4]), (8, ROWS[:8]), (5, ROWS[4:])):
+            logits, seen, seed, pos = _rows_case(B, V, seed=B)
+            got = m.runner.sample(logits, seen, rows, seed.tolist(), pos.tolist())
+            assert torch.equal(got, sample_rows(logits, seen, RowSampling.of(rows, V, logits.device), seed, pos))
+        assert any(kind == "call" for kind, _, _ in graphs.log)
+        kw = dict(loops=2, max_tokens=12, temperature=0.8, top_k=20, seed=4)
+        graphed = m.generate([3, 17, 42], **kw)
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as eager:
+        assert graphed == eager.generate([3, 17, 42], **kw)
+
+
+def test_a_row_without_finite_logits_takes_its_first_token():
+    logits, seen, seed, pos = _rows_case(3)
+    logits[1] = float("nan")
+    got = sample_rows(logits, seen, RowSampling.of([ROWS[2]] * 3, logits.shape[1], logits.device), seed, pos)
+    assert 0 <= int(got[1]) < logits.shape[1]

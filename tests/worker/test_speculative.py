@@ -12,7 +12,7 @@ from tinyloop.worker import Model
 from tinyloop.worker.generation import speculative as spec_mod
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
-from tinyloop.worker.generation.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
+from tinyloop.worker.runner.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
 from tinyloop.worker.runner.engine import Counters, Tree
 from tinyloop.worker.runner.stages import TreeStages, ancestor_table, tree_layout
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from tinyloop.worker.generation.decode import DecodeState, Finish
-from tinyloop.worker.generation.sampling import sample
 from tinyloop.worker.runner.runner import DeviceTokens, Runner, StepOut
 from tinyloop.worker.runner.stages import device_tensor
 
@@ -171,45 +170,39 @@ class Batcher:
         self._ahead = [(lane, self.states[lane]) for lane in lanes], out
 
     def _sample(self, lanes: list[int], out: StepOut, step_rows: list[int]) -> tuple[torch.Tensor, dict]:
-        """Every stream's next token (len(lanes),) on the device from its logits: one `sample`
-        per distinct set of sampling parameters over the rows that share it, each row with its
-        own key. Greedy rows with no penalty take the step's own argmax (`out.greedy`, whose row
-        step_rows[i] is lanes[i]'s: a stream that left drops its row). A group whose sampling raises fails alone: {lane: the exception}
-        for its streams (their rows hold token 0), the other groups' streams go on."""
-        if all(self.states[lane].plain_greedy for lane in lanes):  # no grouping (a hash per row) needed
+        """Every stream's next token (len(lanes),) on the device from its logits. Greedy rows
+        with no penalty take the step's own argmax (`out.greedy`, whose row step_rows[i] is
+        lanes[i]'s: a stream that left drops its row); every other row samples in one
+        `Runner.sample` call, each on its own parameters and key. If that call raises, its
+        streams fail ({lane: the exception}; their rows hold token 0) and the plain greedy
+        streams go on."""
+        plain = [r for r, lane in enumerate(lanes) if self.states[lane].plain_greedy]
+        if len(plain) == len(lanes):
             if step_rows == list(range(len(lanes))):
                 return out.greedy[:len(lanes)], {}
             return out.greedy.index_select(0, self._to_device(step_rows)), {}
-        groups: dict = {}
-        for row, lane in enumerate(lanes):
-            groups.setdefault(self.states[lane].req.sampling, []).append(row)
-        toks, failed = None, {}
-        for params, rows in groups.items():
-            if params.greedy and params.repetition_penalty == 1.0:
-                picked = [step_rows[r] for r in rows]
-                if len(rows) == len(lanes) and picked == list(range(len(lanes))):
-                    return out.greedy[:len(lanes)], failed
-                got = out.greedy.index_select(0, self._to_device(picked))
-                if toks is None:
-                    toks = torch.zeros(len(lanes), dtype=torch.long, device=got.device)
-                toks.index_copy_(0, self._to_device(rows), got)
-                continue
-            sts = [self.states[lanes[r]] for r in rows]
-            try:
-                seen = None if params.repetition_penalty == 1.0 else torch.cat([st.seen for st in sts])
-                seed = torch.cat([st.seed for st in sts])
-                pos = None if params.greedy else self._to_device([st.pos for st in sts])
-                got = sample(torch.cat([st.logits for st in sts]), seen, params, seed, pos)
-            except Exception as e:
-                failed.update({lanes[r]: e for r in rows})
-                continue
-            if len(rows) == len(lanes):
-                return got, failed
-            if toks is None:
-                toks = torch.zeros(len(lanes), dtype=torch.long, device=got.device)
+        kept = set(plain)
+        rows = [r for r in range(len(lanes)) if r not in kept]
+        sts = [self.states[lanes[r]] for r in rows]
+        got, failed = None, {}
+        try:
+            seen = None
+            if any(st.req.sampling.repetition_penalty != 1.0 for st in sts):
+                V = sts[0].logits.shape[-1]
+                seen = torch.cat([st.seen if st.seen is not None else
+                                  torch.zeros(1, V, dtype=torch.bool, device=self.runner.device) for st in sts])
+            got = self.runner.sample(torch.cat([st.logits for st in sts]), seen, [st.req.sampling for st in sts],
+                                     [st.req.seed for st in sts], [st.pos for st in sts])
+        except Exception as e:
+            failed = {lanes[r]: e for r in rows}
+        if not plain and got is not None:
+            return got, failed
+        toks = torch.zeros(len(lanes), dtype=torch.long, device=self.runner.device)
+        if plain:
+            toks.index_copy_(0, self._to_device(plain),
+                              out.greedy.index_select(0, self._to_device([step_rows[r] for r in plain])))
+        if got is not None:
             toks.index_copy_(0, self._to_device(rows), got)
-        if toks is None:
-            toks = torch.zeros(len(lanes), dtype=torch.long, device=self.runner.device)
         return toks, failed
 
     def _to_device(self, values: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Generator
 
 import torch
 
-from tinyloop.worker.generation.sampling import SamplingParams, sample
+from tinyloop.worker.runner.sampler import SamplingParams
 from tinyloop.worker.runner.early_exit import ExitRule, histogram
 from tinyloop.worker.runner.engine import Counters
 from tinyloop.worker.runner.runner import Runner, StepOut
@@ -190,7 +190,6 @@ class DecodeState:
         self.pos = len(req.prompt)               # absolute position of the token being decided
         # the tokens seen so far, for the repetition penalty only
         self.seen = seen_mask(runner, [req.prompt]) if req.sampling.repetition_penalty != 1.0 else None
-        self.seed = device_tensor([req.seed], device)
         # greedy with no penalty: a batched step's own argmax is the token (Batcher._sample)
         self.plain_greedy = req.sampling.greedy and req.sampling.repetition_penalty == 1.0
         self.generated = 0
@@ -254,8 +253,7 @@ class DecodeState:
         if self.out is not None and p.greedy and p.repetition_penalty == 1.0:
             self.tok = self.out.greedy
             return self.tok
-        pos = None if p.greedy else torch.full((1,), self.pos, dtype=torch.long, device=self.seed.device)
-        self.tok = sample(self.logits, self.seen, p, self.seed, pos)
+        self.tok = self.runner.sample(self.logits, self.seen, [p], [self.req.seed], [self.pos])
         return self.tok
 
     def copy_to_host(self, tok: torch.Tensor) -> None:

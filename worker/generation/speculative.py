@@ -53,7 +53,7 @@ import torch
 
 from tinyloop.kernels.tree_attention import MAX_NODES
 from tinyloop.worker.generation.decode import FINISH_LENGTH, FINISH_STOP, DecodeState, Finish, Request
-from tinyloop.worker.generation.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
+from tinyloop.worker.runner.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
                                                  draw, probs, uniform)
 from tinyloop.worker.runner.engine import Counters
 from tinyloop.worker.runner.runner import RoundOut, Runner, StepOut

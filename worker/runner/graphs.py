@@ -11,7 +11,9 @@ lane a request holds and the graph count does not grow with the lane count.
 - the stages of a batched decode step (`stages.BatchStep`), per lane-count bucket;
 - the stages of a tree / chain verify (`stages.TreeStages`), per node-count bucket;
 - a greedy speculative round, drafts to acceptance (`rounds.ChainRound`), per (draft_loops,
-  verify_loops, drafts), captured on first use.
+  verify_loops, drafts), captured on first use;
+- sampling, every row on its own parameters (`sampler.SamplerGraphs`), per row bucket and the
+  parameters' shape flags, captured on first use.
 
 Every graph shares one memory pool: replays never overlap. Only `runner.Runner` uses this
 module. Batch-1 decode of a small looped model is bound by weight reads and kernel launches;
@@ -140,6 +142,10 @@ class Graphs:
             rnd.state.copy_(state)
             self.warm.add(("round", key, "round"))
         return g
+
+    def capture_call(self, fn) -> torch.cuda.CUDAGraph:
+        """fn() as a graph in the shared pool, after two warm runs (runner.sampler's graphs)."""
+        return self._capture(fn, True)
 
     def capture_stage(self, kind: str, bucket: int, stage, run) -> None:
         key = (kind, bucket, stage)

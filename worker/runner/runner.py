@@ -39,6 +39,7 @@ from tinyloop.worker.model.ops import Ops
 from tinyloop.worker.runner.early_exit import ExitRule, ExitState, fill_skipped
 from tinyloop.worker.runner.engine import Counters, Engine
 from tinyloop.worker.runner.rounds import ChainRound
+from tinyloop.worker.runner.sampler import RowSampling, SamplerGraphs, SamplingParams, sample_rows
 from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages, batch_buckets, batch_buffers,
                                            device_tensor, prefill_buckets, prefill_buffers)
 
@@ -282,6 +283,7 @@ class Runner:
         self._rounds: dict[tuple[int, int, int], ChainRound] = {}
         # each lane's speculative round state, (token, position), read and left by its rounds
         self._round_state = torch.zeros(cache.n_slots, 2, dtype=torch.long, device=self.device)
+        self._sampler: SamplerGraphs | None = None  # the sampling graphs, made on first use
         self.startup = {"graphs": 0, "graph_bytes": 0}
         if settings.cuda_graphs:
             from tinyloop.worker.runner.graphs import Graphs
@@ -662,6 +664,22 @@ class Runner:
         out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=ran)
         self._owners[key] = out
         return out
+
+    def sample(self, logits: torch.Tensor, seen: torch.Tensor | None, params: list[SamplingParams],
+               seeds: list[int], positions: list[int]) -> torch.Tensor:
+        """The tokens of rows of logits (B, V), row b on its own parameters params[b], key
+        seeds[b] and absolute position positions[b] (sampler.sample_rows; seen (B, V) bool: the
+        tokens each row has seen, read where a row has a repetition penalty) -> (B,) int64 on
+        the device, no host sync. With graphs, one replay of a captured sampler per row bucket;
+        else the ops eagerly."""
+        if self.graphs is not None:
+            if self._sampler is None:
+                self._sampler = SamplerGraphs(self.config.vocab_size, [1, *self._batch_buckets], self.device,
+                                              self.graphs.capture_call)
+            if self._sampler.covers(logits.shape[0]):
+                return self._sampler.sample(logits, seen, params, seeds, positions)
+        rs = RowSampling.of(params, logits.shape[-1], self.device)
+        return sample_rows(logits, seen, rs, device_tensor(seeds, self.device), device_tensor(positions, self.device))
 
     def _exit_state(self) -> ExitState:
         if self._exit_checks is None:

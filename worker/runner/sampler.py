@@ -1,0 +1,205 @@
+"""Token sampling on the device: every row with its own parameters, from a counter-based
+random stream.
+
+Every random number is a pure function of (seed, absolute position, stream): a splitmix64
+hash computed on the device. Any path that reaches the same position with the same logits
+(fresh generate, resume, speculative verify, a batch lane) draws the same number, so seeded
+sampling is path-independent. No generator state, no host synchronisation.
+
+One call samples rows of any mix of parameters (`RowSampling`: each row's temperature, top-k,
+top-p and repetition penalty as device tensors), so a batched step's streams sample together
+whatever each asked for, and a row's token never depends on which rows ride with it: every op
+is row-wise, and the one shape the rows share (the top-k width, the largest k among them)
+changes no row's kept set. `SamplerGraphs` replays the same ops as a CUDA graph per row bucket,
+so a sampled step costs a graph launch on the host, not the launches of some forty small ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyloop.worker.model.counter_hash import shr, splitmix64
+
+# Independent streams at one position.
+STREAM_TOKEN = 0        # the token drawn at a position
+STREAM_ACCEPT = 1       # speculative accept test
+STREAM_RESIDUAL = 2     # speculative resample from the residual distribution
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int = STREAM_TOKEN) -> torch.Tensor:
+    """seed, position (B,) int64 -> (B,) float64 uniforms in [0, 1)."""
+    x = splitmix64(seed.to(torch.int64) * 4 + stream)
+    x = splitmix64(x ^ position.to(torch.int64))
+    return shr(x, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling parameters of one call, (B,) device tensors: temperature fp32 (0:
+    greedy), top_k int64 (0 or >= V: no top-k), top_p fp32 (1: no top-p), penalty fp32 (1: no
+    penalty); and what the host knows of them without reading the device: the largest top-k
+    in force (0: none), whether any row keeps a top-p nucleus, has a penalty, or samples."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    penalty: torch.Tensor
+    k_max: int
+    top_p_any: bool
+    penalty_any: bool
+    sampled_any: bool
+
+    @staticmethod
+    def flags(params: list[SamplingParams], vocab: int) -> tuple[int, bool, bool, bool]:
+        """(k_max, top_p_any, penalty_any, sampled_any) of rows `params` over a vocabulary of `vocab`."""
+        sampled = [p for p in params if not p.greedy]
+        k_max = max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0)
+        return (k_max, any(p.top_p < 1.0 for p in sampled), any(p.repetition_penalty != 1.0 for p in params),
+                bool(sampled))
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "RowSampling":
+        f = torch.tensor([[p.temperature, p.top_p, p.repetition_penalty] for p in params],
+                         dtype=torch.float32).t().to(device)
+        k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device)
+        return cls(f[0], k, f[1], f[2], *cls.flags(params, vocab))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL-style penalty (Keskar et al. 2019): seen tokens' positive logits are divided by
+    the row's penalty, negative ones multiplied. logits (B, V) fp32, seen (B, V) bool,
+    penalty (B,) fp32 (a row with penalty 1 keeps its logits exactly)."""
+    pen = penalty[:, None]
+    penalised = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, penalised, logits)
+
+
+def probs(logits: torch.Tensor, p: SamplingParams | RowSampling) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, then top-k, then top-p, per row.
+    (B, V) fp32. The logits are shifted by their maximum before the temperature divides them,
+    so any temperature > 0 gives finite scores: the best token's is 0, and a tiny temperature
+    sends the others to -inf (greedy in the limit) rather than overflowing to inf - inf = NaN.
+    A greedy row (temperature 0) gets the distribution at temperature 1 (its token is the
+    argmax all the same: `sample_rows`)."""
+    logits = logits.float()
+    B, V = logits.shape
+    if isinstance(p, SamplingParams):
+        p = RowSampling.of([p] * B, V, logits.device)
+    t = torch.where(p.temperature > 0, p.temperature, 1.0)[:, None]
+    logits = (logits - logits.amax(-1, keepdim=True)) / t
+    if p.k_max:
+        has_k = ((p.top_k > 0) & (p.top_k < V))[:, None]
+        kth = torch.topk(logits, p.k_max, dim=-1).values.gather(1, (p.top_k.clamp(1, p.k_max) - 1)[:, None])
+        logits = logits.masked_fill(has_k & (logits < kth), float("-inf"))
+    pr = torch.softmax(logits, dim=-1)
+    if p.top_p_any:
+        has_p = (p.top_p < 1.0)[:, None]
+        sorted_p, idx = torch.sort(pr, dim=-1, descending=True, stable=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = ((sorted_p.cumsum(-1) - sorted_p) >= p.top_p[:, None]) & has_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        kept = pr.masked_fill(drop, 0.0)
+        pr = torch.where(has_p, kept / kept.sum(-1, keepdim=True), pr)
+    return pr
+
+
+def draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw over tokens in descending-probability order. pr (B, V), u (B,) -> (B,)."""
+    sorted_p, idx = torch.sort(pr.double(), dim=-1, descending=True, stable=True)
+    cdf = sorted_p.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    pick = torch.searchsorted(cdf, target, right=True).clamp_max(pr.shape[-1] - 1)
+    # never land on a zero-probability tail token through rounding at the very end
+    # (a row with no positive probability, NaN logits from a diverged model, takes its first
+    # token rather than an index of -1)
+    n_pos = (sorted_p > 0).sum(-1, keepdim=True)
+    pick = torch.minimum(pick, n_pos - 1).clamp_min(0)
+    return idx.gather(-1, pick).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, seen: torch.Tensor | None, p: RowSampling, seed: torch.Tensor,
+                position: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) -> next tokens (B,) int64, row b for the token at absolute position[b]
+    with seed[b] and its own parameters: the argmax of the penalised logits where the row is
+    greedy, else the STREAM_TOKEN draw from `probs`. seen (B, V) bool: the tokens each row has
+    seen (read only where p.penalty_any)."""
+    logits = logits.float()
+    if p.penalty_any:
+        logits = apply_repetition_penalty(logits, seen, p.penalty)
+    best = logits.argmax(-1)
+    if not p.sampled_any:
+        return best
+    return torch.where(p.temperature > 0, draw(probs(logits, p), uniform(seed, position)), best)
+
+
+def sample(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingParams,
+           seed: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
+    """sample_rows with every row on the parameters p (greedy reads no random number:
+    position may be None)."""
+    B, V = logits.shape
+    if position is None:
+        position = torch.zeros(B, dtype=torch.long, device=logits.device)
+    return sample_rows(logits, seen, RowSampling.of([p] * B, V, logits.device), seed, position)
+
+
+class SamplerGraphs:
+    """sample_rows as CUDA graphs, one per (row bucket, the host flags of RowSampling), over
+    static buffers a call fills: the logits, the seen masks, and the rows' float and integer
+    parameters (one copy each). `capture` is the runner's graph capture (one shared
+    pool: replays never overlap)."""
+
+    def __init__(self, vocab: int, buckets: list[int], device: torch.device, capture):
+        self.vocab, self.buckets, self.device, self._capture = vocab, buckets, device, capture
+        self.logits = torch.zeros(buckets[-1], vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(buckets[-1], vocab, dtype=torch.bool, device=device)
+        # per bucket: (3, bucket) temperature, top_p, penalty and (3, bucket) top_k, seed, position
+        self.params = {b: (torch.ones(3, b, dtype=torch.float32, device=device),
+                           torch.zeros(3, b, dtype=torch.int64, device=device)) for b in buckets}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def covers(self, rows: int) -> bool:
+        return rows <= self.buckets[-1]
+
+    def sample(self, logits: torch.Tensor, seen: torch.Tensor | None, params: list[SamplingParams],
+               seeds: list[int], positions: list[int]) -> torch.Tensor:
+        """sample_rows of logits (B, V) on rows `params`, `seeds`, `positions` (host values)
+        -> a fresh (B,) int64 device tensor (the graph's output buffer is copied out: the next
+        call overwrites it)."""
+        B = logits.shape[0]
+        bucket = next(b for b in self.buckets if b >= B)
+        flags = RowSampling.flags(params, self.vocab)
+        pad = bucket - B  # rows past B: greedy, no penalty (their token is never read)
+        f = torch.tensor([[p.temperature for p in params] + [0.0] * pad, [p.top_p for p in params] + [1.0] * pad,
+                          [p.repetition_penalty for p in params] + [1.0] * pad], dtype=torch.float32)
+        i = torch.tensor([[p.top_k for p in params] + [0] * pad, list(seeds) + [0] * pad,
+                          list(positions) + [0] * pad], dtype=torch.int64)
+        # pageable host tensors: the copy has taken their values when it returns
+        fparams, iparams = self.params[bucket]
+        fparams.copy_(f, non_blocking=True)
+        iparams.copy_(i, non_blocking=True)
+        self.logits[:B].copy_(logits)
+        if flags[2]:
+            self.seen[:B].copy_(seen)
+        key = (bucket, *flags)
+        if key not in self.graphs:
+            out = torch.empty(bucket, dtype=torch.long, device=self.device)
+            rs = RowSampling(fparams[0], iparams[0], fparams[1], fparams[2], *flags)
+
+            def run():
+                out.copy_(sample_rows(self.logits[:bucket], self.seen[:bucket], rs, iparams[1], iparams[2]))
+            self.graphs[key] = (self._capture(run), out)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out[:B].clone()
