@@ -52,13 +52,15 @@ class RunnerSettings:
     prefill_rows: the prompt counts of the multi-row prefill graphs (`prefill_many`), each for
     the length buckets whose rows × bucket is at most prefill_rows_len tokens. device_rounds:
     greedy speculative chains run whole rounds on the device (`chain_round`), one graph per
-    round where graphs are captured (eager elsewhere: the CPU tests)."""
+    round where graphs are captured (eager elsewhere: the CPU tests). sampler_graphs: with
+    graphs, `sample` replays a captured sampler per row bucket."""
     cuda_graphs: bool = False
     prefill_graph_len: int = 2048
     verify_buckets: tuple[int, ...] = (5, 17)
     prefill_rows: tuple[int, ...] = (2, 4)
     prefill_rows_len: int = 512
     device_rounds: bool = False
+    sampler_graphs: bool = True
 
 
 class LanePool:
@@ -672,7 +674,7 @@ class Runner:
         tokens each row has seen, read where a row has a repetition penalty) -> (B,) int64 on
         the device, no host sync. With graphs, one replay of a captured sampler per row bucket;
         else the ops eagerly."""
-        if self.graphs is not None:
+        if self.graphs is not None and self.settings.sampler_graphs:
             if self._sampler is None:
                 self._sampler = SamplerGraphs(self.config.vocab_size, [1, *self._batch_buckets], self.device,
                                               self.graphs.capture_call)
