@@ -113,6 +113,7 @@ CURRENT = [
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
+    ("sampling", "cuda"),
 ]
 
 
@@ -656,6 +657,27 @@ def profile_speculative_body(r: Result) -> str:
             + table(["run", "wall", "GPU busy", "tokens", "rounds"], gen or [[DASH] * 5]) + "\n")
 
 
+def sampling_body(r: Result) -> str:
+    d = r.data
+    B = text(d.get("batch"))
+    runs = [("one stream, greedy", "alone_greedy", "ms_per_token"), ("one stream, sampled", "alone_sampled", "ms_per_token"),
+            (f"{B} streams, greedy", "batched_greedy", "ms_per_step"),
+            (f"{B} streams, one sampler", "batched_sampled", "ms_per_step"),
+            (f"{B} streams, a sampler each", "batched_mixed", "ms_per_step")]
+    rows = []
+    for label, key, unit in runs:
+        g, e = get(d, "sampler_graphs", key), get(d, "sampler_eager", key)
+        rows.append([label, ms(get(g, unit)), count(get(g, "tokens_per_s")), ms(get(e, unit)),
+                     count(get(e, "tokens_per_s")), yesno(get(d, "equal", key))])
+    return (f"L = {text(d.get('loops'))}, prompts of {text(d.get('context'))} tokens, {text(d.get('tokens'))} tokens "
+            f"generated; sampled: temperature 0.8, top-k 50, top-p 0.95. Sampled against greedy with the sampler "
+            f"graphs: {num(d.get('sampled_vs_greedy_alone'), '.2f', '×')} alone, "
+            f"{num(d.get('sampled_vs_greedy_batched'), '.2f', '×')} batched, "
+            f"{num(d.get('mixed_vs_greedy_batched'), '.2f', '×')} with a sampler each.\n\n"
+            + table(["run", "sampler graphs: ms", "tokens/s", "ops one by one: ms", "tokens/s", "same tokens"], rows)
+            + "\n")
+
+
 def service_extra(r: Result) -> list[str]:
     w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
     model = w.get("model")
@@ -999,6 +1021,10 @@ PROFILE_SPEC_INTRO = ("`bench/profile_speculative.py`: a speculative round's par
 GEMV_INV_INTRO = ("`bench/gemv_invariant.py`: bench-285m's projections with their fused options, M rows a call: "
                   "the batch-invariant path (every row through the M = 1 kernel), today's (the M = 1 kernel, the "
                   "batched tl.dot kernel for 2 to 16 rows) and cuBLAS, microseconds a call, weights read from HBM.")
+SAMPLING_INTRO = ("`bench/sampling.py`: sampled decoding against greedy on the embedded default model, one stream "
+                  "alone and a batch whose streams sample together (all on one sampler, or each on its own "
+                  "temperature, top-k, top-p and penalty), with the sampler replayed as one graph per row bucket "
+                  "(the default) and with its ops launched one by one, same run.")
 LOAD_INTRO = ("`bench/load.py`: concurrent streams, all started at once, each its own prompt, through `tinyloop serve` "
               "(gateway process, one Ray worker) from asyncio clients; the ceiling is the runner's batched step alone "
               "at the same B (sampling and host sync included), measured in the same run before the service starts. "
@@ -1032,6 +1058,7 @@ def render(results: Path = RESULTS) -> str:
         section("A speculative round's parts", PROFILE_SPEC_INTRO, n(("profile-speculative", "cuda")),
                 profile_speculative_body),
         section("Batch-invariant projections", GEMV_INV_INTRO, n(("gemv-invariant", "cuda")), gemv_invariant_body),
+        section("Sampled decoding", SAMPLING_INTRO, n(("sampling", "cuda")), sampling_body),
         section("The service on the GPU", SERVICE_INTRO, n(("service", "gpu")), service_body, service_extra),
         section("The service under load on the GPU", LOAD_INTRO, n(("load", "cuda")), load_body, load_extra),
         startup_section(startups),
