@@ -7,7 +7,8 @@
 #                                          #   int4-tune, exit, load-ab on demand (load: the service under load; carry .whl for
 #                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
-#                                          #   exit: early exit's sweep, bench/early_exit.py; invariant: the
+#                                          #   exit: early exit's sweep, bench/early_exit.py; sampling: sampled against greedy
+#                                          #   decoding (bench/sampling.py); invariant: the
 #                                          #   batch-invariant kernels' GPU tests and benches; load-ab: load over the worker
 #                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms)
 #
@@ -44,7 +45,7 @@ run() {  # run NAME SECONDS CMD...: time-limited, logged, never aborts the scrip
 
 for s in "${steps[@]}"; do
     case $s in
-        tests) run tests "${TESTS_S:-200}" python -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/worker/test_gpu_engine.py tests/worker/test_l2_policy.py tests/worker/test_rope_tables.py tests/test_bench.py} -q -p no:cacheprovider ;;
+        tests) run tests "${TESTS_S:-200}" python -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/worker/test_gpu_engine.py tests/worker/test_gpu_sampling.py tests/worker/test_l2_policy.py tests/worker/test_rope_tables.py tests/test_bench.py} -q -p no:cacheprovider ;;
         gemv) run gemv 90 python -m bench.gemv --out-dir "$OUT" ;;
         profile) run profile "${PROFILE_S:-90}" python -m bench.profile_decode --out-dir "$OUT" ${PROFILE_ARGS:-} ;;
         families) run families "${FAMILIES_S:-420}" python -m bench.families --out-dir "$OUT" ${FAMILIES_ARGS:-} ;;
@@ -53,6 +54,7 @@ for s in "${steps[@]}"; do
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 4000 --out-dir "$OUT" ;;
         speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
+        sampling) run sampling 240 python -m bench.sampling --out-dir "$OUT" ;;
         load) run load "${LOAD_S:-480}" python -m bench.load --out-dir "$OUT" ${LOAD_ARGS:-} ;;
         load-ab)  # the service under load over the worker channel (load-cuda.json) and, same run, over
                   # Ray streaming calls (ray/load-cuda.json): the channel's A/B. About 5 minutes.
