@@ -71,10 +71,16 @@ class RowSampling:
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "RowSampling":
-        f = torch.tensor([[p.temperature, p.top_p, p.repetition_penalty] for p in params],
-                         dtype=torch.float32).t().to(device)
-        k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device)
+        f = _to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                                     [p.repetition_penalty for p in params]], dtype=torch.float32), device)
+        k = _to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64), device)
         return cls(f[0], k, f[1], f[2], *cls.flags(params, vocab))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` with no host sync: a copy to the GPU from pageable memory waits
+    for all the work queued before it; from pinned memory it is queued like a kernel."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: torch.Tensor) -> torch.Tensor:
@@ -185,10 +191,9 @@ class SamplerGraphs:
                           [p.repetition_penalty for p in params] + [1.0] * pad], dtype=torch.float32)
         i = torch.tensor([[p.top_k for p in params] + [0] * pad, list(seeds) + [0] * pad,
                           list(positions) + [0] * pad], dtype=torch.int64)
-        # pageable host tensors: the copy has taken their values when it returns
         fparams, iparams = self.params[bucket]
-        fparams.copy_(f, non_blocking=True)
-        iparams.copy_(i, non_blocking=True)
+        fparams.copy_(_to_device(f, self.device))  # (pinned, each call its own: no host sync)
+        iparams.copy_(_to_device(i, self.device))
         self.logits[:B].copy_(logits)
         if flags[2]:
             self.seen[:B].copy_(seen)
