@@ -383,6 +383,8 @@ def test_the_decode_loop_never_waits_for_the_gpu(pair):
     cost 0.48 ms of host time per token, the whole step)."""
     fast, _ = pair
     stream = torch.cuda.current_stream()
+    # the sampler's graph for this parameter shape is captured on its first use (one sync, once)
+    fast.generate(PROMPTS[1], loops=4, max_tokens=3, repetition_penalty=1.3)
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning: far longer than anything below
     st = fast.start(fast.make_request(PROMPTS[1], loops=4, max_tokens=8, repetition_penalty=1.3))

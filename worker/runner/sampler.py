@@ -11,7 +11,8 @@ top-p and repetition penalty as device tensors), so a batched step's streams sam
 whatever each asked for, and a row's token never depends on which rows ride with it: every op
 is row-wise, and the one shape the rows share (the top-k width, the largest k among them)
 changes no row's kept set. `SamplerGraphs` replays the same ops as a CUDA graph per row bucket,
-so a sampled step costs a graph launch on the host, not the launches of some forty small ops.
+so a sampled step costs a graph launch on the host, not the launches of some forty small ops
+(the first call of a row bucket and parameter shape captures its graph: one host sync, once).
 """
 from __future__ import annotations
 
@@ -66,11 +67,21 @@ class RowSampling:
         """(k_max, top_p_any, penalty_any, sampled_any) of rows `params` over a vocabulary of `vocab`."""
         sampled = [p for p in params if not p.greedy]
         k_max = max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0)
+        # the top-k width rounded up to a power of two (at most the vocabulary): any width of at
+        # least every row's k keeps the same sets, and few widths keep the sampler's graphs few
+        k_max = min(1 << (k_max - 1).bit_length(), vocab) if k_max else 0
         return (k_max, any(p.top_p < 1.0 for p in sampled), any(p.repetition_penalty != 1.0 for p in params),
                 bool(sampled))
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "RowSampling":
+        if all(p == params[0] for p in params):  # one sampler: fills, no copy from the host
+            p, B = params[0], len(params)
+            f32 = dict(dtype=torch.float32, device=device)
+            return cls(torch.full((B,), p.temperature, **f32), torch.full((B,), p.top_k, dtype=torch.int64,
+                                                                          device=device),
+                       torch.full((B,), p.top_p, **f32), torch.full((B,), p.repetition_penalty, **f32),
+                       *cls.flags(params, vocab))
         f = _to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
                                      [p.repetition_penalty for p in params]], dtype=torch.float32), device)
         k = _to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64), device)
@@ -174,6 +185,14 @@ class SamplerGraphs:
         self.params = {b: (torch.ones(3, b, dtype=torch.float32, device=device),
                            torch.zeros(3, b, dtype=torch.int64, device=device)) for b in buckets}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # pinned host buffers the parameters go through (a copy from pageable memory would wait
+        # for the queued work), a few in turn, each reused once the event behind its last copy
+        # has passed (long before: the device runs at most a step or two behind the host)
+        cuda = device.type == "cuda"
+        self._ring = {b: [(torch.zeros(3, b, dtype=torch.float32, pin_memory=cuda),
+                           torch.zeros(3, b, dtype=torch.int64, pin_memory=cuda),
+                           torch.cuda.Event() if cuda else None) for _ in range(4)] for b in buckets}
+        self._turn = {b: 0 for b in buckets}
 
     def covers(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
@@ -192,8 +211,17 @@ class SamplerGraphs:
         i = torch.tensor([[p.top_k for p in params] + [0] * pad, list(seeds) + [0] * pad,
                           list(positions) + [0] * pad], dtype=torch.int64)
         fparams, iparams = self.params[bucket]
-        fparams.copy_(_to_device(f, self.device))  # (pinned, each call its own: no host sync)
-        iparams.copy_(_to_device(i, self.device))
+        ring = self._ring[bucket]
+        fhost, ihost, done = ring[self._turn[bucket]]
+        self._turn[bucket] = (self._turn[bucket] + 1) % len(ring)
+        if done is not None:
+            done.synchronize()
+        fhost.copy_(f)
+        ihost.copy_(i)
+        fparams.copy_(fhost, non_blocking=True)
+        iparams.copy_(ihost, non_blocking=True)
+        if done is not None:
+            done.record()
         self.logits[:B].copy_(logits)
         if flags[2]:
             self.seen[:B].copy_(seen)
