@@ -53,6 +53,11 @@ def batched(model: Model, ps: list[list[int]], loops: int, steps: int) -> tuple[
         ids, _ = b.join(model.start(model.make_request(p, loops=loops, max_tokens=steps + 1, stop_token_ids=[]),
                                     lane))
         out.append(list(ids))
+    return drain(model, b, out), out
+
+
+def drain(model: Model, b: Batcher, out: list[list[int]]) -> float:
+    """Step b until every stream is done, each stream's tokens appended to out[lane] -> ms per step."""
     sync(model.device)
     t = time.perf_counter()
     n = 0
@@ -61,7 +66,7 @@ def batched(model: Model, ps: list[list[int]], loops: int, steps: int) -> tuple[
             out[lane].extend(ids)
         n += 1
     sync(model.device)
-    return (time.perf_counter() - t) * 1e3 / n, out
+    return (time.perf_counter() - t) * 1e3 / n
 
 
 def alone(model: Model, p: list[int], loops: int, steps: int) -> tuple[float, list[int]]:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench.batch import prompts
+from bench.batch import drain, prompts
 from bench.common import hardware, write
 from bench.decode import sync
 from tinyloop.worker import Model
@@ -57,15 +57,7 @@ def batched(m: Model, ps: list[list[int]], args, samplers: list[dict]) -> tuple[
         req = m.make_request(p, loops=args.loops, max_tokens=args.tokens + 1, stop_token_ids=[], seed=lane, **s)
         ids, _ = b.join(m.start(req, lane))
         out.append(list(ids))
-    sync(m.device)
-    t = time.perf_counter()
-    n = 0
-    while b:
-        for lane, (ids, _) in b.step().items():
-            out[lane].extend(ids)
-        n += 1
-    sync(m.device)
-    return (time.perf_counter() - t) * 1e3 / n, out
+    return drain(m, b, out), out
 
 
 def median(runs):
