@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.worker.model.counter_hash import shr, splitmix64
+from tinyloop.worker.runner.stages import device_tensor
 
 # Independent streams at one position.
 STREAM_TOKEN = 0        # the token drawn at a position
@@ -82,16 +83,10 @@ class RowSampling:
                                                                           device=device),
                        torch.full((B,), p.top_p, **f32), torch.full((B,), p.repetition_penalty, **f32),
                        *cls.flags(params, vocab))
-        f = _to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                                     [p.repetition_penalty for p in params]], dtype=torch.float32), device)
-        k = _to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64), device)
+        f = device_tensor([[p.temperature for p in params], [p.top_p for p in params],
+                           [p.repetition_penalty for p in params]], device, torch.float32)
+        k = device_tensor([p.top_k for p in params], device)
         return cls(f[0], k, f[1], f[2], *cls.flags(params, vocab))
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` with no host sync: a copy to the GPU from pageable memory waits
-    for all the work queued before it; from pinned memory it is queued like a kernel."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: torch.Tensor) -> torch.Tensor:
