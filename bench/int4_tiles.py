@@ -70,10 +70,11 @@ def split_choices(rows: int, bn: int, steps: int) -> list[int]:
     return sorted({min(s, steps), min(2 * s, steps)} if s > 1 else {1, min(2, steps)})
 
 
-def gemv_candidates(K: int, G: int, bits: int, rows: int = 2048) -> list[tuple]:
+def gemv_candidates(K: int, G: int, bits: int, rows: int = 2048, kernels=q4.GEMV_KERNELS) -> list[tuple]:
     """M = 1 tiles to try for a projection of `rows` output rows: the bytes kernel (BLOCK_N rows x
-    BLOCK_G groups a step) and, for INT4 with whole int32 words a group, the mma kernel with the
-    K splits that fill the SMs (`split_choices`); BLOCK_G no more than the row's groups."""
+    BLOCK_G groups a step) and, for INT4 with whole int32 words a group, the mma and the pairs
+    kernels with the K splits that fill the SMs (`split_choices`); BLOCK_G no more than the row's
+    groups; only the kernels named (the default tile always, the sweep's baseline)."""
     ng = K // G
     tiles = [("bytes", bn, bg, w, st, 1) for bn in (2, 4, 8) for bg in (4, 8) for w, st in ((4, 1), (4, 2))]
     tiles += [("bytes", 16, 4, 8, 1, 1), q4.default_tile(K, G)]
@@ -82,7 +83,11 @@ def gemv_candidates(K: int, G: int, bits: int, rows: int = 2048) -> list[tuple]:
                 [(128, 1, 8), (128, 2, 8)]:
             if bg <= triton.next_power_of_2(ng):
                 tiles += [("mma", bn, bg, w, 1, s) for s in split_choices(rows, bn, -(-ng // bg))]
-    return [t for t in dict.fromkeys(tiles) if t[2] <= triton.next_power_of_2(ng)]
+        for bn, bg, w in [(bn, bg, w) for bn in (8, 16, 32, 64) for bg in (1, 2) for w in (4, 8)]:
+            if bg <= triton.next_power_of_2(ng):
+                tiles += [("pairs", bn, bg, w, 1, s) for s in split_choices(rows, bn, -(-ng // bg))]
+    keep = [t for t in dict.fromkeys(tiles) if t[2] <= triton.next_power_of_2(ng)]
+    return [t for t in keep if t[0] in kernels or t == q4.default_tile(K, G)]
 
 
 def matmul_candidates(M: int, N: int) -> list[tuple]:
@@ -214,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[4], help="4, and 2 for dual-bit's INT2 copy")
     ap.add_argument("--rows", type=int, nargs="*", default=[4, 16], help="M > 1 row counts for the GEMM's tiles")
     ap.add_argument("--calls", type=int, default=20, help="calls a hot graph")
+    ap.add_argument("--kernels", nargs="+", default=list(q4.GEMV_KERNELS), choices=q4.GEMV_KERNELS,
+                    help="the M = 1 kernels whose tiles are swept")
     ap.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 1) - 2)), help="compile workers")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing new candidates after this")
     ap.add_argument("--out-dir", default=None)
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                 N = s["rows"] // 2 if s["swiglu"] else s["rows"]
                 flags = (s["norm"], s["swiglu"], s["residual"])
                 if M == 1:
-                    work.append((s, bits, 1, gemv_candidates(s["K"], G, bits, N), (N, s["K"], G, bits, *flags, pdl)))
+                    work.append((s, bits, 1, gemv_candidates(s["K"], G, bits, N, args.kernels), (N, s["K"], G, bits, *flags, pdl)))
                 else:
                     work.append((s, bits, M, matmul_candidates(M, N),
                                  (q4._m_bucket(M), N, s["K"], G, bits, *flags)))

@@ -80,7 +80,7 @@ for s in "${steps[@]}"; do
                     # the TILES entries to paste); decode at L = 1..16 in bf16, INT4 on the code's tables
                     # (`int4`) and on the swept tiles (`int4-tuned`), one run. About 6 minutes.
             run int4-tests "${TESTS_S:-150}" python -m pytest -m gpu tests/kernels/test_kernel_int4_gemv.py -q -p no:cacheprovider
-            run int4-tiles "${SWEEP_S:-200}" python -m bench.int4_tiles --out-dir "$OUT" --budget-s "${BUDGET_S:-150}"
+            run int4-tiles "${SWEEP_S:-200}" python -m bench.int4_tiles --out-dir "$OUT" --budget-s "${BUDGET_S:-150}" ${SWEEP_ARGS:-}
             formats=(bf16 int4); tiles=()
             if [ -s "$OUT/int4-tiles-cuda.json" ] && grep -q '"tiles_entries"' "$OUT/int4-tiles-cuda.json"; then
                 formats+=(int4-tuned); tiles=(--tiles "$OUT/int4-tiles-cuda.json")

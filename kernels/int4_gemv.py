@@ -524,10 +524,19 @@ def _int4_gemv_mma_kernel(
                 uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG,
                                                  EVICT)
     # rows 0 and 1 of the dot: x's leading part and the rest (`_x_mma`)
-    y = tl.sum(acc, axis=0)
-    yu = tl.sum(acc_up, axis=0)
+    _finish_rows(tl.sum(acc, axis=0), tl.sum(acc_up, axis=0), tl.sum(ss, axis=0), pid, pk, rows, row_mask, res_ptr,
+                 y_ptr, key_ptr, part_ptr, sq_ptr, cnt_ptr, N, K, eps, dtype, NORM, SWIGLU, RESIDUAL, ARGMAX, SPLIT_K)
+
+
+@triton.jit
+def _finish_rows(y, yu, ss_sum, pid, pk, rows, row_mask, res_ptr, y_ptr, key_ptr, part_ptr, sq_ptr, cnt_ptr, N, K, eps,
+                 dtype, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    """A split-K row block's end: this slice's row sums y (yu, SwiGLU's up rows; ss_sum its sum of
+    x^2) go to the epilogue, or with SPLIT_K > 1 to the block's partials, the last slice to finish
+    adding them in slice order."""
     if SPLIT_K == 1:
-        _epilogue(y, yu, tl.sum(ss, axis=0), rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM, SWIGLU,
+        _epilogue(y, yu, ss_sum, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM, SWIGLU,
                   RESIDUAL, ARGMAX)
     else:
         # Each slice leaves its sums; the last of a row block to finish (the counter) adds them in
@@ -538,12 +547,12 @@ def _int4_gemv_mma_kernel(
         if SWIGLU:
             tl.store(part_ptr + (pk * 2 + 1) * N + rows, yu, mask=row_mask)
         if NORM:
-            tl.store(sq_ptr + pid * SPLIT_K + pk, tl.sum(ss, axis=0))
+            tl.store(sq_ptr + pid * SPLIT_K + pk, ss_sum)
         tl.debug_barrier()  # every thread's sums stored before the (one-thread, releasing) count
         done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            yu = tl.zeros([BLOCK_N], dtype=tl.float32)
+            y = tl.zeros([y.shape[0]], dtype=tl.float32)
+            yu = tl.zeros([y.shape[0]], dtype=tl.float32)
             ss_sum = 0.0
             for i in tl.static_range(SPLIT_K):
                 # .cg: from L2, never a line of this buffer an earlier launch left in this SM's L1
@@ -555,6 +564,183 @@ def _int4_gemv_mma_kernel(
             _epilogue(y, yu, ss_sum, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM, SWIGLU,
                       RESIDUAL, ARGMAX)
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed")
+
+
+# -- the pairs kernel: the mma kernel's words, the products as fp32 FMAs ----------------------------
+#
+# Each 16-bit float pair (fields j and j + 4 of a word, `_mma_weights`' AND/OR) becomes its two
+# weights by three packed bf16 fmas in one inline-PTX block: n = p·1 - (2^7 + z) (exact),
+# t = n·s_lo - 0 (exact), w = n·s_hi + t (= RN_bf16(n·s), the one rounding): two weights for
+# 2.5 instructions, where Triton's bf16 arithmetic widens every operand to fp32 and rounds back.
+# Each half of the pair is then the fp32 weight by one shift or AND (a bf16 is the top half of
+# its fp32), and multiplies x (times the norm weight: exact in fp32) in fp32 FMAs -- no layout
+# change for a tensor-core operand, and every program's rows reuse each x column they load.
+
+_PAIR_ASM = tl.constexpr("""{
+.reg .b32 t, u, one, nz, lo4, mg;
+mov.b32 one, 0x3F803F80;
+mov.b32 nz, 0x80008000;
+mov.b32 lo4, 0x000F000F;
+mov.b32 mg, 0x43004300;
+lop3.b32 t, $1, lo4, mg, 0xEA;
+fma.rn.bf16x2 t, t, one, $2;
+fma.rn.bf16x2 u, t, $4, nz;
+fma.rn.bf16x2 $0, t, $3, u;
+}""")
+
+
+@triton.jit
+def _pair_fields(ws, nzc2, sh2, sl2, z, s):
+    """Fields j (bits [0, 4) of each half of ws = word >> 4j) and j + 4 (bits [16, 20)) as the fp32
+    values of their bf16 weights RN_bf16((q - z) · s), exactly: (field j, field j + 4). nzc2, sh2,
+    sl2: `_pairs_consts`; z, s: the group's zero and scale (the interpreter's path)."""
+    if _INTERP:
+        v0 = ((ws & 0xF).to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)
+        v1 = (((ws >> 16) & 0xF).to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)
+        u0 = v0.to(tl.uint32, bitcast=True)
+        u1 = v1.to(tl.uint32, bitcast=True)
+        lo = ((u0 + 0x7FFF + ((u0 >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        hi = ((u1 + 0x7FFF + ((u1 >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        p = tl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r", [ws, nzc2, sh2, sl2], dtype=tl.int32, is_pure=True,
+                                      pack=1)
+        lo = (p << 16).to(tl.float32, bitcast=True)
+        hi = (p & -65536).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _pairs_consts(s, z):
+    """A group's constants of `_PAIR_ASM` from its fp16 scale s and zero z, each a bf16 pair
+    (both halves the same) in an int32: -(2^7 + z), s_hi, s_lo (`_pair_consts`)."""
+    zc, s_hi, s_lo = _pair_consts(s, z, 0)
+    nz = (zc.to(tl.uint16, bitcast=True).to(tl.int32) | 0x8000)
+    hi = s_hi.to(tl.uint16, bitcast=True).to(tl.int32)
+    lo = s_lo.to(tl.uint16, bitcast=True).to(tl.int32)
+    return nz | (nz << 16), hi | (hi << 16), lo | (lo << 16)
+
+
+@triton.jit
+def _x_field(x_ptr, nw_ptr, gs, us, f: tl.constexpr, g_hi, WPG: tl.constexpr, G: tl.constexpr, ss,
+             NORM: tl.constexpr):
+    """x at field f of words us of groups gs (column g·G + 8u + f) as (1, BLOCK_G, WORDS_G) fp32,
+    times the norm weight with NORM (exact), and ss plus its squares."""
+    k = gs[:, None] * G + us[None, :] * 8 + f
+    m = (gs < g_hi)[:, None] & (us < WPG)[None, :]
+    xv = tl.load(x_ptr + k, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        ss += xv * xv
+        xv = xv * tl.load(nw_ptr + k, mask=m, other=0.0).to(tl.float32)
+    return xv[None, :, :], ss
+
+
+@triton.jit
+def _pairs_dot(acc, wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7):
+    """acc (BLOCK_N, BLOCK_G, WORDS_G) plus each word's eight weights times x's columns, in the
+    fixed order of fields 0, 4, 1, 5, 2, 6, 3, 7."""
+    nzc2, sh2, sl2 = _pairs_consts(s[:, :, None], z[:, :, None])
+    zz = z[:, :, None]
+    sc = s[:, :, None]
+    lo, hi = _pair_fields(wd, nzc2, sh2, sl2, zz, sc)
+    acc += lo * x0
+    acc += hi * x4
+    lo, hi = _pair_fields(wd >> 4, nzc2, sh2, sl2, zz, sc)
+    acc += lo * x1
+    acc += hi * x5
+    lo, hi = _pair_fields(wd >> 8, nzc2, sh2, sl2, zz, sc)
+    acc += lo * x2
+    acc += hi * x6
+    lo, hi = _pair_fields(wd >> 12, nzc2, sh2, sl2, zz, sc)
+    acc += lo * x3
+    acc += hi * x7
+    return acc
+
+
+@triton.jit
+def _int4_gemv_pairs_kernel(
+    x_ptr,  # (K,) bf16
+    q_ptr,  # (N, K/8) int32 words, or (2N, K/8) with SWIGLU
+    s_ptr,  # (N, NG) scales
+    z_ptr,  # (N, NG) uint8 zeros
+    nw_ptr,  # (K,) norm weight, read only when NORM
+    res_ptr,  # (N,) residual, read only when RESIDUAL
+    y_ptr,  # (N,)
+    key_ptr,  # (1,) int64, written only when ARGMAX
+    part_ptr,  # (SPLIT_K, 2, N) fp32 (SPLIT_K > 1)
+    sq_ptr,  # (programs, SPLIT_K) fp32 (SPLIT_K > 1, NORM)
+    cnt_ptr,  # (programs,) int32, zero between launches (SPLIT_K > 1)
+    N,
+    K,
+    NW,  # words a row (K / 8)
+    eps,
+    NORM: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    EVICT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    G: tl.constexpr,  # the group size, a multiple of 8
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # groups a step
+    WORDS_G: tl.constexpr,  # next_power_of_2(G / 8)
+    SPLIT_K: tl.constexpr,  # programs a row block, each a slice of the groups (the mma kernel's)
+):
+    WPG: tl.constexpr = G // 8
+    pid = tl.program_id(0)
+    pk = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    dtype = x_ptr.dtype.element_ty
+    NG = K // G
+    per = tl.cdiv(tl.cdiv(NG, BLOCK_G), SPLIT_K) * BLOCK_G
+    g_lo = pk * per
+    g_hi = tl.minimum(NG, g_lo + per)
+    gl = tl.arange(0, BLOCK_G)
+    us = tl.arange(0, WORDS_G)
+
+    r64 = rows.to(tl.int64)
+    q_rows, s_rows, z_rows = q_ptr + r64[:, None] * NW, s_ptr + r64[:, None] * NG, z_ptr + r64[:, None] * NG
+    up = r64 + N
+    uq_rows, us_rows, uz_rows = q_ptr + up[:, None] * NW, s_ptr + up[:, None] * NG, z_ptr + up[:, None] * NG
+
+    ss = tl.zeros([BLOCK_G, WORDS_G], dtype=tl.float32)  # (ss and acc_up are dead code unless NORM / SWIGLU)
+    acc = tl.zeros([BLOCK_N, BLOCK_G, WORDS_G], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_G, WORDS_G], dtype=tl.float32)
+    if PREFETCH:
+        # the weights never depend on the previous kernel: the first tile goes out before the wait
+        wd, s, z = _load_group_words(q_rows, s_rows, z_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
+        uwd, usc, uz = wd, s, z
+        if SWIGLU:
+            uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        gs = g0 + gl
+        if not PREFETCH:
+            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+            if SWIGLU:
+                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+        x0, ss = _x_field(x_ptr, nw_ptr, gs, us, 0, g_hi, WPG, G, ss, NORM)
+        x1, ss = _x_field(x_ptr, nw_ptr, gs, us, 1, g_hi, WPG, G, ss, NORM)
+        x2, ss = _x_field(x_ptr, nw_ptr, gs, us, 2, g_hi, WPG, G, ss, NORM)
+        x3, ss = _x_field(x_ptr, nw_ptr, gs, us, 3, g_hi, WPG, G, ss, NORM)
+        x4, ss = _x_field(x_ptr, nw_ptr, gs, us, 4, g_hi, WPG, G, ss, NORM)
+        x5, ss = _x_field(x_ptr, nw_ptr, gs, us, 5, g_hi, WPG, G, ss, NORM)
+        x6, ss = _x_field(x_ptr, nw_ptr, gs, us, 6, g_hi, WPG, G, ss, NORM)
+        x7, ss = _x_field(x_ptr, nw_ptr, gs, us, 7, g_hi, WPG, G, ss, NORM)
+        acc = _pairs_dot(acc, wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
+        if SWIGLU:
+            acc_up = _pairs_dot(acc_up, uwd, usc, uz, x0, x1, x2, x3, x4, x5, x6, x7)
+        if PREFETCH:
+            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG, EVICT)
+            if SWIGLU:
+                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG,
+                                                 EVICT)
+    _finish_rows(tl.sum(tl.sum(acc, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1),
+                 tl.sum(tl.sum(ss, axis=1), axis=0), pid, pk, rows, row_mask, res_ptr, y_ptr, key_ptr, part_ptr,
+                 sq_ptr, cnt_ptr, N, K, eps, dtype, NORM, SWIGLU, RESIDUAL, ARGMAX, SPLIT_K)
 
 
 # M = 1 tiles: (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages, SPLIT_K), kernel "bytes"
@@ -589,7 +775,7 @@ MATMUL_TILES: dict[str, dict[tuple, tuple[int, int, int, int, int]]] = {
     },
 }
 
-GEMV_KERNELS = ("bytes", "mma")
+GEMV_KERNELS = ("bytes", "mma", "pairs")
 
 
 def default_tile(K: int, G: int) -> tuple[str, int, int, int, int, int]:
@@ -639,6 +825,14 @@ def mma_fits(x: torch.Tensor, qweight: torch.Tensor, group_size: int, bits: int)
     and qweight 4-byte aligned), whole words a group (G a multiple of 8), x bf16 or fp16."""
     return (bits == 4 and group_size % 8 == 0 and x.dtype in (torch.bfloat16, torch.float16)
             and qweight.data_ptr() % 4 == 0)
+
+
+def fits(kind: str, x: torch.Tensor, qweight: torch.Tensor, group_size: int, bits: int) -> bool:
+    """Whether an M = 1 kernel takes this call: the bytes kernel any; the mma kernel `mma_fits`;
+    the pairs kernel the same words with bf16 x (its packed arithmetic is bf16's)."""
+    if kind == "bytes":
+        return True
+    return mma_fits(x, qweight, group_size, bits) and (kind == "mma" or x.dtype == torch.bfloat16)
 
 
 BITS = (4, 2)  # the code widths the kernels read (2: dual-bit's copy of the shared block)
@@ -695,22 +889,31 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     pdl = (use_pdl(x.device) if pdl is None else pdl) if not interpreting() else bool(pdl)
     if tile is not None:
         t = as_tile(tile)
-        if t[0] == "mma" and not mma_fits(x, qweight, group_size, bits):
-            raise ValueError(f"{op}: the mma kernel takes INT4 codes, a group size that is a multiple of 8 and "
-                             f"bf16 or fp16 x, got bits={bits}, group_size={group_size}, x {x.dtype}")
+        if not fits(t[0], x, qweight, group_size, bits):
+            raise ValueError(f"{op}: the {t[0]} kernel takes INT4 codes, a group size that is a multiple of 8 and "
+                             f"{'bf16' if t[0] == 'pairs' else 'bf16 or fp16'} x, got bits={bits}, "
+                             f"group_size={group_size}, x {x.dtype}")
     elif interpreting():
         # wide tiles: the interpreter's cost is per program and per op, hardly per element
         t = ("bytes", min(128, triton.next_power_of_2(N)), min(4, triton.next_power_of_2(K // group_size)), 4, 1, 1)
     else:
         key = (N, K, group_size, bits, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
         t = as_tile(TILES.get(_device_name(x.device), {}).get(key) or default_tile(K, group_size))
-        if t[0] == "mma" and not mma_fits(x, qweight, group_size, bits):
+        if not fits(t[0], x, qweight, group_size, bits):
             t = default_tile(K, group_size)  # (an fp32 x or a misaligned view of a tabled shape)
     kind, bn, bg, warps, stages, split = t
     launch = {} if interpreting() else dict(num_warps=warps, num_stages=stages, launch_pdl=pdl)
     flags["ARGMAX"] = argmax_key is not None
     rest = (x1 if nw is None else nw, y if residual is None else residual, y, y if argmax_key is None else argmax_key)
     grid = (triton.cdiv(N, bn),)
+    if kind == "pairs":
+        flags.pop("BITS")
+        parts, sq, cnt = _split_buffers(x.device, N, grid[0], split) if split > 1 else (y, y, y)
+        _int4_gemv_pairs_kernel[(grid[0], split)](
+            x1, qweight.view(torch.int32), scales, zeros, *rest, parts, sq, cnt, N, K, K // 8, float(eps), **flags,
+            PREFETCH=pdl, PDL=pdl and not interpreting(), G=group_size, BLOCK_N=bn, BLOCK_G=bg,
+            WORDS_G=triton.next_power_of_2(group_size // 8), SPLIT_K=split, **launch)
+        return y
     if kind == "mma":
         flags.pop("BITS")
         magic = 0x64006400 if x.dtype == torch.float16 else 0x43004300

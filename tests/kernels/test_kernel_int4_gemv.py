@@ -154,12 +154,15 @@ MMA_CASES = [  # (N, K, G, tile): rows not a multiple of BLOCK_N, a group of 48 
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel,dtype", [("mma", torch.bfloat16), ("mma", torch.float16), ("pairs", torch.bfloat16)])
 @pytest.mark.parametrize("N,K,G,tile", MMA_CASES)
 @pytest.mark.parametrize("norm,swiglu,residual,pdl", [
     (False, False, False, False), (True, False, False, True), (False, False, True, True), (True, True, False, False),
 ])
-def test_int4_gemv_mma_matches_ref(N, K, G, tile, dtype, norm, swiglu, residual, pdl):
+def test_int4_gemv_mma_matches_ref(N, K, G, tile, kernel, dtype, norm, swiglu, residual, pdl):
+    """The word kernels (mma: tensor-core products; pairs: packed-pair weights, fp32 FMAs) on the
+    same tiles."""
+    tile = (kernel, *tile[1:])
     g = torch.Generator().manual_seed(N * 7 + K)
     x = (3 * torch.randn(1, 1, K, generator=g)).to(DEVICE, dtype)
     q = quantized(2 * N if swiglu else N, K, G, g)
@@ -186,7 +189,8 @@ def one_hot_columns(q, G, dtype, cols, tile):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1)], ids=["bytes", "mma"])
+@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1), ("pairs", 8, 2, 4, 1)],
+                         ids=["bytes", "mma", "pairs"])
 def test_int4_weights_are_the_reference_dequantization_exactly(dtype, tile):
     check_exact_weights(dtype, tile)
 
@@ -194,10 +198,12 @@ def test_int4_weights_are_the_reference_dequantization_exactly(dtype, tile):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1), ("mma", 64, 1, 8, 1)])
+@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1), ("mma", 64, 1, 8, 1),
+                                  ("pairs", 16, 2, 4, 1), ("pairs", 64, 1, 8, 1, 4)])
 def test_int4_weights_exact_on_gpu(dtype, tile):
     """The same on the GPU, whose bf16 path is the packed fma (the interpreter's bf16 arithmetic
-    is not, so there it takes integer rounding instead)."""
+    is not, so there it takes integer rounding instead; the pairs kernel's inline PTX runs only
+    here)."""
     check_exact_weights(dtype, tile)
 
 
@@ -207,6 +213,8 @@ def check_exact_weights(dtype, tile):
     scales over most of its binades, subnormal ones included."""
     if tile[0] == "mma" and dtype == torch.float32:
         pytest.skip("the mma kernel takes bf16 / fp16 x")
+    if tile[0] == "pairs" and dtype != torch.bfloat16:
+        pytest.skip("the pairs kernel takes bf16 x")
     G, K = 32, 64
     q_, z_ = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
     N = 256
@@ -235,6 +243,8 @@ def test_int4_gemv_tile_refusals():
     q2 = quantized(16, 64, 32, g, bits=2)
     with pytest.raises(ValueError, match="the mma kernel takes INT4 codes"):
         int4_gemv(x.bfloat16(), *q2, 32, bits=2, tile=("mma", 16, 1, 4, 1))
+    with pytest.raises(ValueError, match="the pairs kernel takes INT4 codes.*bf16 x"):
+        int4_gemv(x.half(), *q, 32, tile=("pairs", 16, 1, 4, 1))
     with pytest.raises(ValueError, match="BLOCK_N must be >= 16"):
         int4_gemv(x.bfloat16(), *q, 32, tile=("mma", 8, 1, 4, 1))
     with pytest.raises(ValueError, match="powers of two"):
@@ -281,7 +291,8 @@ def test_int4_matmul_explicit_tiles(tile):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES[:4])
-@pytest.mark.parametrize("tile", [("mma", 16, 2, 4, 1), ("mma", 64, 2, 4, 1, 8), ("bytes", 4, 8, 4, 2)])
+@pytest.mark.parametrize("tile", [("mma", 16, 2, 4, 1), ("mma", 64, 2, 4, 1, 8), ("bytes", 4, 8, 4, 2),
+                                  ("pairs", 16, 1, 4, 1), ("pairs", 32, 2, 4, 1, 4)])
 def test_int4_mma_bench_285m_shapes(N, K, swiglu, tile):
     """The sweep's kernels at bench-285m's shapes: parity with the options the step passes (the
     norm with PDL, the residual without), and the weight exact (one-hot columns)."""
