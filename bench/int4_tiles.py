@@ -83,7 +83,7 @@ def gemv_candidates(K: int, G: int, bits: int, rows: int = 2048, kernels=q4.GEMV
                 [(128, 1, 8), (128, 2, 8)]:
             if bg <= triton.next_power_of_2(ng):
                 tiles += [("mma", bn, bg, w, 1, s) for s in split_choices(rows, bn, -(-ng // bg))]
-        for bn, bg, w in [(bn, bg, w) for bn in (16, 32, 64, 128) for bg in (1, 2, 4, 8) for w in (4, 8)]:
+        for bn, bg, w in [(bn, bg, w) for bn in (32, 64, 128, 256) for bg in (1, 2, 4) for w in (4, 8)]:
             if bg <= triton.next_power_of_2(ng) and bn * bg <= 256:
                 steps = -(-ng // bg)
                 tiles += [("pairs", bn, bg, w, st, s) for s in split_choices(rows, bn, steps)

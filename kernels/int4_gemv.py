@@ -621,17 +621,29 @@ def _pairs_consts(s, z):
 
 
 @triton.jit
-def _x_field(x_ptr, nw_ptr, gs, us, f: tl.constexpr, g_hi, WPG: tl.constexpr, G: tl.constexpr, ss,
-             NORM: tl.constexpr):
-    """x at field f of words us of groups gs (column g·G + 8u + f) as (1, BLOCK_G, WORDS_G) fp32,
-    times the norm weight with NORM (exact), and ss plus its squares."""
-    k = gs[:, None] * G + us[None, :] * 8 + f
-    m = (gs < g_hi)[:, None] & (us < WPG)[None, :]
+def _x_fields(x_ptr, nw_ptr, gs, us, g_hi, WPG: tl.constexpr, G: tl.constexpr, ss, NORM: tl.constexpr):
+    """x at the eight fields of words us of groups gs (field f: column g·G + 8u + f), each
+    (1, BLOCK_G, WORDS_G) fp32, times the norm weight with NORM (exact), and ss plus x's squares:
+    one contiguous (BLOCK_G, WORDS_G, 8) load (a word's eight columns side by side, one vector a
+    word), split into the fields in registers."""
+    BG: tl.constexpr = gs.shape[0]
+    WG: tl.constexpr = us.shape[0]
+    fs = tl.arange(0, 8)
+    k = (gs[:, None, None] * G + us[None, :, None] * 8) + fs[None, None, :]
+    m = ((gs < g_hi)[:, None] & (us < WPG)[None, :])[:, :, None] & (fs < 8)[None, None, :]
     xv = tl.load(x_ptr + k, mask=m, other=0.0).to(tl.float32)
     if NORM:
-        ss += xv * xv
+        ss += tl.sum(xv * xv, axis=2)
         xv = xv * tl.load(nw_ptr + k, mask=m, other=0.0).to(tl.float32)
-    return xv[None, :, :], ss
+    # field f = 4a + 2b + c of (a, b, c): split c, then b, then a
+    c0, c1 = tl.split(tl.reshape(xv, (BG, WG, 2, 2, 2)))
+    b00, b01 = tl.split(c0)
+    b10, b11 = tl.split(c1)
+    x0, x4 = tl.split(b00)
+    x2, x6 = tl.split(b01)
+    x1, x5 = tl.split(b10)
+    x3, x7 = tl.split(b11)
+    return x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None], ss
 
 
 @triton.jit
@@ -722,14 +734,7 @@ def _int4_gemv_pairs_kernel(
             wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, g_hi, WPG, EVICT)
             if SWIGLU:
                 uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG, EVICT)
-        x0, ss = _x_field(x_ptr, nw_ptr, gs, us, 0, g_hi, WPG, G, ss, NORM)
-        x1, ss = _x_field(x_ptr, nw_ptr, gs, us, 1, g_hi, WPG, G, ss, NORM)
-        x2, ss = _x_field(x_ptr, nw_ptr, gs, us, 2, g_hi, WPG, G, ss, NORM)
-        x3, ss = _x_field(x_ptr, nw_ptr, gs, us, 3, g_hi, WPG, G, ss, NORM)
-        x4, ss = _x_field(x_ptr, nw_ptr, gs, us, 4, g_hi, WPG, G, ss, NORM)
-        x5, ss = _x_field(x_ptr, nw_ptr, gs, us, 5, g_hi, WPG, G, ss, NORM)
-        x6, ss = _x_field(x_ptr, nw_ptr, gs, us, 6, g_hi, WPG, G, ss, NORM)
-        x7, ss = _x_field(x_ptr, nw_ptr, gs, us, 7, g_hi, WPG, G, ss, NORM)
+        x0, x1, x2, x3, x4, x5, x6, x7, ss = _x_fields(x_ptr, nw_ptr, gs, us, g_hi, WPG, G, ss, NORM)
         acc = _pairs_dot(acc, wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
         if SWIGLU:
             acc_up = _pairs_dot(acc_up, uwd, usc, uz, x0, x1, x2, x3, x4, x5, x6, x7)
