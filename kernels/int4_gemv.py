@@ -31,6 +31,10 @@ pair arithmetic that rounds once (`_pair_weights`; the block comment above `_pai
   projection has few row blocks: SPLIT_K programs share a row block, each summing a slice of the
   groups; the block's last to finish (an atomic count) adds the slices' sums in slice order and
   runs the epilogue, so the order is one whichever finishes last.
+- M = 1, the pairs kernel (``_int4_gemv_pairs_kernel``: INT4, G a multiple of 8, bf16 x): the mma
+  kernel's words, tiles and K slices, each word's pairs turned into bf16 weights by three packed
+  fmas of inline PTX (the block comment above `_PAIR_ASM`) and multiplied by x in fp32 FMAs: the
+  fastest on the H200 at bench-285m's shapes (bench/results/int4-tiles-cuda.json).
 - M > 1 (``_int4_matmul_kernel``): a (BLOCK_M, BLOCK_N) tile of y per program, K in BLOCK_K
   chunks, the chunk's bytes loaded once and dequantized in registers (each byte's scale and
   zero gathered by its group), one tl.dot per code position (x's columns CPB·j + c). The
@@ -749,20 +753,22 @@ def _int4_gemv_pairs_kernel(
 
 
 # M = 1 tiles: (kernel, BLOCK_N, BLOCK_G, num_warps, num_stages, SPLIT_K), kernel "bytes"
-# (`_int4_gemv_kernel`: any group size and bits, fp32 FMAs, SPLIT_K 1) or "mma"
+# (`_int4_gemv_kernel`: any group size and bits, fp32 FMAs, SPLIT_K 1), "mma"
 # (`_int4_gemv_mma_kernel`: INT4, group size a multiple of 8, bf16 / fp16 x, BLOCK_N >= 16, the
 # products on the tensor cores, SPLIT_K programs a row block each summing a slice of K, added in
-# slice order by the last to finish: wide row blocks still fill the SMs). Fixed per device name, then (N, K, G, bits, NORM, SWIGLU, RESIDUAL, PDL); a shape
-# without an entry takes `default_tile`. bench/int4_tiles.py sweeps them on the GPU and prints
+# slice order by the last to finish: wide row blocks still fill the SMs) or "pairs"
+# (`_int4_gemv_pairs_kernel`: the mma kernel's words and K slices with bf16 x, the weights by
+# packed-pair PTX, fp32 FMA products). Fixed per device name, then (N, K, G, bits, NORM, SWIGLU,
+# RESIDUAL, PDL); a shape without an entry takes `default_tile`. bench/int4_tiles.py sweeps them on the GPU and prints
 # the entries to paste here (each tile fixes the order every row is summed in, so the table,
 # not a per-process autotuner, decides).
 TILES: dict[str, dict[tuple, tuple]] = {
     # bench/int4_tiles.py on the H200 (bench/results/int4-tiles-cuda.json): bench-285m's projections
     "NVIDIA H200": {
-        (6144, 2048, 128, 4, True, False, False, True): ('mma', 64, 1, 4, 1, 8),
-        (2048, 2048, 128, 4, False, False, True, True): ('bytes', 4, 8, 4, 2, 1),
-        (5632, 2048, 128, 4, True, True, False, True): ('mma', 64, 1, 4, 1, 4),
-        (2048, 5632, 128, 4, False, False, True, True): ('mma', 64, 1, 4, 1, 32),
+        (6144, 2048, 128, 4, True, False, False, True): ('pairs', 128, 1, 4, 1, 8),
+        (2048, 2048, 128, 4, False, False, True, True): ('pairs', 256, 1, 8, 1, 16),
+        (5632, 2048, 128, 4, True, True, False, True): ('pairs', 32, 2, 4, 1, 2),
+        (2048, 5632, 128, 4, False, False, True, True): ('pairs', 128, 1, 4, 1, 32),
     },
 }
 
