@@ -99,6 +99,18 @@ def matmul_candidates(M: int, N: int) -> list[tuple]:
                                for w, st in ((4, 3),)] + [q4.default_matmul_tile(M, N)]))
 
 
+def rows_candidates(shape: dict, G: int, bits: int, pdl: bool, device_name: str) -> list[tuple]:
+    """M > 1 as the pairs kernel's rows (each row of x the M = 1 launch's programs): the shape's
+    M = 1 tile in the device's table, and it with half the K slices."""
+    N = shape["rows"] // 2 if shape["swiglu"] else shape["rows"]
+    key = (N, shape["K"], G, bits, shape["norm"], shape["swiglu"], shape["residual"], pdl)
+    t = q4.TILES.get(device_name, {}).get(key)
+    if t is None or t[0] != "pairs" or bits != 4:
+        return []
+    t = q4.as_tile(t)
+    return list(dict.fromkeys([t, (*t[:5], max(1, t[5] // 2))]))
+
+
 def make_weight(shape: dict, G: int, bits: int, device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     N, K = shape["rows"], shape["K"]
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                 if M == 1:
                     work.append((s, bits, 1, gemv_candidates(s["K"], G, bits, N, args.kernels), (N, s["K"], G, bits, *flags, pdl)))
                 else:
-                    work.append((s, bits, M, matmul_candidates(M, N),
+                    work.append((s, bits, M, matmul_candidates(M, N) + rows_candidates(s, G, bits, pdl, name),
                                  (q4._m_bucket(M), N, s["K"], G, bits, *flags)))
     jobs = [(s, G, bits, t, M) for s, bits, M, cands, _ in work for t in cands]
     t0 = time.monotonic()

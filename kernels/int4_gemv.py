@@ -674,17 +674,17 @@ def _pairs_dot(acc, wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7):
 
 @triton.jit
 def _int4_gemv_pairs_kernel(
-    x_ptr,  # (K,) bf16
+    x_ptr,  # (M, K) bf16: program_id(2) picks the row
     q_ptr,  # (N, K/8) int32 words, or (2N, K/8) with SWIGLU
     s_ptr,  # (N, NG) scales
     z_ptr,  # (N, NG) uint8 zeros
     nw_ptr,  # (K,) norm weight, read only when NORM
-    res_ptr,  # (N,) residual, read only when RESIDUAL
-    y_ptr,  # (N,)
-    key_ptr,  # (1,) int64, written only when ARGMAX
-    part_ptr,  # (SPLIT_K, 2, N) fp32 (SPLIT_K > 1)
-    sq_ptr,  # (programs, SPLIT_K) fp32 (SPLIT_K > 1, NORM)
-    cnt_ptr,  # (programs,) int32, zero between launches (SPLIT_K > 1)
+    res_ptr,  # (M, N) residual, read only when RESIDUAL
+    y_ptr,  # (M, N)
+    key_ptr,  # (1,) int64, written only when ARGMAX (M = 1)
+    part_ptr,  # (M, SPLIT_K, 2, N) fp32 (SPLIT_K > 1)
+    sq_ptr,  # (M, programs, SPLIT_K) fp32 (SPLIT_K > 1, NORM)
+    cnt_ptr,  # (M, programs) int32, zero between launches (SPLIT_K > 1)
     N,
     K,
     NW,  # words a row (K / 8)
@@ -705,6 +705,16 @@ def _int4_gemv_pairs_kernel(
     WPG: tl.constexpr = G // 8
     pid = tl.program_id(0)
     pk = tl.program_id(1)
+    # Row pm of x runs exactly the M = 1 launch's program on its own pointers: a row's y never
+    # depends on the rows beside it (the batch-invariant issue's rule), at the cost of
+    # dequantizing each weight once a row (L2 serves the rereads).
+    pm = tl.program_id(2).to(tl.int64)
+    x_ptr += pm * K
+    y_ptr += pm * N
+    res_ptr += pm * N
+    part_ptr += pm * SPLIT_K * 2 * N
+    sq_ptr += pm * tl.num_programs(0) * SPLIT_K
+    cnt_ptr += pm * tl.num_programs(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     dtype = x_ptr.dtype.element_ty
@@ -881,8 +891,9 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     """kernels.gemv with an INT4 weight (bits=2: an INT2 one, four codes a byte, column 4j + c in
     bits [2c, 2c + 2)): x (..., K) holding 1 <= M <= 16 rows -> y (..., N or F), the options
     and their checks as gemv's. tile: an explicit tile instead of the tables' (M = 1: `as_tile`'s
-    form; M > 1: the GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)), for sweeps and
-    tests; an mma tile the call does not fit (`mma_fits`) -> ValueError."""
+    form; M > 1: the GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), or a pairs tile:
+    each row of x its own M = 1 launch's programs, one launch, `_rows_tile`), for sweeps and
+    tests; a tile the call does not fit (`fits`) -> ValueError."""
     op = "int4_gemv"
     N, K = _check(op, x, qweight, scales, zeros, group_size, bits, swiglu)
     M = math.prod(x.shape[:-1])
@@ -893,12 +904,13 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy, BITS=bits)
     nw = None if norm_weight is None else norm_weight.contiguous()
-    if M > 1:
-        return _matmul(x.reshape(M, K).contiguous(), qweight, scales, zeros, group_size, nw, residual, y, eps, flags,
-                       tile)
-    x1 = x.reshape(K).contiguous()
     pdl = (use_pdl(x.device) if pdl is None else pdl) if not interpreting() else bool(pdl)
-    if tile is not None:
+    x1 = x.reshape(M, K).contiguous()
+    if M > 1:
+        t = _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile)
+        if t is None:
+            return _matmul(x1, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, tile)
+    elif tile is not None:
         t = as_tile(tile)
         if not fits(t[0], x, qweight, group_size, bits):
             raise ValueError(f"{op}: the {t[0]} kernel takes INT4 codes, a group size that is a multiple of 8 and "
@@ -919,8 +931,8 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     grid = (triton.cdiv(N, bn),)
     if kind == "pairs":
         flags.pop("BITS")
-        parts, sq, cnt = _split_buffers(x.device, N, grid[0], split) if split > 1 else (y, y, y)
-        _int4_gemv_pairs_kernel[(grid[0], split)](
+        parts, sq, cnt = _split_buffers(x.device, N, grid[0], split, M) if split > 1 else (y, y, y)
+        _int4_gemv_pairs_kernel[(grid[0], split, M)](
             x1, qweight.view(torch.int32), scales, zeros, *rest, parts, sq, cnt, N, K, K // 8, float(eps), **flags,
             PREFETCH=pdl, PDL=pdl and not interpreting(), G=group_size, BLOCK_N=bn, BLOCK_G=bg,
             WORDS_G=triton.next_power_of_2(group_size // 8), SPLIT_K=split, **launch)
@@ -941,6 +953,29 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     return y
 
 
+def _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile):
+    """The pairs tile that runs an M > 1 call row by row (each row of x the M = 1 launch's
+    programs, so its y is the M = 1 call's bit for bit), or None: the GEMM. An explicit kernel
+    tile must be the pairs kernel's and fit; else MATMUL_TILES decides (a pairs entry where it
+    was faster than the GEMM), never the interpreter's default."""
+    if tile is not None:
+        if not isinstance(tuple(tile)[0], str):
+            return None
+        t = as_tile(tile)
+        if t[0] != "pairs" or not fits("pairs", x, qweight, group_size, bits):
+            raise ValueError(f"{op}: M > 1 rows take a GEMM tile or the pairs kernel's (INT4 codes, a group size that "
+                             f"is a multiple of 8, bf16 x), got {tuple(tile)!r} with bits={bits}, "
+                             f"group_size={group_size}, x {x.dtype}")
+        return t
+    if interpreting():
+        return None
+    key = (_m_bucket(M), N, K, group_size, bits, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"])
+    e = MATMUL_TILES.get(_device_name(x.device), {}).get(key)
+    if e is not None and isinstance(e[0], str) and fits("pairs", x, qweight, group_size, bits):
+        return as_tile(e)
+    return None
+
+
 # The split mma launches' buffers, by (device, N, row blocks, SPLIT_K): each slice's row sums, its
 # sum of x^2, and the row blocks' counters (zero between launches: the last slice sets its block's
 # back). Launches of one shape share them one after another, in stream order, as a decode step
@@ -948,13 +983,14 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
 _SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _split_buffers(device: torch.device, N: int, blocks: int, split: int):
-    key = (device, N, blocks, split)
+def _split_buffers(device: torch.device, N: int, blocks: int, split: int, rows: int = 1):
+    """(rows of x: the pairs kernel's M > 1 launches, a set a row)"""
+    key = (device, N, blocks, split, rows)
     b = _SPLIT_BUFFERS.get(key)
     if b is None:
-        b = _SPLIT_BUFFERS[key] = (torch.empty(split * 2 * N, dtype=torch.float32, device=device),
-                                   torch.empty(blocks * split, dtype=torch.float32, device=device),
-                                   torch.zeros(blocks, dtype=torch.int32, device=device))
+        b = _SPLIT_BUFFERS[key] = (torch.empty(rows * split * 2 * N, dtype=torch.float32, device=device),
+                                   torch.empty(rows * blocks * split, dtype=torch.float32, device=device),
+                                   torch.zeros(rows * blocks, dtype=torch.int32, device=device))
     return b
 
 
@@ -997,8 +1033,9 @@ def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, 
         bm, bn, bk, warps, stages = 16, min(64, max(16, triton.next_power_of_2(N))), 64, 4, 1
     else:
         key = (_m_bucket(M), N, K, group_size, flags["BITS"], flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"])
-        bm, bn, bk, warps, stages = (MATMUL_TILES.get(_device_name(x.device), {}).get(key)
-                                     or default_matmul_tile(M, N))
+        e = MATMUL_TILES.get(_device_name(x.device), {}).get(key)
+        # (a pairs entry the call does not fit: the GEMM's default)
+        bm, bn, bk, warps, stages = e if e is not None and not isinstance(e[0], str) else default_matmul_tile(M, N)
     launch = {} if interpreting() else dict(num_warps=warps, num_stages=stages)
     _int4_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, **flags, DOT_F32=dot_f32, BLOCK_M=bm,
                                                                  BLOCK_N=bn, BLOCK_K=bk, **launch)

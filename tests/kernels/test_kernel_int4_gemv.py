@@ -309,3 +309,34 @@ def test_int4_mma_bench_285m_shapes(N, K, swiglu, tile):
         w = int4_dequantize_ref(*q, 128).to(torch.bfloat16)
         cols = [0, 1, 5, 8, K // 2 + 3, K - 1]
         assert torch.equal(one_hot_columns(q, 128, torch.bfloat16, cols, tile), w[:, cols])
+
+
+@pytest.mark.parametrize("rows", [2, 5])
+@pytest.mark.parametrize("norm,swiglu,residual", [(True, True, False), (False, False, True), (True, False, False)])
+@pytest.mark.parametrize("tile", [("pairs", 16, 2, 4, 1), ("pairs", 16, 1, 4, 1, 2)], ids=["whole-K", "split-K"])
+def test_int4_pairs_rows_are_each_the_one_row_call(rows, norm, swiglu, residual, tile):
+    """M > 1 on a pairs tile: every row of x runs the M = 1 launch's programs, so each row of y is
+    bit for bit that row's M = 1 call (the batch-invariant rule), and all are near the reference."""
+    N, K, G = 24, 192, 64
+    g = torch.Generator().manual_seed(rows * 3 + norm)
+    x = torch.randn(rows, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    q = quantized(2 * N if swiglu else N, K, G, g)
+    kw = {"norm_weight": (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, torch.bfloat16)} if norm else {}
+    res = torch.randn(rows, 1, N, generator=g).to(DEVICE, torch.bfloat16) if residual else None
+    y = int4_gemv(x, *q, G, swiglu=swiglu, tile=tile, residual=res, **kw)
+    assert y.shape == (rows, 1, N)
+    for m in range(rows):
+        one = int4_gemv(x[m:m + 1], *q, G, swiglu=swiglu, tile=tile, residual=None if res is None else res[m:m + 1],
+                        **kw)
+        assert torch.equal(y[m:m + 1], one), m
+    assert_close(y, int4_gemv_ref(x, *q, G, swiglu=swiglu, residual=res, **kw), "projection")
+
+
+def test_int4_rows_tile_refusals():
+    g = torch.Generator().manual_seed(1)
+    q = quantized(16, 64, 32, g)
+    x = torch.randn(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"M > 1 rows take a GEMM tile or the pairs kernel's"):
+        int4_gemv(x.bfloat16(), *q, 32, tile=("mma", 16, 1, 4, 1))
+    with pytest.raises(ValueError, match=r"M > 1 rows take a GEMM tile or the pairs kernel's.*torch.float32"):
+        int4_gemv(x, *q, 32, tile=("pairs", 16, 1, 4, 1))
