@@ -773,7 +773,7 @@ def _int4_gemv_pairs_kernel(
 # the entries to paste here (each tile fixes the order every row is summed in, so the table,
 # not a per-process autotuner, decides).
 TILES: dict[str, dict[tuple, tuple]] = {
-    # bench/int4_tiles.py on the H200 (bench/results/int4-tiles-cuda.json): bench-285m's projections
+    # bench/int4_tiles.py on the H200 (bench/results/int4-tiles-cuda-742b71c.json): bench-285m's projections
     "NVIDIA H200": {
         (6144, 2048, 128, 4, True, False, False, True): ('pairs', 128, 1, 4, 1, 8),
         (2048, 2048, 128, 4, False, False, True, True): ('pairs', 256, 1, 8, 1, 16),
@@ -782,17 +782,28 @@ TILES: dict[str, dict[tuple, tuple]] = {
     },
 }
 
-# M = 2..16 (int4_gemv's batched rows) and any-M int4_matmul tiles: (BLOCK_M, BLOCK_N, BLOCK_K,
-# num_warps, num_stages) per device name, then (M bucket `_m_bucket`, N, K, G, bits, NORM,
-# SWIGLU, RESIDUAL); else `default_matmul_tile`.
-MATMUL_TILES: dict[str, dict[tuple, tuple[int, int, int, int, int]]] = {
+# M = 2..16 (int4_gemv's batched rows) and any-M int4_matmul tiles: the GEMM's (BLOCK_M, BLOCK_N,
+# BLOCK_K, num_warps, num_stages), or for int4_gemv a pairs tile (`as_tile`'s form: the rows one
+# by one), per device name, then (M bucket `_m_bucket`, N, K, G, bits, NORM, SWIGLU, RESIDUAL);
+# else `default_matmul_tile`.
+MATMUL_TILES: dict[str, dict[tuple, tuple]] = {
+    # bench/int4_tiles.py --rows 4 16 (bench/results/int4-tiles-cuda.json) and --rows 8
+    # (int4-tiles-rows8-cuda.json) on the H200: bench-285m's projections; a pairs tile runs the
+    # rows one by one (`_rows_tile`), where it beat every GEMM tile (the GEMM's SwiGLU tiles missed
+    # the sweep's tolerance at these shapes)
     "NVIDIA H200": {
-        (4, 6144, 2048, 128, 4, True, False, False): (16, 32, 256, 4, 3),
-        (4, 2048, 2048, 128, 4, False, False, True): (16, 16, 256, 4, 3),
-        (4, 2048, 5632, 128, 4, False, False, True): (16, 16, 256, 4, 3),
+        (4, 6144, 2048, 128, 4, True, False, False): ('pairs', 128, 1, 4, 1, 4),
+        (4, 2048, 2048, 128, 4, False, False, True): ('pairs', 256, 1, 8, 1, 8),
+        (4, 5632, 2048, 128, 4, True, True, False): ('pairs', 32, 2, 4, 1, 1),
+        (4, 2048, 5632, 128, 4, False, False, True): ('pairs', 128, 1, 4, 1, 16),
+        (8, 6144, 2048, 128, 4, True, False, False): ('pairs', 128, 1, 4, 1, 4),
+        (8, 2048, 2048, 128, 4, False, False, True): ('pairs', 256, 1, 8, 1, 8),
+        (8, 5632, 2048, 128, 4, True, True, False): ('pairs', 32, 2, 4, 1, 1),
+        (8, 2048, 5632, 128, 4, False, False, True): ('pairs', 128, 1, 4, 1, 16),
         (16, 6144, 2048, 128, 4, True, False, False): (16, 32, 256, 4, 3),
         (16, 2048, 2048, 128, 4, False, False, True): (16, 16, 256, 4, 3),
-        (16, 2048, 5632, 128, 4, False, False, True): (16, 16, 256, 4, 3),
+        (16, 5632, 2048, 128, 4, True, True, False): ('pairs', 32, 2, 4, 1, 1),
+        (16, 2048, 5632, 128, 4, False, False, True): ('pairs', 128, 1, 4, 1, 16),
     },
 }
 
