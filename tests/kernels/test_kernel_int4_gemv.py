@@ -340,3 +340,29 @@ def test_int4_rows_tile_refusals():
         int4_gemv(x.bfloat16(), *q, 32, tile=("mma", 16, 1, 4, 1))
     with pytest.raises(ValueError, match=r"M > 1 rows take a GEMM tile or the pairs kernel's.*torch.float32"):
         int4_gemv(x, *q, 32, tile=("pairs", 16, 1, 4, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES[:4])
+@pytest.mark.parametrize("M", [3, 8, 16])
+def test_int4_tabled_rows_at_bench_285m_shapes(N, K, swiglu, M):
+    """A batched decode step's projections as the device's tables run them: near the reference,
+    and where the table runs the rows on a pairs tile, each row bit for bit its one-row call on
+    that tile."""
+    from tinyloop.kernels.int4_gemv import _rows_tile
+    g = torch.Generator().manual_seed(N + M)
+    q = quantized(2 * N if swiglu else N, K, 128, g)
+    x = torch.randn(M, 1, K, generator=g).to(DEVICE, torch.bfloat16)
+    nw = torch.rand(K, generator=g).to(DEVICE, torch.bfloat16)
+    res = torch.randn(M, 1, N, generator=g).to(DEVICE, torch.bfloat16)
+    kw = dict(norm_weight=nw) if K == 2048 and N != 2048 else dict(residual=res)
+    y = int4_gemv(x, *q, 128, swiglu=swiglu, eviction_policy="evict_last", **kw)
+    assert_close(y, int4_gemv_ref(x, *q, 128, swiglu=swiglu, **kw), "projection")
+    flags = dict(NORM="norm_weight" in kw, SWIGLU=swiglu, RESIDUAL="residual" in kw)
+    t = _rows_tile("int4_gemv", x, q[0], 128, 4, flags, N, K, M, None)
+    if t is not None:
+        for m in range(M):
+            one = {k: (v[m:m + 1] if k == "residual" else v) for k, v in kw.items()}
+            assert torch.equal(y[m:m + 1], int4_gemv(x[m:m + 1], *q, 128, swiglu=swiglu, tile=t,
+                                                     eviction_policy="evict_last", **one)), m
