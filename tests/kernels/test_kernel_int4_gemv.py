@@ -361,7 +361,8 @@ def test_int4_tabled_rows_at_bench_285m_shapes(N, K, swiglu, M):
     assert_close(y, int4_gemv_ref(x, *q, 128, swiglu=swiglu, **kw), "projection")
     flags = dict(NORM="norm_weight" in kw, SWIGLU=swiglu, RESIDUAL="residual" in kw)
     t = _rows_tile("int4_gemv", x, q[0], 128, 4, flags, N // 2 if swiglu else N, K, M, None)
-    assert t is not None or M == 16  # the H200's table: pairs rows for every bucket but two GEMMs at 16
+    if torch.cuda.get_device_name() == "NVIDIA H200":  # its table: pairs rows but for two GEMMs at 16 rows
+        assert t is not None or M == 16
     if t is not None:
         for m in range(M):
             one = {k: (v[m:m + 1] if k == "residual" else v) for k, v in kw.items()}
