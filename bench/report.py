@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "performance.md"
 PLOT = ROOT / "docs" / "decode-vs-L.png"
+QUANT_PLOT = ROOT / "docs" / "quant-decode-vs-L.png"
 DASH = "—"
 DEVICES = ("cuda", "gpu", "cpu")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # bench/decode.py's
@@ -409,7 +410,10 @@ def quant_decode_body(r: Result) -> str:
             + f"INT4 at L = 8 over bf16: {times(g.get('int4_over_bf16_at_8'))}"
             + "".join(f"; `{k}` {times(v.get('int4_over_bf16_at_8'))}" for k, v in (d.get("goals") or {}).items()
                       if isinstance(v, dict) and k != "int4")
-            + ". The goals: at most 0.5× bf16 at L = 8, and a slope below bf16's.\n")
+            + ". The goals: at most 0.5× bf16 at L = 8, and a slope below the bf16 HBM floor's per iteration.\n"
+            + ("\n![ms/token vs L per weight format](quant-decode-vs-L.png)\n\n`python -m bench.plot_quant_decode "
+               "[RESULT]` draws `docs/quant-decode-vs-L.png` from a quant_decode result, by default "
+               f"`quant-decode-cuda.json` (commit {code(r.commit)}).\n" if QUANT_PLOT.exists() else ""))
 
 
 def quant_error_body(r: Result) -> str:
