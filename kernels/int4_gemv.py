@@ -417,6 +417,18 @@ def _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, NG, WPG: tl.cons
 
 
 @triton.jit
+def _load_step_words(q_rows, s_rows, z_rows, uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG: tl.constexpr,
+                     EVICT: tl.constexpr, SWIGLU: tl.constexpr):
+    """`_load_group_words` of the program's rows, and with SWIGLU of its up rows too (else the
+    same tensors again: dead code)."""
+    wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+    uwd, usc, uz = wd, s, z
+    if SWIGLU:
+        uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+    return wd, s, z, uwd, usc, uz
+
+
+@triton.jit
 def _epilogue(y, yu, ss_sum, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, dtype, NORM: tl.constexpr,
               SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr):
     """gemv's epilogue on the rows' fp32 sums y (and yu, SwiGLU's up rows), ss_sum the sum of x^2."""
@@ -495,19 +507,16 @@ def _int4_gemv_mma_kernel(
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if PREFETCH:
         # the weights never depend on the previous kernel: the first tile goes out before the wait
-        wd, s, z = _load_group_words(q_rows, s_rows, z_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
-        uwd, usc, uz = wd, s, z
-        if SWIGLU:
-            uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
+        wd, s, z, uwd, usc, uz = _load_step_words(q_rows, s_rows, z_rows, uq_rows, us_rows, uz_rows, g_lo + gl, us,
+                                                  row_mask, g_hi, WPG, EVICT, SWIGLU)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
     for g0 in range(g_lo, g_hi, BLOCK_G):
         gs = g0 + gl
         if not PREFETCH:
-            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, g_hi, WPG, EVICT)
-            if SWIGLU:
-                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+            wd, s, z, uwd, usc, uz = _load_step_words(q_rows, s_rows, z_rows, uq_rows, us_rows, uz_rows, gs, us,
+                                                      row_mask, g_hi, WPG, EVICT, SWIGLU)
         # x in the weights' column order (`_mma_weights`): position 4j1 + 2j0 + e of a word is
         # its column 4(1 - e) + 2j1 + j0, gathered straight from x (a few KB, in L1 after the
         # first row)
@@ -523,10 +532,8 @@ def _int4_gemv_mma_kernel(
         if SWIGLU:
             acc_up = _dot_wt(xb, _mma_weights(uwd, usc, uz, WDT, MAGIC), acc_up, DOT_F32)
         if PREFETCH:
-            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG, EVICT)
-            if SWIGLU:
-                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG,
-                                                 EVICT)
+            wd, s, z, uwd, usc, uz = _load_step_words(q_rows, s_rows, z_rows, uq_rows, us_rows, uz_rows, gs + BLOCK_G,
+                                                      us, row_mask, g_hi, WPG, EVICT, SWIGLU)
     # rows 0 and 1 of the dot: x's leading part and the rest (`_x_mma`)
     _finish_rows(tl.sum(acc, axis=0), tl.sum(acc_up, axis=0), tl.sum(ss, axis=0), pid, pk, rows, row_mask, res_ptr,
                  y_ptr, key_ptr, part_ptr, sq_ptr, cnt_ptr, N, K, eps, dtype, NORM, SWIGLU, RESIDUAL, ARGMAX, SPLIT_K)
@@ -735,28 +742,23 @@ def _int4_gemv_pairs_kernel(
     acc_up = tl.zeros([BLOCK_N, BLOCK_G, WORDS_G], dtype=tl.float32)
     if PREFETCH:
         # the weights never depend on the previous kernel: the first tile goes out before the wait
-        wd, s, z = _load_group_words(q_rows, s_rows, z_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
-        uwd, usc, uz = wd, s, z
-        if SWIGLU:
-            uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, g_lo + gl, us, row_mask, g_hi, WPG, EVICT)
+        wd, s, z, uwd, usc, uz = _load_step_words(q_rows, s_rows, z_rows, uq_rows, us_rows, uz_rows, g_lo + gl, us,
+                                                  row_mask, g_hi, WPG, EVICT, SWIGLU)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
     for g0 in range(g_lo, g_hi, BLOCK_G):
         gs = g0 + gl
         if not PREFETCH:
-            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs, us, row_mask, g_hi, WPG, EVICT)
-            if SWIGLU:
-                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs, us, row_mask, g_hi, WPG, EVICT)
+            wd, s, z, uwd, usc, uz = _load_step_words(q_rows, s_rows, z_rows, uq_rows, us_rows, uz_rows, gs, us,
+                                                      row_mask, g_hi, WPG, EVICT, SWIGLU)
         x0, x1, x2, x3, x4, x5, x6, x7, ss = _x_fields(x_ptr, nw_ptr, gs, us, g_hi, WPG, G, ss, NORM)
         acc = _pairs_dot(acc, wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
         if SWIGLU:
             acc_up = _pairs_dot(acc_up, uwd, usc, uz, x0, x1, x2, x3, x4, x5, x6, x7)
         if PREFETCH:
-            wd, s, z = _load_group_words(q_rows, s_rows, z_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG, EVICT)
-            if SWIGLU:
-                uwd, usc, uz = _load_group_words(uq_rows, us_rows, uz_rows, gs + BLOCK_G, us, row_mask, g_hi, WPG,
-                                                 EVICT)
+            wd, s, z, uwd, usc, uz = _load_step_words(q_rows, s_rows, z_rows, uq_rows, us_rows, uz_rows, gs + BLOCK_G,
+                                                      us, row_mask, g_hi, WPG, EVICT, SWIGLU)
     _finish_rows(tl.sum(tl.sum(acc, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1),
                  tl.sum(tl.sum(ss, axis=1), axis=0), pid, pk, rows, row_mask, res_ptr, y_ptr, key_ptr, part_ptr,
                  sq_ptr, cnt_ptr, N, K, eps, dtype, NORM, SWIGLU, RESIDUAL, ARGMAX, SPLIT_K)

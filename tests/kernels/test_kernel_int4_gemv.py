@@ -189,7 +189,7 @@ def one_hot_columns(q, G, dtype, cols, tile):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1), ("pairs", 8, 2, 4, 1)],
+@pytest.mark.parametrize("tile", [("bytes", 16, 2, 4, 1), ("mma", 16, 2, 4, 1), ("pairs", 64, 2, 4, 1)],
                          ids=["bytes", "mma", "pairs"])
 def test_int4_weights_are_the_reference_dequantization_exactly(dtype, tile):
     check_exact_weights(dtype, tile)
