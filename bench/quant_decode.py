@@ -13,6 +13,12 @@ squares ms per extra iteration over the depths; the goal compares it with the bf
 of one iteration (the block read from HBM every time), and INT4 at L = 8 with half the bf16
 time of the same run. --device cpu --preset tiny runs it on a CPU (eager steps, a smoke run).
 
+--batch B... adds the batched step for each format: B streams with their own random prompts
+stepped together by the worker's Batcher (bench/batch.py's `batched`: captured batched stages,
+sampling and the step's host sync included) at L = --batch-loops, on a model built as a worker
+builds it (every graph captured at load), so that INT4 is measured where a loaded server runs
+it as well as at batch 1: ms per step, tokens/s, and INT4 over bf16 at each B.
+
 --tiles PATH (a bench/int4_tiles.py JSON) adds the INT4 formats again with the sweep's tiles in
 kernels/int4_gemv.py's tables (`int4-tuned`, `int4-dual-bit-tuned`) beside the same formats on
 the tables as they are in the code (`int4`: untabled shapes take `default_tile`), in one run
@@ -29,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import hardware, write
+from bench.batch import batched, prompts
 from bench.int4_tiles import load_tiles
 from bench.decode import bytes_per_token, ceilings, decode_rate, decode_runner, random_checkpoint
 from tinyloop.worker import Model
@@ -71,6 +78,22 @@ def token_bytes(model: Model, loops: int, context: int) -> tuple[int, int]:
     return weights + head.nbytes + cfg.d_model * elem + kv, cached
 
 
+def batched_rows(path, settings: Settings, dev, dtype, cfg, args) -> list[dict]:
+    """The batched step of one format at each --batch B: ms per step and tokens/s, on a model
+    with max(B) lanes and every graph captured at load (as a worker builds it)."""
+    lanes = max(args.batch)
+    model = Model(path, max_seq_len=args.context + args.steps + 64, device=dev, dtype=dtype, n_slots=lanes,
+                  cuda_graphs=dev.type == "cuda", settings=settings.replace(prefill_graph_len=args.context))
+    ps = prompts(lanes, args.context, cfg.vocab_size)
+    out = []
+    for B in tqdm(args.batch, desc="batched"):
+        ms = min(batched(model, ps[:B], args.batch_loops, args.steps)[0] for _ in range(max(1, args.repeat // 2)))
+        out.append({"streams": B, "loops": args.batch_loops, "ms_per_step": ms, "tokens_per_s": B * 1e3 / ms})
+        print(f"batched B={B} L={args.batch_loops}: {ms:.3f} ms/step, {B * 1e3 / ms:,.0f} tok/s")
+    model.close()
+    return out
+
+
 def slope(xs: list[int], ys: list[float]) -> float:
     """Least-squares dy/dx."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -86,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--batch", type=int, nargs="*", default=[], help="streams of the batched step (none: batch 1 only)")
+    ap.add_argument("--batch-loops", type=int, default=8, help="L of the batched step")
     ap.add_argument("--tiles", default=None, help="a bench/int4_tiles.py JSON: add the INT4 formats on its tiles")
     ap.add_argument("--formats", nargs="+", default=None,
                     help="of bf16 int4 int4-dual-bit (and int4-tuned int4-dual-bit-tuned with --tiles); default all")
@@ -151,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         save()
         model.close()
         del runner, model
+        if args.batch:
+            result.setdefault("batched", {})[fmt] = batched_rows(path, settings, dev, dtype, cfg, args)
+            save()
         if cuda:
             torch.cuda.empty_cache()
     ms = {fmt: {r["loops"]: r["ms"] for r in rs} for fmt, rs in rows.items()}
@@ -167,6 +195,11 @@ def main(argv: list[str] | None = None) -> None:
                           "slope_met": slopes[fmt] < per_iteration_floor}
     if "int4" in goals:
         result["goal"] = goals["int4"]
+    base = {r["streams"]: r["ms_per_step"] for r in (result.get("batched") or {}).get("bf16", [])}
+    for fmt, rs in (result.get("batched") or {}).items():
+        for r in rs:
+            if fmt != "bf16" and r["streams"] in base:
+                r["over_bf16"] = r["ms_per_step"] / base[r["streams"]]
     result["goals"] = goals
     print(f"slopes {slopes} ms/iteration; bf16 HBM floor {per_iteration_floor:.4f} ms/iteration; "
           f"goals {goals}")

@@ -411,9 +411,21 @@ def quant_decode_body(r: Result) -> str:
             + "".join(f"; `{k}` {times(v.get('int4_over_bf16_at_8'))}" for k, v in (d.get("goals") or {}).items()
                       if isinstance(v, dict) and k != "int4")
             + ". The goals: at most 0.5× bf16 at L = 8, and a slope below the bf16 HBM floor's per iteration.\n"
+            + quant_batched(d)
             + ("\n![ms/token vs L per weight format](quant-decode-vs-L.png)\n\n`python -m bench.plot_quant_decode "
                "[RESULT]` draws `docs/quant-decode-vs-L.png` from a quant_decode result, by default "
                f"`quant-decode-cuda.json` (commit {code(r.commit)}).\n" if QUANT_PLOT.exists() else ""))
+
+
+def quant_batched(d: dict) -> str:
+    """The batched step per weight format (quant_decode --batch), where the run has it."""
+    rows = [[code(fmt), text(x.get("streams")), text(x.get("loops")), ms(x.get("ms_per_step")),
+             count(x.get("tokens_per_s")), times(x.get("over_bf16")) if "over_bf16" in x else DASH]
+            for fmt, xs in (d.get("batched") or {}).items() if isinstance(xs, list) for x in xs]
+    if not rows:
+        return ""
+    return ("\nThe batched step (the worker's Batcher on its captured stages, B streams):\n\n"
+            + table(["weights", "streams", "L", "per step", "tokens/s", "over bf16"], rows) + "\n")
 
 
 def quant_error_body(r: Result) -> str:

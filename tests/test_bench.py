@@ -477,3 +477,18 @@ def test_ray_hop_bench(tmp_path):
     assert r["calls"] == 3 and r["items_per_stream"] == 3
     assert r["plain_call_ms"] > 0 and r["stream_first_item_ms"] > 0 and r["stream_next_item_ms"] > 0
     assert r["channel_first_item_ms"] > 0 and r["channel_next_item_ms"] > 0
+
+
+def test_quant_decode_bench_cpu(tmp_path):
+    """bench/quant_decode.py's CPU smoke run: batch 1 and the batched step per format, INT4 over
+    bf16 at each stream count of the same run."""
+    from bench import quant_decode
+    quant_decode.main(["--device", "cpu", "--preset", "tiny", "--group-size", "32", "--loops", "1", "2", "--steps",
+                       "2", "--repeat", "1", "--batch", "1", "3", "--batch-loops", "2", "--formats", "bf16", "int4",
+                       "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "quant-decode-cpu.json").read_text())
+    assert [x["loops"] for x in r["decode"]["int4"]] == [1, 2]
+    for fmt in ("bf16", "int4"):
+        assert [x["streams"] for x in r["batched"][fmt]] == [1, 3]
+        assert all(x["ms_per_step"] > 0 and x["tokens_per_s"] > 0 for x in r["batched"][fmt])
+    assert all(x["over_bf16"] > 0 for x in r["batched"]["int4"]) and "over_bf16" not in r["batched"]["bf16"][0]
