@@ -35,7 +35,10 @@ pair arithmetic that rounds once (`_pair_weights`; the block comment above `_pai
   kernel's words, tiles and K slices, each word's pairs turned into bf16 weights by three packed
   fmas of inline PTX (the block comment above `_PAIR_ASM`) and multiplied by x in fp32 FMAs: the
   fastest on the H200 at bench-285m's shapes (bench/results/int4-tiles-cuda.json).
-- M > 1 (``_int4_matmul_kernel``): a (BLOCK_M, BLOCK_N) tile of y per program, K in BLOCK_K
+- M = 2..16 on a pairs tile (``MATMUL_TILES`` or ``tile=``): the pairs kernel with a third grid
+  axis over x's rows, each row on the programs of its own M = 1 call, so row m of y is bit for
+  bit that call's (`_rows_tile`).
+- M > 1 otherwise (``_int4_matmul_kernel``): a (BLOCK_M, BLOCK_N) tile of y per program, K in BLOCK_K
   chunks, the chunk's bytes loaded once and dequantized in registers (each byte's scale and
   zero gathered by its group), one tl.dot per code position (x's columns CPB·j + c). The
   decode step's options ride in its epilogue as in gemv's batched kernel.
