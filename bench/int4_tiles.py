@@ -23,7 +23,7 @@ a sweep's time, so --jobs worker processes compile every candidate first (each l
 share once; Triton's on-disk cache then serves the timing process), and --budget-s stops timing
 new candidates once spent (the JSON says which were skipped). The JSON holds every candidate's
 times, the chosen tiles against the defaults, and the entries to paste (`tiles_entries`);
-bench/quant_decode.py --tiles reads the same file.
+bench/quant_decode.py --tiles (and Settings.int4_tiles, through `load_tables`) reads the same file.
 """
 from __future__ import annotations
 
@@ -338,14 +338,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f'MATMUL_TILES["{name}"] entries:')
     for line in result["matmul_tiles_entries"]:
         print("    " + line)
-
-
-def load_tiles(path: str) -> tuple[dict, dict]:
-    """(TILES entries, MATMUL_TILES entries) of a sweep's JSON, keyed as the tables are."""
-    import json
-    data = json.loads(open(path).read())
-    return ({tuple(k): tuple(t) for k, t in data.get("tiles", [])},
-            {tuple(k): tuple(t) for k, t in data.get("matmul_tiles", [])})
 
 
 if __name__ == "__main__":

@@ -19,11 +19,10 @@ sampling and the step's host sync included) at L = --batch-loops, on a model bui
 builds it (every graph captured at load), so that INT4 is measured where a loaded server runs
 it as well as at batch 1: ms per step, tokens/s, and INT4 over bf16 at each B.
 
---tiles PATH (a bench/int4_tiles.py JSON) adds the INT4 formats again with the sweep's tiles in
-kernels/int4_gemv.py's tables (`int4-tuned`, `int4-dual-bit-tuned`) beside the same formats on
-the tables as they are in the code (`int4`: untabled shapes take `default_tile`), in one run
-against one bf16 baseline; --formats picks the formats. The tables are set before each format's
-model is built, so its captured graphs hold those tiles.
+--tiles PATH (a bench/int4_tiles.py JSON) adds the INT4 formats again on the sweep's tiles
+(`int4-tuned`, `int4-dual-bit-tuned`: Settings.int4_tiles, taken before kernels/int4_gemv.py's
+tables) beside the same formats on the code's tables (`int4`: untabled shapes take
+`default_tile`), in one run against one bf16 baseline; --formats picks the formats.
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from tqdm import tqdm
 
 from bench.common import hardware, write
 from bench.batch import batched, prompts
-from bench.int4_tiles import load_tiles
 from bench.decode import bytes_per_token, ceilings, decode_rate, decode_runner, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
@@ -138,23 +136,18 @@ def main(argv: list[str] | None = None) -> None:
     bf16_layer = bytes_per_token(cfg, 1, 0, 2)["weights"] - bytes_per_token(cfg, 0, 0, 2)["weights"]
     per_iteration_floor = bf16_layer / gbps  # the bf16 block read from HBM once an iteration
     rows: dict[str, list] = {}
-    dev_name = q4._device_name(dev) if cuda else None
-    code_tables = (dict(q4.TILES.get(dev_name, {})), dict(q4.MATMUL_TILES.get(dev_name, {}))) if cuda else ({}, {})
-    tuned = load_tiles(args.tiles) if args.tiles else None
-    if tuned:
+    if args.tiles:
+        tuned = q4.load_tables(args.tiles)
         result["tiles"] = {"file": args.tiles, "gemv": [[list(k), list(t)] for k, t in tuned[0].items()],
                            "matmul": [[list(k), list(t)] for k, t in tuned[1].items()]}
-    formats = [("bf16", src, Settings(), None), ("int4", qpath, Settings(), code_tables),
-               ("int4-dual-bit", qpath, Settings(dual_bit=True), code_tables)]
-    if tuned:
-        formats += [("int4-tuned", qpath, Settings(), tuned),
-                    ("int4-dual-bit-tuned", qpath, Settings(dual_bit=True), tuned)]
+    formats = [("bf16", src, Settings()), ("int4", qpath, Settings()),
+               ("int4-dual-bit", qpath, Settings(dual_bit=True))]
+    if args.tiles:
+        # the sweep's tiles before the code's tables (Settings.int4_tiles), the same file
+        formats += [("int4-tuned", qpath, Settings(int4_tiles=args.tiles)),
+                    ("int4-dual-bit-tuned", qpath, Settings(dual_bit=True, int4_tiles=args.tiles))]
     formats = [f for f in formats if f[0] in chosen]
-    for fmt, path, settings, tables in formats:
-        if cuda and tables is not None:
-            # the tables the captured graphs take: the code's, or the code's with the sweep's over them
-            q4.TILES[dev_name] = {**code_tables[0], **tables[0]}
-            q4.MATMUL_TILES[dev_name] = {**code_tables[1], **tables[1]}
+    for fmt, path, settings in formats:
         # no prefill graphs: the benchmark times decode only (bench/decode.py's decode_runner)
         model = Model(path, max_seq_len=1024, device=dev, dtype=dtype, n_slots=1,
                       settings=settings.replace(cuda_graphs=False, prefill_graph_len=0))
@@ -185,8 +178,6 @@ def main(argv: list[str] | None = None) -> None:
     slopes = {fmt: slope(list(m), list(m.values())) for fmt, m in ms.items()}
     result["slope_ms_per_iteration"] = slopes
     result["bf16_hbm_floor_ms_per_iteration"] = per_iteration_floor
-    if cuda:
-        q4.TILES[dev_name], q4.MATMUL_TILES[dev_name] = code_tables
     goals = {}
     for fmt in ms:
         if fmt.startswith("int4") and 8 in ms[fmt] and 8 in ms.get("bf16", {}):

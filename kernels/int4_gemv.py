@@ -831,6 +831,28 @@ def default_matmul_tile(M: int, N: int) -> tuple[int, int, int, int, int]:
     return 64, 64, 128, 4, 3
 
 
+def table_entry(code_table: dict, which: int, tables, device, key):
+    """The tile of `key`: tables[which] (a sweep's entries, `load_tables`) first, then the code's
+    table for the device; None where neither holds it."""
+    if tables is not None and key in tables[which]:
+        return tables[which][key]
+    if device.type != "cuda":
+        return None  # (the code's tables are per GPU name)
+    return code_table.get(_device_name(device), {}).get(key)
+
+
+def load_tables(path: str) -> tuple[dict, dict]:
+    """(M = 1 entries, M > 1 entries) of a bench/int4_tiles.py JSON, keyed as TILES' and
+    MATMUL_TILES' per-device dicts; a file that is not such a sweep -> ValueError."""
+    import json
+    try:
+        data = json.loads(open(path).read())
+        return ({tuple(k): tuple(t) for k, t in data.get("tiles", [])},
+                {tuple(k): tuple(t) for k, t in data.get("matmul_tiles", [])})
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"int4 tiles {path!r}: not a bench/int4_tiles.py result ({type(e).__name__}: {e})") from None
+
+
 def _m_bucket(m: int) -> int:
     """MATMUL_TILES' row bucket: 2-4, 5-8, 9-16, 17-64, then 65 and more."""
     return 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 64 if m <= 64 else 65
@@ -903,13 +925,15 @@ def _check(op, x, qweight, scales, zeros, group_size, bits, swiglu=False):
 
 
 def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None, eps=1e-6, swiglu=False,
-              residual=None, pdl=None, out_dtype=None, argmax_key=None, eviction_policy="", tile=None):
+              residual=None, pdl=None, out_dtype=None, argmax_key=None, eviction_policy="", tile=None, tables=None):
     """kernels.gemv with an INT4 weight (bits=2: an INT2 one, four codes a byte, column 4j + c in
     bits [2c, 2c + 2)): x (..., K) holding 1 <= M <= 16 rows -> y (..., N or F), the options
     and their checks as gemv's. tile: an explicit tile instead of the tables' (M = 1: `as_tile`'s
     form; M > 1: the GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), or a pairs tile:
     each row of x its own M = 1 launch's programs, one launch, `_rows_tile`), for sweeps and
-    tests; a tile the call does not fit (`fits`) -> ValueError."""
+    tests; a tile the call does not fit (`fits`) -> ValueError. tables: (M = 1 entries, M > 1
+    entries) keyed as TILES' and MATMUL_TILES' per-device dicts (`load_tables` of a sweep), taken
+    before the code's tables (Settings.int4_tiles)."""
     op = "int4_gemv"
     N, K = _check(op, x, qweight, scales, zeros, group_size, bits, swiglu)
     M = math.prod(x.shape[:-1])
@@ -923,9 +947,9 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     pdl = (use_pdl(x.device) if pdl is None else pdl) if not interpreting() else bool(pdl)
     x1 = x.reshape(M, K).contiguous()
     if M > 1:
-        t = _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile)
+        t = _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile, tables)
         if t is None:
-            return _matmul(x1, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, tile)
+            return _matmul(x1, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, tile, tables)
     elif tile is not None:
         t = as_tile(tile)
         if not fits(t[0], x, qweight, group_size, bits):
@@ -937,7 +961,7 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
         t = ("bytes", min(128, triton.next_power_of_2(N)), min(4, triton.next_power_of_2(K // group_size)), 4, 1, 1)
     else:
         key = (N, K, group_size, bits, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
-        t = as_tile(TILES.get(_device_name(x.device), {}).get(key) or default_tile(K, group_size))
+        t = as_tile(table_entry(TILES, 0, tables, x.device, key) or default_tile(K, group_size))
         if not fits(t[0], x, qweight, group_size, bits):
             t = default_tile(K, group_size)  # (an fp32 x or a misaligned view of a tabled shape)
     kind, bn, bg, warps, stages, split = t
@@ -969,7 +993,7 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     return y
 
 
-def _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile):
+def _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile, tables=None):
     """The pairs tile that runs an M > 1 call row by row (each row of x the M = 1 launch's
     programs, so its y is the M = 1 call's bit for bit), or None: the GEMM. An explicit kernel
     tile must be the pairs kernel's and fit; else MATMUL_TILES decides (a pairs entry where it
@@ -986,7 +1010,7 @@ def _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile):
     if interpreting():
         return None
     key = (_m_bucket(M), N, K, group_size, bits, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"])
-    e = MATMUL_TILES.get(_device_name(x.device), {}).get(key)
+    e = table_entry(MATMUL_TILES, 1, tables, x.device, key)
     if e is not None and isinstance(e[0], str) and fits("pairs", x, qweight, group_size, bits):
         return as_tile(e)
     return None
@@ -1010,16 +1034,17 @@ def _split_buffers(device: torch.device, N: int, blocks: int, split: int, rows: 
     return b
 
 
-def int4_matmul(x, qweight, scales, zeros, group_size, bits=4, eviction_policy="", tile=None):
+def int4_matmul(x, qweight, scales, zeros, group_size, bits=4, eviction_policy="", tile=None, tables=None):
     """x (..., K), any number of rows M -> x @ W.T (..., N) in x's dtype (bits as int4_gemv's;
-    tile: an explicit (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages))."""
+    tile: an explicit (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); tables as int4_gemv's)."""
     N, K = _check("int4_matmul", x, qweight, scales, zeros, group_size, bits)
     M = math.prod(x.shape[:-1])
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     flags = dict(NORM=False, SWIGLU=False, RESIDUAL=False, EVICT=eviction_policy, BITS=bits)
-    return _matmul(x.reshape(M, K).contiguous(), qweight, scales, zeros, group_size, None, None, y, 1e-6, flags, tile)
+    return _matmul(x.reshape(M, K).contiguous(), qweight, scales, zeros, group_size, None, None, y, 1e-6, flags, tile,
+                   tables)
 
 
 def as_matmul_tile(t) -> tuple[int, int, int, int, int]:
@@ -1032,7 +1057,7 @@ def as_matmul_tile(t) -> tuple[int, int, int, int, int]:
     return t
 
 
-def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, tile=None):
+def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, tile=None, tables=None):
     """The GEMM's launch: x (M, K) contiguous, y and residual contiguous (M, N) in memory."""
     M, K = x.shape
     N = y.shape[-1]
@@ -1049,7 +1074,7 @@ def _matmul(x, qweight, scales, zeros, group_size, nw, residual, y, eps, flags, 
         bm, bn, bk, warps, stages = 16, min(64, max(16, triton.next_power_of_2(N))), 64, 4, 1
     else:
         key = (_m_bucket(M), N, K, group_size, flags["BITS"], flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"])
-        e = MATMUL_TILES.get(_device_name(x.device), {}).get(key)
+        e = table_entry(MATMUL_TILES, 1, tables, x.device, key)
         # (a pairs entry the call does not fit: the GEMM's default)
         bm, bn, bk, warps, stages = e if e is not None and not isinstance(e[0], str) else default_matmul_tile(M, N)
     launch = {} if interpreting() else dict(num_warps=warps, num_stages=stages)

@@ -433,9 +433,23 @@ def test_int4_tiles_sweep_candidates_and_refusals(tmp_path):
     path = tmp_path / "int4-tiles-cuda.json"
     path.write_text(json.dumps({"tiles": [[list(key), ["mma", 32, 2, 4, 1]]],
                                 "matmul_tiles": [[[4, 2048, 2048, 128, 4, False, False, True], [16, 32, 128, 4, 3]]]}))
-    gemv_tiles, mm_tiles = int4_tiles.load_tiles(str(path))
+    gemv_tiles, mm_tiles = q4.load_tables(str(path))
     assert gemv_tiles == {key: ("mma", 32, 2, 4, 1)}
     assert mm_tiles == {(4, 2048, 2048, 128, 4, False, False, True): (16, 32, 128, 4, 3)}
+    # a sweep's entry comes before the code's table, which still serves the keys it lacks
+    code = {"NVIDIA H200": {key: ("pairs", 256, 1, 8, 1, 16), (1, 2): ("bytes", 4, 8, 4, 2, 1)}}
+    if torch.cuda.is_available() and torch.cuda.get_device_name() == "NVIDIA H200":
+        gpu = torch.device("cuda")
+        assert q4.table_entry(code, 0, (gemv_tiles, mm_tiles), gpu, key) == ("mma", 32, 2, 4, 1)
+        assert q4.table_entry(code, 0, (gemv_tiles, mm_tiles), gpu, (1, 2)) == ("bytes", 4, 8, 4, 2, 1)
+    cpu = torch.device("cpu")  # (no code table: those are per GPU name)
+    assert q4.table_entry(code, 0, (gemv_tiles, mm_tiles), cpu, key) == ("mma", 32, 2, 4, 1)
+    assert q4.table_entry(code, 0, (gemv_tiles, mm_tiles), cpu, (1, 2)) is None
+    assert q4.table_entry(code, 0, None, cpu, key) is None
+    for bad in ("[1, 2]", "not json", '{"tiles": [[1, 2]]}'):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="not a bench/int4_tiles.py result"):
+            q4.load_tables(str(path))
     # a candidate's call and its check against the reference, as the sweep makes them (tiny shape)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = {"name": "w13", "rows": 32, "K": 64, "norm": True, "swiglu": True, "residual": False}

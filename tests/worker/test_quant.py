@@ -204,3 +204,22 @@ def test_store_h_modes_refuse_quantized_weights(tmp_path):
             Model(out, max_seq_len=64, kv_mode=mode)
     with Model(out, max_seq_len=64, kv_mode="kv") as m:
         assert m.kv_mode == "kv" and m.weight_format.startswith("int4")
+
+
+def test_int4_tiles_setting_reaches_the_launchers(tmp_path):
+    """Settings.int4_tiles (TINYLOOP_INT4_TILES): the Triton backend's INT4 launchers take the
+    sweep's tables; a file that is no sweep is refused when the ops are built. (The tests run the
+    Triton backend on a CPU under TRITON_INTERPRET=1: conftest.)"""
+    from tinyloop.worker.model.ops import select_ops
+    key = [2048, 2048, 128, 4, False, False, True, True]
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"tiles": [[key, ["pairs", 64, 1, 4, 1, 2]]], "matmul_tiles": []}))
+    assert Settings.from_env({"TINYLOOP_INT4_TILES": str(path)}).int4_tiles == str(path)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ops = select_ops(dev, "triton", int4_tiles=str(path))
+    tables = ops.int4[0].keywords["tables"]
+    assert tables[0] == {tuple(key): ("pairs", 64, 1, 4, 1, 2)} and ops.int4[1].keywords["tables"] == tables
+    assert select_ops(dev, "triton").int4[0].keywords["tables"] is None
+    path.write_text("{")
+    with pytest.raises(ValueError, match="not a bench/int4_tiles.py result"):
+        select_ops(dev, "triton", int4_tiles=str(path))

@@ -44,7 +44,7 @@ class TritonOps(Ops):
     so that every row is computed as the batch-1 decode step computes it."""
     name = "triton"
 
-    def __init__(self, invariant: bool = False):
+    def __init__(self, invariant: bool = False, int4_tiles: str | None = None):
         import functools
 
         from tinyloop.kernels.decode_attention import (decode_attention, rope_chunk_attention, rope_decode_attention,
@@ -55,12 +55,14 @@ class TritonOps(Ops):
             gemv = functools.partial(gemv, invariant=True)
             rope_decode_attention = functools.partial(rope_decode_attention, invariant=True)
         self.rope_chunk_attention, self.rope_tree_attention = rope_chunk_attention, rope_tree_attention
-        from tinyloop.kernels.int4_gemv import int4_gemv, int4_matmul
+        from tinyloop.kernels.int4_gemv import int4_gemv, int4_matmul, load_tables
         from tinyloop.worker.model.quant import route_gemv
         # the fused projection serves up to Settings.fused_rows lanes (Model passes it); a
-        # quantized weight takes the INT4 launchers (fused epilogues alike)
+        # quantized weight takes the INT4 launchers (fused epilogues alike), on a sweep's tiles
+        # before the code's tables where Settings.int4_tiles names one
         self.gemv = route_gemv(gemv)
-        self.int4 = (int4_gemv, int4_matmul)
+        tables = load_tables(int4_tiles) if int4_tiles else None
+        self.int4 = (functools.partial(int4_gemv, tables=tables), functools.partial(int4_matmul, tables=tables))
         from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
         from tinyloop.kernels.swiglu import swiglu
@@ -78,9 +80,12 @@ class TritonOps(Ops):
         self.h_decode_attention = h_decode_attention
 
 
-def select_ops(device: torch.device, backend: str | None = None, invariant: bool = False) -> Ops:
+def select_ops(device: torch.device, backend: str | None = None, invariant: bool = False,
+               int4_tiles: str | None = None) -> Ops:
     """The ops of `backend` (None: triton on CUDA, else torch); invariant: the Triton backend's
-    batch-invariant kernels (the torch backend has no such form: ValueError)."""
+    batch-invariant kernels (the torch backend has no such form: ValueError); int4_tiles: a
+    bench/int4_tiles.py result whose tiles the Triton backend's INT4 launchers take first (the
+    torch reference has no tiles)."""
     backend = backend or ("triton" if device.type == "cuda" else "torch")
     if backend == "torch":
         if invariant:
@@ -92,7 +97,7 @@ def select_ops(device: torch.device, backend: str | None = None, invariant: bool
         if device.type != "cuda" and not interpreting():
             # (under TRITON_INTERPRET=1 the kernels run on the CPU: the tests' interpreted engine)
             raise ValueError(f"backend 'triton' needs a CUDA device, got {device}")
-        return TritonOps(invariant)
+        return TritonOps(invariant, int4_tiles)
     raise ValueError(f"unknown backend {backend!r}: expected 'torch' or 'triton'")
 
 

@@ -42,7 +42,10 @@ class Settings:
     batch-invariant kernels a round's verify attends over the whole cache).
     sampler_graphs: with CUDA graphs, sampling (any temperature, top-k, top-p, penalty) replays
     one captured graph per row bucket; off, its ops launch one by one (the A/B of
-    bench/sampling.py)."""
+    bench/sampling.py).
+    int4_tiles: a bench/int4_tiles.py result whose tiles the INT4 kernels take before the
+    code's tables (kernels/int4_gemv.py TILES, MATMUL_TILES): a sweep tried on a model without
+    editing the code (bench/quant_decode.py --tiles); None: the code's tables."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -57,6 +60,7 @@ class Settings:
     batch_invariant: bool = False
     device_rounds: bool | None = None
     sampler_graphs: bool = True
+    int4_tiles: str | None = None
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -91,14 +95,14 @@ class Settings:
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
         TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_BATCH_INVARIANT (0/1),
-        TINYLOOP_DEVICE_ROUNDS (0/1) and TINYLOOP_SAMPLER_GRAPHS (0/1); kv_mode by the reference runtime's switches
+        TINYLOOP_DEVICE_ROUNDS (0/1), TINYLOOP_SAMPLER_GRAPHS (0/1) and TINYLOOP_INT4_TILES (a path); kv_mode by the reference runtime's switches
         (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
                  "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
-                 "batch_invariant": flag, "device_rounds": flag, "sampler_graphs": flag}
+                 "batch_invariant": flag, "device_rounds": flag, "sampler_graphs": flag, "int4_tiles": str}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")
