@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyloop.kernels.exit_check import CRITERION_IDS, exit_check_ref
 from tinyloop.worker.model.config import LoopedConfig
 from tinyloop.worker.model.modules import LoopedTransformer, linear
 from tinyloop.worker.runner.stages import device_tensor
@@ -116,19 +117,7 @@ def check_rule(spec, cfg: LoopedConfig, name: str = "early_exit") -> ExitRule | 
     return ExitRule(criterion, float(threshold), ints["min_loops"], ints["patience"], cache)
 
 
-def normalized(state: torch.Tensor, eps: float) -> torch.Tensor:
-    """(n, D) -> the RMS-normalized state in fp32 (the latent criterion's n)."""
-    s = state.float()
-    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def gate_lambda(model: LoopedTransformer, state: torch.Tensor) -> torch.Tensor:
-    """(n, D) states -> λ (n,) fp32: the gate's exit probability at that iteration."""
-    g = model.exit_gate
-    return torch.sigmoid((linear(state, g.weight) + g.bias).float()[..., 0])
-
-
-CRITERION_ID = {name: i + 1 for i, name in enumerate(CRITERIA)}  # 0: a row with no rule
+CRITERION_ID = CRITERION_IDS  # the exit check's ids (kernels/exit_check.py)
 
 
 class ExitState:
@@ -137,15 +126,15 @@ class ExitState:
     Static buffers of n rows, allocated once per runner, so that a captured graph of the check
     serves every step: the rules' parameters (n, 6) (criterion id, threshold, earliest exit,
     first iteration with logits, patience, depth), each criterion's running state, `order`
-    (buffer row k holds the step's row order[k]), the iteration count `d` (a device scalar
-    each check advances) and the decisions `stop` (with two host slots, pinned on CUDA). `reset` loads a step's rules;
-    `check` computes every criterion it is asked for over the first rows of the buffers, each
-    row keeping its own criterion's verdict: a fixed handful of small ops however the rules
-    mix. The host keeps the parameters too, to know without reading the device which
+    (buffer row k holds the step's row order[k]), each row's iteration count `d` (each check
+    advances it) and the decisions `stop` (with two host slots, pinned on CUDA). `reset` loads
+    a step's rules; `check` decides over the first rows of the buffers, each row by its own
+    criterion, in one call of the ops' exit_check however the rules mix. `op`: that call
+    (kernels/exit_check.py; the torch reference by default). The host keeps the parameters too, to know without reading the device which
     iterations need logits and at which a row may stop at all."""
 
-    def __init__(self, model: LoopedTransformer, n: int, device: torch.device):
-        self.model, self.n, self.device = model, n, device
+    def __init__(self, model: LoopedTransformer, n: int, device: torch.device, op=exit_check_ref):
+        self.model, self.n, self.device, self.op = model, n, device, op
         cfg = model.config
         self.eps = cfg.norm_eps
         f32 = dict(dtype=torch.float32, device=device)
@@ -156,7 +145,7 @@ class ExitState:
         self.prev_logp = torch.zeros(n, cfg.vocab_size, **f32)   # kl: log p of the last iteration
         self.prev_arg = torch.full((n,), -1, dtype=torch.long, device=device)  # argmax
         self.streak = torch.zeros(n, dtype=torch.long, device=device)
-        self.d = torch.zeros(1, **f32)
+        self.d = torch.zeros(n, **f32)  # each row's iterations so far
         self.order = torch.arange(n, device=device)
         self.stop = torch.zeros(n, dtype=torch.bool, device=device)
         # two published decisions on the host (a check's, and the one before it, which the
@@ -206,56 +195,20 @@ class ExitState:
     @torch.no_grad()
     def check(self, m: int, states: torch.Tensor, logits: torch.Tensor | None, depth_row: torch.Tensor,
               slot: int, kinds=None) -> None:
-        """After the next iteration (the device scalar `d` counts them: the check adds one):
-        the first m buffer rows' states (m, D) (the model-width part of the residual) and,
-        where needs_logits said so, their next-token logits (m, V) -> stop[:m] True where the
-        row has stopped (at its depth, earlier by its rule, or at an earlier check), copied
-        into host slot `slot` (`mark` it to read it). A row its rule stops now is frozen on the
-        device: its entry of depth_row (m,), the step's per-row depths, becomes d, so every
-        later iteration carries it through unchanged whether or not the host has read the
-        decision yet. Every row's criteria are updated. kinds: the criteria to compute
-        (default: the step's rules')."""
+        """After the next iteration (each row's count in `d`: the check adds one): the first m
+        buffer rows' states (m, D) (the model-width part of the residual) and, where
+        needs_logits said so, their next-token logits (m, V) -> stop[:m] True where the row has
+        stopped (at its depth, earlier by its rule, or at an earlier check), copied into host
+        slot `slot` (`mark` it to read it). A row its rule stops now is frozen on the device:
+        its entry of depth_row (m,), the step's per-row depths, becomes d, so every later
+        iteration carries it through unchanged whether or not the host has read the decision
+        yet. The math is the ops' `exit_check` (kernels/exit_check.py: the torch reference, or
+        one Triton launch). kinds: the criteria to compute (default: the step's rules')."""
         kinds = self.kinds if kinds is None else kinds
-        self.d.add_(1)
-        d = self.d
-        rows = self.order[:m]
-        crit, thr, earliest, first, patience, depth = self.params.index_select(0, rows).unbind(-1)
-        hit = torch.zeros(m, dtype=torch.bool, device=self.device)
-        if "gate" in kinds:
-            gated = crit == CRITERION_ID["gate"]
-            lam = gate_lambda(self.model, states)
-            rem = self.remaining.index_select(0, rows)
-            p = torch.where(d >= depth, rem, lam * rem)  # the last iteration takes the mass left
-            cum = self.cum.index_select(0, rows) + p
-            self.cum.index_copy_(0, rows, torch.where(gated, cum, 0))
-            self.remaining.index_copy_(0, rows, torch.where(gated, rem * (1 - lam), 1))
-            hit |= gated & (cum >= thr)
-        if "latent" in kinds:
-            cur = normalized(states, self.eps)
-            rel = (cur - self.prev_n.index_select(0, rows)).norm(dim=-1) / cur.norm(dim=-1)
-            self.prev_n.index_copy_(0, rows, cur)
-            hit |= (crit == CRITERION_ID["latent"]) & (d >= 2) & (rel < thr)
-        if logits is not None:
-            on = d >= first  # the rows whose rule reads this iteration's distribution
-            lg = logits.float()
-            if "kl" in kinds:
-                logp = torch.log_softmax(lg, -1)
-                prev = self.prev_logp.index_select(0, rows)
-                kl = (logp.exp() * (logp - prev)).sum(-1)
-                self.prev_logp.index_copy_(0, rows, torch.where(on[:, None], logp, prev))
-                hit |= (crit == CRITERION_ID["kl"]) & (d > first) & (kl < thr)
-            if "argmax" in kinds:
-                arg = lg.argmax(-1)
-                prev_arg = self.prev_arg.index_select(0, rows)
-                old = self.streak.index_select(0, rows)
-                streak = torch.where(on, torch.where(arg == prev_arg, old + 1, 0), old)
-                self.streak.index_copy_(0, rows, streak)
-                self.prev_arg.index_copy_(0, rows, torch.where(on, arg, prev_arg))
-                hit |= (crit == CRITERION_ID["argmax"]) & (streak >= patience)
-        at = depth_row.to(torch.float32)  # the rows' depths now (a frozen row's: where it stopped)
-        now = hit & (d >= earliest) & (at > d)
-        depth_row.copy_(torch.where(now, d.to(depth_row.dtype), depth_row))
-        torch.logical_or(d >= torch.minimum(at, depth), now, out=self.stop[:m])
+        g = self.model.exit_gate if "gate" in kinds else None
+        self.op(self.params, self.d, self.remaining, self.cum, self.prev_n, self.prev_logp, self.prev_arg,
+                self.streak, self.order, states, logits, depth_row, self.stop,
+                None if g is None else g.weight.view(-1), None if g is None else g.bias, self.eps, kinds)
         self.ring[slot, :m].copy_(self.stop[:m], non_blocking=True)
 
     def mark(self, slot: int) -> None:

@@ -685,7 +685,7 @@ class Runner:
 
     def _exit_state(self) -> ExitState:
         if self._exit_checks is None:
-            self._exit_checks = ExitState(self.model, self.cache.n_slots, self.device)
+            self._exit_checks = ExitState(self.model, self.cache.n_slots, self.device, self.ops.exit_check)
         return self._exit_checks
 
     def _capture_checks(self, state: ExitState, top: int) -> None:
