@@ -361,3 +361,28 @@ def test_graphed_exit_step_shrinks_buckets_and_equals_eager(tiny_path):
     assert 8 in iters and min(iters) < 8, iters  # rows that exited left the bucket
     checks = graphs.replayed("exit")  # the checks ran as the buckets' captured graphs
     assert {s for _, s in checks} == {"check0", "check1", "check+logits0", "check+logits1"}
+
+
+@pytest.mark.parametrize("rule", [{"criterion": "latent", "threshold": 0.3},
+                                  {"criterion": "kl", "threshold": 0.05, "min_loops": 3},
+                                  {"criterion": "argmax", "patience": 1, "cache": "recompute"},
+                                  {"criterion": "latent", "threshold": 0.2, "cache": "recompute"}])
+def test_one_stream_exit_on_its_own_graphs_equals_eager(tiny_path, rule):
+    """A stream alone on a graphed runner (stand-ins on CPU) runs its exit steps on the one-row
+    graphs (solo_exit.py: one graph per iteration, none of the batch buckets') and gets the
+    tokens and usage of the eager exit step, greedy and sampled (its later tokens read the
+    layers its exited tokens skipped: the fill is checked too)."""
+    from stage_graphs import with_stage_graphs
+    kw = dict(loops=8, max_tokens=12, early_exit=rule)
+    with Model(tiny_path, max_seq_len=64, n_slots=2) as m:
+        eager = [m.generate(PROMPT, **kw), m.generate(PROMPT, temperature=0.9, seed=5, **kw)]
+        graphs = with_stage_graphs(m, range(1, 9))
+        graphs.log.clear()
+        solo = [m.generate(PROMPT, **kw), m.generate(PROMPT, temperature=0.9, seed=5, **kw)]
+        batch_iters = [s for b, s in graphs.replayed("batch") if isinstance(s, int)]
+        calls = len(graphs.replayed("call"))
+    for a, b in zip(solo, eager):
+        assert list(a) == list(b) and a.stats == b.stats
+    assert all(s.stats["iterations_per_token"] < 8 for s in eager), "no token exited: the case tests little"
+    assert not batch_iters, "a lone stream's exit steps replayed batch buckets"
+    assert calls >= sum(s.stats["loop_token_iterations"] for s in solo) // 2

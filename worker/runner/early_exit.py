@@ -160,24 +160,35 @@ class ExitState:
     def reset(self, rules: list[ExitRule | None], depths: list[int]) -> None:
         """Load a step's rows: rules (None: a row that runs its depth) and depths; the rows
         past them are idle (depth 0: stopped from the start)."""
-        B = len(rules)
+        params = self.load_host(rules, depths)
+        never = 1 << 30
+        params += [[0, 1.0, never, never, 1, 0]] * (self.n - len(rules))
+        self.params.copy_(device_tensor(params, self.device, torch.float32), non_blocking=True)
+        self.prev_n.zero_()
+        self.prev_logp.zero_()
+        self.clear()
+        self.set_order(list(range(self.n)))
+
+    def load_host(self, rules: list[ExitRule | None], depths: list[int]) -> list[list[float]]:
+        """The host's copy of the rows' rules (what needs_logits and can_stop read) -> the
+        rows of `params` to load."""
         never = 1 << 30  # a row with no rule: no exit, no logits before its depth
         self.depths = list(depths)
         self.earliest = [r.earliest() if r is not None else never for r in rules]
         self.first = [r.first_logits() if r is not None and r.needs_logits else never for r in rules]
         self.kinds = frozenset(r.criterion for r in rules if r is not None)
-        params = [[CRITERION_ID[r.criterion] if r else 0, r.threshold if r else 1.0, self.earliest[i],
-                   self.first[i], r.patience if r else 1, depths[i]] for i, r in enumerate(rules)]
-        params += [[0, 1.0, never, never, 1, 0]] * (self.n - B)
-        self.params.copy_(device_tensor(params, self.device, torch.float32), non_blocking=True)
+        return [[CRITERION_ID[r.criterion] if r else 0, r.threshold if r else 1.0, self.earliest[i],
+                 self.first[i], r.patience if r else 1, depths[i]] for i, r in enumerate(rules)]
+
+    def clear(self) -> None:
+        """Every row's running state as before its first check. prev_n and prev_logp need none:
+        a criterion writes them at a check before any check reads them (latent decides from
+        d = 2, kl after its first logits)."""
         self.remaining.fill_(1)
         self.cum.zero_()
-        self.prev_n.zero_()
-        self.prev_logp.zero_()
         self.prev_arg.fill_(-1)
         self.streak.zero_()
         self.d.zero_()
-        self.set_order(list(range(self.n)))
 
     def set_order(self, order: list[int]) -> None:
         self.order.copy_(device_tensor(order + list(range(len(order), self.n)), self.device), non_blocking=True)

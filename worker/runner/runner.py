@@ -39,6 +39,7 @@ from tinyloop.worker.model.ops import Ops
 from tinyloop.worker.runner.early_exit import ExitRule, ExitState, fill_skipped
 from tinyloop.worker.runner.engine import Counters, Engine
 from tinyloop.worker.runner.rounds import ChainRound
+from tinyloop.worker.runner.solo_exit import SoloExit
 from tinyloop.worker.runner.sampler import RowSampling, SamplerGraphs, SamplingParams, sample_rows
 from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages, batch_buckets, batch_buffers,
                                            device_tensor, prefill_buckets, prefill_buffers)
@@ -278,6 +279,7 @@ class Runner:
         self._exit: dict[int, BatchStep] = {}  # eager early-exit stage sets by row count
         self._exit_shared = None
         self._exit_checks: ExitState | None = None  # the exit checks' static buffers
+        self._solo: SoloExit | None = None  # a one-row exit step's graphs, made on first use
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
         self._prefill_shared = None
@@ -579,6 +581,8 @@ class Runner:
         back to their order, the coda runs over all of them, and the skipped iterations' cache
         layers are filled (the rows' policy)."""
         B = len(lanes)
+        if B == 1 and self.graphs is not None:
+            return self._decode_solo(lanes[0], tokens[0], positions[0], depths[0], rules[0], on_device, prev)
         if isinstance(on_device, DeviceTokens):
             dev_tokens = on_device
         else:
@@ -665,6 +669,21 @@ class Runner:
         logits = step.logits[:B]
         out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=ran)
         self._owners[key] = out
+        return out
+
+    def _decode_solo(self, lane, token, position, depth, rule, on_device, prev) -> StepOut:
+        """_decode_exit of one row on graphs of its own (solo_exit.py): one per iteration."""
+        if isinstance(on_device, DeviceTokens):
+            on_device = on_device.as_dict()
+        token = (on_device or {}).get(0, token)
+        if self._solo is None:
+            self._solo = SoloExit(self.engine, self.graphs, self.ops.exit_check)
+        self._claim("solo", prev)
+        solo = self._solo
+        ran = solo.run(lane, token, position, depth, rule)
+        out = StepOut(solo.step.logits, solo.greedy[position % 2], solo.step.x, None, self.counters.add(ran, ran),
+                      depths=[ran])
+        self._owners["solo"] = out
         return out
 
     def sample(self, logits: torch.Tensor, seen: torch.Tensor | None, params: list[SamplingParams],
