@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     runner, L = model.runner, args.loops
     model.capture_graphs([L])
     prompt = model.tokenizer.encode("def fibonacci(n):\n    ")
+    # (the solo graphs' timed replays below run an iteration over whatever the step last held)
     full_tok_s, _ = timed_generate(model, prompt, L, args.tokens, None)
     exit_tok_s, stats = timed_generate(model, prompt, L, args.tokens, rule)
     g = runner.graphs
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         key = (kind, 2, stage)
         if key in g.stages:
             graphs_us[f"{kind} {stage}"] = gpu_us(g.stages[key].replay, args.replays)
+    solo = runner._solo
+    if solo is not None:
+        graphs_us["solo start"] = gpu_us(solo.start.replay, args.replays)
+        graphs_us["solo iteration 0"] = gpu_us(solo.iterations[(0, 1, False)].replay, args.replays)
+        graphs_us["solo end"] = gpu_us(solo.end[0].replay, args.replays)
     print("graphs (GPU us per replay):", {k: round(v, 1) for k, v in graphs_us.items()}, flush=True)
     # one exit step at a time, as the stream runs them
     req = model.make_request(prompt, loops=L, max_tokens=1, early_exit=rule)

@@ -146,7 +146,7 @@ class Model:
         if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
                                 settings.l2_keep_fraction, settings.l2_stream, ops.invariant)
-            quant_checkpoint.use_kernels(model, ops.int4)
+            quant_checkpoint.use_kernels(model, ops.int4, ops.int4_rows)
         cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
         cache = make_cache(self.kv_mode, self.config, n_slots, self.max_seq_len, self.config.max_loops,
                            self.device, self.dtype)

@@ -58,3 +58,18 @@ def test_gate_rule_on_cuda(tmp_path):
         h = cpu.generate(PROMPTS[0], loops=8, max_tokens=12, early_exit=rule)
     assert min(d for d, n in enumerate(h.stats["iterations_histogram"], 1) if n) < 8
     assert list(g)[:len(PROMPTS[0]) + 4] == list(h)[:len(PROMPTS[0]) + 4]
+
+
+@pytest.mark.parametrize("rule", RULES[:3])
+def test_one_stream_exit_on_its_graphs_equals_the_reference_path(tiny_path, rule):
+    """A stream alone (solo_exit.py: one graph per iteration, the check kernel) against the
+    torch reference path, fp32: the same tokens and iterations over its first steps."""
+    with Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=2) as fast, \
+            Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", backend="torch",
+                  cuda_graphs=False, n_slots=2) as ref:
+        g = fast.generate(PROMPTS[1], loops=8, max_tokens=24, early_exit=rule)
+        h = ref.generate(PROMPTS[1], loops=8, max_tokens=24, early_exit=rule)
+        assert fast.runner._solo is not None and fast.runner._solo.iterations, "the solo graphs never ran"
+    n = len(PROMPTS[1]) + 8
+    assert list(g)[:n] == list(h)[:n]
+    assert h.stats["iterations_per_token"] < 8, "no token exited: the case tests little"

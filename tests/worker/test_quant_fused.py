@@ -81,3 +81,26 @@ def test_int4_batched_step_matches_the_reference(qpath):
             out[m is fused] = got
     assert 3 in rows and 2 in rows
     assert out[True] == out[False]
+
+
+def test_quantized_blocks_run_batched_rows_fused(qpath):
+    """Model's set-up on the Triton path with Settings.fused_rows = 1 (the bf16 default): the
+    quantized blocks still take a batched decode step's rows through the INT4 launcher
+    (use_kernels' rows), a block with float weights keeps fused_rows, and three lanes' step
+    matches the reference."""
+    with model(qpath) as ref, model(qpath) as fused:
+        rows_seen = []
+        fused._module.use_fast_path(rms_norm, route_gemv(gemv), gemv_rows=1)
+        quant_checkpoint.use_kernels(fused._module, (lambda x, *a, **k: rows_seen.append(x.numel() // x.shape[-1])
+                                                     or int4_gemv(x, *a, **k), int4_matmul), rows=16)
+        blocks = [b for b in fused._module.modules() if hasattr(b, "gemv_rows") and hasattr(b, "projections")]
+        quantized = [b for b in blocks if all(not isinstance(w, torch.Tensor) for w in b.projections().values())]
+        assert quantized and all(b.gemv_rows == 16 for b in quantized)
+        assert all(b.gemv_rows == 1 for b in blocks if b not in quantized)
+        outs = []
+        for m in (ref, fused):
+            r = m.runner
+            firsts = [int(r.prefill(lane, PROMPT[:4 + lane], 2).logits.argmax()) for lane in range(3)]
+            outs.append(r.decode([0, 1, 2], firsts, [4, 5, 6], [2, 2, 2]).logits.clone())
+        assert 3 in rows_seen, "the batched INT4 step did not take the fused rows"
+        assert ((outs[1] - outs[0]).norm(dim=-1) / outs[0].norm(dim=-1)).max() < 1e-4

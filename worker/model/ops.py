@@ -65,6 +65,8 @@ class TritonOps(Ops):
         self.gemv = route_gemv(gemv)
         tables = load_tables(int4_tiles) if int4_tiles else None
         self.int4 = (functools.partial(int4_gemv, tables=tables), functools.partial(int4_matmul, tables=tables))
+        from tinyloop.kernels.gemv import MAX_ROWS
+        self.int4_rows = MAX_ROWS  # the rows int4_gemv takes in one call (a batched decode pass)
         from tinyloop.kernels.rmsnorm import rms_norm
         from tinyloop.kernels.rope import rope_cache_write
         from tinyloop.kernels.swiglu import swiglu

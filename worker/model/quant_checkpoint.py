@@ -169,15 +169,22 @@ def use_rounding(model: LoopedTransformer, rounding: str, seed: int = 0, dual_bi
     model.loop_variants = [] if variants == [model.loop] else variants
 
 
-def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable]) -> None:
+def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable], rows: int = 1) -> None:
     """Every quantized weight of the model (fused ones included) on the Triton launchers, after
-    model.use_fast_path. With several weight sets of the shared block (loop_variants), the L2
-    budget that Block.eviction gives the block is shared among them in proportion to their
-    bytes, since they are all read by one token."""
+    model.use_fast_path; a block whose projections are quantized runs decode passes of up to
+    `rows` rows (the INT4 launcher's limit) through its fused projections, whatever
+    Settings.fused_rows says for bf16 weights: the INT4 launcher runs M > 1 rows row by row
+    (each read from L2) or as its fused GEMM, where the unfused path would launch the GEMM and
+    the norms, SwiGLU and residual adds apart. With several weight sets of the shared block
+    (loop_variants), the L2 budget that Block.eviction gives the block is shared among them in
+    proportion to their bytes, since they are all read by one token."""
     for m in _all_modules(model):
         for w in vars(m).values():
             if isinstance(w, QuantWeight):
                 w.kernels = kernels
+        if isinstance(m, Block) and m.gemv is not None and not m.invariant and all(
+                isinstance(w, QuantWeight) for w in m.projections().values()):
+            m.gemv_rows = max(m.gemv_rows, rows)
     distinct = list({id(v): v for v in model.loop_variants}.values())
     if len(distinct) > 1:
         nbytes = [sum(w.nbytes for layer in v for w in layer.projections().values()) for v in distinct]
