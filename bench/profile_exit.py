@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     runner, L = model.runner, args.loops
     model.capture_graphs([L])
     prompt = model.tokenizer.encode("def fibonacci(n):\n    ")
-    # (the solo graphs' timed replays below run an iteration over whatever the step last held)
     full_tok_s, _ = timed_generate(model, prompt, L, args.tokens, None)
     exit_tok_s, stats = timed_generate(model, prompt, L, args.tokens, rule)
     g = runner.graphs
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         key = (kind, 2, stage)
         if key in g.stages:
             graphs_us[f"{kind} {stage}"] = gpu_us(g.stages[key].replay, args.replays)
-    solo = runner._solo
+    solo = runner._solo  # (its timed replays run over whatever its step last held)
     if solo is not None:
         graphs_us["solo start"] = gpu_us(solo.start.replay, args.replays)
         graphs_us["solo iteration 0"] = gpu_us(solo.iterations[(0, 1, False)].replay, args.replays)
