@@ -174,4 +174,7 @@ class Graphs:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
             fn()
+        # the graph reads the tensors fn closes over (index tables, static inputs) at every
+        # replay: keep them alive as long as the graph, or their memory goes to other tensors
+        g.captured_fn = fn
         return g

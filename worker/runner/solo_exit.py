@@ -117,23 +117,14 @@ class SoloExit:
     def _fill(self, e: int, top: int):
         """The copy policy's fill of a token that ran e of `top` iterations, on the row's lane
         and position as the step's buffers hold them: iterations [e, top) of every block layer
-        get iteration e - 1's K/V (early_exit.fill_skipped's copy). Rows of the flattened cache
-        by index_select / index_copy_, their indices computed on the device from the slot and
-        position: a gather and a scatter with tensor indices (t[dst, slot, :, pos]) do not
-        replay correctly from a captured graph."""
+        get iteration e - 1's K/V (early_exit.fill_skipped, with device indices)."""
         cfg, cache, dev = self.engine.config, self.engine.cache, self.engine.cache.device
-        _, n_slots, hkv, S, hd = cache.k.shape
         pairs = [(cfg.loop_layer_index(i, j), cfg.loop_layer_index(e - 1, j))
                  for i in range(e, top) for j in range(cfg.n_loop_layers)]
-        heads = torch.arange(hkv)
-        # row (layer, slot, head, position) of the (-1, hd) view: ((layer·slots + slot)·Hkv + head)·S + position
-        dst, src = (((torch.tensor(v)[:, None] * n_slots * hkv + heads) * S).view(-1).to(dev) for v in zip(*pairs))
+        dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pairs))
         slot, pos = self.step.ctl[3], self.step.ctl[1]
 
         def fill():
-            at = slot * hkv * S + pos  # (1,)
-            d, s = dst + at, src + at
             for t in (cache.k, cache.v):
-                rows = t.view(-1, hd)
-                rows.index_copy_(0, d, rows.index_select(0, s))
+                t[dst, slot, :, pos] = t[src, slot, :, pos]
         return fill
