@@ -503,3 +503,21 @@ def test_prompts_prefilled_together_equal_their_own_prefills_on_gpu(pair):
     for lane, (prompt, L) in enumerate(zip(prompts, depths)):
         alone = r.prefill(lane, prompt, L)
         assert torch.allclose(together[lane].logits, alone.logits, rtol=1e-4, atol=1e-4), lane
+
+
+def test_a_captured_call_keeps_what_it_closes_over(tiny_path):
+    """Graphs.capture_call keeps the closure alive with the graph: a replay reads the tensors
+    it closes over (here an index table made for the capture alone), and freed memory would
+    go to the next allocations."""
+    with Model(tiny_path, max_seq_len=64, device="cuda", dtype="float32", n_slots=1) as m:
+        out = torch.zeros(4, device="cuda")
+
+        def make():
+            idx = torch.tensor([3, 2, 1, 0], device="cuda")
+            src = torch.arange(4.0, device="cuda")
+            return lambda: out.copy_(src.index_select(0, idx))
+        graph = m.runner.graphs.capture_call(make())
+        junk = [torch.full((4,), 99, dtype=torch.long, device="cuda") for _ in range(256)]  # noqa: F841
+        out.zero_()
+        graph.replay()
+        assert out.tolist() == [3.0, 2.0, 1.0, 0.0]
