@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             graphs_us[f"{kind} {stage}"] = gpu_us(g.stages[key].replay, args.replays)
     solo = runner._solo  # (its timed replays run over whatever its step last held)
     if solo is not None:
-        graphs_us["solo start"] = gpu_us(solo.start.replay, args.replays)
-        graphs_us["solo iteration 0"] = gpu_us(solo.iterations[(0, 1, False)].replay, args.replays)
-        graphs_us["solo end"] = gpu_us(solo.end[0].replay, args.replays)
+        graphs_us["solo start"] = gpu_us(solo.starts[(False,)].replay, args.replays)
+        graphs_us["solo iteration 1"] = gpu_us(solo.iterations[(1, 0, False)].replay, args.replays)
+        graphs_us["solo end"] = gpu_us(solo.ends[(0, None)].replay, args.replays)
     print("graphs (GPU us per replay):", {k: round(v, 1) for k, v in graphs_us.items()}, flush=True)
     # one exit step at a time, as the stream runs them
     req = model.make_request(prompt, loops=L, max_tokens=1, early_exit=rule)
