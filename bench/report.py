@@ -114,7 +114,7 @@ CURRENT = [
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
-    ("sampling", "cuda"),
+    ("sampling", "cuda"), ("profile-exit", "cuda"),
 ]
 
 
@@ -466,6 +466,22 @@ def early_exit_body(r: Result) -> str:
             "held-out bits per byte under teacher forcing with the rule active.\n\n"
             + table(["rule", "cache", "iterations / token", "tok/s batch 1", "tok/s batched", "greedy agreement",
                      "bpb", "bpb vs full depth"], rows or [[DASH] * 8]) + "\n")
+
+
+def profile_exit_body(r: Result) -> str:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    g = r.data.get("generate") if isinstance(r.data.get("generate"), dict) else {}
+    us = r.data.get("graphs_us") if isinstance(r.data.get("graphs_us"), dict) else {}
+    rule = w.get("rule") if isinstance(w.get("rule"), dict) else {}
+    return (f"Model {text(w.get('model'))}, L = {text(w.get('loops'))}, rule {text(rule.get('criterion'))} < "
+            f"{text(rule.get('threshold'))}, one stream, {text(w.get('tokens'))} greedy tokens: "
+            f"{num(g.get('full_tok_s'), ',.0f')} tok/s at full depth, {num(g.get('exit_tok_s'), ',.0f')} tok/s with "
+            f"the rule ({times(g.get('speedup'))}) at {num(g.get('iterations_per_token'), '.2f')} iterations per "
+            "token.\n\n"
+            + table(["graph", "GPU µs per replay"], [[text(k), num(v, ".1f")] for k, v in us.items()] or [[DASH] * 2])
+            + "\n\n`batch` graphs are the 2-row batch bucket's stages (the batched exit step), `solo` the one-row "
+              "exit step's (start: the prelude and the first iteration with its check; iteration: one iteration "
+              "and its check; end: the coda and the greedy token).\n")
 
 
 def ray_hop_body(r: Result) -> str:
@@ -1008,6 +1024,8 @@ TRANSPORT_INTRO = ("`bench/transport.py`: a round trip between two processes on 
                    "sends its frames.")
 EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exit.md) on the embedded default model, "
                     "a sweep of rules and thresholds against full depth.")
+PROFILE_EXIT_INTRO = ("`bench/profile_exit.py`: one stream with and without an exit rule, and the GPU time of each "
+                      "captured graph an exit step replays (CUDA events around back-to-back replays).")
 QUANT_QUALITY_INTRO = "`bench/quant_quality.py`: the embedded default model's held-out split, per weight format."
 RECOVER_INTRO = ("`bench/recover.py`: a real local Ray cluster and gateway; one worker killed as a crash kills it "
                  "while every worker runs streams; Ray restarts it with a new epoch.")
@@ -1094,6 +1112,8 @@ def render(results: Path = RESULTS) -> str:
                 quant_quality_body),
         section("Early exit on the GPU", EARLY_EXIT_INTRO, n(("early-exit", "cuda")), early_exit_body),
         section("Early exit on a CPU", EARLY_EXIT_INTRO, n(("early-exit", "cpu")), early_exit_body),
+        section("Where an early-exit step's time goes, on the GPU", PROFILE_EXIT_INTRO, n(("profile-exit", "cuda")),
+                profile_exit_body),
         section("The hop to a worker on a CPU", RAY_HOP_INTRO, n(("ray-hop", "cpu")), ray_hop_body),
         section("A round trip between two processes on the H200's host", TRANSPORT_INTRO, n(("transport", "cuda")),
                 transport_body),
