@@ -46,6 +46,7 @@ class SoloExit:
         # (position parity, (exit depth, depth) or None)
         self.ends: dict[tuple[int, tuple[int, int] | None], object] = {}
         self._loaded: tuple | None = None  # (rule, depth) whose params rule_params holds
+        self._ready: set[tuple] = set()  # the (depth, head, logits, copy) whose graphs are all captured
 
     def _iteration(self, i: int, slot: int, logits: bool) -> None:
         """Iteration i, the coda where the check reads logits, and the check into host slot `slot`."""
@@ -85,12 +86,16 @@ class SoloExit:
         params = st.load_host([rule], [depth])
         k = max(0, min(st.earliest[0], depth) - 1)  # iterations after which no rule may stop: the start's
         head = tuple(st.needs_logits(d, [0]) for d in range(1, k + 1))
-        self._capture(depth, head, rule.needs_logits)
+        copy = rule.cache == "copy"
+        ready = (depth, head, rule.needs_logits, copy) in self._ready
+        if not ready:
+            self._capture(depth, head, rule.needs_logits)
         dev = token if isinstance(token, torch.Tensor) else None
         step.load([lane], [0 if dev is not None else token], [position], [depth],
                   None if dev is None else (None, dev.view(1)))
-        copy = rule.cache == "copy"
-        self._capture_ends(depth, copy)
+        if not ready:
+            self._capture_ends(depth, copy)
+            self._ready.add((depth, head, rule.needs_logits, copy))
         if self._loaded != (rule, depth):
             self.rule_params.copy_(device_tensor(params, self.rule_params.device, torch.float32), non_blocking=True)
             self._loaded = (rule, depth)
