@@ -8,11 +8,13 @@ without an exit rule (--rule, a criterion=threshold pair). Records:
     generate        tokens/s of a --tokens generate, full depth and with the rule, and the
                     rule's iterations per token
     graphs_us       GPU microseconds of one replay of each captured graph an exit step replays
-                    (the batch bucket's prelude, one iteration and coda, the exit check with and
-                    without logits) and of the batch-1 decode step at full depth (CUDA events
+                    (the 2-row batch bucket's prelude, one iteration and coda, its exit checks
+                    where an exit step captured them, the one-row exit step's start, one
+                    iteration and end) and of the batch-1 decode step at full depth (CUDA events
                     around --replays back-to-back replays)
-    host_us         wall microseconds of one exit step, and of its parts as the host sees them
-                    (torch.profiler's CPU totals of the step's ops over a short generate)
+    host_us         wall microseconds of one exit step through Runner.decode, called with no
+                    `prev` (so each call first copies the last step's outputs), median and p90
+    profile_16_steps  torch.profiler's table (CPU and CUDA totals by op) over 16 such steps
 """
 from __future__ import annotations
 

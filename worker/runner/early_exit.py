@@ -130,8 +130,9 @@ class ExitState:
     advances it) and the decisions `stop` (with two host slots, pinned on CUDA). `reset` loads
     a step's rules; `check` decides over the first rows of the buffers, each row by its own
     criterion, in one call of the ops' exit_check however the rules mix. `op`: that call
-    (kernels/exit_check.py; the torch reference by default). The host keeps the parameters too, to know without reading the device which
-    iterations need logits and at which a row may stop at all."""
+    (kernels/exit_check.py; the torch reference by default). The host keeps the parameters
+    too, to know without reading the device which iterations need logits and at which a row
+    may stop at all."""
 
     def __init__(self, model: LoopedTransformer, n: int, device: torch.device, op=exit_check_ref):
         self.model, self.n, self.device, self.op = model, n, device, op
@@ -164,8 +165,6 @@ class ExitState:
         never = 1 << 30
         params += [[0, 1.0, never, never, 1, 0]] * (self.n - len(rules))
         self.params.copy_(device_tensor(params, self.device, torch.float32), non_blocking=True)
-        self.prev_n.zero_()
-        self.prev_logp.zero_()
         self.clear()
         self.set_order(list(range(self.n)))
 
