@@ -41,18 +41,21 @@ SWEEP = {"latent": [0.2, 0.1, 0.07, 0.05, 0.03],
          "gate": [0.3, 0.5, 0.7, 0.9, 1.0]}  # 1.0: only the last iteration reaches it (the gate's cost)
 
 
-def heldout_sequences(model, n: int, length: int, offset: int = 256) -> list[list[int]]:
-    """n sequences of `length` tokens of held-out text (one per document long enough), encoded
-    with the model's tokenizer."""
+def heldout_sequences(model, n: int, length: int, offset: int = 256, per_doc: int = 4) -> list[list[int]]:
+    """n sequences of `length` tokens of held-out text, encoded with the model's tokenizer: each
+    document's first window past byte `offset` first, then the documents' second windows (the
+    tokens after the first), and so on up to `per_doc` windows a document, so that a small
+    held-out split still gives many streams."""
     from train.corpus import heldout_docs
-    out = []
+    windows = []
     for _, doc in heldout_docs():
-        ids = model.tokenizer.encode(doc[offset:offset + 8 * length].decode("utf-8", "replace"))
-        if len(ids) >= length:
-            out.append(ids[:length])
-            if len(out) == n:
-                return out
-    raise ValueError(f"only {len(out)} held-out documents hold {length} tokens past byte {offset}, {n} asked")
+        ids = model.tokenizer.encode(doc[offset:offset + 8 * length * per_doc].decode("utf-8", "replace"))
+        windows.append([ids[k * length:(k + 1) * length] for k in range(min(per_doc, len(ids) // length))])
+    out = [w[k] for k in range(per_doc) for w in windows if len(w) > k]
+    if len(out) < n:
+        raise ValueError(f"the held-out documents hold only {len(out)} windows of {length} tokens past byte "
+                         f"{offset} ({per_doc} a document at most), {n} asked")
+    return out[:n]
 
 
 def rules(criteria: list[str], caches: list[str], sweep: dict) -> list[dict | None]:

@@ -6,11 +6,12 @@ One stream on the embedded default model (or --model), greedy, at depth --loops,
 without an exit rule (--rule, a criterion=threshold pair). Records:
 
     generate        tokens/s of a --tokens generate, full depth and with the rule, and the
-                    rule's iterations per token
+                    rule's iterations per token; solo_steps: the one-row exit steps run
+                    (warm-up included) and how many went on past their span graph
     graphs_us       GPU microseconds of one replay of each captured graph an exit step replays
                     (the 2-row batch bucket's prelude, one iteration and coda, its exit checks
-                    where an exit step captured them, the one-row exit step's start, one
-                    iteration and end) and of the batch-1 decode step at full depth (CUDA events
+                    where an exit step captured them, the one-row exit step's span graphs by
+                    length, one iteration and end) and of the batch-1 decode step at full depth (CUDA events
                     around --replays back-to-back replays)
     host_us         wall microseconds of one exit step through Runner.decode, called with no
                     `prev` (so each call first copies the last step's outputs), median and p90
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = model.tokenizer.encode("def fibonacci(n):\n    ")
     full_tok_s, _ = timed_generate(model, prompt, L, args.tokens, None)
     exit_tok_s, stats = timed_generate(model, prompt, L, args.tokens, rule)
+    solo_counts = dict(runner._solo.counts) if runner._solo is not None else None
     g = runner.graphs
     graphs_us = {f"decode L={L}": gpu_us(g.decode[L].graph.replay, args.replays)}
     for kind, stage in (("batch", "prelude"), ("batch", 0), ("batch", "coda"), ("exit", "check0"),
@@ -79,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             graphs_us[f"{kind} {stage}"] = gpu_us(g.stages[key].replay, args.replays)
     solo = runner._solo  # (its timed replays run over whatever its step last held)
     if solo is not None:
-        graphs_us["solo start"] = gpu_us(solo.starts[(False,)].replay, args.replays)
-        graphs_us["solo iteration 1"] = gpu_us(solo.iterations[(1, 0, False)].replay, args.replays)
+        for (flags, parity, _), span in sorted(solo.spans.items()):
+            if parity == 0:
+                graphs_us[f"solo span {len(flags)}"] = gpu_us(span.replay, args.replays)
+        i, slot, lg = min(solo.iterations)
+        graphs_us[f"solo iteration {i}"] = gpu_us(solo.iterations[(i, slot, lg)].replay, args.replays)
         graphs_us["solo end"] = gpu_us(solo.ends[(0, None)].replay, args.replays)
     print("graphs (GPU us per replay):", {k: round(v, 1) for k, v in graphs_us.items()}, flush=True)
     # one exit step at a time, as the stream runs them
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": hardware(torch.device("cuda")),
         "workload": {"model": args.model, "loops": L, "rule": rule, "tokens": args.tokens, "prompt_tokens": len(prompt)},
         "generate": {"full_tok_s": full_tok_s, "exit_tok_s": exit_tok_s, "speedup": exit_tok_s / full_tok_s,
-                     "iterations_per_token": stats.get("iterations_per_token")},
+                     "iterations_per_token": stats.get("iterations_per_token"),
+                     "solo_steps": solo_counts},
         "graphs_us": graphs_us,
         "host_us": {"exit_step_median": steps[len(steps) // 2], "exit_step_p90": steps[int(0.9 * len(steps))]},
         "profile_16_steps": table.splitlines(),

@@ -363,26 +363,45 @@ def test_graphed_exit_step_shrinks_buckets_and_equals_eager(tiny_path):
     assert {s for _, s in checks} == {"check0", "check1", "check+logits0", "check+logits1"}
 
 
+@pytest.mark.parametrize("span", [None, "min", "max", 4])
 @pytest.mark.parametrize("rule", [{"criterion": "latent", "threshold": 0.3},
                                   {"criterion": "kl", "threshold": 0.05, "min_loops": 3},
                                   {"criterion": "argmax", "patience": 1, "cache": "recompute"},
                                   {"criterion": "latent", "threshold": 0.2, "cache": "recompute"}])
-def test_one_stream_exit_on_its_own_graphs_equals_eager(tiny_path, rule):
+def test_one_stream_exit_on_its_own_graphs_equals_eager(tiny_path, rule, span):
     """A stream alone on a graphed runner (stand-ins on CPU) runs its exit steps on the one-row
-    graphs (solo_exit.py: one graph per iteration, none of the batch buckets') and gets the
-    tokens and usage of the eager exit step, greedy and sampled (its later tokens read the
-    layers its exited tokens skipped: the fill is checked too)."""
+    graphs (solo_exit.py: a span graph per token, then one per iteration where the token goes
+    on past it; none of the batch buckets') and gets the tokens and usage of the eager exit
+    step, greedy and sampled, whatever the span (its later tokens read the layers its exited
+    tokens skipped: the fill is checked too). "min" makes tokens go on past their span, "max"
+    makes every token end inside it."""
     from stage_graphs import with_stage_graphs
+    from tinyloop.worker.runner.solo_exit import SoloExit
     kw = dict(loops=8, max_tokens=12, early_exit=rule)
     with Model(tiny_path, max_seq_len=64, n_slots=2) as m:
         eager = [m.generate(PROMPT, **kw), m.generate(PROMPT, temperature=0.9, seed=5, **kw)]
         graphs = with_stage_graphs(m, range(1, 9))
+        r = m.runner
+        r._solo = solo_exit = SoloExit(r.engine, r.graphs, r.ops.exit_check, span=span)
         graphs.log.clear()
         solo = [m.generate(PROMPT, **kw), m.generate(PROMPT, temperature=0.9, seed=5, **kw)]
         batch_iters = [s for b, s in graphs.replayed("batch") if isinstance(s, int)]
-        calls = len(graphs.replayed("call"))
     for a, b in zip(solo, eager):
         assert list(a) == list(b) and a.stats == b.stats
     assert all(s.stats["iterations_per_token"] < 8 for s in eager), "no token exited: the case tests little"
     assert not batch_iters, "a lone stream's exit steps replayed batch buckets"
-    assert calls >= sum(s.stats["loop_token_iterations"] for s in solo) // 2
+    counts = solo_exit.counts
+    assert counts["steps"] == sum(sum(s.stats["iterations_histogram"]) for s in solo)
+    if span == "min":
+        assert counts["went_on"] > 0
+    if span == "max":
+        assert counts["went_on"] == 0
+
+
+def test_choose_span_weighs_the_recent_depths():
+    from tinyloop.worker.runner.solo_exit import choose_span
+    assert choose_span(2, 16, []) == 2  # nothing known: the earliest decision
+    assert choose_span(2, 16, [3] * 10) == 3  # every token ran 3: a span of 3 never goes on
+    assert choose_span(2, 16, [16] * 10) == 16  # tokens that run their depth: one graph for all
+    assert choose_span(2, 16, [2] * 9 + [16]) == 2  # one deep token in ten is not worth 14 iterations each
+    assert choose_span(1, 1, [1]) == 1

@@ -60,16 +60,23 @@ def test_gate_rule_on_cuda(tmp_path):
     assert list(g)[:len(PROMPTS[0]) + 4] == list(h)[:len(PROMPTS[0]) + 4]
 
 
+@pytest.mark.parametrize("span", [None, "min", "max"])
 @pytest.mark.parametrize("rule", RULES[:3])
-def test_one_stream_exit_on_its_graphs_equals_the_reference_path(tiny_path, rule):
-    """A stream alone (solo_exit.py: one graph per iteration, the check kernel) against the
-    torch reference path, fp32: the same tokens and iterations over its first steps."""
+def test_one_stream_exit_on_its_graphs_equals_the_reference_path(tiny_path, rule, span):
+    """A stream alone (solo_exit.py: a span graph per token, one graph per later iteration,
+    the check kernel, the span's device-indexed copy fill) against the torch reference path,
+    fp32: the same tokens and iterations over its first steps, whatever the span."""
+    from tinyloop.worker.runner.solo_exit import SoloExit
     with Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=2) as fast, \
             Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", backend="torch",
                   cuda_graphs=False, n_slots=2) as ref:
+        r = fast.runner
+        r._solo = solo = SoloExit(r.engine, r.graphs, r.ops.exit_check, span=span)
         g = fast.generate(PROMPTS[1], loops=8, max_tokens=24, early_exit=rule)
         h = ref.generate(PROMPTS[1], loops=8, max_tokens=24, early_exit=rule)
-        assert fast.runner._solo is not None and fast.runner._solo.iterations, "the solo graphs never ran"
+        assert solo.spans and solo.counts["steps"] > 0, "the solo graphs never ran"
+        if span == "min":
+            assert solo.counts["went_on"] > 0
     n = len(PROMPTS[1]) + 8
     assert list(g)[:n] == list(h)[:n]
     assert h.stats["iterations_per_token"] < 8, "no token exited: the case tests little"

@@ -672,7 +672,7 @@ class Runner:
         return out
 
     def _decode_solo(self, lane, token, position, depth, rule, on_device, prev) -> StepOut:
-        """_decode_exit of one row on graphs of its own (solo_exit.py): one per iteration."""
+        """_decode_exit of one row on graphs of its own (solo_exit.py): a span graph per token."""
         if isinstance(on_device, DeviceTokens):
             on_device = on_device.as_dict()
         token = (on_device or {}).get(0, token)

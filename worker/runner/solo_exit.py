@@ -3,50 +3,88 @@
 The batched exit step (Runner._decode_exit) replays a batch bucket's stage graphs and a check
 graph per iteration: on a small model that is several times the batch-1 step's launches, and a
 stream alone pays all of them. Here one row has a stage set of its own (stages.BatchStep of
-one row, whose iterations take the batch-1 step's fused projections) and each iteration is one
-graph: the iteration, the coda where the rule reads logits, and the check (kernels/exit_check:
-one launch), which publishes the decision into a pinned host slot. So a token costs one graph
-to start (the check's state cleared, the prelude, and the iterations after which its rule may
-not stop yet, min_loops or the criterion's first decision), one per later iteration, and one to
-end (the coda, the greedy token and, where the token exited early under the `copy` policy, the
-skipped iterations' cache entries; `recompute` runs early_exit's eager fill after it).
+one row, whose iterations take the batch-1 step's fused projections).
 
-The host reads iteration d's decision after launching iteration d + 1, so the wait overlaps
-the device's work; a row stopped at d is frozen on the device (its depth becomes d) and runs
-iteration d + 1 unchanged.
+A token's step is one graph, a *span*: the check's state cleared, the prelude, the first `c`
+iterations each followed by the check (kernels/exit_check: one launch; the coda before it
+where the rule reads logits), then the coda, the greedy token and, under the `copy` policy, the
+skipped iterations' cache entries, with the exit depth read on the device. A row its rule
+stops at d <= c is frozen on the device (its depth becomes d), so the iterations after d carry
+it through unchanged and the coda reads its exit state: the span's result is the token's
+whatever c is. The host reads one number, the depth the row ran. Where the rule had not
+stopped the row by c (and c < its depth), the step goes on from there: one graph per
+iteration (the iteration, its coda where the rule reads logits, the check publishing its
+decision into a pinned host slot), the host reading iteration d's decision after launching
+iteration d + 1, then an end graph (coda, greedy token, the copy fill keyed by the exit depth)
+that overwrites what the span's end wrote. `recompute` runs early_exit's eager fill after it.
 
-The start and iteration graphs are captured the first time a step needs them, before it loads
+c is a guess of where the stream's tokens stop, from the depths its last tokens ran
+(`choose_span`): iterations past a token's exit are paid on the device, a token that goes on
+past c pays a host round trip and a launch per further iteration. A fixed `span` (an int, or
+"min" / "max") replaces the guess.
+
+The span and iteration graphs are captured the first time a step needs them, before it loads
 its row: the stage set then holds an idle row (a position past the cache, depth 0), so a
 capture's warm-up writes no lane's cache. The end graphs (per position parity, exit depth and
 depth) are captured after the row is loaded and before it runs (`_capture_ends`).
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from tinyloop.worker.runner.early_exit import ExitRule, ExitState, fill_skipped
 from tinyloop.worker.runner.stages import BatchStep, device_tensor
 
+# choose_span's costs, in the device time of one iteration: a token that goes on past the span
+# waits for the host to read it, and each of its further iterations is a launch of its own
+MISS_COST = 3.0
+LATE_ITERATION_COST = 1.5
+HISTORY = 64  # the tokens whose depths choose_span weighs
+
+
+def choose_span(first: int, depth: int, ran: list[int]) -> int:
+    """The span in [first, depth] that costs least over the depths `ran` of recent tokens: the
+    iterations the span runs past `first`, plus, for each token that ran deeper, MISS_COST and
+    LATE_ITERATION_COST per iteration past the span. No history: `first`."""
+    if not ran:
+        return first
+    best, cost = first, None
+    for c in range(first, depth + 1):
+        late = sum(MISS_COST + LATE_ITERATION_COST * (r - c) for r in ran if r > c) / len(ran)
+        if cost is None or c - first + late < cost:
+            best, cost = c, c - first + late
+    return best
+
 
 class SoloExit:
-    def __init__(self, engine, graphs, op):
-        self.engine, self.graphs = engine, graphs
+    def __init__(self, engine, graphs, op, span: int | str | None = None):
+        if span is not None and span not in ("min", "max") and not (isinstance(span, int) and span >= 1):
+            raise ValueError(f"span must be None, 'min', 'max' or an int >= 1, got {span!r}")
+        self.engine, self.graphs, self.span = engine, graphs, span
         dev = engine.cache.device
+        cuda = dev.type == "cuda"
         self.step = BatchStep(engine, 1)
         self.state = ExitState(engine.model, 1, dev, op)
-        self.rule_params = torch.zeros(1, 6, dtype=torch.float32, device=dev)  # the start graph's input
+        self.rule_params = torch.zeros(1, 6, dtype=torch.float32, device=dev)  # the span graph's input
         # the greedy token of even and odd positions: a stream may read a step's token after
         # launching the next step (pipelined decode), so consecutive steps write different ones
         self.greedy = torch.zeros(2, 1, dtype=torch.long, device=dev)
-        # start: the check's state cleared, the prelude and the iterations after which no rule
-        # may stop yet, keyed by whether each of those reads logits
-        self.starts: dict[tuple[bool, ...], object] = {}
+        # the depth the row ran, as the span's end publishes it (pinned on CUDA), and its event
+        self.ran = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
+        self.ran_event = torch.cuda.Event() if cuda else None
+        # span: keyed by (whether each of its iterations reads logits, position parity, copy fill)
+        self.spans: dict[tuple[tuple[bool, ...], int, bool], object] = {}
         self.iterations: dict[tuple[int, int, bool], object] = {}  # (i, host slot, with logits)
         # end: the coda and the greedy token, and the copy fill of an early exit, keyed by
         # (position parity, (exit depth, depth) or None)
         self.ends: dict[tuple[int, tuple[int, int] | None], object] = {}
+        self._fills: dict[int, object] = {}  # depth -> the span's copy fill
         self._loaded: tuple | None = None  # (rule, depth) whose params rule_params holds
-        self._ready: set[tuple] = set()  # the (depth, head, logits, copy) whose graphs are all captured
+        self._ready: set[tuple] = set()  # the (depth, first, logits, copy) whose later graphs are captured
+        self._history: dict[tuple, deque] = {}  # (rule, depth) -> the depths its last tokens ran
+        self.counts = {"steps": 0, "went_on": 0}  # steps run, and those that went on past their span
 
     def _iteration(self, i: int, slot: int, logits: bool) -> None:
         """Iteration i, the coda where the check reads logits, and the check into host slot `slot`."""
@@ -57,26 +95,40 @@ class SoloExit:
         st.check(1, self.engine.model.state(step.x[:, 0]), step.logits if logits else None, step.ctl[2], slot,
                  st.all_kinds)
 
-    def _capture(self, top: int, head: tuple[bool, ...], logits: bool) -> None:
-        """The iteration graphs up to `top` (with logits too where the rule reads them) and the
-        start graph `head`, where missing: captured before the step loads its row."""
-        st, step, cap = self.state, self.step, self.graphs.capture_call
-        missing = [(i, s, lg) for i in range(top) for s in (0, 1) for lg in {False, logits}
+    def _capture(self, first: int, top: int, logits: bool) -> None:
+        """The iteration graphs from `first` up to `top` (with logits too where the rule reads
+        them), where missing: captured before the step loads its row."""
+        missing = [(i, s, lg) for i in range(first, top) for s in (0, 1) for lg in {False, logits}
                    if (i, s, lg) not in self.iterations]
-        if head in self.starts and not missing:
+        if not missing:
             return
-        step.load([], [], [], [])  # an idle row: no capture's warm-up writes a lane
+        self.step.load([], [], [], [])  # an idle row: no capture's warm-up writes a lane
         for key in missing:
-            self.iterations[key] = cap(lambda key=key: self._iteration(*key))
-        if head not in self.starts:
-            def start():
-                st.params.copy_(self.rule_params)
-                st.clear()
-                st.order.zero_()
-                step.run("prelude")
-                for i, lg in enumerate(head):
-                    self._iteration(i, (i + 1) % 2, lg)
-            self.starts[head] = cap(start)
+            self.iterations[key] = self.graphs.capture_call(lambda key=key: self._iteration(*key))
+
+    def _capture_span(self, key: tuple, depth: int) -> None:
+        """The span graph `key` (flags, parity, copy) of a step of `depth` iterations, captured
+        before the step loads its row, the greedy tokens kept through its warm-ups."""
+        flags, parity, copy = key
+        st, step = self.state, self.step
+        fill = self._span_fill(depth) if copy else None
+
+        def span():
+            st.params.copy_(self.rule_params)
+            st.clear()
+            st.order.zero_()
+            step.run("prelude")
+            for i, lg in enumerate(flags):
+                self._iteration(i, (i + 1) % 2, lg)
+            step.run("coda")
+            torch.argmax(step.logits, -1, out=self.greedy[parity])
+            if fill is not None:
+                fill()
+            self.ran.copy_(step.ctl[2, :1], non_blocking=True)
+        step.load([], [], [], [])
+        kept = self.greedy.clone()
+        self.spans[key] = self.graphs.capture_call(span)
+        self.greedy.copy_(kept)
 
     def run(self, lane: int, token, position: int, depth: int, rule: ExitRule) -> int:
         """One decode step of `token` (a host int or a one-element device tensor) at `position`
@@ -84,24 +136,54 @@ class SoloExit:
         ran. Its outputs: step.logits (1, V), self.greedy[position % 2] (1,), step.x (1, 1, W)."""
         st, step = self.state, self.step
         params = st.load_host([rule], [depth])
-        k = max(0, min(st.earliest[0], depth) - 1)  # iterations after which no rule may stop: the start's
-        head = tuple(st.needs_logits(d, [0]) for d in range(1, k + 1))
+        first = max(1, min(st.earliest[0], depth))  # the first iteration after which it may stop
+        history = self._history.setdefault((rule, depth), deque(maxlen=HISTORY))
+        c = self._span(first, depth, list(history))
         copy = rule.cache == "copy"
-        ready = (depth, head, rule.needs_logits, copy) in self._ready
+        key = (tuple(st.needs_logits(d, [0]) for d in range(1, c + 1)), position % 2, copy)
+        ready = (depth, first, rule.needs_logits, copy) in self._ready
         if not ready:
-            self._capture(depth, head, rule.needs_logits)
+            self._capture(first, depth, rule.needs_logits)
+        if key not in self.spans:
+            self._capture_span(key, depth)
         dev = token if isinstance(token, torch.Tensor) else None
         step.load([lane], [0 if dev is not None else token], [position], [depth],
                   None if dev is None else (None, dev.view(1)))
         if not ready:
             self._capture_ends(depth, copy)
-            self._ready.add((depth, head, rule.needs_logits, copy))
+            self._ready.add((depth, first, rule.needs_logits, copy))
         if self._loaded != (rule, depth):
             self.rule_params.copy_(device_tensor(params, self.rule_params.device, torch.float32), non_blocking=True)
             self._loaded = (rule, depth)
-        self.starts[head].replay()
+        self.spans[key].replay()
+        if self.ran_event is not None:
+            self.ran_event.record()
+            self.ran_event.synchronize()
+        ran = int(self.ran[0])
+        self.counts["steps"] += 1
+        if ran > c:  # the rule had not stopped it by the span's end: on, one iteration at a time
+            self.counts["went_on"] += 1
+            ran = self._go_on(c, depth, position, copy)
+        history.append(ran)
+        if ran < depth and not copy:
+            fill_skipped(self.engine, [(0, lane, position, ran, depth, rule.cache)], step.x)
+        return ran
+
+    def _span(self, first: int, depth: int, history: list[int]) -> int:
+        if self.span == "min":
+            return first
+        if self.span == "max":
+            return depth
+        if self.span is not None:
+            return min(max(self.span, first), depth)
+        return choose_span(first, depth, history)
+
+    def _go_on(self, c: int, depth: int, position: int, copy: bool) -> int:
+        """Iterations c .. depth - 1 of a row the span left going, then the end graph -> the
+        iterations it ran."""
+        st = self.state
         ran, pending = depth, None
-        for i in range(k, depth):
+        for i in range(c, depth):
             d = i + 1
             slot = d % 2
             self.iterations[(i, slot, st.needs_logits(d, [0]))].replay()
@@ -114,8 +196,6 @@ class SoloExit:
                 ran = to_read[1]
                 break
         self.ends[(position % 2, (ran, depth) if copy and ran < depth else None)].replay()
-        if ran < depth and not copy:
-            fill_skipped(self.engine, [(0, lane, position, ran, depth, rule.cache)], step.x)
         return ran
 
     def _capture_ends(self, depth: int, copy: bool) -> None:
@@ -156,4 +236,35 @@ class SoloExit:
         def fill():
             for t in (cache.k, cache.v):
                 t[dst, slot, :, pos] = t[src, slot, :, pos]
+        return fill
+
+    def _span_fill(self, top: int):
+        """The copy fill of a span of a step of `top` iterations, its exit depth e read on the
+        device (the row's depth entry, which the check set where the rule stopped it): every
+        iteration i in [1, top) of every block layer gets iteration e - 1's K/V where i >= e and
+        its own where i < e (a copy onto itself). An idle row (depth 0) copies nothing onto
+        itself, at the cache's last position (its own is past the cache)."""
+        if top in self._fills:
+            return self._fills[top]
+        cfg, cache, dev = self.engine.config, self.engine.cache, self.engine.cache.device
+        nl = cfg.n_loop_layers
+        if top < 2:
+            self._fills[top] = None
+            return None
+        cells = [(i, j) for i in range(1, top) for j in range(nl)]
+        its = torch.tensor([i for i, _ in cells], dtype=torch.long, device=dev)
+        dst = torch.tensor([cfg.loop_layer_index(i, j) for i, j in cells], dtype=torch.long, device=dev)
+        # row e - 1 of `src`: each cell's source when the token exited after e iterations
+        src = torch.tensor([[cfg.loop_layer_index(e - 1, j) for _, j in cells] for e in range(1, top + 1)],
+                           dtype=torch.long, device=dev)
+        ctl, last = self.step.ctl, cache.max_seq_len - 1
+
+        def fill():
+            e = ctl[2, :1]
+            moved = (its >= e) & (e > 0)
+            source = torch.where(moved, src.index_select(0, (e.clamp(1, top) - 1)).view(-1), dst)
+            slot, pos = ctl[3, :1], ctl[1, :1].clamp(max=last)
+            for t in (cache.k, cache.v):
+                t[dst, slot, :, pos] = t[source, slot, :, pos]
+        self._fills[top] = fill
         return fill
