@@ -41,7 +41,7 @@ SWEEP = {"latent": [0.2, 0.1, 0.07, 0.05, 0.03],
          "gate": [0.3, 0.5, 0.7, 0.9, 1.0]}  # 1.0: only the last iteration reaches it (the gate's cost)
 
 
-def heldout_sequences(model, n: int, length: int, offset: int = 256, per_doc: int = 4) -> list[list[int]]:
+def heldout_sequences(model, n: int, length: int, offset: int = 256, per_doc: int = 16) -> list[list[int]]:
     """n sequences of `length` tokens of held-out text, encoded with the model's tokenizer: each
     document's first window past byte `offset` first, then the documents' second windows (the
     tokens after the first), and so on up to `per_doc` windows a document, so that a small
