@@ -473,6 +473,7 @@ def profile_exit_body(r: Result) -> str:
     g = r.data.get("generate") if isinstance(r.data.get("generate"), dict) else {}
     us = r.data.get("graphs_us") if isinstance(r.data.get("graphs_us"), dict) else {}
     rule = w.get("rule") if isinstance(w.get("rule"), dict) else {}
+    steps = g.get("solo_steps") if isinstance(g.get("solo_steps"), dict) else {}
     return (f"Model {text(w.get('model'))}, L = {text(w.get('loops'))}, rule {text(rule.get('criterion'))} < "
             f"{text(rule.get('threshold'))}, one stream, {text(w.get('tokens'))} greedy tokens: "
             f"{num(g.get('full_tok_s'), ',.0f')} tok/s at full depth, {num(g.get('exit_tok_s'), ',.0f')} tok/s with "
@@ -480,8 +481,11 @@ def profile_exit_body(r: Result) -> str:
             "token.\n\n"
             + table(["graph", "GPU µs per replay"], [[text(k), num(v, ".1f")] for k, v in us.items()] or [[DASH] * 2])
             + "\n\n`batch` graphs are the 2-row batch bucket's stages (the batched exit step), `solo` the one-row "
-              "exit step's (start: the prelude and the first iteration with its check; iteration: one iteration "
-              "and its check; end: the coda and the greedy token).\n")
+              "exit step's (span n: a whole token's step of n iterations, each with its check, then the coda, the "
+              "greedy token and the copy fill; iteration: one iteration and its check, for a token that goes on "
+              "past its span; end: the coda and the greedy token after one that did)."
+            + (f" Of {text(steps.get('steps'))} one-row exit steps, {text(steps.get('went_on'))} went on past "
+               "their span." if steps else "") + "\n")
 
 
 def ray_hop_body(r: Result) -> str:
