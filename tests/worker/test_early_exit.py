@@ -405,3 +405,23 @@ def test_choose_span_weighs_the_recent_depths():
     assert choose_span(2, 16, [16] * 10) == 16  # tokens that run their depth: one graph for all
     assert choose_span(2, 16, [2] * 9 + [16]) == 2  # one deep token in ten is not worth 14 iterations each
     assert choose_span(1, 1, [1]) == 1
+
+
+def test_graphed_exit_step_keeps_stopped_rows_until_a_smaller_bucket(tiny_path):
+    """Rows that stop while the rows going still need the same bucket stay in place (frozen by
+    their depth) and move behind only when a smaller bucket holds the rest: with rows stopping
+    one by one over many iterations, the step still equals the eager one, row by row."""
+    from stage_graphs import with_stage_graphs
+    rules = [{"criterion": "latent", "threshold": t} for t in (0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)]
+    prompts = [PROMPT, [1, 2, 3], [9] * 6, [200, 100, 50], [7, 7], [3, 1, 4, 1, 5], [42] * 3]
+    depths = [8] * len(prompts)
+    with Model(tiny_path, max_seq_len=64, n_slots=16) as m:
+        eager = m.generate_batch(prompts, per_lane_loops=depths, max_tokens=10, early_exit=rules)
+        graphs = with_stage_graphs(m, range(1, 9))
+        graphed = m.generate_batch(prompts, per_lane_loops=depths, max_tokens=10, early_exit=rules)
+    assert [list(g) for g in graphed] == [list(g) for g in eager]
+    assert [g.stats for g in graphed] == [g.stats for g in eager]
+    hists = [g.stats["iterations_histogram"] for g in eager]
+    assert len({tuple(h) for h in hists}) > 3, "the rows stop alike: the case tests little"
+    buckets = {b for b, s in graphs.replayed("batch") if isinstance(s, int)}
+    assert 8 in buckets and min(buckets) < 8, buckets

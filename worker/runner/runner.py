@@ -622,12 +622,13 @@ class Runner:
         lag = graphed
         order = list(range(B))  # buffer row k holds the step's row order[k]
         active = B
+        stopped: set[int] = set()  # rows read as stopped that still sit among the first `active`
         pending = None  # (host slot, the rows it covers, in buffer order) published, not read
         for i in range(top):
             d = i + 1
             cur = stage_set(active)
             run(cur, i)
-            rows = order[:active]
+            rows = [r for r in order[:active] if r not in stopped]
             need = state.needs_logits(d, rows)
             if need:
                 run(cur, "coda")
@@ -640,7 +641,7 @@ class Runner:
             published = None
             if state.can_stop(d, rows):
                 state.mark(slot)
-                published = (slot, rows)
+                published = (slot, order[:active])  # the ring holds the first `active` buffer rows
             if lag:
                 to_read, pending = pending, published
             else:
@@ -648,16 +649,20 @@ class Runner:
             if to_read is None:
                 continue
             slot, covered = to_read
-            stopped = {r for r, f in zip(covered, state.read(slot, len(covered))) if f}
+            stopped |= {r for r, f in zip(covered, state.read(slot, len(covered))) if f}
             going = [r for r in order[:active] if r not in stopped]
             if not going:
                 break
-            if len(going) < active:
+            # the rows going move to the front only where that lets the next iteration run a
+            # smaller stage set: the graphs' buckets are powers of two, and a stopped row left
+            # among them is frozen (its depth), so until then a permutation would buy nothing
+            if len(going) < active and (not graphed or stage_set(len(going))[1] < cur[1]):
                 at = {r: k for k, r in enumerate(order)}
                 order = going + [r for r in order[:active] if r in stopped] + order[active:]
                 self._permute(step, B, [at[r] for r in order])
                 state.set_order(order)
                 active = len(going)
+                stopped.clear()
         if order != list(range(B)):
             at = {r: k for k, r in enumerate(order)}
             self._permute(step, B, [at[r] for r in range(B)])
