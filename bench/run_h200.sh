@@ -75,6 +75,9 @@ for s in "${steps[@]}"; do
             args="--out-dir $(cd "$OUT/base" && pwd)"
             [ "$what" = decode ] && args="$args ${DECODE_ARGS:-}"
             run "$s" "${BASE_S:-150}" bash -c "cd '$BASE' && unset PYTHONPATH && source bench/gpu_env.sh && TINYLOOP_COMMIT='${BASE_COMMIT:-}' python -m bench.$what $args" ;;
+        generate-ab)  # Model.generate of the checkout in BASE against this tree's, alternated (bench/generate_ab.py)
+            run generate-ab "${GENAB_S:-300}" python -m bench.generate_ab --tree "base=$BASE" --tree head=. \
+                --out-dir "$OUT" ${GENAB_ARGS:-} ;;
         quant) run quant "${QUANT_S:-420}" python -m bench.quant_decode --out-dir "$OUT" ${QUANT_ARGS:---batch 1 4 8 16} ;;
         int4-tune)  # the INT4 kernels' GPU tests; the tile sweep (hot and cold, into int4-tiles-cuda.json with
                     # the TILES entries to paste); decode at L = 1..16 in bf16, INT4 on the code's tables

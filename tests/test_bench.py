@@ -506,3 +506,20 @@ def test_quant_decode_bench_cpu(tmp_path):
         assert [x["streams"] for x in r["batched"][fmt]] == [1, 3]
         assert all(x["ms_per_step"] > 0 and x["tokens_per_s"] > 0 for x in r["batched"][fmt])
     assert all(x["over_bf16"] > 0 for x in r["batched"]["int4"]) and "over_bf16" not in r["batched"]["bf16"][0]
+
+
+def test_generate_ab_bench_cpu(tmp_path, tiny_path):
+    """bench/generate_ab.py: each tree's generate in a process of its own on that tree's code
+    (two copies of this one here), every round's tokens/s and each over the first; bad trees refused."""
+    from bench import generate_ab
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        generate_ab.main(["--tree", "a=/no/such/dir", "--tree", f"b={root}"])
+    with pytest.raises(ValueError, match="at least two"):
+        generate_ab.main(["--tree", f"a={root}"])
+    generate_ab.main(["--tree", f"base={root}", "--tree", f"head={root}", "--model", tiny_path, "--device", "cpu",
+                      "--loops", "1", "2", "--tokens", "4", "--repeat", "1", "--rounds", "2", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "generate-ab-cpu.json").read_text())
+    assert set(r["rounds_tok_s"]) == {"base", "head"} and all(len(v) == 2 for v in r["rounds_tok_s"].values())
+    assert all(x > 0 for rs in r["rounds_tok_s"].values() for row in rs for x in row.values())
+    assert r["over_base"]["base"] == {"1": 1.0, "2": 1.0} and r["over_base"]["head"]["2"] > 0
