@@ -241,9 +241,9 @@ class SoloExit:
     def _span_fill(self, top: int):
         """The copy fill of a span of a step of `top` iterations, its exit depth e read on the
         device (the row's depth entry, which the check set where the rule stopped it): every
-        iteration i in [1, top) of every block layer gets iteration e - 1's K/V where i >= e and
-        its own where i < e (a copy onto itself). An idle row (depth 0) copies nothing onto
-        itself, at the cache's last position (its own is past the cache)."""
+        iteration i in [e, top) of every block layer gets iteration e - 1's K/V (the ops'
+        exit_fill, kernels/exit_fill.py, over every candidate cell i in [1, top)). An idle row
+        (depth 0) moves nothing."""
         if top in self._fills:
             return self._fills[top]
         cfg, cache, dev = self.engine.config, self.engine.cache, self.engine.cache.device
@@ -257,14 +257,9 @@ class SoloExit:
         # row e - 1 of `src`: each cell's source when the token exited after e iterations
         src = torch.tensor([[cfg.loop_layer_index(e - 1, j) for _, j in cells] for e in range(1, top + 1)],
                            dtype=torch.long, device=dev)
-        ctl, last = self.step.ctl, cache.max_seq_len - 1
+        ctl, op = self.step.ctl, self.engine.ops.exit_fill
 
         def fill():
-            e = ctl[2, :1]
-            moved = (its >= e) & (e > 0)
-            source = torch.where(moved, src.index_select(0, (e.clamp(1, top) - 1)).view(-1), dst)
-            slot, pos = ctl[3, :1], ctl[1, :1].clamp(max=last)
-            for t in (cache.k, cache.v):
-                t[dst, slot, :, pos] = t[source, slot, :, pos]
+            op(cache.k, cache.v, ctl[2], ctl[3], ctl[1], its, dst, src)
         self._fills[top] = fill
         return fill

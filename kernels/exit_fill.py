@@ -1,0 +1,79 @@
+"""Early exit's `copy` fill of one decode row, its exit depth read on the device.
+
+A token that stopped after e of its L iterations leaves the cache layers of iterations
+[e, L) without its K/V; later tokens attend there, so the `copy` policy gives each of them
+iteration e - 1's entries (worker/runner/early_exit.py). Where e is known on the host, that is
+one gather and one scatter per cache tensor. Inside a captured step it is not: the exit check
+writes e into the row's depth entry on the device. `exit_fill_ref` does the fill from there
+with torch ops (a where over every candidate cell, a gather and a scatter per tensor);
+`exit_fill` does it in one launch, one program per cell (its K and V), and a cell that does not
+move touches no memory.
+
+Arguments:
+
+    k, v        (layers, slots, Hkv, S, hd) the cache tensors
+    depth_row   (≥ 1,) int64   the row's depth entry: e, the iterations it ran (0: an idle row,
+                               which moves nothing)
+    slot_row, pos_row (≥ 1,) int64  the row's cache slot and position
+    its, dst    (n,) int64     each candidate cell's iteration i (≥ 1) and cache layer
+    src         (top, n) int64 row e - 1: each cell's source layer for a token that ran e
+
+A cell moves where i ≥ e (and e ≥ 1): dst gets src[e - 1]'s entry. Every source layer is an
+iteration below e, so no cell reads what another writes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_device
+
+
+def exit_fill_ref(k, v, depth_row, slot_row, pos_row, its, dst, src) -> None:
+    e = depth_row[:1]
+    moved = (its >= e) & (e > 0)
+    source = torch.where(moved, src.index_select(0, e.clamp(1, src.shape[0]) - 1).view(-1), dst)
+    # an idle row's position lies past the cache: it moves nothing, so any position serves
+    slot, pos = slot_row[:1], pos_row[:1].clamp(max=k.shape[3] - 1)
+    for t in (k, v):
+        t[dst, slot, :, pos] = t[source, slot, :, pos]
+
+
+@triton.jit
+def _exit_fill_kernel(k_ptr, v_ptr, depth_ptr, slot_ptr, pos_ptr, its_ptr, dst_ptr, src_ptr, n, top, hd,
+                      s_l, s_s, s_h, s_p, s_d, HD: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    e = tl.load(depth_ptr)
+    i = tl.load(its_ptr + c)
+    if (e > 0) & (i >= e):
+        src = tl.load(src_ptr + (tl.minimum(e, top) - 1) * n + c)
+        dst = tl.load(dst_ptr + c)
+        base = tl.load(slot_ptr) * s_s + tl.load(pos_ptr) * s_p
+        for o in range(0, HD, BLOCK):
+            offs = o + tl.arange(0, BLOCK)
+            m = offs < HD
+            at = base + (offs // hd) * s_h + (offs % hd) * s_d
+            tl.store(k_ptr + dst * s_l + at, tl.load(k_ptr + src * s_l + at, mask=m), mask=m)
+            tl.store(v_ptr + dst * s_l + at, tl.load(v_ptr + src * s_l + at, mask=m), mask=m)
+
+
+def exit_fill(k, v, depth_row, slot_row, pos_row, its, dst, src) -> None:
+    """exit_fill_ref in one launch (module docstring)."""
+    check_device("exit_fill", k=k, v=v, depth_row=depth_row, slot_row=slot_row, pos_row=pos_row, its=its,
+                 dst=dst, src=src)
+    if k.shape != v.shape or k.stride() != v.stride() or k.dim() != 5:
+        raise ValueError(f"exit_fill: k and v must be alike (layers, slots, Hkv, S, hd), got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    n = its.shape[0]
+    if dst.shape != (n,) or src.dim() != 2 or src.shape[1] != n or not src.is_contiguous():
+        raise ValueError(f"exit_fill: its and dst must be (n,) and src a contiguous (top, n), got "
+                         f"{tuple(its.shape)}, {tuple(dst.shape)}, {tuple(src.shape)}")
+    if any(t.dtype != torch.long for t in (depth_row, slot_row, pos_row, its, dst, src)):
+        raise ValueError("exit_fill: the row entries and the cell tables must be int64")
+    if n == 0:
+        return
+    H, hd = k.shape[2], k.shape[4]
+    HD = H * hd
+    _exit_fill_kernel[(n,)](k, v, depth_row, slot_row, pos_row, its, dst, src, n, src.shape[0], hd,
+                              *k.stride(), HD=HD, BLOCK=min(1024, triton.next_power_of_2(HD)))
