@@ -425,3 +425,19 @@ def test_graphed_exit_step_keeps_stopped_rows_until_a_smaller_bucket(tiny_path):
     assert len({tuple(h) for h in hists}) > 3, "the rows stop alike: the case tests little"
     buckets = {b for b, s in graphs.replayed("batch") if isinstance(s, int)}
     assert 8 in buckets and min(buckets) < 8, buckets
+
+
+def test_solo_exit_keeps_a_bounded_history(tiny_path):
+    """The span's guess keeps the depths of the latest rules only: a client sending a new
+    threshold per request does not grow the runner's memory."""
+    from stage_graphs import with_stage_graphs
+    from tinyloop.worker.runner import solo_exit
+    with Model(tiny_path, max_seq_len=64, n_slots=2) as m:
+        with_stage_graphs(m, range(1, 5))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(solo_exit, "RULES_KEPT", 3)
+            for t in (0.5, 0.4, 0.3, 0.2, 0.1):
+                m.generate(PROMPT, loops=4, max_tokens=3, early_exit={"criterion": "latent", "threshold": t})
+            kept = m.runner._solo._history
+            assert [r.threshold for r, _ in kept] == [0.3, 0.2, 0.1]
+            assert all(len(h) == 2 for h in kept.values())  # 3 tokens: 2 exit steps each

@@ -42,6 +42,7 @@ from tinyloop.worker.runner.stages import BatchStep, device_tensor
 MISS_COST = 3.0
 LATE_ITERATION_COST = 1.5
 HISTORY = 64  # the tokens whose depths choose_span weighs
+RULES_KEPT = 256  # the (rule, depth) pairs whose histories are kept (a request's threshold is any float)
 
 
 def choose_span(first: int, depth: int, ran: list[int]) -> int:
@@ -137,7 +138,10 @@ class SoloExit:
         st, step = self.state, self.step
         params = st.load_host([rule], [depth])
         first = max(1, min(st.earliest[0], depth))  # the first iteration after which it may stop
-        history = self._history.setdefault((rule, depth), deque(maxlen=HISTORY))
+        history = self._history.pop((rule, depth), None) or deque(maxlen=HISTORY)
+        self._history[(rule, depth)] = history  # the most recently used last
+        if len(self._history) > RULES_KEPT:
+            del self._history[next(iter(self._history))]
         c = self._span(first, depth, list(history))
         copy = rule.cache == "copy"
         key = (tuple(st.needs_logits(d, [0]) for d in range(1, c + 1)), position % 2, copy)
