@@ -13,6 +13,8 @@ without an exit rule (--rule, a criterion=threshold pair). Records:
                     where an exit step captured them, the one-row exit step's span graphs by
                     length, one iteration and end) and of the batch-1 decode step at full depth (CUDA events
                     around --replays back-to-back replays)
+    launch_us       host microseconds of the replay call of those graphs (the launch alone), the
+                    device idle before each: median of 50
     host_us         wall microseconds of one exit step through Runner.decode, called with no
                     `prev` (so each call first copies the last step's outputs), median and p90
     profile_16_steps  torch.profiler's table (CPU and CUDA totals by op) over 16 such steps
@@ -38,6 +40,19 @@ def gpu_us(fn, reps: int) -> float:
     b.record()
     b.synchronize()
     return 1000 * a.elapsed_time(b) / reps
+
+
+def launch_us(fn, reps: int) -> float:
+    """Median host microseconds of the call fn() itself (a graph's launch), the device idle
+    before each."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(out)[len(out) // 2]
 
 
 def timed_generate(model, prompt, L: int, tokens: int, rule) -> tuple[float, dict]:
@@ -88,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         graphs_us[f"solo iteration {i}"] = gpu_us(solo.iterations[(i, slot, lg)].replay, args.replays)
         graphs_us["solo end"] = gpu_us(solo.ends[(0, None)].replay, args.replays)
     print("graphs (GPU us per replay):", {k: round(v, 1) for k, v in graphs_us.items()}, flush=True)
+    launches = {f"decode L={L}": g.decode[L].graph.replay}
+    if solo is not None:
+        launches.update({f"solo span {len(flags)}": span.replay for (flags, parity, _), span in sorted(solo.spans.items())
+                         if parity == 0})
+        launches[f"solo iteration {i}"] = solo.iterations[(i, slot, lg)].replay
+    launch = {name: launch_us(fn, 50) for name, fn in launches.items()}
+    print("launch (host us per replay call):", {k: round(v, 1) for k, v in launch.items()}, flush=True)
     # one exit step at a time, as the stream runs them
     req = model.make_request(prompt, loops=L, max_tokens=1, early_exit=rule)
     with runner.lanes.hold() as lane:
@@ -117,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                      "iterations_per_token": stats.get("iterations_per_token"),
                      "solo_steps": solo_counts},
         "graphs_us": graphs_us,
+        "launch_us": launch,
         "host_us": {"exit_step_median": steps[len(steps) // 2], "exit_step_p90": steps[int(0.9 * len(steps))]},
         "profile_16_steps": table.splitlines(),
     }, args.out_dir)

@@ -85,7 +85,8 @@ def test_exit_check_refuses_bad_input():
     depth = torch.ones(n, dtype=torch.long, device=DEVICE)
     args = [b[k] for k in ("params", "d", "remaining", "cum", "prev_n", "prev_logp", "prev_arg", "streak")]
     with pytest.raises(ValueError, match="unit stride along D"):
-        exit_check(*args, od, torch.zeros(D, n, device=DEVICE).t(), None, depth, torch.zeros(n, dtype=torch.bool))
+        exit_check(*args, od, torch.zeros(D, n, device=DEVICE).t(), None, depth,
+                   torch.zeros(n, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="logits must be contiguous fp32"):
         exit_check(*args, od, torch.zeros(n, D, device=DEVICE), torch.zeros(n, V, dtype=torch.float16, device=DEVICE),
                    depth, torch.zeros(n, dtype=torch.bool, device=DEVICE))

@@ -204,7 +204,7 @@ class ExitState:
 
     @torch.no_grad()
     def check(self, m: int, states: torch.Tensor, logits: torch.Tensor | None, depth_row: torch.Tensor,
-              slot: int, kinds=None) -> None:
+              slot: int | None, kinds=None) -> None:
         """After the next iteration (each row's count in `d`: the check adds one): the first m
         buffer rows' states (m, D) (the model-width part of the residual) and, where
         needs_logits said so, their next-token logits (m, V) -> stop[:m] True where the row has
@@ -213,13 +213,15 @@ class ExitState:
         its entry of depth_row (m,), the step's per-row depths, becomes d, so every later
         iteration carries it through unchanged whether or not the host has read the decision
         yet. The math is the ops' `exit_check` (kernels/exit_check.py: the torch reference, or
-        one Triton launch). kinds: the criteria to compute (default: the step's rules')."""
+        one Triton launch). kinds: the criteria to compute (default: the step's rules'). slot
+        None: nothing published (a caller that reads the row's depth instead)."""
         kinds = self.kinds if kinds is None else kinds
         g = self.model.exit_gate if "gate" in kinds else None
         self.op(self.params, self.d, self.remaining, self.cum, self.prev_n, self.prev_logp, self.prev_arg,
                 self.streak, self.order, states, logits, depth_row, self.stop,
                 None if g is None else g.weight.view(-1), None if g is None else g.bias, self.eps, kinds)
-        self.ring[slot, :m].copy_(self.stop[:m], non_blocking=True)
+        if slot is not None:
+            self.ring[slot, :m].copy_(self.stop[:m], non_blocking=True)
 
     def mark(self, slot: int) -> None:
         """The host will read slot `slot`: on CUDA an event behind the check that fills it."""

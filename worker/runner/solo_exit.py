@@ -72,7 +72,7 @@ class SoloExit:
         # the greedy token of even and odd positions: a stream may read a step's token after
         # launching the next step (pipelined decode), so consecutive steps write different ones
         self.greedy = torch.zeros(2, 1, dtype=torch.long, device=dev)
-        # the depth the row ran, as the span's end publishes it (pinned on CUDA), and its event
+        # the depth the row ran, read after its span (pinned on CUDA), and the event of that copy
         self.ran = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
         self.ran_event = torch.cuda.Event() if cuda else None
         # span: keyed by (whether each of its iterations reads logits, position parity, copy fill)
@@ -87,8 +87,9 @@ class SoloExit:
         self._history: dict[tuple, deque] = {}  # (rule, depth) -> the depths its last tokens ran
         self.counts = {"steps": 0, "went_on": 0}  # steps run, and those that went on past their span
 
-    def _iteration(self, i: int, slot: int, logits: bool) -> None:
-        """Iteration i, the coda where the check reads logits, and the check into host slot `slot`."""
+    def _iteration(self, i: int, slot: int | None, logits: bool) -> None:
+        """Iteration i, the coda where the check reads logits, and the check into host slot
+        `slot` (None: nothing published)."""
         st, step = self.state, self.step
         step.run(i)
         if logits:
@@ -120,12 +121,11 @@ class SoloExit:
             st.order.zero_()
             step.run("prelude")
             for i, lg in enumerate(flags):
-                self._iteration(i, (i + 1) % 2, lg)
+                self._iteration(i, None, lg)
             step.run("coda")
             torch.argmax(step.logits, -1, out=self.greedy[parity])
             if fill is not None:
                 fill()
-            self.ran.copy_(step.ctl[2, :1], non_blocking=True)
         step.load([], [], [], [])
         kept = self.greedy.clone()
         self.spans[key] = self.graphs.capture_call(span)
@@ -160,6 +160,9 @@ class SoloExit:
             self.rule_params.copy_(device_tensor(params, self.rule_params.device, torch.float32), non_blocking=True)
             self._loaded = (rule, depth)
         self.spans[key].replay()
+        # the depth read back outside the graph: a copy to host memory captured in a graph
+        # makes its launch cost several times a kernel-only graph's
+        self.ran.copy_(step.ctl[2, :1], non_blocking=True)
         if self.ran_event is not None:
             self.ran_event.record()
             self.ran_event.synchronize()
