@@ -1,4 +1,5 @@
-"""Early exit's `copy` fill of one decode row, its exit depth read on the device.
+"""The end of one decode row's early-exit step inside a captured graph: the `copy` fill, its
+exit depth read on the device, and the publication of that depth and the token to the host.
 
 A token that stopped after e of its L iterations leaves the cache layers of iterations
 [e, L) without its K/V; later tokens attend there, so the `copy` policy gives each of them
@@ -20,6 +21,12 @@ Arguments:
 
 A cell moves where i ≥ e (and e ≥ 1): dst gets src[e - 1]'s entry. Every source layer is an
 iteration below e, so no cell reads what another writes.
+
+`exit_publish(depth_row, greedy, host)` writes host[0] = the row's depth entry (the
+iterations it ran) and host[1] = its greedy token, host a (2,) int64 in pinned host memory
+that the kernel writes through its device mapping (as kernels/sampling.greedy_feed's ring): a
+copy to host memory captured in a graph is a node of its own, several microseconds of the
+device's time, where this is one store of two words in a launch of one program.
 """
 from __future__ import annotations
 
@@ -77,3 +84,26 @@ def exit_fill(k, v, depth_row, slot_row, pos_row, its, dst, src) -> None:
     HD = H * hd
     _exit_fill_kernel[(n,)](k, v, depth_row, slot_row, pos_row, its, dst, src, n, src.shape[0], hd,
                               *k.stride(), HD=HD, BLOCK=min(1024, triton.next_power_of_2(HD)))
+
+
+def exit_publish_ref(depth_row, greedy, host) -> None:
+    host[0] = depth_row[0]
+    host[1] = greedy[0]
+
+
+@triton.jit
+def _exit_publish_kernel(depth_ptr, greedy_ptr, host_ptr):
+    tl.store(host_ptr, tl.load(depth_ptr))
+    tl.store(host_ptr + 1, tl.load(greedy_ptr))
+
+
+def exit_publish(depth_row, greedy, host) -> None:
+    """exit_publish_ref in one program (module docstring)."""
+    check_device("exit_publish", depth_row=depth_row, greedy=greedy)
+    if host.shape != (2,) or host.dtype != torch.long or not host.is_contiguous():
+        raise ValueError(f"exit_publish: host must be a contiguous (2,) int64, got {tuple(host.shape)} {host.dtype}")
+    if depth_row.dtype != torch.long or greedy.dtype != torch.long:
+        raise ValueError("exit_publish: depth_row and greedy must be int64")
+    if depth_row.is_cuda and not torch.cuda.is_current_stream_capturing() and not host.is_pinned():
+        raise ValueError("exit_publish: host must be pinned host memory (the kernel writes it from the GPU)")
+    _exit_publish_kernel[(1,)](depth_row, greedy, host)

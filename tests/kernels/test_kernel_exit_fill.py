@@ -56,3 +56,20 @@ def test_exit_fill_refuses_bad_input():
         exit_fill(k, k.clone(), row, row, row, its, dst, src[:, :3])
     with pytest.raises(ValueError, match="int64"):
         exit_fill(k, k.clone(), row.int(), row, row, its, dst, src)
+
+
+def test_exit_publish_writes_depth_and_token():
+    from tinyloop.kernels.exit_fill import exit_publish, exit_publish_ref
+    ctl = torch.tensor([[5, 17, 3, 1]], device=DEVICE).t()  # (4, 1): token, position, depth, slot
+    greedy = torch.tensor([[11], [42]], device=DEVICE)
+    pin = DEVICE == "cuda"
+    for op in (exit_publish, exit_publish_ref):
+        host = torch.full((2, 2), -1, dtype=torch.long, pin_memory=pin)
+        op(ctl[2], greedy[1], host[1])
+        if pin:
+            torch.cuda.synchronize()
+        assert host.tolist() == [[-1, -1], [3, 42]]
+    with pytest.raises(ValueError, match="contiguous \\(2,\\) int64"):
+        exit_publish(ctl[2], greedy[1], torch.zeros(3, dtype=torch.long, pin_memory=pin))
+    with pytest.raises(ValueError, match="int64"):
+        exit_publish(ctl[2].int(), greedy[1], torch.zeros(2, dtype=torch.long, pin_memory=pin))

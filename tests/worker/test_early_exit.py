@@ -438,6 +438,6 @@ def test_solo_exit_keeps_a_bounded_history(tiny_path):
             mp.setattr(solo_exit, "RULES_KEPT", 3)
             for t in (0.5, 0.4, 0.3, 0.2, 0.1):
                 m.generate(PROMPT, loops=4, max_tokens=3, early_exit={"criterion": "latent", "threshold": t})
-            kept = m.runner._solo._history
+            kept = m.runner._solo._plans
             assert [r.threshold for r, _ in kept] == [0.3, 0.2, 0.1]
-            assert all(len(h) == 2 for h in kept.values())  # 3 tokens: 2 exit steps each
+            assert all(len(h) == 2 for _, h, _ in kept.values())  # 3 tokens: 2 exit steps each

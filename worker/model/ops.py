@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.kernels.exit_check import exit_check_ref
-from tinyloop.kernels.exit_fill import exit_fill_ref
+from tinyloop.kernels.exit_fill import exit_fill_ref, exit_publish_ref
 from tinyloop.kernels.decode_attention import (decode_attention_ref, rope_chunk_attention_ref,
                                                rope_decode_attention_ref, rope_tree_attention_ref)
 from tinyloop.kernels.hcache import h_cache_write_ref, h_decode_attention_ref, h_encode_ref, h_rows_ref
@@ -30,6 +30,7 @@ class Ops:
     tree_attention = staticmethod(tree_attention_ref)
     exit_check = staticmethod(exit_check_ref)  # early exit's check (worker/runner/early_exit.py)
     exit_fill = staticmethod(exit_fill_ref)  # its copy fill, the exit depth on the device (runner/solo_exit.py)
+    exit_publish = staticmethod(exit_publish_ref)  # and the depth and token to the host
     # store-h caches (kernels/hcache.py)
     h_cache_write = staticmethod(h_cache_write_ref)
     h_rows = staticmethod(h_rows_ref)
@@ -80,9 +81,10 @@ class TritonOps(Ops):
         from tinyloop.kernels.tree_attention import tree_attention
         self.tree_attention = tree_attention
         from tinyloop.kernels.exit_check import exit_check
-        from tinyloop.kernels.exit_fill import exit_fill
+        from tinyloop.kernels.exit_fill import exit_fill, exit_publish
         self.exit_check = exit_check
         self.exit_fill = exit_fill
+        self.exit_publish = exit_publish
         # store-h caches: the write and the fused decode read; the chunk paths' row reads stay
         # the torch reference's (gathers, no host sync)
         from tinyloop.kernels.hcache import h_cache_write, h_decode_attention

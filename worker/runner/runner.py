@@ -686,8 +686,9 @@ class Runner:
         self._claim("solo", prev)
         solo = self._solo
         ran = solo.run(lane, token, position, depth, rule)
-        out = StepOut(solo.step.logits, solo.greedy[position % 2], solo.step.x, None, self.counters.add(ran, ran),
-                      depths=[ran])
+        parity = position % 2
+        out = StepOut(solo.step.logits, solo.greedy[parity], solo.step.x, None, self.counters.add(ran, ran),
+                      (solo.host[parity], 1) if solo.published else None, depths=[ran])
         self._owners["solo"] = out
         return out
 

@@ -11,7 +11,11 @@ where the rule reads logits), then the coda, the greedy token and, under the `co
 skipped iterations' cache entries, with the exit depth read on the device. A row its rule
 stops at d <= c is frozen on the device (its depth becomes d), so the iterations after d carry
 it through unchanged and the coda reads its exit state: the span's result is the token's
-whatever c is. The host reads one number, the depth the row ran. Where the rule had not
+whatever c is. The span's last kernel writes the depth the row ran and its token into pinned
+host memory (kernels/exit_fill.exit_publish), so the host waits for the span and reads both,
+with no copy launched; the stream takes the token from there (StepOut.host). The span's
+checks publish nothing: each copy to host memory in a graph is a node that costs the device
+microseconds. Where the rule had not
 stopped the row by c (and c < its depth), the step goes on from there: one graph per
 iteration (the iteration, its coda where the rule reads logits, the check publishing its
 decision into a pinned host slot), the host reading iteration d's decision after launching
@@ -72,9 +76,12 @@ class SoloExit:
         # the greedy token of even and odd positions: a stream may read a step's token after
         # launching the next step (pipelined decode), so consecutive steps write different ones
         self.greedy = torch.zeros(2, 1, dtype=torch.long, device=dev)
-        # the depth the row ran, read after its span (pinned on CUDA), and the event of that copy
-        self.ran = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
-        self.ran_event = torch.cuda.Event() if cuda else None
+        # per position parity, the depth the row ran and its token as the span's end publishes
+        # them (pinned on CUDA: the kernel writes them; kernels/exit_fill.exit_publish), and the
+        # event behind the span. `published`: whether the last step's token is its slot's
+        self.host = torch.zeros(2, 2, dtype=torch.long, pin_memory=cuda)
+        self.span_event = torch.cuda.Event() if cuda else None
+        self.published = False
         # span: keyed by (whether each of its iterations reads logits, position parity, copy fill)
         self.spans: dict[tuple[tuple[bool, ...], int, bool], object] = {}
         self.iterations: dict[tuple[int, int, bool], object] = {}  # (i, host slot, with logits)
@@ -84,7 +91,9 @@ class SoloExit:
         self._fills: dict[int, object] = {}  # depth -> the span's copy fill
         self._loaded: tuple | None = None  # (rule, depth) whose params rule_params holds
         self._ready: set[tuple] = set()  # the (depth, first, logits, copy) whose later graphs are captured
-        self._history: dict[tuple, deque] = {}  # (rule, depth) -> the depths its last tokens ran
+        # (rule, depth) -> [first iteration it may stop after, the depths its last tokens ran,
+        # {span: the span's logits flags}]
+        self._plans: dict[tuple, list] = {}
         self.counts = {"steps": 0, "went_on": 0}  # steps run, and those that went on past their span
 
     def _iteration(self, i: int, slot: int | None, logits: bool) -> None:
@@ -126,6 +135,7 @@ class SoloExit:
             torch.argmax(step.logits, -1, out=self.greedy[parity])
             if fill is not None:
                 fill()
+            self.engine.ops.exit_publish(step.ctl[2], self.greedy[parity], self.host[parity])
         step.load([], [], [], [])
         kept = self.greedy.clone()
         self.spans[key] = self.graphs.capture_call(span)
@@ -136,15 +146,18 @@ class SoloExit:
         on `lane`, at most `depth` iterations, stopping where `rule` says -> the iterations it
         ran. Its outputs: step.logits (1, V), self.greedy[position % 2] (1,), step.x (1, 1, W)."""
         st, step = self.state, self.step
-        params = st.load_host([rule], [depth])
-        first = max(1, min(st.earliest[0], depth))  # the first iteration after which it may stop
-        history = self._history.pop((rule, depth), None) or deque(maxlen=HISTORY)
-        self._history[(rule, depth)] = history  # the most recently used last
-        if len(self._history) > RULES_KEPT:
-            del self._history[next(iter(self._history))]
-        c = self._span(first, depth, list(history))
+        if self._loaded != (rule, depth):  # the host's copy of the rule, and the span's input
+            params = st.load_host([rule], [depth])
+            self.rule_params.copy_(device_tensor(params, self.rule_params.device, torch.float32), non_blocking=True)
+            self._loaded = (rule, depth)
+        plan = self._plan(rule, depth)
+        first, history, flags_of = plan
+        c = self._span(first, depth, history)
+        if c not in flags_of:
+            flags_of[c] = tuple(st.needs_logits(d, [0]) for d in range(1, c + 1))
         copy = rule.cache == "copy"
-        key = (tuple(st.needs_logits(d, [0]) for d in range(1, c + 1)), position % 2, copy)
+        parity = position % 2
+        key = (flags_of[c], parity, copy)
         ready = (depth, first, rule.needs_logits, copy) in self._ready
         if not ready:
             self._capture(first, depth, rule.needs_logits)
@@ -156,19 +169,14 @@ class SoloExit:
         if not ready:
             self._capture_ends(depth, copy)
             self._ready.add((depth, first, rule.needs_logits, copy))
-        if self._loaded != (rule, depth):
-            self.rule_params.copy_(device_tensor(params, self.rule_params.device, torch.float32), non_blocking=True)
-            self._loaded = (rule, depth)
         self.spans[key].replay()
-        # the depth read back outside the graph: a copy to host memory captured in a graph
-        # makes its launch cost several times a kernel-only graph's
-        self.ran.copy_(step.ctl[2, :1], non_blocking=True)
-        if self.ran_event is not None:
-            self.ran_event.record()
-            self.ran_event.synchronize()
-        ran = int(self.ran[0])
+        if self.span_event is not None:
+            self.span_event.record()
+            self.span_event.synchronize()
+        ran = int(self.host[parity, 0])
         self.counts["steps"] += 1
-        if ran > c:  # the rule had not stopped it by the span's end: on, one iteration at a time
+        self.published = ran <= c
+        if not self.published:  # the rule had not stopped it by the span's end: on, one iteration at a time
             self.counts["went_on"] += 1
             ran = self._go_on(c, depth, position, copy)
         history.append(ran)
@@ -176,14 +184,25 @@ class SoloExit:
             fill_skipped(self.engine, [(0, lane, position, ran, depth, rule.cache)], step.x)
         return ran
 
-    def _span(self, first: int, depth: int, history: list[int]) -> int:
+    def _plan(self, rule: ExitRule, depth: int) -> list:
+        """The (rule, depth) pair's plan, the most recently used last; the oldest beyond
+        RULES_KEPT let go."""
+        plan = self._plans.pop((rule, depth), None)
+        if plan is None:
+            plan = [max(1, min(rule.earliest(), depth)), deque(maxlen=HISTORY), {}]
+        self._plans[(rule, depth)] = plan
+        if len(self._plans) > RULES_KEPT:
+            del self._plans[next(iter(self._plans))]
+        return plan
+
+    def _span(self, first: int, depth: int, history) -> int:
         if self.span == "min":
             return first
         if self.span == "max":
             return depth
         if self.span is not None:
             return min(max(self.span, first), depth)
-        return choose_span(first, depth, history)
+        return choose_span(first, depth, list(history))
 
     def _go_on(self, c: int, depth: int, position: int, copy: bool) -> int:
         """Iterations c .. depth - 1 of a row the span left going, then the end graph -> the
