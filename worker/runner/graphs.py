@@ -21,6 +21,7 @@ a graph removes the launches' host cost.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -172,8 +173,18 @@ class Graphs:
                     (warm_fn or fn)()
             torch.cuda.current_stream(dev).wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            fn()
+        # no garbage collection inside the capture: a graph keeps its closure, which may hold
+        # its owner (a cycle), so a dropped model's graphs, events and pinned buffers go when
+        # the collector finds them, and destroying those while a stream captures aborts the
+        # process (torch.cuda.graph collects once before it begins)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(g, pool=self.pool):
+                fn()
+        finally:
+            if enabled:
+                gc.enable()
         # the graph reads the tensors fn closes over (index tables, static inputs) at every
         # replay: keep them alive as long as the graph, or their memory goes to other tensors
         g.captured_fn = fn
