@@ -31,6 +31,9 @@ class EagerGraphs:
             run()  # the warm-up: a stage whose inputs were not loaded for it fails here
             self.stages[(kind, bucket, stage)] = run
 
+    def drop(self):
+        self.stages.clear()
+
     def capture_call(self, fn):
         """A "graph" of fn (the sampler's): its replay runs fn eagerly, logged as kind "call"."""
         fn()  # the warm-up, as the GPU's

@@ -187,6 +187,8 @@ class Model:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                if self.runner is not None:
+                    self.runner.close()
                 self.runner = None
                 self._module = None
 

@@ -144,6 +144,12 @@ class Graphs:
             self.warm.add(("round", key, "round"))
         return g
 
+    def drop(self) -> None:
+        """Let go of every graph now (Runner.close): each keeps its capture's closure, which may
+        refer back to its owner, a cycle only the collector would break."""
+        self.decode.clear()
+        self.stages.clear()
+
     def capture_call(self, fn) -> torch.cuda.CUDAGraph:
         """fn() as a graph in the shared pool, after two warm runs (runner.sampler's graphs)."""
         return self._capture(fn, True)

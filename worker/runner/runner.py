@@ -748,6 +748,16 @@ class Runner:
             self._exit[n] = BatchStep(self.engine, n, self._exit_shared)
         return self._exit[n]
 
+    def close(self) -> None:
+        """Let go of every captured graph at once (Model.close): a graph keeps the closure it
+        captured, which refers back to what owns the graph, so left alone the graphs would go
+        whenever the collector finds those cycles, perhaps in another model's capture."""
+        for owner in (self.graphs, self._solo, self._sampler):
+            if owner is not None:
+                owner.drop()
+        self._owners.clear()
+        self.graphs = self._solo = self._sampler = None
+
     def release(self, out: StepOut | None) -> None:
         """The caller is done with `out`: its buffers may be reused without a copy."""
         for key, owner in list(self._owners.items()):

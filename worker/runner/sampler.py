@@ -189,6 +189,10 @@ class SamplerGraphs:
                            torch.cuda.Event() if cuda else None) for _ in range(4)] for b in buckets}
         self._turn = {b: 0 for b in buckets}
 
+    def drop(self) -> None:
+        """Let go of the graphs now (Runner.close)."""
+        self.graphs.clear()
+
     def covers(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
 

@@ -96,6 +96,11 @@ class SoloExit:
         self._plans: dict[tuple, list] = {}
         self.counts = {"steps": 0, "went_on": 0}  # steps run, and those that went on past their span
 
+    def drop(self) -> None:
+        """Let go of the graphs now (Runner.close): their closures refer back to this object."""
+        for graphs in (self.spans, self.iterations, self.ends):
+            graphs.clear()
+
     def _iteration(self, i: int, slot: int | None, logits: bool) -> None:
         """Iteration i, the coda where the check reads logits, and the check into host slot
         `slot` (None: nothing published)."""
