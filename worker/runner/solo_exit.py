@@ -27,7 +27,8 @@ c is a guess of where the stream's tokens stop, from the depths its last tokens 
 past c pays a host round trip and a launch per further iteration. A fixed `span` (an int, or
 "min" / "max") replaces the guess.
 
-The span and iteration graphs are captured the first time a step needs them, before it loads
+The span graphs (every length the guess may pick, both position parities) and the iteration
+graphs are captured the first time a step of a rule's depth and kind needs them, before it loads
 its row: the stage set then holds an idle row (a position past the cache, depth 0), so a
 capture's warm-up writes no lane's cache. The end graphs (per position parity, exit depth and
 depth) are captured after the row is loaded and before it runs (`_capture_ends`).
@@ -166,6 +167,14 @@ class SoloExit:
         ready = (depth, first, rule.needs_logits, copy) in self._ready
         if not ready:
             self._capture(first, depth, rule.needs_logits)
+            # every span the guess may pick, at once: a capture (two warm-up runs and the
+            # capture) costs many steps, and the guess moves with the stream's depths
+            for n in range(first, depth + 1):
+                if n not in flags_of:
+                    flags_of[n] = tuple(st.needs_logits(d, [0]) for d in range(1, n + 1))
+                for par in (0, 1):
+                    if (flags_of[n], par, copy) not in self.spans:
+                        self._capture_span((flags_of[n], par, copy), depth)
         if key not in self.spans:
             self._capture_span(key, depth)
         dev = token if isinstance(token, torch.Tensor) else None
