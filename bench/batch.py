@@ -12,6 +12,9 @@ first), each prefilled with its own random prompt of --context tokens, at L = --
   alone         one stream's pipelined batch-1 decode (the fused GEMV graph), for the
                 tokens/s a worker gets without batching
 
+  fused         (--fused-rows N) graphs with batched steps of up to N lanes in the fused
+                projections (Settings.fused_rows; the graphs run --base-fused-rows), same run:
+                `fused_speedup`
   invariant     graphs, with batch-invariant kernels (Settings.batch_invariant; on CUDA unless
                 --no-invariant): every row's projection and attention as the batch-1 step
                 computes it, so each stream equals its run alone; its cost against graphs
@@ -100,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per figure (median)")
     ap.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the batch-invariant kernels (CUDA), same run")
+    ap.add_argument("--fused-rows", type=int, default=0,
+                    help="also time the graphs with decode steps of up to this many lanes in the fused "
+                         "projections (Settings.fused_rows; CUDA), same run, against --base-fused-rows; 0: not")
+    ap.add_argument("--base-fused-rows", type=int, default=1, help="the graphs' Settings.fused_rows")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -110,11 +117,17 @@ def main(argv: list[str] | None = None) -> None:
     lanes = max(args.batch)
     kw = dict(max_seq_len=args.context + args.steps + 64, device=dev, dtype=dtype, n_slots=lanes,
               prefill_graph_len=args.context)
-    graphs, eager = Model(path, cuda_graphs=cuda, **kw), Model(path, cuda_graphs=False, **kw)
+    base = Settings(fused_rows=args.base_fused_rows)
+    graphs, eager = Model(path, cuda_graphs=cuda, settings=base, **kw), Model(path, cuda_graphs=False, settings=base, **kw)
+    fused = Model(path, cuda_graphs=True, settings=base.replace(fused_rows=args.fused_rows), **kw) \
+        if cuda and args.fused_rows else None
     invariant = Model(path, cuda_graphs=True, settings=Settings(batch_invariant=True), **kw) \
         if cuda and args.invariant else None
     result: dict = {"hardware": hardware(dev), "model": f"{args.preset} (random init, {str(dtype)[6:]})",
-                    "loops": args.loops, "context": args.context, "steps": args.steps, "lanes": lanes}
+                    "loops": args.loops, "context": args.context, "steps": args.steps, "lanes": lanes,
+                    "fused_rows": args.base_fused_rows}
+    if fused is not None:
+        result["variant_fused_rows"] = args.fused_rows
     if cuda:
         result["graph_capture_s"] = graph_seconds(graphs)
         result["graphs"] = graphs.startup["graphs"]
@@ -129,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         result["invariant_alone_ms_per_token"], alone_of["invariant"] = alone_median(invariant, ps, args)
         result["invariant_alone_cost"] = result["invariant_alone_ms_per_token"] / result["alone_ms_per_token"] - 1
         result["invariant_alone_equals_graphs_alone"] = alone_of["invariant"] == alone_ids
+    if fused is not None:
+        models += (("fused", fused),)
+        alone_of["fused"] = alone_median(fused, ps, args)[1]
     rows = []
     for B in tqdm(args.batch, desc="batch"):
         row = {"streams": B}
@@ -140,11 +156,16 @@ def main(argv: list[str] | None = None) -> None:
                          "streams_equal_alone": sum(same)}
         if "invariant" in row:
             row["invariant_cost"] = row["invariant"]["ms_per_step"] / row["graphs"]["ms_per_step"] - 1
+        if "fused" in row:
+            row["fused_speedup"] = row["graphs"]["ms_per_step"] / row["fused"]["ms_per_step"]
         row["speedup_vs_alone"] = row["graphs" if cuda else "eager"]["tokens_per_s"] / (1e3 / result["alone_ms_per_token"])
         rows.append(row)
         best = row["graphs" if cuda else "eager"]
         print(f"B={B}: {best['ms_per_step']:.3f} ms/step, {best['tokens_per_s']:.0f} tok/s "
               f"({row['speedup_vs_alone']:.2f}x one stream alone), streams equal alone: {best['streams_equal_alone']}/{B}")
+        if "fused" in row:
+            print(f"     fused_rows={args.fused_rows}: {row['fused']['ms_per_step']:.3f} ms/step "
+                  f"({row['fused_speedup']:.2f}x)")
         if "invariant" in row:
             inv = row["invariant"]
             print(f"     invariant: {inv['ms_per_step']:.3f} ms/step ({row['invariant_cost']:+.1%}), "

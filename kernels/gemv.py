@@ -1,12 +1,12 @@
-"""Projection (GEMV) of one to 16 rows (any number, batch-invariant) with the decode step's
+"""Projection (GEMV) of one to 64 rows (any number, batch-invariant) with the decode step's
 neighbours fused in.
 
-    y = x @ W.T                x (M, K), 1 <= M <= 16 (any M >= 1 with invariant=True);
+    y = x @ W.T                x (M, K), 1 <= M <= 64 (any M >= 1 with invariant=True);
                                W (N, K) row-major (an nn.Linear weight)
 
 x may carry any leading dims holding M = x.numel() / K rows (a batch-1 decode step's (1, 1, K),
 a batched step's (B, 1, K) over its B lanes); y keeps them: (..., N). A decode step reads every
-weight once and does 2M FLOPs per weight: up to M = 16 it is bound by memory bandwidth, and at
+weight once and does 2M FLOPs per weight: up to M = 64 it is bound by memory bandwidth, and at
 these sizes also by the small kernels between the projections. Each option folds one of them
 into the projection that reads its input or writes its output, row by row:
 
@@ -44,7 +44,7 @@ computing row pid % M of y on row block pid // M. Row m of y is then bit for bit
 M = 1 call computes for row m alone: a row's value depends only on its own inputs and the
 shape's fixed tile, never on M, on which rows ride with it, or on which captured batch size
 runs it. (The batched kernel below sums in another order than the M = 1 kernel, with a tile
-that may change with M, and stops at 16 rows.) The row index runs fastest, so the M programs
+that may change with M, and stops at 64 rows.) The row index runs fastest, so the M programs
 of one weight block run side by side and share its weights through L2: the weight is read
 from HBM about once whatever M. The decode step's M = 1 launch is unchanged (m = 0; one
 integer division per program), so batch 1 pays nothing. M > 1 does M times one row's work
@@ -53,19 +53,24 @@ few rows, but past that it costs more than the tensor cores' tl.dot below, which
 tile once for 16 rows (bench/gemv_invariant.py times both against cuBLAS). All options work on
 every row, but argmax_key (M = 1 only).
 
-Layout, 2 <= M <= 16 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
-weight tile is loaded once and applied to all M rows by a tl.dot with the (16, BLOCK_K) x tile
-(rows >= M masked to zero; fp32 accumulation on the tensor cores, operands in x's dtype, fp32
-x with exact "ieee" products), accumulating a (16, BLOCK_N) tile of y. The weights are read
-once per call whatever M, so a batched decode step's projections stay near the cost of a
-batch-1 step's. Fixed tiles per device and shape (`ROWS_TILES`, else `default_rows_tile`).
+Layout, 2 <= M <= 64 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
+weight tile is loaded once and applied to all M rows by one tl.dot of the tile with the
+transpose of the (BLOCK_M, BLOCK_K) x tile (BLOCK_M 16, 32 or 64: `rows_block`; rows >= M
+masked to zero; fp32 accumulation on the tensor cores, operands in x's dtype, fp32 x with exact
+"ieee" products), accumulating y's transposed (BLOCK_N, BLOCK_M) tile. The weight rows are the
+dot's row side: BLOCK_N >= 16 rows fill the tensor cores' 16-row operand, where x's few rows
+would leave most of it padding, so the weights are read once per call whatever M and a batched
+decode step's projections cost about a batch-1 step's. Fixed tiles per device, shape and
+BLOCK_M (`ROWS_TILES`, else `default_rows_tile`): a row's value does not depend on how many
+rows of one BLOCK_M ride with it.
 
 ``pdl`` (on by default on Hopper and later; TINYLOOP_PDL=0 turns it off): programmatic
 dependent launch, so a projection starts while the previous kernel drains, with its first
 weight chunk loaded before it waits (the weight read, nearly all of a projection's cost, then
 overlaps the previous kernel's tail; bench/gemv.py times both launches). The GEMV kernel then
 loads each next chunk one step ahead in registers; the batched kernel leaves the loop over the
-other chunks to Triton's software pipeliner and applies the first chunk after it.
+other chunks to Triton's software pipeliner and applies the first chunk after it, or (its tile's
+PDL mode) waits first, or launches plain.
 """
 import functools
 import math
@@ -254,7 +259,8 @@ _PLAIN_CONFIG: dict[tuple, triton.Config] = {}
 
 EVICTION_POLICIES = ("", "evict_first", "evict_last")  # gemv's eviction_policy (tl.load's)
 
-MAX_ROWS = 16  # rows of x a call takes without invariant: one BLOCK_M tile of the batched kernel
+MAX_ROWS = 16  # the INT4 kernels' rows of x a call (kernels/int4_gemv.py)
+MAX_FUSED_ROWS = 64  # rows of x a call takes without invariant: one BLOCK_M tile of the batched kernel
 
 # Fixed M = 1 tiles, by device name, then (N, K, NORM, SWIGLU, RESIDUAL, PDL): (BLOCK_N, BLOCK_K,
 # num_warps, num_stages). Every launch takes a fixed tile: this table's, else `default_tile`'s.
@@ -292,20 +298,33 @@ def default_tile(K: int) -> tuple[int, int, int, int]:
     return 2, min(1024, triton.next_power_of_2(max(K, 16))), 4, 3
 
 
-# Fixed M = 2..16 tiles, keyed like TILES with the M bucket (`_m_bucket`) after K; none yet:
-# every shape takes `default_rows_tile`. (The engine runs M > 1 only where the model's fast path
-# was given gemv_rows > 1; worker/ops.py keeps cuBLAS for batched steps.)
-ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {}
+# The M = 2..64 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages, PDL mode) per device, shape and
+# BLOCK_M (N, K, norm, swiglu, residual, `rows_block(M)`), one tile for every M of a BLOCK_M, so a
+# row's value does not depend on how many rows ride with it there. The PDL mode: "prefetch" (the first weight tile loaded before the
+# wait), "wait" (the wait first), "off" (a plain launch, which waits for the previous kernel to
+# finish); with PDL off (TINYLOOP_PDL=0) every launch is plain. Measured on the H200 by
+# bench/rows_tiles.py (rows-tiles-cuda.json: weights read from HBM, back-to-back calls in a
+# graph; the best mode of each of a sweep's three best plain tiles).
+ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int, str]]] = {
+    "NVIDIA H200": {
+        (6144, 2048, True, False, False, 16): (64, 256, 4, 3, "prefetch"),
+        (2048, 2048, False, False, True, 16): (64, 128, 4, 6, "wait"),
+        (5632, 2048, True, True, False, 16): (64, 256, 4, 3, "off"),
+        (2048, 5632, False, False, True, 16): (16, 512, 4, 3, "off"),
+        (32000, 2048, True, False, False, 16): (128, 64, 4, 6, "wait"),
+    },
+}
+ROWS_PDL_MODES = ("prefetch", "wait", "off")
 
 
-def default_rows_tile(N: int) -> tuple[int, int, int, int]:
-    """The M = 2..16 tile of a shape ROWS_TILES does not hold, by _ROWS_CONFIGS' reasoning:
-    BLOCK_N 8 up to 4096 rows (so a 2048-row projection's grid of N / BLOCK_N programs covers
-    the 132 SMs), 16 up to 16384, 64 beyond (the heads); 256-wide K tiles in four stages (three
-    for the widest), clean of spills with every option."""
+def default_rows_tile(N: int, block_m: int = 16) -> tuple[int, int, int, int, str]:
+    """The tile of a shape ROWS_TILES does not hold: the weight rows are the dot's 16-row (or
+    wider) operand, so BLOCK_N is at least 16; 16 up to 4096 rows (a 2048-row projection
+    launches 128 programs, about one per SM), 64 beyond; tiles among the best of the H200 sweep
+    whose shared-memory stages (weight tiles, SwiGLU's two, and the x tile of block_m rows) fit."""
     if N <= 4096:
-        return 8, 256, 4, 4
-    return (16, 256, 4, 4) if N <= 16384 else (64, 256, 8, 3)
+        return (16, 512, 4, 3, "off") if block_m == 16 else (16, 256, 4, 4, "off")
+    return (64, 128, 8, 4, "wait")
 
 
 @functools.lru_cache(maxsize=None)
@@ -322,11 +341,13 @@ def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residua
     return t or (None if autotuning() else default_tile(K))
 
 
-def rows_tile(device: torch.device, N: int, K: int, M: int, norm: bool, swiglu: bool, residual: bool,
-              pdl: bool) -> tuple[int, int, int, int] | None:
-    """`tile` for M = 2..16 rows: ROWS_TILES', else the default; None: the autotuner picks."""
-    t = ROWS_TILES.get(_device_name(device), {}).get((N, K, _m_bucket(M), norm, swiglu, residual, pdl))
-    return t or (None if autotuning() else default_rows_tile(N))
+def rows_tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
+              block_m: int = 16) -> tuple[int, int, int, int, str] | None:
+    """`tile` for M = 2..MAX_FUSED_ROWS rows (the same for every M of one `rows_block`):
+    ROWS_TILES', else the default; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a shape
+    ROWS_TILES lacks)."""
+    t = ROWS_TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, block_m))
+    return t or (None if autotuning() else default_rows_tile(N, block_m))
 
 
 @triton.jit
@@ -340,9 +361,9 @@ def _dot_wt(x, w, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _rows_x(x_rows, nw_ptr, k, m_mask, K, ss, NORM: tl.constexpr):
-    """The (BLOCK_M, BLOCK_K) x tile at columns k, the dot's left operand; with NORM, times the
-    norm weight (rounded back to x's dtype: tl.dot takes both operands in one dtype) and each
-    row's sum of squares added to ss (the rsqrt scale goes on after the dot)."""
+    """The (BLOCK_M, BLOCK_K) x tile at columns k; with NORM, times the norm weight (rounded
+    back to x's dtype: tl.dot takes both operands in one dtype) and each row's sum of squares
+    added to ss (the rsqrt scale goes on after the dot)."""
     k_mask = k < K
     xv = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     if NORM:
@@ -364,7 +385,7 @@ def _gemv_rows_kernel(
     K,
     stride_w,
     eps,
-    M_BUCKET,  # unused: the autotuning key's row-count bucket
+    M_BUCKET,  # unused: the autotuning key's BLOCK_M
     NORM: tl.constexpr,
     SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr,
@@ -376,9 +397,12 @@ def _gemv_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """_gemv_kernel for 2 <= M <= BLOCK_M rows of x: each weight tile is loaded once and applied
-    to every row by one tl.dot of the (BLOCK_M, BLOCK_K) x tile (rows >= M zero) with its
-    transpose, accumulating y's (BLOCK_M, BLOCK_N) tile in fp32."""
+    """_gemv_kernel for 2 <= M <= BLOCK_M rows of x (BLOCK_M: 16, 32 or 64): each weight tile is
+    loaded once and applied to every row by one tl.dot of the tile with the (BLOCK_M, BLOCK_K) x
+    tile's transpose (rows >= M zero), accumulating y's transposed (BLOCK_N, BLOCK_M) tile in fp32. The weight
+    rows are the dot's M side ("swap AB"): a (BLOCK_N >= 16) row block fills the tensor cores'
+    16-row operand, where x's few rows would leave most of it padding, so a tile costs about
+    what its weight read costs at any M."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n = rows of W
     row_mask = rows < N
@@ -393,38 +417,37 @@ def _gemv_rows_kernel(
     if SWIGLU:
         up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # (ss and acc_up are dead code unless NORM / SWIGLU)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_start = 0
     if PREFETCH:
         # The weights never depend on the previous kernel: with PDL the first chunk's tile is
-        # loaded before the wait, as in _gemv_kernel, but applied after the loop over the other
-        # chunks (the fp32 sums do not care about the order). _gemv_kernel's one-ahead register
-        # prefetch would carry the tile across iterations, which keeps Triton's software
-        # pipeliner from staging the weight loads through shared memory (num_stages - 1 tiles in
-        # flight) and spilled registers at these tile sizes; this way the loop stays pipelined
-        # and its first loads go out right after the wait, while the first tile is landing.
+        # loaded before the wait and applied after the loop over the other chunks (the loop
+        # stays free for Triton's software pipeliner to stage its loads through shared memory).
         w0, up0 = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         k_start = BLOCK_K
+    elif PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     for k0 in range(k_start, K, BLOCK_K):
         xv, ss = _rows_x(x_rows, nw_ptr, k0 + cols, m_mask, K, ss, NORM)
         w, up = _load_w(w_rows, up_rows, k0 + cols, row_mask, K, SWIGLU, EVICT)
-        acc = _dot_wt(xv, w, acc, DOT_F32)
+        acc = _dot_wt(w, xv, acc, DOT_F32)
         if SWIGLU:
-            acc_up = _dot_wt(xv, up, acc_up, DOT_F32)
+            acc_up = _dot_wt(up, xv, acc_up, DOT_F32)
     if PREFETCH:
         xv, ss = _rows_x(x_rows, nw_ptr, cols, m_mask, K, ss, NORM)
-        acc = _dot_wt(xv, w0, acc, DOT_F32)
+        acc = _dot_wt(w0, xv, acc, DOT_F32)
         if SWIGLU:
-            acc_up = _dot_wt(xv, up0, acc_up, DOT_F32)
+            acc_up = _dot_wt(up0, xv, acc_up, DOT_F32)
 
-    # the epilogue of _gemv_kernel, row by row of the tile
+    # the epilogue of _gemv_kernel, for each row of x (a column of the tile)
     y = acc
     if NORM:
-        inv_rms = tl.rsqrt(ss / K + eps)[:, None]
+        inv_rms = tl.rsqrt(ss / K + eps)[None, :]
         y *= inv_rms
     y = y.to(dtype).to(tl.float32)
     if SWIGLU:
@@ -433,34 +456,21 @@ def _gemv_rows_kernel(
             up *= inv_rms
         up = up.to(dtype).to(tl.float32)
         y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
-    out_offs = ms[:, None] * N + rows[None, :]
-    out_mask = m_mask[:, None] & row_mask[None, :]
+    out_offs = ms[None, :] * N + rows[:, None]
+    out_mask = m_mask[None, :] & row_mask[:, None]
     if RESIDUAL:
         y += tl.load(res_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + out_offs, y.to(dtype).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..16, chosen for Hopper but not yet timed
-# on the H200. Even at M = 16 a call does 16 FLOPs per weight byte (bf16), far below the ~200 of
-# the tensor cores' ridge: it stays bound by the weight read, like M = 1, and a config has two
-# jobs. (1) Fill the 132 SMs: the grid is N / BLOCK_N programs and there is no split-K, so the
-# 2048-row projections (wo, w2) need BLOCK_N = 8 (256 programs: tl.dot pads N since Triton 3.x,
-# and a (16, 8) accumulator is exactly one m16n8k16 MMA) or 16 (128), the 5632/6144-row ones
-# 16 or 32, and only the heads (N >= 32000) can afford 64. (2) Keep ~25 KB per SM in flight
-# (4.8 TB/s x ~0.7 us / 132 SMs): the software pipeliner stages num_stages - 1 weight tiles
-# (plus x's) in shared memory via cp.async, so BLOCK_N x BLOCK_K x 2 B x (num_stages - 1) runs
-# 12 to 64 KB per program, at most 144 KB of shared memory with SWIGLU's two tiles. Each config
-# was compiled for sm_90a (Triton 3.9) with every option set, PDL on and off: none spills more
-# than 16 B of registers per thread except (8, 512, *) and (16, 512, 8, 3) with NORM + SWIGLU +
-# PDL (0.1-0.7 KB), kept for the residual and NORM-only projections, where their deeper K
-# tiles are clean; BLOCK_K = 1024 and (32|64, 512) spill more and are left out. Twelve
-# configs keep a cold start's autotuning pass per (shape, M bucket, options) short.
+# The autotuner's (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..16 (TINYLOOP_AUTOTUNE=1,
+# a shape ROWS_TILES lacks): the best of the H200 sweep (bench/rows_tiles.py) across bench-285m's
+# projections. Even at M = 16 a call does 16 FLOPs per weight byte, far below the tensor cores'
+# ridge: a tile's job is to keep enough of the weight read in flight on every SM.
 _ROWS_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-    for bn, bk, w, st in [(8, 256, 4, 4), (8, 512, 4, 4), (8, 512, 8, 3),
-                          (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 8, 3),
-                          (32, 128, 8, 4), (32, 256, 4, 3), (32, 256, 8, 4),
-                          (64, 128, 8, 4), (64, 256, 8, 2), (64, 256, 8, 3)]
+    for bn, bk, w, st in [(16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
+                          (64, 128, 8, 4), (128, 64, 4, 6), (128, 128, 8, 4)]
 ]
 _gemv_rows_tuned = triton.autotune(
     configs=_ROWS_CONFIGS, key=["N", "K", "M_BUCKET", "NORM", "SWIGLU", "RESIDUAL", "PDL"],
@@ -468,9 +478,11 @@ _gemv_rows_tuned = triton.autotune(
 )(_gemv_rows_kernel)
 
 
-def _m_bucket(m: int) -> int:
-    """The autotuning key's row count: 2-4, 5-8 and 9-16 rows share their configs."""
-    return 4 if m <= 4 else 8 if m <= 8 else MAX_ROWS
+def rows_block(m: int) -> int:
+    """The batched kernel's BLOCK_M for m rows: 16 (the tensor cores' narrowest operand), 32 or
+    64. A tile is fixed per shape and BLOCK_M, so each row's value is the same for every m of
+    one BLOCK_M."""
+    return 16 if m <= 16 else 32 if m <= 32 else MAX_FUSED_ROWS
 
 
 def check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, eviction_policy):
@@ -502,7 +514,7 @@ def check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, evi
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
          argmax_key=None, eviction_policy="", invariant=False):
-    """x (..., K) holding 1 <= M <= 16 rows (any M >= 1 with invariant), weight (N, K) (with
+    """x (..., K) holding 1 <= M <= 64 rows (any M >= 1 with invariant), weight (N, K) (with
     swiglu: (2F, K)) -> y (..., N or F).
 
     The leading dims of x (e.g. (1, 1) of a batch-1 decode step, (B, 1) of a batched one) are
@@ -544,9 +556,9 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     M = math.prod(x.shape[:-1])
     if invariant and M < 1:
         raise ValueError(f"{op}: x (..., K) must hold M >= 1 rows, got shape {tuple(x.shape)} (M = {M})")
-    if not invariant and not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_ROWS} rows, got shape {tuple(x.shape)} "
-                         f"(M = {M})" + ("; invariant=True takes any M >= 1" if M > MAX_ROWS else ""))
+    if not invariant and not 1 <= M <= MAX_FUSED_ROWS:
+        raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_FUSED_ROWS} rows, got shape {tuple(x.shape)} "
+                         f"(M = {M})" + ("; invariant=True takes any M >= 1" if M > MAX_FUSED_ROWS else ""))
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"{op}: weight must be 2-D (N, K) with unit stride along K, "
                          f"got shape {tuple(weight.shape)} strides {weight.stride()}")
@@ -622,30 +634,34 @@ def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, **meta):
 
 
 def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
-    """gemv's launch for 2 <= M <= MAX_ROWS rows: x (M, K) contiguous, y and residual (..., N)
+    """gemv's launch for 2 <= M <= MAX_FUSED_ROWS rows: x (M, K) contiguous, y and residual (..., N)
     contiguous, so (M, N) in memory."""
+    bm = rows_block(M)
+
     def args(out, key=None):  # (no argmax key: M > 1)
         return (x, weight, x if norm_weight is None else norm_weight.contiguous(),
-                out if residual is None else residual, out, M, N, K, weight.stride(0), float(eps), _m_bucket(M))
+                out if residual is None else residual, out, M, N, K, weight.stride(0), float(eps), bm)
     # the dot in fp32: for fp32 x (exact products like gemv_ref's, not tf32), and for bf16 under
     # the interpreter, whose tl.dot multiplies bf16 bit patterns as integers (bf16 products are
     # exact in fp32, so this is the tensor cores' math)
     dot_f32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting())
-    flags = dict(flags, DOT_F32=dot_f32, BLOCK_M=MAX_ROWS)
+    flags = dict(flags, DOT_F32=dot_f32, BLOCK_M=bm)
     if interpreting():
         _gemv_rows_kernel[(triton.cdiv(N, 16),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False,
                                                  BLOCK_N=16, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
-    t = rows_tile(x.device, N, K, M, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
+    t = rows_tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], bm)
     if t is None:
         _launch_tuned(_gemv_rows_tuned, N, args, y, x.dtype,
-                      (N, K, weight.stride(0), x.device, pdl, _m_bucket(M), *flags.values()),
+                      (N, K, weight.stride(0), x.device, pdl, bm, *flags.values()),
                       **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
-    bn, bk, warps, stages = t
-    _gemv_rows_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-                                             num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    bn, bk, warps, stages, mode = t
+    pdl = pdl and mode != "off"
+    _gemv_rows_kernel[(triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl and mode == "prefetch", PDL=pdl,
+                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                             launch_pdl=pdl)
     return y
 
 

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 from kernel_tolerances import DEVICE, assert_close
@@ -48,9 +50,9 @@ def test_gemv_equals_the_unfused_layer_ops():
 def test_gemv_rejects_bad_inputs():
     x = torch.randn(1, 16, device=DEVICE)
     w = torch.randn(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match=r"gemv: x \(\.\.\., K\) must hold 1 <= M <= 16 rows, got shape \(17, 1, 16\)"):
-        gemv(torch.randn(17, 1, 16, device=DEVICE), w)
-    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(0, 16\) \(M = 0\)"):
+    with pytest.raises(ValueError, match=r"gemv: x \(\.\.\., K\) must hold 1 <= M <= 64 rows, got shape \(65, 1, 16\)"):
+        gemv(torch.randn(65, 1, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"1 <= M <= 64 rows, got shape \(0, 16\) \(M = 0\)"):
         gemv(torch.randn(0, 16, device=DEVICE), w)
     with pytest.raises(ValueError, match="K = 16 columns"):
         gemv(x, torch.randn(8, 15, device=DEVICE))
@@ -157,24 +159,34 @@ def _launchable(tile, K):
             and warps in (1, 2, 4, 8, 16, 32) and stages >= 1)
 
 
+def _rows_launchable(tile, K):
+    """A rows tile: launchable, a PDL mode the launch knows, and BLOCK_N >= 16 (the weight rows
+    are tl.dot's row operand, which takes no fewer)."""
+    from tinyloop.kernels.gemv import ROWS_PDL_MODES
+    return len(tile) == 5 and _launchable(tile[:4], K) and tile[0] >= 16 and tile[4] in ROWS_PDL_MODES
+
+
 def test_fixed_tiles_are_launchable():
     """kernels.gemv.TILES and ROWS_TILES (the tiles fixed per device and shape) and the default
     tiles of the shapes they do not hold: each key names a shape and its options, each tile is
     one the kernel compiles (power-of-two blocks no wider than the padded K, a warp count
-    Triton takes)."""
+    Triton takes; for rows, a PDL mode and a row block tl.dot takes)."""
     from tinyloop.kernels.gemv import ROWS_TILES, TILES, default_rows_tile, default_tile
-    assert TILES, "no fixed tiles"
+    assert TILES and ROWS_TILES, "no fixed tiles"
     for rows, tables in ((False, TILES), (True, ROWS_TILES)):
         for device, table in tables.items():
             assert isinstance(device, str) and table, device
             for key, tile in table.items():
-                assert len(key) == 6 + rows and all(isinstance(v, int) and v > 0 for v in key[:2 + rows]), key
-                assert all(isinstance(v, bool) for v in key[2 + rows:]), key
-                assert _launchable(tile, key[1]), (key, tile)
+                # TILES: (N, K, norm, swiglu, residual, pdl); ROWS_TILES: (N, K, norm, swiglu, residual, BLOCK_M)
+                flags = key[2:5] if rows else key[2:]
+                assert len(key) == 6 and all(isinstance(v, int) and v > 0 for v in key[:2]), key
+                assert all(isinstance(v, bool) for v in flags), key
+                assert not rows or key[5] in (16, 32, 64), key
+                assert (_rows_launchable if rows else _launchable)(tile, key[1]), (key, tile)
     for K in (1, 64, 320, 704, 2048, 5632):
         assert _launchable(default_tile(K), K), K
-    for N in (256, 2048, 4096, 6144, 32000):
-        assert _launchable(default_rows_tile(N), 2048) and N / default_rows_tile(N)[0] >= 32, N
+    for N, bm in itertools.product((256, 2048, 4096, 6144, 32000), (16, 32, 64)):
+        assert _rows_launchable(default_rows_tile(N, bm), 2048) and N / default_rows_tile(N, bm)[0] >= 16, N
 
 
 @pytest.mark.gpu
@@ -301,7 +313,7 @@ def rows_case(lead, dtype, fusion, seed, N=ROWS_N, K=ROWS_K):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fusion", list(FUSIONS))
-@pytest.mark.parametrize("lead", [(2,), (2, 1), (3,), (3, 1), (16,), (16, 1)], ids=str)
+@pytest.mark.parametrize("lead", [(2,), (2, 1), (3,), (3, 1), (16,), (16, 1), (17, 1), (33,), (64, 1)], ids=str)
 def test_gemv_rows_match_ref(lead, fusion, dtype):
     x, w, kw = rows_case(lead, dtype, fusion, seed=len(lead) * 100 + lead[0])
     y = gemv(x, w, pdl=False, **kw)
@@ -330,8 +342,9 @@ def test_gemv_rows_bf16(fusion, pdl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fusion", list(FUSIONS))
 def test_gemv_rows_equal_one_row_calls(fusion, dtype):
-    """Row m of an M-row call is the M = 1 kernel's answer for that row alone: each row keeps
-    its own norm statistics, SwiGLU and residual."""
+    """Row m of an M-row call is the M = 1 kernel's answer for that row alone (within the
+    projection tolerance: another kernel): each row keeps its own norm statistics, SwiGLU and
+    residual."""
     M = 4
     x, w, kw = rows_case((M, 1), dtype, fusion, seed=7)
     y = gemv(x, w, **kw)
@@ -342,9 +355,9 @@ def test_gemv_rows_equal_one_row_calls(fusion, dtype):
 
 def test_gemv_rows_reject_bad_inputs():
     w = torch.randn(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(17, 16\) \(M = 17\)"):
-        gemv(torch.randn(17, 16, device=DEVICE), w)
-    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(3, 0, 16\) \(M = 0\)"):
+    with pytest.raises(ValueError, match=r"1 <= M <= 64 rows, got shape \(65, 16\) \(M = 65\)"):
+        gemv(torch.randn(65, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"1 <= M <= 64 rows, got shape \(3, 0, 16\) \(M = 0\)"):
         gemv(torch.randn(3, 0, 16, device=DEVICE), w)
     x = torch.randn(4, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"residual must have shape \(4, 1, 8\), got \(4, 8\)"):
@@ -486,8 +499,8 @@ def test_gemv_invariant_rejects_bad_inputs():
         gemv(torch.randn(3, 1, 16, device=DEVICE), w, invariant=True, argmax_key=new_key())
     with pytest.raises(ValueError, match=r"residual must have shape \(17, 8\), got \(1, 8\)"):
         gemv(torch.randn(17, 16, device=DEVICE), w, invariant=True, residual=torch.randn(1, 8, device=DEVICE))
-    with pytest.raises(ValueError, match=r"1 <= M <= 16 rows, got shape \(17, 16\) \(M = 17\); invariant=True"):
-        gemv(torch.randn(17, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"1 <= M <= 64 rows, got shape \(65, 16\) \(M = 65\); invariant=True"):
+        gemv(torch.randn(65, 16, device=DEVICE), w)
 
 
 # (name, N, K, fusion) of the decode step's projections with the options it fuses: bench-285m's
@@ -562,3 +575,27 @@ def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion, monkeyp
         gemv_mod.autotuning.cache_clear()
         gemv_mod._gemv_tuned.cache.clear()
         gemv_mod._PLAIN_CONFIG.clear()
+
+
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+def test_gemv_rows_of_one_block_do_not_depend_on_the_others(fusion):
+    """One BLOCK_M (`rows_block`) runs one tile: a row gives the same bits among 2, 9 or 16 rows
+    (at any place), and among 17 or 32, whatever the other rows hold."""
+    from tinyloop.kernels.gemv import rows_block
+    g = torch.Generator().manual_seed(11)
+    x, w, kw = rows_case((1,), torch.float32, fusion, seed=11)
+    res = kw.pop("residual", None)
+    for group in ((2, 9, 16), (17, 32)):
+        assert len({rows_block(M) for M in group}) == 1, group
+        outs = []
+        for M in group:
+            at = int(torch.randint(0, M, (1,), generator=g))
+            xs = (3 * torch.randn(M, x.shape[-1], generator=g)).to(DEVICE)
+            xs[at] = x[0]
+            one = dict(kw)
+            if res is not None:
+                r = torch.randn(M, res.shape[-1], generator=g).to(DEVICE)
+                r[at] = res[0]
+                one["residual"] = r
+            outs.append(gemv(xs, w, **one)[at])
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), group

@@ -173,7 +173,7 @@ def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable], ro
     """Every quantized weight of the model (fused ones included) on the Triton launchers, after
     model.use_fast_path; a block whose projections are quantized runs decode passes of up to
     `rows` rows (the INT4 launcher's limit) through its fused projections, whatever
-    Settings.fused_rows says for bf16 weights: the INT4 launcher runs M > 1 rows row by row
+    Settings.fused_rows says for bf16 weights (a block of both kinds: no more than `rows`): the INT4 launcher runs M > 1 rows row by row
     (each read from L2) or as its fused GEMM, where the unfused path would launch the GEMM and
     the norms, SwiGLU and residual adds apart. With several weight sets of the shared block
     (loop_variants), the L2 budget that Block.eviction gives the block is shared among them in
@@ -182,9 +182,12 @@ def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable], ro
         for w in vars(m).values():
             if isinstance(w, QuantWeight):
                 w.kernels = kernels
-        if isinstance(m, Block) and m.gemv is not None and not m.invariant and all(
-                isinstance(w, QuantWeight) for w in m.projections().values()):
-            m.gemv_rows = max(m.gemv_rows, rows)
+        if isinstance(m, Block) and m.gemv is not None and not m.invariant:
+            quantized = [isinstance(w, QuantWeight) for w in m.projections().values()]
+            if all(quantized):
+                m.gemv_rows = rows
+            elif any(quantized):  # the fused path's rows may not exceed what the INT4 launcher takes
+                m.gemv_rows = min(m.gemv_rows, rows)
     distinct = list({id(v): v for v in model.loop_variants}.values())
     if len(distinct) > 1:
         nbytes = [sum(w.nbytes for layer in v for w in layer.projections().values()) for v in distinct]

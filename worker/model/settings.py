@@ -11,6 +11,7 @@ EVICTION_POLICIES = ("evict_first", "evict_last", "")
 # the KV cache modes (worker/model/cache.py; docs/kv-cache.md): K/V, or the normalized layer
 # input h (model dtype, int8, int4) that K / V are rebuilt from, or h⁰ + int8 Δh per iteration
 KV_MODES = ("kv", "h", "h-int8", "h-int4", "delta-int8")
+MAX_FUSED_ROWS = 64  # the rows kernels/gemv.py's batched projection takes in one call (MAX_FUSED_ROWS)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class Settings:
             raise ValueError(f"backend must be 'torch' or 'triton', got {self.backend!r}")
         if self.prefill_graph_len < 0:
             raise ValueError(f"prefill_graph_len must be >= 0, got {self.prefill_graph_len}")
-        if not 1 <= self.fused_rows <= 16:
-            raise ValueError(f"fused_rows must be in [1, 16], got {self.fused_rows}")
+        if not 1 <= self.fused_rows <= MAX_FUSED_ROWS:
+            raise ValueError(f"fused_rows must be in [1, {MAX_FUSED_ROWS}], got {self.fused_rows}")
         if not 0.0 <= self.l2_keep_fraction <= 1.0:
             raise ValueError(f"l2_keep_fraction must be in [0, 1], got {self.l2_keep_fraction}")
         if self.l2_stream not in EVICTION_POLICIES:
