@@ -304,7 +304,8 @@ def default_tile(K: int) -> tuple[int, int, int, int]:
 # wait), "wait" (the wait first), "off" (a plain launch, which waits for the previous kernel to
 # finish); with PDL off (TINYLOOP_PDL=0) every launch is plain. Measured on the H200 by
 # bench/rows_tiles.py (rows-tiles-cuda.json: weights read from HBM, back-to-back calls in a
-# graph; the best mode of each of a sweep's three best plain tiles).
+# graph; the best mode of each of a sweep's three best plain tiles; at M = 4 and 16 for BLOCK_M 16,
+# M = 32 and 64 for the others).
 ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int, str]]] = {
     "NVIDIA H200": {
         (6144, 2048, True, False, False, 16): (64, 256, 4, 3, "prefetch"),
@@ -312,6 +313,17 @@ ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int, str]]] = {
         (5632, 2048, True, True, False, 16): (64, 256, 4, 3, "off"),
         (2048, 5632, False, False, True, 16): (16, 512, 4, 3, "off"),
         (32000, 2048, True, False, False, 16): (128, 64, 4, 6, "wait"),
+        (6144, 2048, True, False, False, 32): (64, 256, 4, 3, "wait"),
+        (2048, 2048, False, False, True, 32): (16, 256, 4, 6, "wait"),
+        (5632, 2048, True, True, False, 32): (64, 128, 8, 4, "wait"),
+        (2048, 5632, False, False, True, 32): (16, 256, 4, 6, "wait"),
+        (32000, 2048, True, False, False, 32): (128, 128, 8, 4, "wait"),
+        # 64 rows: slower than cuBLAS and the unfused ops for wqkv and w2 (Settings.fused_rows stops at 32)
+        (6144, 2048, True, False, False, 64): (64, 128, 8, 4, "prefetch"),
+        (2048, 2048, False, False, True, 64): (16, 256, 4, 4, "wait"),
+        (5632, 2048, True, True, False, 64): (64, 128, 8, 4, "wait"),
+        (2048, 5632, False, False, True, 64): (16, 256, 4, 4, "wait"),
+        (32000, 2048, True, False, False, 64): (128, 128, 8, 4, "prefetch"),
     },
 }
 ROWS_PDL_MODES = ("prefetch", "wait", "off")
@@ -323,7 +335,7 @@ def default_rows_tile(N: int, block_m: int = 16) -> tuple[int, int, int, int, st
     launches 128 programs, about one per SM), 64 beyond; tiles among the best of the H200 sweep
     whose shared-memory stages (weight tiles, SwiGLU's two, and the x tile of block_m rows) fit."""
     if N <= 4096:
-        return (16, 512, 4, 3, "off") if block_m == 16 else (16, 256, 4, 4, "off")
+        return (16, 512, 4, 3, "off") if block_m == 16 else (16, 256, 4, 6, "wait")
     return (64, 128, 8, 4, "wait")
 
 

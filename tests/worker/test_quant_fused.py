@@ -38,7 +38,7 @@ def fast(m: Model, rows: int) -> list[int]:
     rows_seen = []
     m._module.use_fast_path(rms_norm, route_gemv(gemv), gemv_rows=rows)
     quant_checkpoint.use_kernels(m._module, (lambda x, *a, **k: rows_seen.append(x.numel() // x.shape[-1])
-                                             or int4_gemv(x, *a, **k), int4_matmul))
+                                             or int4_gemv(x, *a, **k), int4_matmul), rows=rows)
     return rows_seen
 
 
@@ -84,7 +84,7 @@ def test_int4_batched_step_matches_the_reference(qpath):
 
 
 def test_quantized_blocks_run_batched_rows_fused(qpath):
-    """Model's set-up on the Triton path with Settings.fused_rows = 1 (the bf16 default): the
+    """Model's set-up on the Triton path with Settings.fused_rows = 1 (cuBLAS for batched bf16 steps): the
     quantized blocks still take a batched decode step's rows through the INT4 launcher
     (use_kernels' rows), a block with float weights keeps fused_rows, and three lanes' step
     matches the reference."""

@@ -169,7 +169,7 @@ def use_rounding(model: LoopedTransformer, rounding: str, seed: int = 0, dual_bi
     model.loop_variants = [] if variants == [model.loop] else variants
 
 
-def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable], rows: int = 1) -> None:
+def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable], rows: int) -> None:
     """Every quantized weight of the model (fused ones included) on the Triton launchers, after
     model.use_fast_path; a block whose projections are quantized runs decode passes of up to
     `rows` rows (the INT4 launcher's limit) through its fused projections, whatever

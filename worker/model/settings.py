@@ -19,9 +19,11 @@ class Settings:
     """backend: "torch" (reference ops, any device) or "triton" (CUDA); None: triton on CUDA.
     cuda_graphs: capture the runner's graphs at load; None: on CUDA. prefill_graph_len: the
     longest prompt the prefill graphs cover (0: prefill stays eager). fused_rows: decode steps
-    of up to this many lanes run the fused Triton projections (more lanes: cuBLAS, which reads
-    a weight once for every lane). l2_keep_fraction: the share of the device's L2 that the
-    shared block's largest projections may keep between iterations ("evict_last"); every
+    of up to this many lanes run the fused Triton projections (more lanes: cuBLAS and the
+    unfused norms, SwiGLU and residual adds; on the H200 the fused projections beat those up
+    to 32 rows and lose at 64: bench/results/rows-tiles-cuda.json). l2_keep_fraction: the
+    share of the device's L2 that the shared block's largest projections may keep between
+    iterations ("evict_last"); every
     other weight of a decode step loads with l2_stream, so that it passes through L2 without
     evicting them (a token reads the shared block L times and every other weight once).
     kv_mode: what the cache stores (KV_MODES); None: "kv".
@@ -50,7 +52,7 @@ class Settings:
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
-    fused_rows: int = 1
+    fused_rows: int = 32
     l2_keep_fraction: float = 0.7
     l2_stream: str = "evict_first"
     kv_mode: str | None = None
