@@ -48,13 +48,15 @@ def prompts(n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(n)]
 
 
-def batched(model: Model, ps: list[list[int]], loops: int, steps: int) -> tuple[float, list[list[int]]]:
-    """(ms per batched step, each stream's tokens): streams on lanes 0..len(ps)-1."""
+def batched(model: Model, ps: list[list[int]], loops: int | list[int], steps: int) -> tuple[float, list[list[int]]]:
+    """(ms per batched step, each stream's tokens): streams on lanes 0..len(ps)-1, stream i at
+    depth loops (or loops[i % len(loops)])."""
     b = Batcher(model.runner)
     out = []
+    depths = loops if isinstance(loops, list) else [loops]
     for lane, p in enumerate(ps):
-        ids, _ = b.join(model.start(model.make_request(p, loops=loops, max_tokens=steps + 1, stop_token_ids=[]),
-                                    lane))
+        req = model.make_request(p, loops=depths[lane % len(depths)], max_tokens=steps + 1, stop_token_ids=[])
+        ids, _ = b.join(model.start(req, lane))
         out.append(list(ids))
     return drain(model, b, out), out
 
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="also time the graphs with decode steps of up to this many lanes in the fused "
                          "projections (Settings.fused_rows; CUDA), same run, against --base-fused-rows; 0: not")
     ap.add_argument("--base-fused-rows", type=int, default=1, help="the graphs' Settings.fused_rows")
+    ap.add_argument("--mixed-depths", type=int, nargs="*", default=[],
+                    help="also time each --batch size with stream i at depth MIXED_DEPTHS[i %% n] (graphs, and "
+                         "the --fused-rows variant): ms per step and depth-weighted tokens/s (tokens x depth / --loops)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -158,6 +163,16 @@ def main(argv: list[str] | None = None) -> None:
             row["invariant_cost"] = row["invariant"]["ms_per_step"] / row["graphs"]["ms_per_step"] - 1
         if "fused" in row:
             row["fused_speedup"] = row["graphs"]["ms_per_step"] / row["fused"]["ms_per_step"]
+        if args.mixed_depths and B > 1:
+            depths = [args.mixed_depths[i % len(args.mixed_depths)] for i in range(B)]
+            weight = sum(depths) / B / args.loops
+            row["mixed"] = {"depths": depths}
+            for name, m in models:
+                if name in ("graphs", "fused") or not cuda:
+                    ms = sorted(batched(m, ps[:B], list(args.mixed_depths), args.steps)[0]
+                                for _ in range(args.repeat))[args.repeat // 2]
+                    row["mixed"][name] = {"ms_per_step": ms, "depth_weighted_tokens_per_s": B * weight * 1e3 / ms,
+                                          "vs_plain": B * weight * 1e3 / ms / row[name]["tokens_per_s"]}
         row["speedup_vs_alone"] = row["graphs" if cuda else "eager"]["tokens_per_s"] / (1e3 / result["alone_ms_per_token"])
         rows.append(row)
         best = row["graphs" if cuda else "eager"]
@@ -166,6 +181,10 @@ def main(argv: list[str] | None = None) -> None:
         if "fused" in row:
             print(f"     fused_rows={args.fused_rows}: {row['fused']['ms_per_step']:.3f} ms/step "
                   f"({row['fused_speedup']:.2f}x)")
+        for name, mx in (row.get("mixed") or {}).items():
+            if name != "depths":
+                print(f"     mixed depths, {name}: {mx['ms_per_step']:.3f} ms/step, depth-weighted "
+                      f"{mx['depth_weighted_tokens_per_s']:.0f} tok/s ({mx['vs_plain']:.2f}x plain)")
         if "invariant" in row:
             inv = row["invariant"]
             print(f"     invariant: {inv['ms_per_step']:.3f} ms/step ({row['invariant_cost']:+.1%}), "

@@ -354,12 +354,33 @@ def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residua
 
 
 def rows_tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
-              block_m: int = 16) -> tuple[int, int, int, int, str] | None:
-    """`tile` for M = 2..MAX_FUSED_ROWS rows (the same for every M of one `rows_block`):
-    ROWS_TILES', else the default; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a shape
-    ROWS_TILES lacks)."""
-    t = ROWS_TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, block_m))
-    return t or (None if autotuning() else default_rows_tile(N, block_m))
+              block_m: int = 16, elem_bytes: int = 2) -> tuple[int, int, int, int, str] | None:
+    """`tile` for M = 2..MAX_FUSED_ROWS rows of elem_bytes-byte elements (the same for every M of
+    one `rows_block`): ROWS_TILES' (measured, for 2-byte x and weights), else the default,
+    fitted to the shared memory its stages take; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a
+    shape ROWS_TILES lacks)."""
+    t = ROWS_TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, block_m)) \
+        if elem_bytes == 2 else None
+    if t is not None or autotuning():
+        return t
+    return fit_rows_tile(default_rows_tile(N, block_m), block_m, swiglu, elem_bytes)
+
+
+ROWS_SMEM_BYTES = 160 * 1024  # the stages a rows tile may stage in shared memory (Hopper: 227 KB a block)
+
+
+def fit_rows_tile(tile: tuple[int, int, int, int, str], block_m: int, swiglu: bool,
+                  elem_bytes: int) -> tuple[int, int, int, int, str]:
+    """tile with BLOCK_K, then num_stages, cut down until its pipelined stages (the weight tile,
+    SwiGLU's second one and the x tile, of elem_bytes-byte elements) fit ROWS_SMEM_BYTES: a
+    float32 model's rows, say, need twice a bf16 one's."""
+    bn, bk, warps, stages, mode = tile
+    per_k = (bn * (2 if swiglu else 1) + block_m) * elem_bytes
+    while stages * bk * per_k > ROWS_SMEM_BYTES and bk > 64:
+        bk //= 2
+    while stages * bk * per_k > ROWS_SMEM_BYTES and stages > 2:
+        stages -= 1
+    return bn, bk, warps, stages, mode
 
 
 @triton.jit
@@ -663,7 +684,7 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
                                                  BLOCK_N=16, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device) if pdl is None else pdl
-    t = rows_tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], bm)
+    t = rows_tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], bm, x.element_size())
     if t is None:
         _launch_tuned(_gemv_rows_tuned, N, args, y, x.dtype,
                       (N, K, weight.stride(0), x.device, pdl, bm, *flags.values()),

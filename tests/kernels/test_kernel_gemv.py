@@ -599,3 +599,16 @@ def test_gemv_rows_of_one_block_do_not_depend_on_the_others(fusion):
                 one["residual"] = r
             outs.append(gemv(xs, w, **one)[at])
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), group
+
+
+def test_default_rows_tiles_fit_the_shared_memory():
+    """A shape no table holds takes the default tile cut down to fit (`fit_rows_tile`): a
+    float32 model's rows stage twice a bf16 model's bytes, SwiGLU two weight tiles, a wider
+    BLOCK_M a wider x tile; the cut keeps the row block and the PDL mode."""
+    from tinyloop.kernels.gemv import ROWS_SMEM_BYTES, default_rows_tile, fit_rows_tile
+    for N, bm, swiglu, elem in itertools.product((448, 2048, 6144, 32000), (16, 32, 64), (False, True), (2, 4)):
+        tile = default_rows_tile(N, bm)
+        bn, bk, warps, stages, mode = fit_rows_tile(tile, bm, swiglu, elem)
+        assert (bn, warps, mode) == (tile[0], tile[2], tile[4]) and bk <= tile[1] and stages <= tile[3]
+        assert stages * bk * (bn * (1 + swiglu) + bm) * elem <= ROWS_SMEM_BYTES, (N, bm, swiglu, elem)
+        assert _rows_launchable((bn, bk, warps, stages, mode), 2048)
