@@ -114,7 +114,7 @@ CURRENT = [
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
-    ("sampling", "cuda"), ("profile-exit", "cuda"),
+    ("sampling", "cuda"), ("profile-exit", "cuda"), ("rows-tiles", "cuda"),
 ]
 
 
@@ -584,10 +584,48 @@ def batch_body(r: Result) -> str:
                      ms(ea.get("ms_per_step"), 2), count(ea.get("tokens_per_s")),
                      *([ms(iv.get("ms_per_step")), pct(100 * cost) if isnum(cost) else DASH,
                         text(iv.get("streams_equal_alone"))] if inv else [])])
-    return table(["streams", "ms per step", "tokens/s", "× one stream alone", "streams with the alone tokens",
-                  "eager: ms per step", "eager: tokens/s",
-                  *(["batch-invariant: ms per step", "its cost", "batch-invariant: streams with the alone tokens"]
-                    if inv else [])], rows) + "\n"
+    out = table(["streams", "ms per step", "tokens/s", "× one stream alone", "streams with the alone tokens",
+                 "eager: ms per step", "eager: tokens/s",
+                 *(["batch-invariant: ms per step", "its cost", "batch-invariant: streams with the alone tokens"]
+                   if inv else [])], rows) + "\n"
+    return out + batch_fused_table(d)
+
+
+def batch_fused_table(d: dict) -> str:
+    """The --fused-rows variant beside the graphs, and the --mixed-depths runs of both."""
+    rows = [row for row in d.get("rows") or [] if isinstance(row, dict) and isinstance(row.get("fused"), dict)]
+    if not rows:
+        return ""
+    base, fused = text(d.get("fused_rows")), text(d.get("variant_fused_rows"))
+    body = []
+    for row in rows:
+        mx = row.get("mixed") or {}
+        g, f = mx.get("graphs") or {}, mx.get("fused") or {}
+        body.append([text(row.get("streams")), ms(row["graphs"].get("ms_per_step")), ms(row["fused"].get("ms_per_step")),
+                     times(row.get("fused_speedup")), text(row["fused"].get("streams_equal_alone")),
+                     ms(g.get("ms_per_step")), times(g.get("vs_plain")), ms(f.get("ms_per_step")),
+                     times(f.get("vs_plain"))])
+    depths = next((r["mixed"]["depths"] for r in rows if isinstance(r.get("mixed"), dict)), None)
+    note = (f"\nMixed depths: stream i at depth {text(sorted(set(depths)))}[i mod {len(set(depths))}]; "
+            "\"× plain\" is the depth-weighted tokens/s (tokens × depth / L) over the plain batch's tokens/s, "
+            "same projections.\n" if depths else "")
+    return ("\n" + table(["streams", f"fused_rows = {base}: ms per step", f"fused_rows = {fused}: ms per step",
+                          "speedup", "fused: streams with the alone tokens", "mixed depths: ms per step", "× plain",
+                          "mixed, fused: ms per step", "× plain"], body) + note)
+
+
+def rows_tiles_body(r: Result) -> str:
+    rows = []
+    for name, shape in (r.data.get("shapes") or {}).items():
+        for M, row in (shape.get("M") or {}).items():
+            best = row.get("best") or {}
+            rows.append([code(name), f"{text(shape.get('N'))} × {text(shape.get('K'))}", text(shape.get("fusion")),
+                         text(M), num(shape.get("floor_us"), ".1f"), num(row.get("cublas_us"), ".1f"),
+                         num(row.get("unfused_us"), ".1f"), num(row.get("table_us"), ".1f"),
+                         code(row.get("table_tile")), num(best.get("us"), ".1f"),
+                         code(f"{best.get('tile')} {best.get('mode')}") if best else DASH])
+    return table(["projection", "N × K", "fused", "M", "floor", "cuBLAS alone", "unfused ops", "fused, the table's tile",
+                  "tile", "best of the sweep", "its tile"], rows or [[DASH] * 11]) + "\n"
 
 
 def prefill_extra(r: Result) -> list[str]:
@@ -1044,6 +1082,10 @@ GEMV_INTRO = ("`bench/gemv.py`: each projection of bench-285m at batch 1, back-t
 BATCH_INTRO = ("`bench/batch.py`: B streams on B lanes, each with its own random prompt, stepped together by the "
                "worker's `Batcher` from captured batched stages, pipelined; the figure includes the sampling and "
                "the host sync. \"Alone\" is one stream's pipelined batch-1 decode on the same model in the same run.")
+ROWS_TILES_INTRO = ("`bench/rows_tiles.py`: the fused projection of M = 2..64 rows (`kernels/gemv.py`'s batched "
+                    "kernel, the fusion of a batched decode step on) per bench-285m projection, µs a call with "
+                    "weights read from HBM, against cuBLAS alone and the unfused ops it replaces (the norm kernel, "
+                    "cuBLAS, SiLU·up, the residual add); the table's tile (`ROWS_TILES`) and the sweep's best.")
 PREFILL_INTRO = ("`bench/prefill.py`: a prompt's prefill through captured stage graphs, against the eager "
                  "`PlainDecoder`.")
 WARM_INTRO = ("`bench/warmstart.py`: greedy; `build_resume_handle` runs the prompt to L_mid, `resume_generate` goes on "
@@ -1089,6 +1131,7 @@ def render(results: Path = RESULTS) -> str:
         section("Where the decode step's time goes", PROFILE_INTRO, n(("profile-decode", "cuda")), profile_body),
         section("The projections alone", GEMV_INTRO, n(("gemv", "cuda")), gemv_body),
         section("Batched decode", BATCH_INTRO, n(("batch", "cuda")), batch_body, batch_extra),
+        section("The batched projections' tiles", ROWS_TILES_INTRO, n(("rows-tiles", "cuda")), rows_tiles_body),
         section("Prefill", PREFILL_INTRO, n(("prefill", "cuda")), prefill_body, prefill_extra),
         section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),
         section("Self-speculative decoding", SPEC_INTRO, n(("speculative", "cuda")), speculative_body,
