@@ -14,8 +14,8 @@ alone in the batcher steps exactly as it would outside it (DecodeState's pipelin
 On CPU a lane of the batch is bitwise the step it would take alone: every op of a decode
 step is row-independent, and the projections run row by row (`modules.linear`), so each
 stream's tokens are exactly those of `Model.stream` (tests/worker/test_batcher.py). On CUDA
-the batched projections are one GEMM over the lanes, so a lane equals its step alone up to
-the GEMM's rounding (tests/worker/test_gpu_engine.py).
+the batched projections are one launch over the lanes, so a lane equals its step alone up to
+its rounding (tests/worker/test_gpu_engine.py).
 
 All calls run on the worker's one step thread (never two at once).
 """
