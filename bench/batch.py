@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-depths", type=int, nargs="*", default=[],
                     help="also time each --batch size with stream i at depth MIXED_DEPTHS[i %% n] (graphs, and "
                          "the --fused-rows variant): ms per step and depth-weighted tokens/s (tokens x depth / --loops)")
+    ap.add_argument("--name", default="batch", help="the result file's name before -DEVICE.json "
+                    "(batch-fused: the fused and mixed-depth A/B, its own report section)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"     invariant: {inv['ms_per_step']:.3f} ms/step ({row['invariant_cost']:+.1%}), "
                   f"streams equal alone: {inv['streams_equal_alone']}/{B}")
         result["rows"] = rows
-        write(f"batch-{dev.type}", result, args.out_dir)
+        write(f"{args.name}-{dev.type}", result, args.out_dir)
     print(f"alone: {result['alone_ms_per_token']:.3f} ms/token")
 
 

@@ -115,6 +115,7 @@ CURRENT = [
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
     ("sampling", "cuda"), ("profile-exit", "cuda"), ("rows-tiles", "cuda"),
+    ("batch-fused", "cuda"),
 ]
 
 
@@ -584,11 +585,14 @@ def batch_body(r: Result) -> str:
                      ms(ea.get("ms_per_step"), 2), count(ea.get("tokens_per_s")),
                      *([ms(iv.get("ms_per_step")), pct(100 * cost) if isnum(cost) else DASH,
                         text(iv.get("streams_equal_alone"))] if inv else [])])
-    out = table(["streams", "ms per step", "tokens/s", "× one stream alone", "streams with the alone tokens",
-                 "eager: ms per step", "eager: tokens/s",
-                 *(["batch-invariant: ms per step", "its cost", "batch-invariant: streams with the alone tokens"]
-                   if inv else [])], rows) + "\n"
-    return out + batch_fused_table(d)
+    return table(["streams", "ms per step", "tokens/s", "× one stream alone", "streams with the alone tokens",
+                  "eager: ms per step", "eager: tokens/s",
+                  *(["batch-invariant: ms per step", "its cost", "batch-invariant: streams with the alone tokens"]
+                    if inv else [])], rows) + "\n"
+
+
+def batch_fused_body(r: Result) -> str:
+    return batch_fused_table(r.data) or table(["streams"], [[DASH]]) + "\n"
 
 
 def batch_fused_table(d: dict) -> str:
@@ -606,12 +610,12 @@ def batch_fused_table(d: dict) -> str:
                      ms(g.get("ms_per_step")), times(g.get("vs_plain")), ms(f.get("ms_per_step")),
                      times(f.get("vs_plain"))])
     depths = next((r["mixed"]["depths"] for r in rows if isinstance(r.get("mixed"), dict)), None)
-    note = (f"\nMixed depths: stream i at depth {text(sorted(set(depths)))}[i mod {len(set(depths))}]; "
+    note = (f"\n\nMixed depths: stream i at depth ({text(sorted(set(depths)))})[i mod {len(set(depths))}]; "
             "\"× plain\" is the depth-weighted tokens/s (tokens × depth / L) over the plain batch's tokens/s, "
             "same projections.\n" if depths else "")
-    return ("\n" + table(["streams", f"fused_rows = {base}: ms per step", f"fused_rows = {fused}: ms per step",
+    return (table(["streams", f"fused_rows = {base}: ms per step", f"fused_rows = {fused}: ms per step",
                           "speedup", "fused: streams with the alone tokens", "mixed depths: ms per step", "× plain",
-                          "mixed, fused: ms per step", "× plain"], body) + note)
+                          "mixed, fused: ms per step", "× plain"], body) + (note or "\n"))
 
 
 def rows_tiles_body(r: Result) -> str:
@@ -1082,6 +1086,10 @@ GEMV_INTRO = ("`bench/gemv.py`: each projection of bench-285m at batch 1, back-t
 BATCH_INTRO = ("`bench/batch.py`: B streams on B lanes, each with its own random prompt, stepped together by the "
                "worker's `Batcher` from captured batched stages, pipelined; the figure includes the sampling and "
                "the host sync. \"Alone\" is one stream's pipelined batch-1 decode on the same model in the same run.")
+BATCH_FUSED_INTRO = ("`bench/batch.py --fused-rows N --mixed-depths ...`: the batched step as above with its "
+                     "projections on cuBLAS and the unfused ops (`Settings.fused_rows` at the base) against the fused "
+                     "projections, same run; and a batch of mixed depths on each, its rows deepest first so that "
+                     "each iteration runs the smallest captured bucket holding the rows still going.")
 ROWS_TILES_INTRO = ("`bench/rows_tiles.py`: the fused projection of M = 2..64 rows (`kernels/gemv.py`'s batched "
                     "kernel, the fusion of a batched decode step on) per bench-285m projection, µs a call with "
                     "weights read from HBM, against cuBLAS alone and the unfused ops it replaces (the norm kernel, "
@@ -1131,6 +1139,8 @@ def render(results: Path = RESULTS) -> str:
         section("Where the decode step's time goes", PROFILE_INTRO, n(("profile-decode", "cuda")), profile_body),
         section("The projections alone", GEMV_INTRO, n(("gemv", "cuda")), gemv_body),
         section("Batched decode", BATCH_INTRO, n(("batch", "cuda")), batch_body, batch_extra),
+        section("Batched decode: fused projections and mixed depths", BATCH_FUSED_INTRO, n(("batch-fused", "cuda")),
+                batch_fused_body, batch_extra),
         section("The batched projections' tiles", ROWS_TILES_INTRO, n(("rows-tiles", "cuda")), rows_tiles_body),
         section("Prefill", PREFILL_INTRO, n(("prefill", "cuda")), prefill_body, prefill_extra),
         section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),

@@ -126,6 +126,22 @@ def test_batch_bench_cpu(tmp_path):
         assert row["eager"]["streams_equal_alone"] == row["streams"] and row["eager"]["tokens_per_s"] > 0
 
 
+def test_batch_bench_mixed_depths_cpu(tmp_path):
+    """--mixed-depths: each batch of B > 1 streams again with stream i at depth d[i % n], written
+    under --name: its step time and the depth-weighted tokens/s over the plain batch's."""
+    batch.main(["--device", "cpu", "--preset", "tiny", "--batch", "1", "4", "--context", "8", "--steps", "3",
+                "--repeat", "1", "--loops", "2", "--mixed-depths", "1", "3", "--name", "batch-mixed",
+                "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "batch-mixed-cpu.json").read_text())
+    one, four = r["rows"]
+    assert "mixed" not in one
+    mx = four["mixed"]
+    assert mx["depths"] == [1, 3, 1, 3] and mx["eager"]["ms_per_step"] > 0
+    assert mx["eager"]["depth_weighted_tokens_per_s"] == pytest.approx(4 * (8 / 4 / 2) * 1e3 / mx["eager"]["ms_per_step"])
+    assert mx["eager"]["vs_plain"] == pytest.approx(
+        mx["eager"]["depth_weighted_tokens_per_s"] / four["eager"]["tokens_per_s"])
+
+
 def test_service_bench_cpu(tmp_path):
     """bench/service.py end to end, in a subprocess (it starts and stops its own Ray). In fp32 the
     speculative streams equal the plain greedy ones, in-process and through the service, and the
@@ -266,6 +282,7 @@ def test_ab_bench_cpu(tmp_path, monkeypatch):
 
     from bench import ab
     from tinyloop.worker.api import Model as ApiModel
+    from tinyloop.worker.model.settings import Settings
     built = []
     monkeypatch.setattr(ab, "Model", lambda *a, settings, **kw: built.append(settings) or ApiModel(
         *a, settings=settings, **kw))
@@ -285,7 +302,9 @@ def test_ab_bench_cpu(tmp_path, monkeypatch):
                                           "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=128"]
     assert r["variants"]["rows2"] == ["settings.fused_rows=2", "settings.l2_keep_fraction=0.5"]
     # base and one_stage share a model; rows2 has its own, each with the environment's l2_stream
-    assert len(built) == 2 and built[0] == built[1].replace(fused_rows=1, l2_keep_fraction=0.7)
+    default = Settings()
+    assert len(built) == 2 and built[0] == built[1].replace(fused_rows=default.fused_rows,
+                                                            l2_keep_fraction=default.l2_keep_fraction)
     assert (built[1].fused_rows, built[1].l2_keep_fraction, built[1].l2_stream, built[1].cuda_graphs) == (
         2, 0.5, "", False)
     assert r["settings"]["rows2"]["fused_rows"] == 2 and r["settings"]["base"] == r["settings"]["one_stage"]
