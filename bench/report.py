@@ -1107,8 +1107,9 @@ PROFILE_SPEC_INTRO = ("`bench/profile_speculative.py`: a speculative round's par
                       "default model, and one greedy generate of each kind against the GPU's busy time (the gap is "
                       "the GPU waiting on the host).")
 GEMV_INV_INTRO = ("`bench/gemv_invariant.py`: bench-285m's projections with their fused options, M rows a call: "
-                  "the batch-invariant path (every row through the M = 1 kernel), today's (the M = 1 kernel, the "
-                  "batched tl.dot kernel for 2 to 16 rows) and cuBLAS, microseconds a call, weights read from HBM.")
+                  "the batch-invariant path (every row through the M = 1 kernel), the default path of the run's "
+                  "commit (the M = 1 kernel, the batched tl.dot kernel for more rows) and cuBLAS, microseconds a "
+                  "call, weights read from HBM.")
 SAMPLING_INTRO = ("`bench/sampling.py`: sampled decoding against greedy on the embedded default model, one stream "
                   "alone and a batch whose streams sample together (all on one sampler, or each on its own "
                   "temperature, top-k, top-p and penalty), with the sampler replayed as one graph per row bucket "
