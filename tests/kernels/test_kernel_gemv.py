@@ -369,9 +369,11 @@ def test_gemv_rows_reject_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("N,K,swiglu", GPU_SHAPES)
-@pytest.mark.parametrize("M", [2, 4, 8, 16])
+@pytest.mark.parametrize("M", [2, 4, 8, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_gemv_rows_gpu_bf16_shapes(N, K, swiglu, M, pdl):
+    """Every row block (16, 32, 64 rows) at bench-285m's shapes, with each fusion: the tabled
+    tiles where the key matches, the fitted defaults elsewhere."""
     torch.manual_seed(M)
     x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
