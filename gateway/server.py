@@ -748,14 +748,20 @@ class Gateway:
         deadline = time.monotonic() + grace
         while self.servicer.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        floor = 0.0
         if self.servicer.streams:
             # streams still going at the end of the grace end with UNAVAILABLE / DRAINING, not
             # with grpc's reason-less "Cancelling all calls"
-            self.servicer.cut = set(self.servicer.streams)
-            for task in self.servicer.cut:
+            cut = self.servicer.cut = set(self.servicer.streams)
+            for task in cut:
                 task.cancel()
-            await asyncio.sleep(0.1)
-        await self.server.stop(max(0.0, deadline - time.monotonic()))
+            # each cut stream's handler sends its status before the server stops, and the stop
+            # leaves the connections open a moment for it to reach the client: a stop right after
+            # the cancel can close a connection with the status unsent (the client then reads a
+            # bare UNAVAILABLE)
+            await asyncio.wait(cut, timeout=1.0)
+            floor = 0.5
+        await self.server.stop(max(floor, deadline - time.monotonic()))
         for w in self.servicer.workers:
             await w.close()
 
