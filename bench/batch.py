@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> None:
                          "projections (Settings.fused_rows; CUDA), same run, against --base-fused-rows; 0: not")
     ap.add_argument("--base-fused-rows", type=int, default=1, help="the graphs' Settings.fused_rows")
     ap.add_argument("--mixed-depths", type=int, nargs="*", default=[],
-                    help="also time each --batch size with stream i at depth MIXED_DEPTHS[i %% n] (graphs, and "
-                         "the --fused-rows variant): ms per step and depth-weighted tokens/s (tokens x depth / --loops)")
+                    help="also time each --batch size with stream i at depth MIXED_DEPTHS[i %% n] (graphs, "
+                         "and the --fused-rows variant): ms per step and depth-weighted tokens/s "
+                         "(tokens x depth / --loops)")
     ap.add_argument("--name", default="batch", help="the result file's name before -DEVICE.json "
                     "(batch-fused: the fused and mixed-depth A/B, its own report section)")
     ap.add_argument("--out-dir", default=None)
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     kw = dict(max_seq_len=args.context + args.steps + 64, device=dev, dtype=dtype, n_slots=lanes,
               prefill_graph_len=args.context)
     base = Settings(fused_rows=args.base_fused_rows)
-    graphs, eager = Model(path, cuda_graphs=cuda, settings=base, **kw), Model(path, cuda_graphs=False, settings=base, **kw)
+    graphs = Model(path, cuda_graphs=cuda, settings=base, **kw)
+    eager = Model(path, cuda_graphs=False, settings=base, **kw)
     fused = Model(path, cuda_graphs=True, settings=base.replace(fused_rows=args.fused_rows), **kw) \
         if cuda and args.fused_rows else None
     invariant = Model(path, cuda_graphs=True, settings=Settings(batch_invariant=True), **kw) \
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             row["mixed"] = {"depths": depths}
             for name, m in models:
                 if name in ("graphs", "fused") or not cuda:
-                    ms = sorted(batched(m, ps[:B], list(args.mixed_depths), args.steps)[0]
+                    ms = sorted(batched(m, ps[:B], depths, args.steps)[0]
                                 for _ in range(args.repeat))[args.repeat // 2]
                     row["mixed"][name] = {"ms_per_step": ms, "depth_weighted_tokens_per_s": B * weight * 1e3 / ms,
                                           "vs_plain": B * weight * 1e3 / ms / row[name]["tokens_per_s"]}

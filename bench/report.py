@@ -605,17 +605,17 @@ def batch_fused_table(d: dict) -> str:
     for row in rows:
         mx = row.get("mixed") or {}
         g, f = mx.get("graphs") or {}, mx.get("fused") or {}
-        body.append([text(row.get("streams")), ms(row["graphs"].get("ms_per_step")), ms(row["fused"].get("ms_per_step")),
-                     times(row.get("fused_speedup")), text(row["fused"].get("streams_equal_alone")),
-                     ms(g.get("ms_per_step")), times(g.get("vs_plain")), ms(f.get("ms_per_step")),
-                     times(f.get("vs_plain"))])
+        body.append([text(row.get("streams")), ms(row["graphs"].get("ms_per_step")),
+                     ms(row["fused"].get("ms_per_step")), times(row.get("fused_speedup")),
+                     text(row["fused"].get("streams_equal_alone")), ms(g.get("ms_per_step")), times(g.get("vs_plain")),
+                     ms(f.get("ms_per_step")), times(f.get("vs_plain"))])
     depths = next((r["mixed"]["depths"] for r in rows if isinstance(r.get("mixed"), dict)), None)
     note = (f"\n\nMixed depths: stream i at depth ({text(sorted(set(depths)))})[i mod {len(set(depths))}]; "
             "\"× plain\" is the depth-weighted tokens/s (tokens × depth / L) over the plain batch's tokens/s, "
             "same projections.\n" if depths else "")
-    return (table(["streams", f"fused_rows = {base}: ms per step", f"fused_rows = {fused}: ms per step",
-                          "speedup", "fused: streams with the alone tokens", "mixed depths: ms per step", "× plain",
-                          "mixed, fused: ms per step", "× plain"], body) + (note or "\n"))
+    return table(["streams", f"fused_rows = {base}: ms per step", f"fused_rows = {fused}: ms per step", "speedup",
+                  "fused: streams with the alone tokens", "mixed depths: ms per step", "× plain",
+                  "mixed, fused: ms per step", "× plain"], body) + (note or "\n")
 
 
 def rows_tiles_body(r: Result) -> str:
@@ -628,8 +628,8 @@ def rows_tiles_body(r: Result) -> str:
                          num(row.get("unfused_us"), ".1f"), num(row.get("table_us"), ".1f"),
                          code(row.get("table_tile")), num(best.get("us"), ".1f"),
                          code(f"{best.get('tile')} {best.get('mode')}") if best else DASH])
-    return table(["projection", "N × K", "fused", "M", "floor", "cuBLAS alone", "unfused ops", "fused, the table's tile",
-                  "tile", "best of the sweep", "its tile"], rows or [[DASH] * 11]) + "\n"
+    return table(["projection", "N × K", "fused", "M", "floor", "cuBLAS alone", "unfused ops",
+                  "fused, the table's tile", "tile", "best of the sweep", "its tile"], rows or [[DASH] * 11]) + "\n"
 
 
 def prefill_extra(r: Result) -> list[str]:

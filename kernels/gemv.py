@@ -300,12 +300,12 @@ def default_tile(K: int) -> tuple[int, int, int, int]:
 
 # The M = 2..64 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages, PDL mode) per device, shape and
 # BLOCK_M (N, K, norm, swiglu, residual, `rows_block(M)`), one tile for every M of a BLOCK_M, so a
-# row's value does not depend on how many rows ride with it there. The PDL mode: "prefetch" (the first weight tile loaded before the
-# wait), "wait" (the wait first), "off" (a plain launch, which waits for the previous kernel to
-# finish); with PDL off (TINYLOOP_PDL=0) every launch is plain. Measured on the H200 by
-# bench/rows_tiles.py (rows-tiles-cuda.json: weights read from HBM, back-to-back calls in a
-# graph; the best mode of each of a sweep's three best plain tiles; at M = 4 and 16 for BLOCK_M 16,
-# M = 32 and 64 for the others).
+# row's value does not depend on how many rows ride with it there. The PDL mode: "prefetch" (the
+# first weight tile loaded before the wait), "wait" (the wait first), "off" (a plain launch, which
+# waits for the previous kernel to finish); with PDL off (TINYLOOP_PDL=0) every launch is plain.
+# Measured on the H200 by bench/rows_tiles.py (rows-tiles-cuda.json: weights read from HBM,
+# back-to-back calls in a graph; the best mode of each of a sweep's three best plain tiles; at
+# M = 4 and 16 for BLOCK_M 16, M = 32 and 64 for the others).
 ROWS_TILES: dict[str, dict[tuple, tuple[int, int, int, int, str]]] = {
     "NVIDIA H200": {
         (6144, 2048, True, False, False, 16): (64, 256, 4, 3, "prefetch"),
@@ -432,10 +432,10 @@ def _gemv_rows_kernel(
 ):
     """_gemv_kernel for 2 <= M <= BLOCK_M rows of x (BLOCK_M: 16, 32 or 64): each weight tile is
     loaded once and applied to every row by one tl.dot of the tile with the (BLOCK_M, BLOCK_K) x
-    tile's transpose (rows >= M zero), accumulating y's transposed (BLOCK_N, BLOCK_M) tile in fp32. The weight
-    rows are the dot's M side ("swap AB"): a (BLOCK_N >= 16) row block fills the tensor cores'
-    16-row operand, where x's few rows would leave most of it padding, so a tile costs about
-    what its weight read costs at any M."""
+    tile's transpose (rows >= M zero), accumulating y's transposed (BLOCK_N, BLOCK_M) tile in
+    fp32. The weight rows are the dot's M side ("swap AB"): a (BLOCK_N >= 16) row block fills the
+    tensor cores' 16-row operand, where x's few rows would leave most of it padding, so a tile
+    costs about what its weight read costs at any M."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns n = rows of W
     row_mask = rows < N
@@ -496,9 +496,9 @@ def _gemv_rows_kernel(
     tl.store(y_ptr + out_offs, y.to(dtype).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# The autotuner's (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..16 (TINYLOOP_AUTOTUNE=1,
+# The autotuner's (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..64 (TINYLOOP_AUTOTUNE=1,
 # a shape ROWS_TILES lacks): the best of the H200 sweep (bench/rows_tiles.py) across bench-285m's
-# projections. Even at M = 16 a call does 16 FLOPs per weight byte, far below the tensor cores'
+# projections. Even at M = 64 a call does 64 FLOPs per weight byte, below the tensor cores'
 # ridge: a tile's job is to keep enough of the weight read in flight on every SM.
 _ROWS_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)

@@ -614,3 +614,11 @@ def test_default_rows_tiles_fit_the_shared_memory():
         assert (bn, warps, mode) == (tile[0], tile[2], tile[4]) and bk <= tile[1] and stages <= tile[3]
         assert stages * bk * (bn * (1 + swiglu) + bm) * elem <= ROWS_SMEM_BYTES, (N, bm, swiglu, elem)
         assert _rows_launchable((bn, bk, warps, stages, mode), 2048)
+
+
+def test_settings_take_the_rows_the_kernel_takes():
+    """worker/model/settings.py keeps its own copy of the batched kernel's row limit (the gateway
+    imports settings without torch or triton): the two stay one number."""
+    from tinyloop.kernels.gemv import MAX_FUSED_ROWS
+    from tinyloop.worker.model import settings
+    assert settings.MAX_FUSED_ROWS == MAX_FUSED_ROWS

@@ -173,8 +173,8 @@ def use_kernels(model: LoopedTransformer, kernels: tuple[Callable, Callable], ro
     """Every quantized weight of the model (fused ones included) on the Triton launchers, after
     model.use_fast_path; a block whose projections are quantized runs decode passes of up to
     `rows` rows (the INT4 launcher's limit) through its fused projections, whatever
-    Settings.fused_rows says for bf16 weights (a block of both kinds: no more than `rows`): the INT4 launcher runs M > 1 rows row by row
-    (each read from L2) or as its fused GEMM, where the unfused path would launch the GEMM and
+    Settings.fused_rows says for bf16 weights (a block of both kinds: no more than `rows`): the
+    INT4 launcher runs M > 1 rows row by row (each read from L2) or as its fused GEMM, where the unfused path would launch the GEMM and
     the norms, SwiGLU and residual adds apart. With several weight sets of the shared block
     (loop_variants), the L2 budget that Block.eviction gives the block is shared among them in
     proportion to their bytes, since they are all read by one token."""

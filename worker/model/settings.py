@@ -11,7 +11,9 @@ EVICTION_POLICIES = ("evict_first", "evict_last", "")
 # the KV cache modes (worker/model/cache.py; docs/kv-cache.md): K/V, or the normalized layer
 # input h (model dtype, int8, int4) that K / V are rebuilt from, or h⁰ + int8 Δh per iteration
 KV_MODES = ("kv", "h", "h-int8", "h-int4", "delta-int8")
-MAX_FUSED_ROWS = 64  # the rows kernels/gemv.py's batched projection takes in one call (MAX_FUSED_ROWS)
+# the rows kernels/gemv.py's batched projection takes in one call (its MAX_FUSED_ROWS; a copy, so that
+# the gateway can import this module without torch: tests/kernels/test_kernel_gemv.py keeps them equal)
+MAX_FUSED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -23,9 +25,9 @@ class Settings:
     unfused norms, SwiGLU and residual adds; on the H200 the fused projections beat those up
     to 32 rows and lose at 64: bench/results/rows-tiles-cuda.json). l2_keep_fraction: the
     share of the device's L2 that the shared block's largest projections may keep between
-    iterations ("evict_last"); every
-    other weight of a decode step loads with l2_stream, so that it passes through L2 without
-    evicting them (a token reads the shared block L times and every other weight once).
+    iterations ("evict_last"); every other weight of a decode step loads with l2_stream, so that
+    it passes through L2 without evicting them (a token reads the shared block L times and every
+    other weight once).
     kv_mode: what the cache stores (KV_MODES); None: "kv".
     cancel_round / cross_iter_round: a quantized model's shared block alternates its rounding
     between even and odd iterations (the file's sign channel), or draws it per iteration
