@@ -154,7 +154,8 @@ class Model:
                          else settings.device_rounds)
         self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len,
                                                                device_rounds=device_rounds,
-                                                               sampler_graphs=settings.sampler_graphs))
+                                                               sampler_graphs=settings.sampler_graphs,
+                                                               interleave=settings.interleave))
         self.n_slots = n_slots
         # seconds by part and graph count: what a worker's start-up cost (the actor logs it)
         self.startup = self.runner.startup

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.generation.batcher import Batcher
+from tinyloop.worker.generation.batcher import Batcher, chunk_passes
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
 from tinyloop.worker.runner.stages import BatchStep
 
@@ -65,9 +65,9 @@ def _alone(model, req, lane):
         return ids, stop.value, logits
 
 
-def _batched(model, reqs, schedule, poison: bool):
+def _batched(model, reqs, schedule, poison: bool, interleave: bool = True):
     """Drive a Batcher the way the actor does: joins and cancels between steps."""
-    b = Batcher(model.runner)
+    b = Batcher(model.runner, interleave=interleave)
     if poison:
         # Every layer and position of every stream lane: whatever a stream reads it must have
         # written itself, or its logits would not be bitwise those it gets alone. (Finite, not
@@ -252,11 +252,14 @@ def test_generate_batch_runs_in_waves(tiny_path, model, monkeypatch):
     kw = dict(per_lane_loops=[2, 8, 5, 3, 1], max_tokens=7, temperature=0.9, top_k=40, seed=[1, 2, 3, 4, 5])
     with Model(tiny_path, max_seq_len=64, n_slots=2) as two:
         prefills, steps = [], []
-        prefill, decode = Runner.prefill, Runner.decode
+        prefill, decode, interleave = Runner.prefill, Runner.decode, Runner.interleave
         monkeypatch.setattr(Runner, "prefill", lambda self, lane, *a, **k: (
             prefills.append(lane) if self is two.runner else None) or prefill(self, lane, *a, **k))
         monkeypatch.setattr(Runner, "decode", lambda self, lanes, *a, **k: (
             steps.append(list(lanes)) if self is two.runner else None) or decode(self, lanes, *a, **k))
+        # a wave's two streams run at different depths: interleaved launches
+        monkeypatch.setattr(Runner, "interleave", lambda self, lanes, *a, **k: (
+            steps.append(list(lanes)) if self is two.runner else None) or interleave(self, lanes, *a, **k))
         got = two.generate_batch(prompts, **kw)
         monkeypatch.undo()
         assert prefills == [0, 1, 0, 1, 0]  # three waves
@@ -295,7 +298,7 @@ def test_mixed_depths_replay_each_iteration_over_the_rows_that_need_it(tiny_path
     with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
         want = [m.generate(p, loops=L, max_tokens=6)[len(p):] for p, L in jobs]
         graphs = with_stage_graphs(m, range(1, 9))
-        b = Batcher(m.runner)
+        b = Batcher(m.runner, interleave=False)  # the whole-token steps (interleaving: below)
         got = {}
         for lane, (p, L) in enumerate(jobs):
             ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=6), lane))
@@ -307,3 +310,112 @@ def test_mixed_depths_replay_each_iteration_over_the_rows_that_need_it(tiny_path
         first = [(bk, s) for bk, s in graphs.replayed("batch")][:10]
     # six rows in the 8 bucket: iteration 0 all six, 1 four (bucket 4), 2 three (4), 3..7 two (2)
     assert first == [(8, "prelude"), (8, 0), (4, 1), (4, 2), (2, 3), (2, 4), (2, 5), (2, 6), (2, 7), (8, "coda")]
+
+
+def _run_batcher(m, jobs, max_tokens, interleave=True):
+    """Every job joined at once, the batcher stepped to its end: each job's tokens."""
+    b = Batcher(m.runner, interleave=interleave)
+    got = {}
+    for lane, (p, L) in enumerate(jobs):
+        ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=max_tokens), lane))
+        got[lane] = list(ids)
+    while b:
+        for lane, (ids, _) in b.step().items():
+            got[lane].extend(ids)
+    return [got[i] for i in range(len(jobs))]
+
+
+def test_interleaved_rows_each_run_their_own_iterations(tiny_path):
+    """Through the interleaved stage graphs (EagerGraphs): one launch is a number of passes
+    over every row, each at its own iteration, and only the rows whose token ends get the
+    coda; a shallow stream decodes several tokens while a deep one decodes one, and every
+    stream gets exactly its standalone tokens."""
+    jobs = [([3, 17, 42], 1), ([9, 8, 7, 6], 8), ([5] * 6, 2), ([1, 2], 8), ([77, 78, 79], 3), ([4, 4], 1)]
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        want = [m.generate(p, loops=L, max_tokens=6)[len(p):] for p, L in jobs]
+        graphs = with_stage_graphs(m, range(1, 9))
+        calls = []
+        interleave = m.runner.interleave
+        m.runner.interleave = lambda lanes, tokens, positions, depths, starts, passes, **k: (
+            calls.append((list(depths), list(starts), passes)) or interleave(lanes, tokens, positions, depths,
+                                                                              starts, passes, **k))
+        assert _run_batcher(m, jobs, 6) == want
+        replays = graphs.replayed("interleaved")
+        # once only the two depth-8 streams are left, at a token boundary: whole-token steps
+        assert {bk for bk, _ in graphs.replayed("batch")} <= {2}
+        overhead = m.runner.pass_overhead
+    depths, starts, passes = calls[0]
+    assert starts == [0] * 6 and passes == chunk_passes(depths, overhead)
+    # the first launch: every row embeds its token, `passes` passes, the coda for the rows done
+    first = replays[:passes + 3]
+    assert first == [(8, s) for s in ["prelude", *["iter"] * passes, "save", "coda"]]
+    assert sum(s == "iter" for _, s in replays) == sum(c[2] for c in calls)  # every pass replayed
+    # the shallow streams decoded while the deep ones were mid-token: some launch had rows midway
+    assert any(any(starts) for _, starts, _ in calls)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_interleaved_equals_whole_token_steps(model, sampling):
+    """The same streams, interleaved and in whole-token steps: the same tokens and stats."""
+    reqs = [_request(model, sampling, **kw) for *_, kw in SCHEDULE]
+    schedule = [s[:3] for s in SCHEDULE]
+    got = [_batched(model, reqs, schedule, poison=False, interleave=mode) for mode in (True, False)]
+    for i in got[0]:
+        (a_ids, a_fin, _), (b_ids, b_fin, _) = got[0][i], got[1][i]
+        if SCHEDULE[i][2] is not None:  # cancelled at a step count, which the two modes reach apart
+            continue
+        assert a_ids == b_ids and (a_fin.reason, a_fin.stats) == (b_fin.reason, b_fin.stats), i
+
+
+def test_chunk_passes():
+    # a quarter each at 4, 8, 16, 32 with the bench-285m's overhead (two prelude layers and
+    # the head, 3.3 passes): 8 passes, the depth-4 rows waiting half of them
+    assert chunk_passes([4] * 16 + [8] * 16 + [16] * 16 + [32] * 16, 3.3) == 8
+    assert chunk_passes([5], 3.3) == 5 and chunk_passes([3, 3, 3], 0.0) == 3
+    assert chunk_passes([1, 32], 0.0) == 1      # no overhead: nothing is worth waiting for
+    assert chunk_passes([1, 32], 10.0) == 32    # a costly launch: the short row waits
+    for bad in ([], [0, 3]):
+        with pytest.raises(ValueError, match="at least one iteration left"):
+            chunk_passes(bad, 1.0)
+
+
+def test_an_exit_stream_waits_for_the_rows_midway(model):
+    """A stream with an early-exit rule runs the whole-token (exit) step: it joins a batch of
+    interleaved rows, those midway finish their token first (one draining launch), and every
+    stream still gets its standalone tokens."""
+    # five shallow streams and a deep one: a launch runs the shallow rows' two passes
+    jobs = [([3, 17, 42], 2), ([9, 8, 7, 6], 7), ([1, 2], 2), ([4] * 5, 2), ([8, 9], 2), ([6, 6, 1], 2)]
+    want = [model.generate(p, loops=L, max_tokens=8)[len(p):] for p, L in jobs]
+    rule = dict(early_exit={"criterion": "latent", "threshold": 1e-30})  # exits at no iteration
+    ex_prompt = [5, 6, 7]
+    ex_want = model.generate(ex_prompt, loops=4, max_tokens=5, **rule)[len(ex_prompt):]
+    b = Batcher(model.runner)
+    got = {}
+    for lane, (p, L) in enumerate(jobs):
+        ids, _ = b.join(model.start(model.make_request(p, loops=L, max_tokens=8), lane))
+        got[lane] = list(ids)
+    for lane, (ids, _) in b.step().items():
+        got[lane].extend(ids)
+    assert b._iters  # the deep row is midway through a token
+    drains = []
+    launch = b._launch_interleaved
+    b._launch_interleaved = lambda lanes, *a, drain=False: drains.append((lanes, drain)) or launch(lanes, *a, drain=drain)
+    ids, _ = b.join(model.start(model.make_request(ex_prompt, loops=4, max_tokens=5, **rule), 6))
+    got[6] = list(ids)
+    while b:
+        for lane, (ids, _) in b.step().items():
+            got[lane].extend(ids)
+    assert [got[i] for i in range(len(jobs))] == want and got[6] == ex_want
+    assert ([1], True) in drains  # the deep row alone finished its token before the exit step
+
+
+def test_interleave_refuses_bad_rows(model):
+    r = model.runner
+    for kw, match in [(dict(starts=[0, 2], depths=[2, 2]), "starts inside its depth"),
+                      (dict(starts=[0, 0], depths=[2, 99]), "starts inside its depth"),
+                      (dict(passes=0), "at least one pass"),
+                      (dict(lanes=[1, 1]), "each lane once"),
+                      (dict(starts=[0]), "as many tokens")]:
+        args = dict(lanes=[0, 1], tokens=[3, 4], positions=[5, 5], depths=[2, 3], starts=[0, 0], passes=1) | kw
+        with pytest.raises(ValueError, match=match):
+            r.interleave(**args)

@@ -17,6 +17,15 @@ stream's tokens are exactly those of `Model.stream` (tests/worker/test_batcher.p
 the batched projections are one launch over the lanes, so a lane equals its step alone up to
 its rounding (tests/worker/test_gpu_engine.py).
 
+Streams at different depths interleave (`Runner.interleave`, where the runner can): a launch
+is then a number of passes over every stream's row, each row at its own iteration of its own
+token, and only the rows whose token reaches its depth come back with logits; the others go on
+in the next launch from where they stopped. So a stream at depth 4 decodes about eight tokens
+while one at depth 32 decodes one, instead of every row's step lasting the deepest row's 32
+iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of one depth at a
+token boundary run the plain batched step; a stream with an early-exit rule runs the plain
+(exit) step too, once the rows midway through a token have finished theirs.
+
 All calls run on the worker's one step thread (never two at once).
 """
 from __future__ import annotations
@@ -31,14 +40,34 @@ from tinyloop.worker.runner.stages import device_tensor
 Update = tuple[list[int], Finish | None] | Exception
 
 
+def chunk_passes(remaining: list[int], overhead: float) -> int:
+    """How many passes an interleaved launch runs, given each row's iterations left on its
+    token and the launch's own cost in passes (`Runner.pass_overhead`: prelude, coda, head):
+    the count among the rows' remainders with the most row-iterations per unit of cost (a row
+    whose token ends sooner waits for the launch's end, at no cost in a memory-bound pass);
+    the fewer passes on a tie."""
+    if not remaining or min(remaining) < 1:
+        raise ValueError(f"every row has at least one iteration left, got {remaining}")
+    best, rate = 0, -1.0
+    for g in sorted(set(remaining)):
+        r = sum(min(x, g) for x in remaining) / (overhead + g)
+        if r > rate * (1 + 1e-12):
+            best, rate = g, r
+    return best
+
+
 class Batcher:
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: Runner, interleave: bool = True):
         self.runner = runner
+        # interleaved launches for streams at different depths (Runner.interleave), where it runs
+        self.interleave = interleave and runner.interleaves
+        self._iters: dict[int, int] = {}  # lane -> iterations its stream's token in flight has run
         self.states: dict[int, DecodeState] = {}  # lane -> a stream whose decided token waits to run
         self.steps = 0       # batched forwards whose logits streams used
         self.lane_steps = 0  # stream steps they carried (lane_steps / steps: the mean batch)
-        # ([(lane, state)], its StepOut) of a step launched ahead
-        self._ahead: tuple[list, StepOut] | None = None
+        # ([(row, lane, state)] of the rows with logits, their StepOut, whether it is a lone
+        # stream's own step) of a step launched ahead
+        self._ahead: tuple[list, StepOut, bool] | None = None
         self._last: StepOut | None = None            # the runner step the states' outputs view
         self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
         self._copied: torch.cuda.Event | None = None
@@ -53,6 +82,7 @@ class Batcher:
         t = st.decide()
         if st.accept(t):
             self.states[st.lane] = st
+            self._iters.pop(st.lane, None)
             return [t], None
         return [t], st.finish()
 
@@ -66,12 +96,14 @@ class Batcher:
         if st.lane in self.states:
             raise ValueError(f"lane {st.lane} already has a stream in the batch")
         self.states[st.lane] = st
+        self._iters.pop(st.lane, None)
 
     def leave(self, lane: int) -> None:
         """Take a stream out (cancelled): its lane is in no later step. A step launched ahead
         may still write the lane's K/V at its next position: harmless, whatever takes the lane
         next writes a position before it reads it (as with `DecodeState.discard`)."""
         self.states.pop(lane, None)
+        self._iters.pop(lane, None)
 
     def __bool__(self) -> bool:
         return bool(self.states)
@@ -94,16 +126,16 @@ class Batcher:
         try:
             if self._ahead is None:
                 self._launch({})
-            ran, out = self._ahead
+            ran, out, solo = self._ahead
             self._ahead = None
             # a stream that left meanwhile is dropped (its lane may hold a new stream already)
-            rows = [(row, lane) for row, (lane, st) in enumerate(ran) if self.states.get(lane) is st]
+            rows = [(row, lane) for row, lane, st in ran if self.states.get(lane) is st]
             if not rows:
                 return {}
             lanes = [lane for _, lane in rows]
             self.steps += 1
             self.lane_steps += len(lanes)
-            if len(ran) == 1:
+            if solo:
                 # a lone stream steps as it would alone (DecodeState's pipelined calls): a greedy
                 # token is the step's own argmax, and a graph step already fed it into its next
                 # replay and wrote it to the host
@@ -126,8 +158,8 @@ class Batcher:
                 go_on = {lane: i for i, lane in enumerate(lanes) if lane not in failed
                          and self.states[lane].generated + 1 < self.states[lane].req.max_tokens}
             if go_on or len(self.states) > len(lanes):  # or streams joined since: their first token
-                self._launch(go_on, skip=set(lanes) - set(go_on), values=toks if len(ran) > 1 else None)
-            if len(ran) > 1:
+                self._launch(go_on, skip=set(lanes) - set(go_on), values=None if solo else toks)
+            if not solo:
                 toks_h = self._host_tokens(len(lanes))
             else:
                 toks_h = [-1] if failed else [st.host_token()]
@@ -154,20 +186,54 @@ class Batcher:
         token on the host, or one sampled on the device and not read yet (it then runs at the
         position after the one its host state last ran): on_device[lane], a one-element device
         tensor, or with `values` values[on_device[lane]]."""
+        lanes = [lane for lane in self.states if lane not in skip]
+        exiting = any(self.states[lane].exits is not None for lane in lanes)
+        if self._iters and (exiting or not self.interleave):
+            # rows midway through a token finish it first: the plain (exit) step runs whole tokens
+            self._launch_interleaved(sorted(self._iters), on_device, values, drain=True)
+            return
+        if self.interleave and not exiting and (self._iters or len({self.states[l].req.loops for l in lanes}) > 1):
+            self._launch_interleaved(sorted(lanes), on_device, values)
+            return
         # deepest first: the runner then runs each iteration over the rows that need it only
-        lanes = sorted((lane for lane in self.states if lane not in skip),
-                       key=lambda lane: (-self.states[lane].req.loops, lane))
+        lanes.sort(key=lambda lane: (-self.states[lane].req.loops, lane))
         sts = [self.states[lane] for lane in lanes]
-        rows = [i for i, lane in enumerate(lanes) if lane in on_device]
-        if values is None:
-            dev = DeviceTokens.of({i: on_device[lanes[i]] for i in rows})
-        else:
-            dev = DeviceTokens(rows, values, [on_device[lanes[i]] for i in rows]) if rows else None
-        exits = [st.req.early_exit for st in sts] if any(st.exits is not None for st in sts) else None
+        dev = self._device_tokens(lanes, on_device, values)
+        exits = [st.req.early_exit for st in sts] if exiting else None
         out = self.runner.decode(lanes, [st.tok_id for st in sts], [st.pos for st in sts],
                                  [st.req.loops for st in sts], on_device=dev, prev=self._last, exits=exits)
         self._last = out
-        self._ahead = [(lane, self.states[lane]) for lane in lanes], out
+        self._ahead = [(row, lane, self.states[lane]) for row, lane in enumerate(lanes)], out, len(lanes) == 1
+
+    def _launch_interleaved(self, lanes: list[int], on_device: dict, values: torch.Tensor | None,
+                            drain: bool = False) -> None:
+        """An interleaved launch over `lanes` (tokens as `_launch`'s): each row from where its
+        token stands, for `chunk_passes` passes (drain: as many as the longest remainder, so
+        that every row's token ends). The rows whose token ends come back with logits."""
+        sts = [self.states[lane] for lane in lanes]
+        starts = [self._iters.get(lane, 0) for lane in lanes]
+        depths = [st.req.loops for st in sts]
+        remaining = [d - s for d, s in zip(depths, starts)]
+        passes = max(remaining) if drain else chunk_passes(remaining, self.runner.pass_overhead)
+        tokens = [st.tok_id if s == 0 else 0 for st, s in zip(sts, starts)]
+        out = self.runner.interleave(lanes, tokens, [st.pos for st in sts], depths, starts, passes,
+                                     on_device=self._device_tokens(lanes, on_device, values), prev=self._last)
+        self._last = out
+        ran = []
+        for row, (lane, st, s, d) in enumerate(zip(lanes, sts, starts, depths)):
+            if s + passes >= d:
+                ran.append((row, lane, st))
+                self._iters.pop(lane, None)
+            else:
+                self._iters[lane] = s + passes
+        self._ahead = ran, out, False
+
+    @staticmethod
+    def _device_tokens(lanes: list[int], on_device: dict, values: torch.Tensor | None) -> DeviceTokens | None:
+        rows = [i for i, lane in enumerate(lanes) if lane in on_device]
+        if values is None:
+            return DeviceTokens.of({i: on_device[lanes[i]] for i in rows})
+        return DeviceTokens(rows, values, [on_device[lanes[i]] for i in rows]) if rows else None
 
     def _sample(self, lanes: list[int], out: StepOut, step_rows: list[int]) -> tuple[torch.Tensor, dict]:
         """Every stream's next token (len(lanes),) on the device from its logits. Greedy rows

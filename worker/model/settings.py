@@ -50,7 +50,12 @@ class Settings:
     bench/sampling.py).
     int4_tiles: a bench/int4_tiles.py result whose tiles the INT4 kernels take before the
     code's tables (kernels/int4_gemv.py TILES, MATMUL_TILES): a sweep tried on a model without
-    editing the code (bench/quant_decode.py --tiles); None: the code's tables."""
+    editing the code (bench/quant_decode.py --tiles); None: the code's tables.
+    interleave: a batched decode step whose streams run at different depths (or are midway
+    through a token) runs its rows each at its own iteration, every pass over all of them
+    (`Runner.interleave`, generation/batcher.py): a shallow stream decodes its next token while
+    a deep one is still iterating, instead of every row waiting for the deepest. Off: each
+    step runs every row's whole token, each iteration over the rows that still need it."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -66,6 +71,7 @@ class Settings:
     device_rounds: bool | None = None
     sampler_graphs: bool = True
     int4_tiles: str | None = None
+    interleave: bool = True
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -100,14 +106,16 @@ class Settings:
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
         TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_BATCH_INVARIANT (0/1),
-        TINYLOOP_DEVICE_ROUNDS (0/1), TINYLOOP_SAMPLER_GRAPHS (0/1) and TINYLOOP_INT4_TILES (a path); kv_mode by the reference runtime's switches
+        TINYLOOP_DEVICE_ROUNDS (0/1), TINYLOOP_SAMPLER_GRAPHS (0/1), TINYLOOP_INT4_TILES (a path)
+        and TINYLOOP_INTERLEAVE (0/1); kv_mode by the reference runtime's switches
         (`kv_mode_from_env`)."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
                  "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
-                 "batch_invariant": flag, "device_rounds": flag, "sampler_graphs": flag, "int4_tiles": str}
+                 "batch_invariant": flag, "device_rounds": flag, "sampler_graphs": flag, "int4_tiles": str,
+                 "interleave": flag}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")

@@ -41,8 +41,9 @@ from tinyloop.worker.runner.engine import Counters, Engine
 from tinyloop.worker.runner.rounds import ChainRound
 from tinyloop.worker.runner.solo_exit import SoloExit
 from tinyloop.worker.runner.sampler import RowSampling, SamplerGraphs, SamplingParams, sample_rows
-from tinyloop.worker.runner.stages import (BatchStep, PaddedPrefill, TreeStages, batch_buckets, batch_buffers,
-                                           device_tensor, prefill_buckets, prefill_buffers)
+from tinyloop.worker.runner.stages import (INTERLEAVED_STAGES, BatchStep, InterleavedStep, PaddedPrefill, TreeStages,
+                                           batch_buckets, batch_buffers, device_tensor, interleaved_buffers,
+                                           prefill_buckets, prefill_buffers)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ class RunnerSettings:
     the length buckets whose rows × bucket is at most prefill_rows_len tokens. device_rounds:
     greedy speculative chains run whole rounds on the device (`chain_round`), one graph per
     round where graphs are captured (eager elsewhere: the CPU tests). sampler_graphs: with
-    graphs, `sample` replays a captured sampler per row bucket."""
+    graphs, `sample` replays a captured sampler per row bucket. interleave: batched steps of
+    streams at different depths run their rows each at its own iteration (`interleave`), where
+    the engine can (`Engine.interleaves`)."""
     cuda_graphs: bool = False
     prefill_graph_len: int = 2048
     verify_buckets: tuple[int, ...] = (5, 17)
@@ -62,6 +65,7 @@ class RunnerSettings:
     prefill_rows_len: int = 512
     device_rounds: bool = False
     sampler_graphs: bool = True
+    interleave: bool = True
 
 
 class LanePool:
@@ -276,6 +280,10 @@ class Runner:
                               if r * b <= settings.prefill_rows_len]
         self._prefill_rows: dict[tuple[int, int], PaddedPrefill] = {}
         self._batch: dict[int, BatchStep] = {}
+        self._interleaved: dict[int, InterleavedStep] = {}
+        self._interleaved_shared = None
+        # each lane's residual between interleaved calls (row n_slots: the idle rows')
+        self._lane_x = None
         self._exit: dict[int, BatchStep] = {}  # eager early-exit stage sets by row count
         self._exit_shared = None
         self._exit_checks: ExitState | None = None  # the exit checks' static buffers
@@ -328,6 +336,11 @@ class Runner:
             step = self._batch_stage(b)  # idle rows: the warm-up and capture write no lane
             parts += [("batch_graphs_s", stage("batch", b, s, step, lambda step=step: step.load([], [], [], [])))
                       for s in BatchStep.stages(top)]
+            if self.interleaves:
+                il = self._interleaved_step(b)
+                parts += [("interleaved_graphs_s", stage("interleaved", b, s, il,
+                                                         lambda il=il: il.load([], [], [], [], [])))
+                          for s in INTERLEAVED_STAGES]
         for part, capture in (progress(parts) if progress else parts):
             t = time.perf_counter()
             capture()
@@ -554,6 +567,86 @@ class Runner:
         out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=list(depths))
         self._owners["batch"] = out
         return out
+
+    # -- interleaved decode ------------------------------------------------------------------
+    @property
+    def interleaves(self) -> bool:
+        """Whether `interleave` runs here (the setting, and an engine whose rows at different
+        iterations can share a pass)."""
+        return self.settings.interleave and self.engine.interleaves
+
+    @property
+    def pass_overhead(self) -> float:
+        """What an interleaved call costs beside its passes, in passes: the prelude, the coda
+        and the head, by their weights against the shared block's (a decode step of a few
+        rows reads its weights once per layer, whatever the rows)."""
+        cfg = self.config
+        d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+        layer = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * f
+        return ((cfg.n_prelude + cfg.n_coda) * layer + cfg.vocab_size * d) / (cfg.n_loop_layers * layer)
+
+    @torch.no_grad()
+    def interleave(self, lanes: list[int], tokens: list, positions: list[int], depths: list[int],
+                   starts: list[int], passes: int, on_device: DeviceTokens | None = None,
+                   prev: StepOut | None = None) -> StepOut:
+        """`passes` passes over B decode rows, each at its own iteration: row i runs iterations
+        [starts[i], min(starts[i] + passes, depths[i])) of the token at positions[i] on
+        lanes[i]. A row at starts[i] == 0 embeds its token first (tokens[i], or on_device's);
+        a row that reaches its depth gets its logits (its row of the StepOut; the other rows'
+        are not logits). Between calls a row's residual waits in the runner's row for its lane,
+        so a row continues where its last call left it (the same lane, position and depth).
+        Every row of every pass runs the same weights, so a shallow row decodes its next tokens
+        while a deep one is still iterating."""
+        B = len(lanes)
+        if not self.interleaves:
+            raise ValueError("interleaved decode needs the K/V cache, one weight set for every iteration and "
+                             "RunnerSettings.interleave")
+        if not (len(tokens) == len(positions) == len(depths) == len(starts) == B) or B == 0:
+            raise ValueError("interleave takes as many tokens, positions, depths and starts as lanes, at least one")
+        if passes < 1:
+            raise ValueError(f"interleave runs at least one pass, got {passes}")
+        if len(set(lanes)) != B:
+            raise ValueError("interleave takes each lane once")
+        if not all(0 <= s < d <= self.cache.max_loops for s, d in zip(starts, depths)):
+            raise ValueError(f"each row starts inside its depth, at most {self.cache.max_loops}: "
+                             f"starts {starts}, depths {depths}")
+        work = self.counters.add(passes, sum(min(s + passes, d) - s for s, d in zip(starts, depths)))
+        b = next((b for b in self._batch_buckets if b >= B), None)
+        graphed = b is not None and self.graphs.covers("interleaved", b, INTERLEAVED_STAGES)
+        step = self._interleaved_step(b if graphed else B)
+        self._claim("interleaved", prev)
+        host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
+        dev = None
+        if on_device is not None and on_device.rows:
+            dev = (self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index)))
+        step.load(list(lanes), host, list(positions), list(depths), list(starts), dev)
+        stages = (["resume"] if any(starts) else []) + (["prelude"] if not all(starts) else [])
+        stages += ["iter"] * passes
+        stages += ["save"] if any(s + passes < d for s, d in zip(starts, depths)) else []
+        stages += ["coda"] if any(s + passes >= d for s, d in zip(starts, depths)) else []
+        for stage in stages:
+            if graphed:
+                self.graphs.replay("interleaved", b, stage)
+            else:
+                step.run(stage)
+        logits = step.logits[:B]
+        out = StepOut(logits, logits.argmax(-1), None, None, work, depths=list(depths))
+        self._owners["interleaved"] = out
+        return out
+
+    def _interleaved_step(self, b: int) -> InterleavedStep:
+        if b not in self._interleaved:
+            if self._lane_x is None:
+                cfg = self.config
+                self._lane_x = torch.zeros(self.cache.n_slots + 1, 1, cfg.residual_width, device=self.device,
+                                           dtype=self.model.tok_embeddings.weight.dtype)
+            shared = None
+            if self._batch_buckets and b <= self._batch_buckets[-1]:
+                if self._interleaved_shared is None:
+                    self._interleaved_shared = interleaved_buffers(self.engine, self._batch_buckets[-1])
+                shared = self._interleaved_shared
+            self._interleaved[b] = InterleavedStep(self.engine, b, self._lane_x, shared)
+        return self._interleaved[b]
 
     def _load_step(self, step: BatchStep, lanes, tokens, positions, depths, on_device: DeviceTokens | None) -> None:
         host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]

@@ -196,6 +196,100 @@ def batch_buffers(engine: Engine, bucket: int) -> tuple:
             torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device))
 
 
+class InterleavedStep(StagedPass):
+    """Passes of `bucket` decode rows that each sit at their own iteration of their own token
+    (`Runner.interleave`). Per row, in one (6, bucket) int64 buffer: its token, position, depth,
+    cache lane, the iteration it runs next, and its row of the lane residuals (`lane_x`, which
+    keeps a row's residual between calls; n_slots for an idle row, a row of its own).
+
+    Stages, each over every row of the bucket:
+    - "resume": the residual of each row from its lane's row of lane_x;
+    - "prelude": the rows at iteration 0 embed their token and run the prelude (the others
+      pass position max_seq_len, which writes and reads no cache, and keep their residual);
+    - "iter": one iteration, row b at its own iteration i_b (its cache layers those of i_b:
+      `Engine.iteration_rows`), kept only where i_b < depth (a row past its depth writes and
+      reads nothing and carries its residual); then every row's iteration moves on by one;
+    - "save": each row's residual into its lane's row of lane_x;
+    - "coda": the rows whose iterations reached their depth run the coda (the others, again,
+      at position max_seq_len) and every row the head: the logits of the rows that finished.
+
+    An idle row: token 0, position max_seq_len, depth 0, lane 0, lane_x row n_slots. The
+    buffers may be views of larger ones shared by every bucket (`interleaved_buffers`)."""
+
+    def __init__(self, engine: Engine, bucket: int, lane_x: torch.Tensor, buffers: tuple | None = None):
+        ctl, x, logits, pos, rows = buffers if buffers is not None else interleaved_buffers(engine, bucket)
+        self.engine, self.bucket, self.lane_x = engine, bucket, lane_x
+        self.ctl = ctl[:, :bucket]  # tokens, positions, depths, lanes, iterations, lane_x rows
+        self.tokens = self.ctl[0, :, None]
+        self.positions, self.depth, self.lanes, self.its, self.xrows = (self.ctl[k] for k in range(1, 6))
+        self.x, self.logits = x[:bucket], logits[:bucket]
+        self.pos = pos[:, :bucket]      # (3, bucket, 1): the positions the prelude, iter and coda pass
+        self.rows = rows[:, :bucket]    # (n_loop_layers, bucket): the flat cache rows of "iter"
+        S = engine.cache.max_seq_len
+        self.S = S
+        self._outside = torch.tensor(S, device=engine.cache.device)  # the position that touches no cache
+        self.passes = [Pass(self.lanes, self.pos[k], S + 1) for k in range(3)]
+
+    def run(self, stage) -> None:
+        with torch.no_grad():
+            self._run(stage)
+
+    def _run(self, stage) -> None:
+        e, S = self.engine, self._outside
+        if stage == "resume":
+            torch.index_select(self.lane_x, 0, self.xrows, out=self.x)
+        elif stage == "prelude":
+            start = self.its == 0
+            torch.where(start, self.positions, S, out=self.pos[0, :, 0])
+            y = e.embed_prelude(self.tokens, self.passes[0])
+            self.x.copy_(torch.where(start[:, None, None], y, self.x))
+        elif stage == "iter":
+            live = self.its < self.depth
+            torch.where(live, self.positions, S, out=self.pos[1, :, 0])
+            # a row past its depth keeps a valid layer (it reads and writes none at position S)
+            at = torch.minimum(self.its, (self.depth - 1).clamp(min=0))
+            e.flat_rows(at, self.lanes, out=self.rows)
+            y = e.iteration_rows(self.x, self.passes[1], self.rows)
+            self.x.copy_(torch.where(live[:, None, None], y, self.x))
+            self.its.add_(1)
+        elif stage == "save":
+            self.lane_x.index_copy_(0, self.xrows, self.x)
+        elif stage == "coda":
+            torch.where(self.its >= self.depth, self.positions, S, out=self.pos[2, :, 0])
+            self.logits.copy_(e.logits(e.coda(self.x, self.passes[2]))[:, -1])
+        else:
+            raise ValueError(f"an interleaved step has no stage {stage!r}")
+
+    def load(self, lanes: list[int], tokens: list[int], positions: list[int], depths: list[int],
+             starts: list[int], on_device: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> None:
+        """Rows [0, len(lanes)) from the lists, the rest idle; on_device as `BatchStep.load`'s."""
+        pad = self.bucket - len(lanes)
+        S, n = self.S, self.engine.cache.n_slots
+        self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad, lanes + [0] * pad,
+                                starts + [0] * pad, lanes + [n] * pad], self.ctl), non_blocking=True)
+        if on_device is not None:
+            rows, values = on_device
+            if rows is None:
+                self.ctl[0, :values.shape[0]].copy_(values)
+            else:
+                self.ctl[0].index_copy_(0, rows, values)
+
+
+INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
+
+
+def interleaved_buffers(engine: Engine, bucket: int) -> tuple:
+    """Static buffers of interleaved passes of up to `bucket` rows: the (6, bucket) control rows,
+    residual, logits, the three passes' positions and the iteration's flat cache rows."""
+    cfg, device = engine.config, engine.cache.device
+    dtype = engine.model.tok_embeddings.weight.dtype
+    return (torch.zeros(6, bucket, dtype=torch.long, device=device),
+            torch.zeros(bucket, 1, cfg.residual_width, dtype=dtype, device=device),
+            torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device),
+            torch.zeros(3, bucket, 1, dtype=torch.long, device=device),
+            torch.zeros(cfg.n_loop_layers, bucket, dtype=torch.long, device=device))
+
+
 def ancestor_table(parents: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """parents (N,) int64 (-1: the root; parents[u] < u) -> (depth (N,), ancestors (N, width)):
     each node's depth and its ancestors' node indices by depth (root first), 0 past its depth.
