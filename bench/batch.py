@@ -20,6 +20,12 @@ first), each prefilled with its own random prompt of --context tokens, at L = --
                 computes it, so each stream equals its run alone; its cost against graphs
                 (`invariant_cost`, the same run)
 
+  mixed         (--mixed-depths) stream i at depth MIXED_DEPTHS[i % n]: the whole-token step's
+                ms and depth-weighted tokens/s (tokens x depth / --loops), and the sustained
+                run (--sustained): every stream decoding until the first has that many tokens,
+                with the batcher's interleaved launches and without (`sustained`), each
+                against the plain step's tokens/s (`vs_plain`)
+
 The graphs' model is built as a worker builds it (`Model(cuda_graphs=True)`: every graph
 captured at load, `graph_capture_s` their seconds), with max(--batch) lanes.
 
@@ -48,10 +54,12 @@ def prompts(n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(n)]
 
 
-def batched(model: Model, ps: list[list[int]], loops: int | list[int], steps: int) -> tuple[float, list[list[int]]]:
+def batched(model: Model, ps: list[list[int]], loops: int | list[int], steps: int,
+            interleave: bool = True) -> tuple[float, list[list[int]]]:
     """(ms per batched step, each stream's tokens): streams on lanes 0..len(ps)-1, stream i at
-    depth loops (or loops[i % len(loops)])."""
-    b = Batcher(model.runner)
+    depth loops (or loops[i % len(loops)]). Streams at several depths: a step is one launch, so
+    the whole-token steps (interleave off) are the ones whose steps each decode every stream."""
+    b = Batcher(model.runner, interleave=interleave)
     out = []
     depths = loops if isinstance(loops, list) else [loops]
     for lane, p in enumerate(ps):
@@ -72,6 +80,38 @@ def drain(model: Model, b: Batcher, out: list[list[int]]) -> float:
         n += 1
     sync(model.device)
     return (time.perf_counter() - t) * 1e3 / n
+
+
+def sustained(model: Model, ps: list[list[int]], depths: list[int], loops: int, room: int,
+              interleave: bool) -> dict:
+    """Streams that all keep decoding, stream i at depths[i]: depth-weighted tokens/s (tokens x
+    depth / loops) over the steps until the first stream reaches `room` tokens, with the
+    batcher's interleaved launches on or off (the same streams, the same graphs). Every stream
+    is busy throughout, as under a steady load, so a shallow stream's tokens count at its own
+    pace, not at the deepest stream's."""
+    b = Batcher(model.runner, interleave=interleave)
+    counts = [0] * len(ps)
+    for lane, p in enumerate(ps):
+        req = model.make_request(p, loops=depths[lane], max_tokens=room, stop_token_ids=[])
+        counts[lane] += len(b.join(model.start(req, lane))[0])
+    sync(model.device)
+    t = time.perf_counter()
+    launches = 0
+    done = False
+    while not done:
+        for lane, (ids, finish) in b.step().items():
+            counts[lane] += len(ids)
+            done |= finish is not None
+        launches += 1
+    sync(model.device)
+    wall = time.perf_counter() - t
+    for lane in list(b.states):
+        b.leave(lane)
+    b.step()  # lets go of the last step's buffers
+    weighted = sum(c * d / loops for c, d in zip(counts, depths))
+    return {"depth_weighted_tokens_per_s": weighted / wall, "tokens_per_s": sum(counts) / wall,
+            "launches": launches, "tokens_by_depth": {str(d): sum(c for c, e in zip(counts, depths) if e == d)
+                                                      for d in sorted(set(depths))}}
 
 
 def alone(model: Model, p: list[int], loops: int, steps: int) -> tuple[float, list[int]]:
@@ -113,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="also time each --batch size with stream i at depth MIXED_DEPTHS[i %% n] (graphs, "
                          "and the --fused-rows variant): ms per step and depth-weighted tokens/s "
                          "(tokens x depth / --loops)")
+    ap.add_argument("--sustained", type=int, default=160,
+                    help="with --mixed-depths: also the sustained mixed run, every stream decoding until the "
+                         "first has this many tokens, interleaved and in whole-token steps (the same run)")
     ap.add_argument("--name", default="batch", help="the result file's name before -DEVICE.json "
                     "(batch-fused: the fused and mixed-depth A/B, its own report section)")
     ap.add_argument("--out-dir", default=None)
@@ -123,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = PRESETS[args.preset]
     path = random_checkpoint(args.preset, cfg)
     lanes = max(args.batch)
-    kw = dict(max_seq_len=args.context + args.steps + 64, device=dev, dtype=dtype, n_slots=lanes,
+    longest = max(args.steps, args.sustained if args.mixed_depths else 0)
+    kw = dict(max_seq_len=args.context + longest + 64, device=dev, dtype=dtype, n_slots=lanes,
               prefill_graph_len=args.context)
     base = Settings(fused_rows=args.base_fused_rows)
     graphs = Model(path, cuda_graphs=cuda, settings=base, **kw)
@@ -173,10 +217,18 @@ def main(argv: list[str] | None = None) -> None:
             row["mixed"] = {"depths": depths}
             for name, m in models:
                 if name in ("graphs", "fused") or not cuda:
-                    ms = sorted(batched(m, ps[:B], depths, args.steps)[0]
+                    ms = sorted(batched(m, ps[:B], depths, args.steps, interleave=False)[0]
                                 for _ in range(args.repeat))[args.repeat // 2]
                     row["mixed"][name] = {"ms_per_step": ms, "depth_weighted_tokens_per_s": B * weight * 1e3 / ms,
                                           "vs_plain": B * weight * 1e3 / ms / row[name]["tokens_per_s"]}
+                    if args.sustained:
+                        for mode, on in (("interleaved", True), ("whole_token", False)):
+                            runs = sorted((sustained(m, ps[:B], depths, args.loops, args.sustained, on)
+                                           for _ in range(args.repeat)),
+                                          key=lambda r: r["depth_weighted_tokens_per_s"])
+                            run = runs[len(runs) // 2]
+                            run["vs_plain"] = run["depth_weighted_tokens_per_s"] / row[name]["tokens_per_s"]
+                            row["mixed"][name][f"sustained_{mode}"] = run
         row["speedup_vs_alone"] = row["graphs" if cuda else "eager"]["tokens_per_s"] / (1e3 / result["alone_ms_per_token"])
         rows.append(row)
         best = row["graphs" if cuda else "eager"]
@@ -189,6 +241,11 @@ def main(argv: list[str] | None = None) -> None:
             if name != "depths":
                 print(f"     mixed depths, {name}: {mx['ms_per_step']:.3f} ms/step, depth-weighted "
                       f"{mx['depth_weighted_tokens_per_s']:.0f} tok/s ({mx['vs_plain']:.2f}x plain)")
+                for mode in ("interleaved", "whole_token"):
+                    if f"sustained_{mode}" in mx:
+                        r = mx[f"sustained_{mode}"]
+                        print(f"       sustained, {mode}: depth-weighted {r['depth_weighted_tokens_per_s']:.0f} tok/s "
+                              f"({r['vs_plain']:.2f}x plain), {r['launches']} launches")
         if "invariant" in row:
             inv = row["invariant"]
             print(f"     invariant: {inv['ms_per_step']:.3f} ms/step ({row['invariant_cost']:+.1%}), "

@@ -128,19 +128,28 @@ def test_batch_bench_cpu(tmp_path):
 
 def test_batch_bench_mixed_depths_cpu(tmp_path):
     """--mixed-depths: each batch of B > 1 streams again with stream i at depth d[i % n], written
-    under --name: its step time and the depth-weighted tokens/s over the plain batch's."""
+    under --name: its step time and the depth-weighted tokens/s over the plain batch's; and the
+    sustained run, interleaved and in whole-token steps."""
     batch.main(["--device", "cpu", "--preset", "tiny", "--batch", "1", "4", "--context", "8", "--steps", "3",
-                "--repeat", "1", "--loops", "2", "--mixed-depths", "1", "3", "--name", "batch-mixed",
-                "--out-dir", str(tmp_path)])
+                "--repeat", "1", "--loops", "2", "--mixed-depths", "1", "1", "1", "4", "--name", "batch-mixed",
+                "--sustained", "12", "--out-dir", str(tmp_path)])
     r = json.loads((tmp_path / "batch-mixed-cpu.json").read_text())
     one, four = r["rows"]
     assert "mixed" not in one
     mx = four["mixed"]
-    assert mx["depths"] == [1, 3, 1, 3] and mx["eager"]["ms_per_step"] > 0
-    weighted = 4 * (8 / 4 / 2) * 1e3 / mx["eager"]["ms_per_step"]  # 4 streams at mean depth 2 over --loops 2
+    assert mx["depths"] == [1, 1, 1, 4] and mx["eager"]["ms_per_step"] > 0
+    weighted = 4 * (7 / 4 / 2) * 1e3 / mx["eager"]["ms_per_step"]  # 4 streams at mean depth 7/4 over --loops 2
     assert mx["eager"]["depth_weighted_tokens_per_s"] == pytest.approx(weighted)
     assert mx["eager"]["vs_plain"] == pytest.approx(
         mx["eager"]["depth_weighted_tokens_per_s"] / four["eager"]["tokens_per_s"])
+    # the sustained run: every stream decodes until the first (a depth-1 one) has 12 tokens;
+    # in whole-token steps every stream has as many, interleaved the depth-4 one falls behind
+    # (the tiny model's launch costs about 2.4 passes: the depth-1 rows do not wait for it)
+    whole, inter = mx["eager"]["sustained_whole_token"], mx["eager"]["sustained_interleaved"]
+    assert whole["tokens_by_depth"] == {"1": 36, "4": 12} and whole["launches"] == 11
+    assert inter["tokens_by_depth"]["1"] == 36 and inter["tokens_by_depth"]["4"] < 12
+    for run in (whole, inter):
+        assert run["depth_weighted_tokens_per_s"] > 0 and run["vs_plain"] > 0
 
 
 def test_service_bench_cpu(tmp_path):
