@@ -22,7 +22,13 @@ gateway and the public gRPC hop add to the worker's own path).
 
 The mixed run: --mixed streams with depths drawn (seeded) from --mixed-depths, a tenth of them
 self-speculative (draft at half the depth); its depth-weighted tokens/s (tokens x depth / --loops)
-is what compares with the plain run at the same concurrency.
+is what compares with the plain run at the same concurrency. All its streams start at once and
+decode --max-tokens each, so it lasts as long as its deepest streams do.
+
+The closed loop (--sustained-s): --mixed callers, each sending its next request as soon as its
+last one ends (plain at --loops, then mixed as above, each request's depth drawn), counted over
+a window after a warm-up: the steady load of a population of callers, where a shallow request
+that ends early is followed by the next. `closed_loop.vs_plain`: mixed over plain, depth-weighted.
 """
 from __future__ import annotations
 
@@ -103,6 +109,58 @@ async def load(address: str, jobs: list[tuple[list[int], dict, int]], channels: 
             "ttft_ms_p50": 1e3 * pct(ttft, 50), "ttft_ms_p99": 1e3 * pct(ttft, 99),
             "tpot_ms_p50": tpot and 1e3 * pct(tpot, 50), "tpot_ms_p99": tpot and 1e3 * pct(tpot, 99),
             "tpot_p99_over_p50": tpot and pct(tpot, 99) / pct(tpot, 50)}
+
+
+async def sustained_load(address: str, users: int, job, warm_s: float, window_s: float, channels: int) -> dict:
+    """A closed loop: `users` callers, each sending its next request as soon as its last one
+    ends (job(user, i) -> (prompt, kwargs, depth)), for warm_s + window_s seconds. Counted: the
+    tokens that arrive inside the window (after the warm-up, which all users start at once),
+    each also weighted by its stream's depth; the streams still running at the window's end are
+    cancelled. The load a service sees from a steady population of callers, where a short
+    request is followed by the next one."""
+    from tinyloop.client import AsyncTinyLoopClient
+    clients = [AsyncTinyLoopClient(address) for _ in range(channels)]
+    tokens, weighted, errors, ttfts, done = 0, 0.0, [], [], 0
+    try:
+        await asyncio.gather(*(c.model_info() for c in clients))
+        t0 = time.perf_counter()
+        start, end = t0 + warm_s, t0 + warm_s + window_s
+
+        async def user(u: int) -> None:
+            nonlocal tokens, weighted, done
+            i = 0
+            while time.perf_counter() < end:
+                p, kw, depth = job(u, i)
+                i += 1
+                stream = clients[u % channels].generate(p, timeout=600, **kw)
+                t = time.perf_counter()
+                first = True
+                try:
+                    async for chunk in stream:
+                        now = time.perf_counter()
+                        if first and chunk.ids:
+                            if start <= t and now <= end:
+                                ttfts.append(now - t)
+                            first = False
+                        if start <= now <= end:
+                            tokens += len(chunk.ids)
+                            weighted += len(chunk.ids) * depth
+                        if now > end:
+                            stream.cancel()
+                            break
+                    else:
+                        done += 1
+                except Exception as e:  # recorded: the goal is none
+                    if time.perf_counter() <= end:
+                        errors.append(f"{type(e).__name__}: {e}"[:200])
+        await asyncio.gather(*(user(u) for u in range(users)))
+    finally:
+        for c in clients:
+            await c.close()
+    return {"users": users, "warm_s": warm_s, "window_s": window_s, "tokens": tokens,
+            "tokens_per_s": tokens / window_s, "depth_token_per_s": weighted / window_s,
+            "requests_completed": done, "errors": len(errors), "error_examples": sorted(set(errors))[:3],
+            "ttft_ms_p50": ttfts and 1e3 * pct(ttfts, 50), "ttft_ms_p99": ttfts and 1e3 * pct(ttfts, 99)}
 
 
 async def probes(address: str, prompts: list[list[int]], loops: int, max_tokens: int) -> list[float]:
@@ -292,6 +350,10 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--mixed", type=int, default=64, help="streams of the mixed run (0: none)")
     ap.add_argument("--mixed-depths", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--sustained-s", type=float, default=3.0,
+                    help="the closed-loop runs' counted window, seconds (0: none): --mixed callers, each "
+                         "sending its next request when its last ends, plain and mixed")
+    ap.add_argument("--sustained-warm-s", type=float, default=1.0, help="the closed-loop runs' uncounted start")
     ap.add_argument("--step-tokens", type=int, default=1024)
     ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
                     help="tinyloop serve's --prefill-together")
@@ -396,6 +458,40 @@ def main() -> int:
                     r["vs_plain"] = r["depth_weighted_tokens_per_s"] / plain_row["tokens_per_s"]
                 extra[name] = r
             mixed = extra.pop("mixed")
+        if args.mixed and args.sustained_s > 0:
+            # the closed loop: the same number of callers, plain at --loops and mixed (each
+            # request's depth drawn, a tenth speculative), one after the other on the same server
+            pool = make_prompts(256, args.prompt_tokens, cfg.vocab_size, 11)
+
+            def mixed_job(u: int, i: int):
+                rng = random.Random(u * 100_003 + i)
+                d = rng.choice(args.mixed_depths)
+                kw = dict(max_tokens=args.max_tokens, stop_token_ids=[])
+                if rng.random() < 0.1 and d >= 2:
+                    kw["speculative"] = {"draft_loops": d // 2, "verify_loops": d}
+                else:
+                    kw["loops"] = d
+                return pool[rng.randrange(len(pool))], kw, d
+
+            def plain_job(u: int, i: int):
+                return pool[random.Random(u * 100_003 + i).randrange(len(pool))], plain, args.loops
+            closed = {}
+            for name, job in (("plain", plain_job), ("mixed", mixed_job)):
+                runs = []
+                for _ in range(args.repeat):
+                    before = worker_steps(mport)
+                    r = asyncio.run(sustained_load(address, args.mixed, job, args.sustained_warm_s,
+                                                   args.sustained_s, min(args.channels, args.mixed)))
+                    time.sleep(1.5)  # the gateway's next probe brings the worker's step histograms
+                    r["worker"] = step_delta(before, worker_steps(mport))
+                    r["depth_weighted_tokens_per_s"] = r.pop("depth_token_per_s") / args.loops
+                    runs.append(r)
+                r = sorted(runs, key=lambda r: r["depth_weighted_tokens_per_s"])[len(runs) // 2]
+                r["runs_depth_weighted_tokens_per_s"] = [x["depth_weighted_tokens_per_s"] for x in runs]
+                closed[name] = r
+            closed["vs_plain"] = (closed["mixed"]["depth_weighted_tokens_per_s"]
+                                  / closed["plain"]["depth_weighted_tokens_per_s"])
+            extra["closed_loop"] = closed
     finally:
         server.send_signal(signal.SIGTERM)
         try:

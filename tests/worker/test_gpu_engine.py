@@ -295,7 +295,7 @@ def test_batcher_on_graphs_equals_reference(batch_pair, monkeypatch):
     from tinyloop.worker.generation.batcher import Batcher
     fast, ref = batch_pair
     calls = _replays(monkeypatch, fast.runner.graphs)
-    b = Batcher(fast.runner)
+    b = Batcher(fast.runner, interleave=False)  # whole-token steps (interleaved: the next test)
     jobs = {1: (PROMPTS[0], 3, 12), 2: (PROMPTS[1], 8, 20), 4: ([9, 8, 7, 6], 5, 16)}
     got = {}
     for lane, (p, L, n) in jobs.items():
@@ -309,6 +309,34 @@ def test_batcher_on_graphs_equals_reference(batch_pair, monkeypatch):
     assert {bucket for kind, bucket, _ in calls if kind == "batch"} == {4, 2}
     for lane, (p, L, n) in jobs.items():
         assert p + got[lane] == ref.generate(p, loops=L, max_tokens=n), lane
+
+
+def test_interleaved_batcher_on_graphs_equals_reference(batch_pair, monkeypatch):
+    """The same streams interleaved (every row at its own iteration, `Runner.interleave`) through
+    the interleaved stage graphs of buckets 4 and 2: each stream's greedy tokens and stats are its
+    reference stream's; the depth-3 stream decodes ahead of the depth-8 one."""
+    from tinyloop.worker.generation.batcher import Batcher
+    fast, ref = batch_pair
+    assert sorted(_captured(fast.runner.graphs, "interleaved")) == [2, 4, 5]
+    calls = _replays(monkeypatch, fast.runner.graphs)
+    b = Batcher(fast.runner)
+    jobs = {1: (PROMPTS[0], 3, 12), 2: (PROMPTS[1], 8, 20), 4: ([9, 8, 7, 6], 5, 16)}
+    got, finishes, order = {}, {}, []
+    for lane, (p, L, n) in jobs.items():
+        ids, finish = b.join(fast.start(fast.make_request(p, loops=L, max_tokens=n), lane))
+        got[lane] = list(ids)
+    while b:
+        for lane, (ids, finish) in b.step().items():
+            got[lane].extend(ids)
+            order.append(lane)
+            if finish is not None:
+                finishes[lane] = finish
+    assert {bucket for kind, bucket, _ in calls if kind == "interleaved"} >= {4}
+    assert order.index(2) > 1  # lane 1 (depth 3) and lane 4 (depth 5) had tokens before lane 2 (depth 8)
+    for lane, (p, L, n) in jobs.items():
+        want = ref.generate(p, loops=L, max_tokens=n)
+        assert p + got[lane] == want, lane
+        assert finishes[lane].stats["loop_iterations"] == want.stats["loop_iterations"], lane
 
 
 def test_a_speculative_stream_handed_to_the_batcher_on_graphs(batch_pair, monkeypatch):
