@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"hardware": hardware(dev), "model": f"{args.preset} (random init, {str(dtype)[6:]})",
                     "loops": args.loops, "context": args.context, "steps": args.steps, "lanes": lanes,
                     "fused_rows": args.base_fused_rows}
+    if args.mixed_depths and args.sustained:
+        result["sustained"] = args.sustained
     if fused is not None:
         result["variant_fused_rows"] = args.fused_rows
     if cuda:

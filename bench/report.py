@@ -115,7 +115,7 @@ CURRENT = [
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
     ("sampling", "cuda"), ("profile-exit", "cuda"), ("rows-tiles", "cuda"),
-    ("batch-fused", "cuda"),
+    ("batch-fused", "cuda"), ("batch-interleave", "cuda"),
 ]
 
 
@@ -618,6 +618,34 @@ def batch_fused_table(d: dict) -> str:
                   "mixed, fused: ms per step", "× plain"], body) + (note or "\n")
 
 
+def batch_interleave_body(r: Result) -> str:
+    """The sustained mixed-depth run, interleaved against whole-token steps, beside the plain step."""
+    rows = []
+    for row in r.data.get("rows") or []:
+        mx = (row.get("mixed") or {}).get("graphs") if isinstance(row, dict) else None
+        if not isinstance(mx, dict):
+            continue
+        inter, whole = mx.get("sustained_interleaved") or {}, mx.get("sustained_whole_token") or {}
+        rows.append([text(row.get("streams")), count(get(row, "graphs", "tokens_per_s")),
+                     times(mx.get("vs_plain")), count(whole.get("depth_weighted_tokens_per_s")),
+                     times(whole.get("vs_plain")), count(inter.get("depth_weighted_tokens_per_s")),
+                     times(inter.get("vs_plain")),
+                     times(inter["depth_weighted_tokens_per_s"] / whole["depth_weighted_tokens_per_s"])
+                     if isnum(inter.get("depth_weighted_tokens_per_s")) and isnum(
+                         whole.get("depth_weighted_tokens_per_s")) else DASH,
+                     text(inter.get("tokens_by_depth")), text(whole.get("tokens_by_depth"))])
+    depths = next((row["mixed"]["depths"] for row in r.data.get("rows") or []
+                   if isinstance(row, dict) and isinstance(row.get("mixed"), dict)), None)
+    note = (f"\n\nStream i at depth ({text(sorted(set(depths)))})[i mod {len(set(depths))}], plain at "
+            f"L = {text(r.data.get('loops'))}. \"× plain\": depth-weighted tokens/s (tokens × depth / L) over the "
+            "plain step's tokens/s. The sustained runs decode every stream until the first has "
+            f"{text(r.data.get('sustained'))} tokens; tokens by depth are the streams' totals.\n" if depths else "\n")
+    return table(["streams", "plain: tokens/s", "whole-token steps, burst: × plain",
+                  "sustained, whole-token: depth-weighted tok/s", "× plain",
+                  "sustained, interleaved: depth-weighted tok/s", "× plain", "interleaved over whole-token",
+                  "interleaved: tokens by depth", "whole-token: tokens by depth"], rows or [[DASH] * 10]) + note
+
+
 def rows_tiles_body(r: Result) -> str:
     rows = []
     for name, shape in (r.data.get("shapes") or {}).items():
@@ -1090,6 +1118,11 @@ BATCH_FUSED_INTRO = ("`bench/batch.py --fused-rows N --mixed-depths ...`: the ba
                      "projections on cuBLAS and the unfused ops (`Settings.fused_rows` at the base) against the fused "
                      "projections, same run; and a batch of mixed depths on each, its rows deepest first so that "
                      "each iteration runs the smallest captured bucket holding the rows still going.")
+BATCH_INTERLEAVE_INTRO = ("`bench/batch.py --mixed-depths ... --sustained N`: streams at several depths that all "
+                          "keep decoding, through the batcher's interleaved launches (`Runner.interleave`: every "
+                          "row of a pass at its own iteration, so a shallow stream decodes its next token while "
+                          "a deep one still iterates) and through whole-token steps (every row's step lasts the "
+                          "deepest row's iterations), same run, same graphs.")
 ROWS_TILES_INTRO = ("`bench/rows_tiles.py`: the fused projection of M = 2..64 rows (`kernels/gemv.py`'s batched "
                     "kernel, the fusion of a batched decode step on) per bench-285m projection, µs a call with "
                     "weights read from HBM, against cuBLAS alone and the unfused ops it replaces (the norm kernel, "
@@ -1142,6 +1175,8 @@ def render(results: Path = RESULTS) -> str:
         section("Batched decode", BATCH_INTRO, n(("batch", "cuda")), batch_body, batch_extra),
         section("Batched decode: fused projections and mixed depths", BATCH_FUSED_INTRO, n(("batch-fused", "cuda")),
                 batch_fused_body, batch_extra),
+        section("Interleaved decode of mixed depths", BATCH_INTERLEAVE_INTRO, n(("batch-interleave", "cuda")),
+                batch_interleave_body, batch_extra),
         section("The batched projections' tiles", ROWS_TILES_INTRO, n(("rows-tiles", "cuda")), rows_tiles_body),
         section("Prefill", PREFILL_INTRO, n(("prefill", "cuda")), prefill_body, prefill_extra),
         section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),
