@@ -13,6 +13,7 @@ from tinyloop.kernels.exit_fill import exit_fill_ref, exit_publish_ref
 from tinyloop.kernels.decode_attention import (decode_attention_ref, rope_chunk_attention_ref,
                                                rope_decode_attention_ref, rope_tree_attention_ref)
 from tinyloop.kernels.hcache import h_cache_write_ref, h_decode_attention_ref, h_encode_ref, h_rows_ref
+from tinyloop.kernels.interleave import interleave_pass_ref
 from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
 from tinyloop.kernels.tree_attention import tree_attention_ref
 
@@ -31,6 +32,7 @@ class Ops:
     exit_check = staticmethod(exit_check_ref)  # early exit's check (worker/runner/early_exit.py)
     exit_fill = staticmethod(exit_fill_ref)  # its copy fill, the exit depth on the device (runner/solo_exit.py)
     exit_publish = staticmethod(exit_publish_ref)  # and the depth and token to the host
+    interleave_pass = staticmethod(interleave_pass_ref)  # an interleaved pass's rows (runner/stages.py)
     # store-h caches (kernels/hcache.py)
     h_cache_write = staticmethod(h_cache_write_ref)
     h_rows = staticmethod(h_rows_ref)
@@ -85,6 +87,8 @@ class TritonOps(Ops):
         self.exit_check = exit_check
         self.exit_fill = exit_fill
         self.exit_publish = exit_publish
+        from tinyloop.kernels.interleave import interleave_pass
+        self.interleave_pass = interleave_pass
         # store-h caches: the write and the fused decode read; the chunk paths' row reads stay
         # the torch reference's (gathers, no host sync)
         from tinyloop.kernels.hcache import h_cache_write, h_decode_attention

@@ -109,9 +109,6 @@ class Engine:
     def __post_init__(self):
         self.config = self.model.config
         self.scale = self.config.head_dim ** -0.5
-        # (n_loop_layers, 1): loop layer j's offset from layer 0 in the layer-flattened cache
-        j = torch.arange(self.config.n_loop_layers, device=self.cache.device)
-        self._layer_offsets = (j * self.cache.n_slots)[:, None]
         if self.cache.max_seq_len > self.model.rope_cos.shape[0]:
             raise ValueError(f"a cache of {self.cache.max_seq_len} positions needs RoPE tables that long, "
                              f"the model has {self.model.rope_cos.shape[0]} (its max_seq_len)")
@@ -183,17 +180,11 @@ class Engine:
         K/V cache (one tensor over every layer and lane) and one weight set for every iteration."""
         return self.cache.mode == "kv" and not self.model.loop_variants
 
-    def flat_rows(self, iterations: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out (n_loop_layers, B) <- the row of the layer-flattened cache (cache layer · n_slots +
-        lane) that row b's loop layer j uses at iteration iterations[b], on lane slots[b]."""
-        cfg, n = self.config, self.cache.n_slots
-        first = (iterations * cfg.n_loop_layers + cfg.n_prelude) * n + slots  # (B,): layer j = 0
-        return torch.add(first[None], self._layer_offsets, out=out)
-
     @torch.no_grad()
     def iteration_rows(self, x: torch.Tensor, p: Pass, rows: torch.Tensor) -> torch.Tensor:
         """One iteration of the shared block over decode rows (T = 1, full cache) that each sit
-        at their own iteration: rows (n_loop_layers, B) from `flat_rows`, so row b's loop layer j
+        at their own iteration: rows (n_loop_layers, B), row b's loop layer j's row of the
+        layer-flattened cache (cache layer · n_slots + lane; kernels/interleave.py), so that it
         writes and reads the cache layer of its own iteration. The weights are the same at
         every iteration (`interleaves`), so only the cache rows tell the iterations apart."""
         if not self.interleaves:

@@ -198,65 +198,63 @@ def batch_buffers(engine: Engine, bucket: int) -> tuple:
 
 class InterleavedStep(StagedPass):
     """Passes of `bucket` decode rows that each sit at their own iteration of their own token
-    (`Runner.interleave`). Per row, in one (6, bucket) int64 buffer: its token, position, depth,
-    cache lane, the iteration it runs next, and its row of the lane residuals (`lane_x`, which
-    keeps a row's residual between calls; n_slots for an idle row, a row of its own).
+    (`Runner.interleave`). Per row, in one (7, bucket) int64 buffer: its token, position, cache
+    lane, the iteration it starts the call at, its row of the lane residuals (`lane_x`, which
+    keeps a row's residual between calls; n_slots for an idle row, a row of its own), and the
+    layer-flattened cache rows of its loop layer 0 at the iteration it runs next and at its last
+    (kernels/interleave.py: a row is live while the first is at most the second).
 
     Stages, each over every row of the bucket:
     - "resume": the residual of each row from its lane's row of lane_x;
-    - "prelude": the rows at iteration 0 embed their token and run the prelude (the others
-      pass position max_seq_len, which writes and reads no cache, and keep their residual);
-    - "iter": one iteration, row b at its own iteration i_b (its cache layers those of i_b:
-      `Engine.iteration_rows`), kept only where i_b < depth (a row past its depth writes and
-      reads nothing and carries its residual); then every row's iteration moves on by one;
+    - "prelude": the rows that start at iteration 0 embed their token and run the prelude (the
+      others pass position max_seq_len, which writes and reads no cache, and keep their residual);
+    - "iter": one iteration, each row at its own (its cache rows from `Ops.interleave_pass`),
+      kept only where the row is live (one past its depth writes and reads nothing and carries
+      its residual); every row then moves on by one iteration;
     - "save": each row's residual into its lane's row of lane_x;
-    - "coda": the rows whose iterations reached their depth run the coda (the others, again,
-      at position max_seq_len) and every row the head: the logits of the rows that finished.
+    - "coda": the rows whose iterations passed their last run the coda (the others, again, at
+      position max_seq_len) and every row the head: the logits of the rows that finished.
 
-    An idle row: token 0, position max_seq_len, depth 0, lane 0, lane_x row n_slots. The
+    An idle row: token 0, position max_seq_len, lane 0, lane_x row n_slots, past its last
+    iteration from the start (so never live, its cache rows lane 0's valid ones). The
     buffers may be views of larger ones shared by every bucket (`interleaved_buffers`)."""
 
     def __init__(self, engine: Engine, bucket: int, lane_x: torch.Tensor, buffers: tuple | None = None):
-        ctl, x, logits, pos, rows = buffers if buffers is not None else interleaved_buffers(engine, bucket)
+        ctl, x, logits, pos, rows, live = buffers if buffers is not None else interleaved_buffers(engine, bucket)
+        cfg, cache = engine.config, engine.cache
         self.engine, self.bucket, self.lane_x = engine, bucket, lane_x
-        self.ctl = ctl[:, :bucket]  # tokens, positions, depths, lanes, iterations, lane_x rows
+        self.ctl = ctl[:, :bucket]
         self.tokens = self.ctl[0, :, None]
-        self.positions, self.depth, self.lanes, self.its, self.xrows = (self.ctl[k] for k in range(1, 6))
-        self.x, self.logits = x[:bucket], logits[:bucket]
-        self.pos = pos[:, :bucket]      # (3, bucket, 1): the positions the prelude, iter and coda pass
-        self.rows = rows[:, :bucket]    # (n_loop_layers, bucket): the flat cache rows of "iter"
-        S = engine.cache.max_seq_len
-        self.S = S
-        self._outside = torch.tensor(S, device=engine.cache.device)  # the position that touches no cache
-        self.passes = [Pass(self.lanes, self.pos[k], S + 1) for k in range(3)]
+        self.positions, self.lanes, self.starts, self.xrows, self.base, self.last = (self.ctl[k] for k in range(1, 7))
+        self.x, self.logits, self.live = x[:bucket], logits[:bucket], live[:bucket]
+        self.pos = pos[:, :bucket]  # (3, bucket, 1): the positions the prelude, iter and coda pass
+        self.rows = rows[:cfg.n_loop_layers * bucket].view(cfg.n_loop_layers, bucket)  # contiguous, per bucket
+        self.S, self.n_slots = cache.max_seq_len, cache.n_slots
+        self.stride = cfg.n_loop_layers * cache.n_slots  # one iteration in the layer-flattened cache
+        self._outside = torch.tensor(self.S, device=cache.device)  # the position that touches no cache
+        self.passes = [Pass(self.lanes, self.pos[k], self.S + 1) for k in range(3)]
 
     def run(self, stage) -> None:
         with torch.no_grad():
             self._run(stage)
 
     def _run(self, stage) -> None:
-        e, S = self.engine, self._outside
+        e, x = self.engine, self.x
         if stage == "resume":
-            torch.index_select(self.lane_x, 0, self.xrows, out=self.x)
+            torch.index_select(self.lane_x, 0, self.xrows, out=x)
         elif stage == "prelude":
-            start = self.its == 0
-            torch.where(start, self.positions, S, out=self.pos[0, :, 0])
-            y = e.embed_prelude(self.tokens, self.passes[0])
-            self.x.copy_(torch.where(start[:, None, None], y, self.x))
+            start = self.starts == 0
+            torch.where(start, self.positions, self._outside, out=self.pos[0, :, 0])
+            torch.where(start[:, None, None], e.embed_prelude(self.tokens, self.passes[0]), x, out=x)
         elif stage == "iter":
-            live = self.its < self.depth
-            torch.where(live, self.positions, S, out=self.pos[1, :, 0])
-            # a row past its depth keeps a valid layer (it reads and writes none at position S)
-            at = torch.minimum(self.its, (self.depth - 1).clamp(min=0))
-            e.flat_rows(at, self.lanes, out=self.rows)
-            y = e.iteration_rows(self.x, self.passes[1], self.rows)
-            self.x.copy_(torch.where(live[:, None, None], y, self.x))
-            self.its.add_(1)
+            e.ops.interleave_pass(self.base, self.last, self.positions, self.S, self.stride, self.n_slots,
+                                  self.rows, self.pos[1, :, 0], self.live)
+            torch.where(self.live[:, None, None], e.iteration_rows(x, self.passes[1], self.rows), x, out=x)
         elif stage == "save":
-            self.lane_x.index_copy_(0, self.xrows, self.x)
+            self.lane_x.index_copy_(0, self.xrows, x)
         elif stage == "coda":
-            torch.where(self.its >= self.depth, self.positions, S, out=self.pos[2, :, 0])
-            self.logits.copy_(e.logits(e.coda(self.x, self.passes[2]))[:, -1])
+            torch.where(self.base > self.last, self.positions, self._outside, out=self.pos[2, :, 0])
+            self.logits.copy_(e.logits(e.coda(x, self.passes[2]))[:, -1])
         else:
             raise ValueError(f"an interleaved step has no stage {stage!r}")
 
@@ -264,9 +262,13 @@ class InterleavedStep(StagedPass):
              starts: list[int], on_device: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> None:
         """Rows [0, len(lanes)) from the lists, the rest idle; on_device as `BatchStep.load`'s."""
         pad = self.bucket - len(lanes)
-        S, n = self.S, self.engine.cache.n_slots
-        self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad, lanes + [0] * pad,
-                                starts + [0] * pad, lanes + [n] * pad], self.ctl), non_blocking=True)
+        cfg, n = self.engine.config, self.n_slots
+        flat = lambda it, lane: (it * cfg.n_loop_layers + cfg.n_prelude) * n + lane  # noqa: E731
+        # an idle row: past its last (valid) row from the start, so never live
+        base = [flat(s, lane) for s, lane in zip(starts, lanes)] + [flat(1, 0)] * pad
+        last = [flat(d - 1, lane) for d, lane in zip(depths, lanes)] + [flat(0, 0)] * pad
+        self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [self.S] * pad, lanes + [0] * pad,
+                                starts + [0] * pad, lanes + [n] * pad, base, last], self.ctl), non_blocking=True)
         if on_device is not None:
             rows, values = on_device
             if rows is None:
@@ -279,15 +281,16 @@ INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
 
 
 def interleaved_buffers(engine: Engine, bucket: int) -> tuple:
-    """Static buffers of interleaved passes of up to `bucket` rows: the (6, bucket) control rows,
-    residual, logits, the three passes' positions and the iteration's flat cache rows."""
+    """Static buffers of interleaved passes of up to `bucket` rows: the (7, bucket) control rows,
+    residual, logits, the three passes' positions, the iteration's flat cache rows and live rows."""
     cfg, device = engine.config, engine.cache.device
     dtype = engine.model.tok_embeddings.weight.dtype
-    return (torch.zeros(6, bucket, dtype=torch.long, device=device),
+    return (torch.zeros(7, bucket, dtype=torch.long, device=device),
             torch.zeros(bucket, 1, cfg.residual_width, dtype=dtype, device=device),
             torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device),
             torch.zeros(3, bucket, 1, dtype=torch.long, device=device),
-            torch.zeros(cfg.n_loop_layers, bucket, dtype=torch.long, device=device))
+            torch.zeros(cfg.n_loop_layers * bucket, dtype=torch.long, device=device),
+            torch.zeros(bucket, dtype=torch.bool, device=device))
 
 
 def ancestor_table(parents: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

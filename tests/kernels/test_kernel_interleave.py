@@ -1,0 +1,65 @@
+"""An interleaved pass's bookkeeping (kernels/interleave.py): the one-launch kernel against its
+torch reference, for rows at every stage of their token (starting, midway, at their last
+iteration, past it) and idle rows, one and several loop layers, odd row counts; and the
+values themselves against the layer arithmetic they stand for."""
+import pytest
+import torch
+from kernel_tolerances import DEVICE
+
+from tinyloop.kernels.interleave import interleave_pass, interleave_pass_ref
+
+
+def case(B, n_loop, n_prelude=2, n_slots=7, S=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    depth = torch.randint(1, 9, (B,), generator=g)
+    its = (torch.rand(B, generator=g) * (depth + 2)).long()  # some rows past their depth
+    lanes = torch.randint(0, n_slots, (B,), generator=g)
+    flat = lambda it, lane: (it * n_loop + n_prelude) * n_slots + lane  # noqa: E731
+    base, last = flat(its, lanes), flat(depth - 1, lanes)
+    idle = torch.arange(B) % 5 == 4
+    base[idle], last[idle] = flat(1, 0), flat(0, 0)
+    positions = torch.randint(0, S, (B,), generator=g)
+    return [t.to(DEVICE) for t in (base, last, positions, its, depth, lanes, idle)], flat
+
+
+@pytest.mark.parametrize("B", [1, 5, 16, 33, 128])
+@pytest.mark.parametrize("n_loop", [1, 3])
+def test_interleave_pass_matches_ref_and_the_layers(B, n_loop):
+    n_slots, S = 7, 50
+    (base, last, positions, its, depth, lanes, idle), flat = case(B, n_loop, n_slots=n_slots, S=S, seed=B + n_loop)
+    outs = []
+    for op in (interleave_pass, interleave_pass_ref):
+        b = base.clone()
+        rows = torch.full((n_loop, B), -7, dtype=torch.long, device=DEVICE)
+        pos = torch.full((B,), -7, dtype=torch.long, device=DEVICE)
+        live = torch.zeros(B, dtype=torch.bool, device=DEVICE)
+        op(b, last, positions, S, n_loop * n_slots, n_slots, rows, pos, live)
+        outs.append((b, rows, pos, live))
+    for a, r in zip(*outs):
+        assert torch.equal(a, r)
+    b, rows, pos, live = outs[0]
+    want_live = (its < depth) & ~idle
+    assert torch.equal(live, want_live)
+    assert torch.equal(pos, torch.where(want_live, positions, S))
+    at = torch.where(idle, 0, torch.minimum(its, depth - 1))
+    for j in range(n_loop):
+        assert torch.equal(rows[j], torch.where(idle, flat(0, 0), flat(at, lanes)) + j * n_slots)
+    assert torch.equal(b, base + n_loop * n_slots)
+    if B > 4:
+        assert live.any() and not live.all(), "the case tests little"
+
+
+def test_interleave_pass_refuses_bad_input():
+    (base, last, positions, *_), _ = case(4, 2)
+    rows = torch.zeros(2, 4, dtype=torch.long, device=DEVICE)
+    pos = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    live = torch.zeros(4, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="rows must be"):
+        interleave_pass(base, last, positions, 9, 14, 7, rows[:, :3], pos, live)
+    with pytest.raises(ValueError, match="last must have shape"):
+        interleave_pass(base, last[:3], positions, 9, 14, 7, rows, pos, live)
+    with pytest.raises(ValueError, match="live dtype"):
+        interleave_pass(base, last, positions, 9, 14, 7, rows, pos, live.long())
+    with pytest.raises(ValueError, match="contiguous"):
+        interleave_pass(base, last, positions, 9, 14, 7, torch.zeros(4, 2, dtype=torch.long, device=DEVICE).t(),
+                        pos, live)
