@@ -312,16 +312,20 @@ def test_mixed_depths_replay_each_iteration_over_the_rows_that_need_it(tiny_path
     assert first == [(8, "prelude"), (8, 0), (4, 1), (4, 2), (2, 3), (2, 4), (2, 5), (2, 6), (2, 7), (8, "coda")]
 
 
-def _run_batcher(m, jobs, max_tokens, interleave=True):
-    """Every job joined at once, the batcher stepped to its end: each job's tokens."""
+def _run_batcher(m, jobs, max_tokens, interleave=True, sizes=None):
+    """Every job joined at once, the batcher stepped to its end: each job's tokens (sizes: each
+    step's (rows of its launch, streams with a token))."""
     b = Batcher(m.runner, interleave=interleave)
     got = {}
     for lane, (p, L) in enumerate(jobs):
         ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=max_tokens), lane))
         got[lane] = list(ids)
     while b:
-        for lane, (ids, _) in b.step().items():
+        updates = b.step()
+        for lane, (ids, _) in updates.items():
             got[lane].extend(ids)
+        if sizes is not None:
+            sizes.append((b.rows_stepped, len(updates)))
     return [got[i] for i in range(len(jobs))]
 
 
@@ -339,7 +343,8 @@ def test_interleaved_rows_each_run_their_own_iterations(tiny_path):
         m.runner.interleave = lambda lanes, tokens, positions, depths, starts, passes, **k: (
             calls.append((list(depths), list(starts), passes)) or interleave(lanes, tokens, positions, depths,
                                                                               starts, passes, **k))
-        assert _run_batcher(m, jobs, 6) == want
+        sizes = []
+        assert _run_batcher(m, jobs, 6, sizes=sizes) == want
         replays = graphs.replayed("interleaved")
         # once only the two depth-8 streams are left, at a token boundary: whole-token steps
         assert {bk for bk, _ in graphs.replayed("batch")} <= {2}
@@ -352,6 +357,8 @@ def test_interleaved_rows_each_run_their_own_iterations(tiny_path):
     assert sum(s == "iter" for _, s in replays) == sum(c[2] for c in calls)  # every pass replayed
     # the shallow streams decoded while the deep ones were mid-token: some launch had rows midway
     assert any(any(starts) for _, starts, _ in calls)
+    # a step's batch is its launch's rows, whether or not each row's token ended in it
+    assert sizes[0][0] == 6 and any(rows > tokens for rows, tokens in sizes)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

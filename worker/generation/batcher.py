@@ -66,8 +66,9 @@ class Batcher:
         self.steps = 0       # batched forwards whose logits streams used
         self.lane_steps = 0  # stream steps they carried (lane_steps / steps: the mean batch)
         # ([(row, lane, state)] of the rows with logits, their StepOut, whether it is a lone
-        # stream's own step) of a step launched ahead
-        self._ahead: tuple[list, StepOut, bool] | None = None
+        # stream's own step, the rows it ran) of a step launched ahead
+        self._ahead: tuple[list, StepOut, bool, int] | None = None
+        self.rows_stepped = 0  # the rows of the launch the last `step` handed out (the batch size)
         self._last: StepOut | None = None            # the runner step the states' outputs view
         self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
         self._copied: torch.cuda.Event | None = None
@@ -118,6 +119,7 @@ class Batcher:
         that joined meanwhile runs its first token in the forward after. A stream whose token
         reaches max_tokens is left out of the launch; one that samples a stop token has its
         row dropped. The tokens, logits and stats are those of the plain loop."""
+        self.rows_stepped = 0
         if not self.states:
             self._ahead = None
             self.runner.release(self._last)
@@ -126,7 +128,7 @@ class Batcher:
         try:
             if self._ahead is None:
                 self._launch({})
-            ran, out, solo = self._ahead
+            ran, out, solo, self.rows_stepped = self._ahead
             self._ahead = None
             # a stream that left meanwhile is dropped (its lane may hold a new stream already)
             rows = [(row, lane) for row, lane, st in ran if self.states.get(lane) is st]
@@ -203,7 +205,8 @@ class Batcher:
         out = self.runner.decode(lanes, [st.tok_id for st in sts], [st.pos for st in sts],
                                  [st.req.loops for st in sts], on_device=dev, prev=self._last, exits=exits)
         self._last = out
-        self._ahead = [(row, lane, self.states[lane]) for row, lane in enumerate(lanes)], out, len(lanes) == 1
+        self._ahead = ([(row, lane, self.states[lane]) for row, lane in enumerate(lanes)], out, len(lanes) == 1,
+                       len(lanes))
 
     def _launch_interleaved(self, lanes: list[int], on_device: dict, values: torch.Tensor | None,
                             drain: bool = False) -> None:
@@ -226,7 +229,7 @@ class Batcher:
                 self._iters.pop(lane, None)
             else:
                 self._iters[lane] = s + passes
-        self._ahead = ran, out, False
+        self._ahead = ran, out, False, len(lanes)
 
     @staticmethod
     def _device_tokens(lanes: list[int], on_device: dict, values: torch.Tensor | None) -> DeviceTokens | None:

@@ -335,7 +335,7 @@ class Scheduler:
                     events.append((key, Failed(e)))
                 self._batched.clear()
                 updates = {}
-            stats.batch_rows = len(updates)
+            stats.batch_rows = self.batcher.rows_stepped if updates else 0
             for lane, update in updates.items():
                 key = self._batched.get(lane)
                 if key is None:
