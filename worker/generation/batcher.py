@@ -30,6 +30,8 @@ All calls run on the worker's one step thread (never two at once).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from tinyloop.worker.generation.decode import DecodeState, Finish
@@ -48,9 +50,10 @@ def chunk_passes(remaining: list[int], overhead: float) -> int:
     the fewer passes on a tie."""
     if not remaining or min(remaining) < 1:
         raise ValueError(f"every row has at least one iteration left, got {remaining}")
+    counts = sorted(Counter(remaining).items())  # a few distinct depths, however many rows
     best, rate = 0, -1.0
-    for g in sorted(set(remaining)):
-        r = sum(min(x, g) for x in remaining) / (overhead + g)
+    for g, _ in counts:
+        r = sum(n * min(x, g) for x, n in counts) / (overhead + g)
         if r > rate * (1 + 1e-12):
             best, rate = g, r
     return best
