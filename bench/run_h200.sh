@@ -4,7 +4,7 @@
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
 #                                          #   speculative startup (default: all); tiles, load, families, kv, quant,
-#                                          #   int4-tune, exit, load-ab on demand (load: the service under load; carry .whl for
+#                                          #   int4-tune, exit, interleave, load-ab on demand (load: the service under load; carry .whl for
 #                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
 #                                          #   exit: early exit's sweep, bench/early_exit.py; profile-exit: where an exit step's time goes; sampling: sampled against greedy
@@ -51,6 +51,9 @@ for s in "${steps[@]}"; do
         families) run families "${FAMILIES_S:-420}" python -m bench.families --out-dir "$OUT" ${FAMILIES_ARGS:-} ;;
         decode) run decode "${DECODE_S:-240}" python -m bench.decode --out-dir "$OUT" ${DECODE_ARGS:-} ;;
         batch) run batch "${BATCH_S:-120}" python -m bench.batch --out-dir "$OUT" ;;
+        interleave)  # mixed depths in-process: interleaved launches against whole-token steps, same run
+            run interleave "${BATCH_S:-200}" python -m bench.batch --batch 16 64 --mixed-depths 4 8 16 32 \
+                --no-invariant --repeat 3 --sustained 160 --name batch-interleave --out-dir "$OUT" ;;
         prefill) run prefill 90 python -m bench.prefill --out-dir "$OUT" ;;
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 4000 --out-dir "$OUT" ;;
         speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
