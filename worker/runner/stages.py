@@ -178,12 +178,18 @@ class BatchStep(StagedPass):
         S = self.engine.cache.max_seq_len
         self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad,
                                 lanes + [0] * pad], self.ctl), non_blocking=True)
-        if on_device is not None:
-            rows, values = on_device
-            if rows is None:
-                self.ctl[0, :values.shape[0]].copy_(values)
-            else:
-                self.ctl[0].index_copy_(0, rows, values)
+        _device_tokens_into(self.ctl[0], on_device)
+
+
+def _device_tokens_into(tokens: torch.Tensor, on_device: tuple[torch.Tensor | None, torch.Tensor] | None) -> None:
+    """A step's token row: the rows sampled on the device and not read on the host yet take
+    their tokens from there (rows None: rows 0, 1, ...)."""
+    if on_device is not None:
+        rows, values = on_device
+        if rows is None:
+            tokens[:values.shape[0]].copy_(values)
+        else:
+            tokens.index_copy_(0, rows, values)
 
 
 def batch_buffers(engine: Engine, bucket: int) -> tuple:
@@ -269,12 +275,7 @@ class InterleavedStep(StagedPass):
         last = [flat(d - 1, lane) for d, lane in zip(depths, lanes)] + [flat(0, 0)] * pad
         self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [self.S] * pad, lanes + [0] * pad,
                                 starts + [0] * pad, lanes + [n] * pad, base, last], self.ctl), non_blocking=True)
-        if on_device is not None:
-            rows, values = on_device
-            if rows is None:
-                self.ctl[0, :values.shape[0]].copy_(values)
-            else:
-                self.ctl[0].index_copy_(0, rows, values)
+        _device_tokens_into(self.ctl[0], on_device)
 
 
 INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
