@@ -618,6 +618,13 @@ def batch_fused_table(d: dict) -> str:
                   "mixed, fused: ms per step", "× plain"], body) + (note or "\n")
 
 
+def by_depth(counts) -> str:
+    """{depth: tokens} as "L = 4: 640, L = 8: 640, ..."."""
+    if not isinstance(counts, dict) or not counts:
+        return DASH
+    return ", ".join(f"L = {k}: {count(v)}" for k, v in sorted(counts.items(), key=lambda kv: int(kv[0])))
+
+
 def batch_interleave_body(r: Result) -> str:
     """The sustained mixed-depth run, interleaved against whole-token steps, beside the plain step."""
     rows = []
@@ -633,7 +640,7 @@ def batch_interleave_body(r: Result) -> str:
                      times(inter["depth_weighted_tokens_per_s"] / whole["depth_weighted_tokens_per_s"])
                      if isnum(inter.get("depth_weighted_tokens_per_s")) and isnum(
                          whole.get("depth_weighted_tokens_per_s")) else DASH,
-                     text(inter.get("tokens_by_depth")), text(whole.get("tokens_by_depth"))])
+                     by_depth(inter.get("tokens_by_depth")), by_depth(whole.get("tokens_by_depth"))])
     depths = next((row["mixed"]["depths"] for row in r.data.get("rows") or []
                    if isinstance(row, dict) and isinstance(row.get("mixed"), dict)), None)
     note = (f"\n\nStream i at depth ({text(sorted(set(depths)))})[i mod {len(set(depths))}], plain at "
