@@ -63,3 +63,28 @@ def test_interleave_pass_refuses_bad_input():
     with pytest.raises(ValueError, match="contiguous"):
         interleave_pass(base, last, positions, 9, 14, 7, torch.zeros(4, 2, dtype=torch.long, device=DEVICE).t(),
                         pos, live)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B,n_loop,n_prelude", [(64, 1, 2), (128, 1, 2), (7, 24, 0)])  # bench-285m, Ouro-1.4B
+def test_interleave_pass_on_gpu_at_served_shapes(B, n_loop, n_prelude):
+    """The kernel on the GPU at the served models' shapes, and inside a captured graph, where
+    its replays advance the rows as its eager calls do."""
+    n_slots, S = 128, 512
+    (base, last, positions, *_), _ = case(B, n_loop, n_prelude=n_prelude, n_slots=n_slots, S=S, seed=B)
+    bufs = lambda: (torch.zeros(n_loop, B, dtype=torch.long, device="cuda"),  # noqa: E731
+                    torch.zeros(B, dtype=torch.long, device="cuda"), torch.zeros(B, dtype=torch.bool, device="cuda"))
+    ref_base, ref = base.clone(), bufs()
+    got_base, got = base.clone(), bufs()
+    args = lambda b, o: (b, last, positions, S, n_loop * n_slots, n_slots, *o)  # noqa: E731
+    interleave_pass(*args(got_base, got))  # compiled and warm before the capture
+    interleave_pass_ref(*args(ref_base, ref))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        interleave_pass(*args(got_base, got))
+    for _ in range(3):
+        graph.replay()
+        interleave_pass_ref(*args(ref_base, ref))
+        torch.cuda.synchronize()
+        assert torch.equal(got_base, ref_base) and all(torch.equal(a, r) for a, r in zip(got, ref))
