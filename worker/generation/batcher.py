@@ -197,7 +197,8 @@ class Batcher:
             # rows midway through a token finish it first: the plain (exit) step runs whole tokens
             self._launch_interleaved(sorted(self._iters), on_device, values, drain=True)
             return
-        if self.interleave and not exiting and (self._iters or len({self.states[l].req.loops for l in lanes}) > 1):
+        mixed = len({self.states[lane].req.loops for lane in lanes}) > 1
+        if self.interleave and not exiting and (self._iters or mixed):
             self._launch_interleaved(sorted(lanes), on_device, values)
             return
         # deepest first: the runner then runs each iteration over the rows that need it only
