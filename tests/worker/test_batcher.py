@@ -426,3 +426,16 @@ def test_interleave_refuses_bad_rows(model):
         args = dict(lanes=[0, 1], tokens=[3, 4], positions=[5, 5], depths=[2, 3], starts=[0, 0], passes=1) | kw
         with pytest.raises(ValueError, match=match):
             r.interleave(**args)
+
+
+def test_interleaved_on_every_model_option(config_path):
+    """Every model option (prelude and coda or none, GQA, sandwich norms, the loop's final norm,
+    a two-layer block): streams at four depths interleaved, each with its tokens alone."""
+    jobs = [([3, 17, 42], 1), ([9, 8, 7, 6], 4), ([5] * 6, 2), ([1, 2], 3)]
+    with Model(config_path, max_seq_len=64, n_slots=4) as m:
+        want = [m.generate(p, loops=L, max_tokens=7)[len(p):] for p, L in jobs]
+        calls = []
+        interleave = m.runner.interleave
+        m.runner.interleave = lambda *a, **k: calls.append(a[5]) or interleave(*a, **k)
+        assert _run_batcher(m, jobs, 7) == want
+        assert calls  # the streams did interleave
