@@ -20,9 +20,9 @@ its rounding (tests/worker/test_gpu_engine.py).
 Streams at different depths interleave (`Runner.interleave`, where the runner can): a launch
 is then a number of passes over every stream's row, each row at its own iteration of its own
 token, and only the rows whose token reaches its depth come back with logits; the others go on
-in the next launch from where they stopped. So a stream at depth 4 decodes about eight tokens
-while one at depth 32 decodes one, instead of every row's step lasting the deepest row's 32
-iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of one depth at a
+in the next launch from where they stopped. So a stream at depth 4 decodes several tokens
+(up to eight) while one at depth 32 decodes one, instead of every row's step lasting the
+deepest row's 32 iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of one depth at a
 token boundary run the plain batched step; a stream with an early-exit rule runs the plain
 (exit) step too, once the rows midway through a token have finished theirs.
 
