@@ -109,11 +109,15 @@ class LoopedConfig:
         loops = self.max_loops if max_loops is None else max_loops
         return self.n_prelude + loops * self.n_loop_layers + j
 
+    def layer_matmul_params(self) -> int:
+        """The weights of one layer's projections: q, k, v, o and the SwiGLU MLP's three."""
+        d, hd = self.d_model, self.head_dim
+        return d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2 + 3 * d * self.d_ff
+
     def n_params(self) -> int:
-        d, f, hd = self.d_model, self.d_ff, self.head_dim
-        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
-        attn += (self.n_heads + self.n_kv_heads) * hd if self.qk_bias else 0
-        layer = attn + 3 * d * f + (2 if self.norm == "pre" else 4) * d
+        d, hd = self.d_model, self.head_dim
+        layer = self.layer_matmul_params() + (2 if self.norm == "pre" else 4) * d
+        layer += (self.n_heads + self.n_kv_heads) * hd if self.qk_bias else 0
         n_layers = self.n_prelude + self.n_loop_layers + self.n_coda
         head = 0 if self.tie_embeddings else self.vocab_size * d
         extra = (d if self.loop_final_norm else 0) + (d if self.final_norm else 0)

@@ -581,9 +581,8 @@ class Runner:
         and the head, by their weights against the shared block's (a decode step of a few
         rows reads its weights once per layer, whatever the rows)."""
         cfg = self.config
-        d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
-        layer = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2 + 3 * d * f
-        return ((cfg.n_prelude + cfg.n_coda) * layer + cfg.vocab_size * d) / (cfg.n_loop_layers * layer)
+        layer = cfg.layer_matmul_params()
+        return ((cfg.n_prelude + cfg.n_coda) * layer + cfg.vocab_size * cfg.d_model) / (cfg.n_loop_layers * layer)
 
     @torch.no_grad()
     def interleave(self, lanes: list[int], tokens: list, positions: list[int], depths: list[int],
@@ -616,10 +615,7 @@ class Runner:
         step = self._interleaved_step(b if graphed else B)
         self._claim("interleaved", prev)
         host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
-        dev = None
-        if on_device is not None and on_device.rows:
-            dev = (self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index)))
-        step.load(list(lanes), host, list(positions), list(depths), list(starts), dev)
+        step.load(list(lanes), host, list(positions), list(depths), list(starts), self._device_rows(on_device))
         stages = (["resume"] if any(starts) else []) + (["prelude"] if not all(starts) else [])
         stages += ["iter"] * passes
         stages += ["save"] if any(s + passes < d for s, d in zip(starts, depths)) else []
@@ -650,14 +646,17 @@ class Runner:
 
     def _load_step(self, step: BatchStep, lanes, tokens, positions, depths, on_device: DeviceTokens | None) -> None:
         host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
-        dev = None
-        if on_device is not None and on_device.rows:
-            n = len(on_device.rows)
-            if on_device.rows == on_device.index == list(range(n)):  # the common case: every row goes on
-                dev = (None, on_device.values[:n])
-            else:
-                dev = (self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index)))
-        step.load(list(lanes), host, list(positions), list(depths), dev)
+        step.load(list(lanes), host, list(positions), list(depths), self._device_rows(on_device))
+
+    def _device_rows(self, on_device: DeviceTokens | None) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """(row indices or None: rows 0, 1, ..., their tokens) on the device, as the stage sets'
+        `load` takes them; None when no row's token is on the device."""
+        if on_device is None or not on_device.rows:
+            return None
+        n = len(on_device.rows)
+        if on_device.rows == on_device.index == list(range(n)):  # the common case: every row goes on
+            return None, on_device.values[:n]
+        return self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index))
 
     def _decode_exit(self, lanes, tokens, positions, depths, rules, on_device, prev) -> StepOut:
         """A decode step whose rows stop iterating where their exit rule says (early_exit.py).

@@ -240,11 +240,8 @@ class InterleavedStep(StagedPass):
         self._outside = torch.tensor(self.S, device=cache.device)  # the position that touches no cache
         self.passes = [Pass(self.lanes, self.pos[k], self.S + 1) for k in range(3)]
 
+    @torch.no_grad()
     def run(self, stage) -> None:
-        with torch.no_grad():
-            self._run(stage)
-
-    def _run(self, stage) -> None:
         e, x = self.engine, self.x
         if stage == "resume":
             torch.index_select(self.lane_x, 0, self.xrows, out=x)
