@@ -107,3 +107,79 @@ def exit_publish(depth_row, greedy, host) -> None:
     if depth_row.is_cuda and not torch.cuda.is_current_stream_capturing() and not host.is_pinned():
         raise ValueError("exit_publish: host must be pinned host memory (the kernel writes it from the GPU)")
     _exit_publish_kernel[(1,)](depth_row, greedy, host)
+
+
+# -- the fill of an interleaved launch's rows ------------------------------------------------
+#
+# An interleaved launch (worker/runner/stages.py `InterleavedStep`) checks its rows' exit rules
+# after every pass, on the device: a row that stops after e of its L iterations leaves the cache
+# layers of iterations [e, L) without its K/V at its position. At the launch's end each such row
+# gets the `copy` fill: layer (e - 1, j) into layers (i, j) for e <= i < L, every block layer j.
+#
+#   ran       (B,) int64  the iterations each row's token has run (e; its depth L where no rule
+#                         stopped it, 0 for an idle row)
+#   depth     (B,) int64  each row's depth L
+#   lanes, positions (B,) int64  each row's cache slot and token position
+#   n_prelude, n_loop     the cache's layer layout: iteration i's block layer j is cache layer
+#                         n_prelude + i · n_loop + j
+#   top                   the largest depth the cache holds (its max_loops)
+#
+# A cell (row b, iteration i in [1, top), layer j) moves where 1 <= ran_b <= i < depth_b; its
+# source is an iteration below ran_b, which no cell writes.
+
+
+def exit_fill_rows_ref(k, v, ran, depth, lanes, positions, n_prelude: int, n_loop: int, top: int) -> None:
+    dev = ran.device
+    i = torch.arange(1, max(top, 1), device=dev)[None, :, None]   # (1, top - 1, 1)
+    j = torch.arange(n_loop, device=dev)[None, None, :]           # (1, 1, n_loop)
+    e, L = ran[:, None, None], depth[:, None, None]
+    moved = ((e >= 1) & (i >= e) & (i < L)).expand(-1, -1, n_loop)
+    dst = (n_prelude + i * n_loop + j).expand(moved.shape)
+    src = torch.where(moved, n_prelude + (e - 1).clamp(min=0) * n_loop + j, dst)
+    slot = lanes[:, None, None].expand(moved.shape)
+    pos = positions.clamp(max=k.shape[3] - 1)[:, None, None].expand(moved.shape)
+    dst, src, slot, pos = (t.reshape(-1) for t in (dst, src, slot, pos))
+    for t in (k, v):
+        t[dst, slot, :, pos] = t[src, slot, :, pos]  # gathered first: no cell reads what one writes
+
+
+@triton.jit
+def _exit_fill_rows_kernel(k_ptr, v_ptr, ran_ptr, depth_ptr, lanes_ptr, pos_ptr, n_prelude, n_loop, hd,
+                           s_l, s_s, s_h, s_p, s_d, HD: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    i = 1 + c // n_loop
+    j = c % n_loop
+    e = tl.load(ran_ptr + b)
+    if (e >= 1) & (i >= e) & (i < tl.load(depth_ptr + b)):
+        src = n_prelude + (e - 1) * n_loop + j
+        dst = n_prelude + i * n_loop + j
+        base = tl.load(lanes_ptr + b) * s_s + tl.load(pos_ptr + b) * s_p
+        for o in range(0, HD, BLOCK):
+            offs = o + tl.arange(0, BLOCK)
+            m = offs < HD
+            at = base + (offs // hd) * s_h + (offs % hd) * s_d
+            tl.store(k_ptr + dst * s_l + at, tl.load(k_ptr + src * s_l + at, mask=m), mask=m)
+            tl.store(v_ptr + dst * s_l + at, tl.load(v_ptr + src * s_l + at, mask=m), mask=m)
+
+
+def exit_fill_rows(k, v, ran, depth, lanes, positions, n_prelude: int, n_loop: int, top: int) -> None:
+    """exit_fill_rows_ref in one launch, one program per (row, cell); a cell that does not move
+    touches no memory."""
+    check_device("exit_fill_rows", k=k, v=v, ran=ran, depth=depth, lanes=lanes, positions=positions)
+    if k.shape != v.shape or k.stride() != v.stride() or k.dim() != 5:
+        raise ValueError(f"exit_fill_rows: k and v must be alike (layers, slots, Hkv, S, hd), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    B = ran.shape[0]
+    for name, t in (("ran", ran), ("depth", depth), ("lanes", lanes), ("positions", positions)):
+        if t.shape != (B,) or t.dtype != torch.long:
+            raise ValueError(f"exit_fill_rows: {name} must be ({B},) int64, got {tuple(t.shape)} {t.dtype}")
+    if n_prelude + top * n_loop > k.shape[0]:
+        raise ValueError(f"exit_fill_rows: {top} iterations of {n_loop} layers after {n_prelude} do not fit "
+                         f"the cache's {k.shape[0]} layers")
+    if B == 0 or top < 2:
+        return
+    H, hd = k.shape[2], k.shape[4]
+    HD = H * hd
+    _exit_fill_rows_kernel[(B, (top - 1) * n_loop)](k, v, ran, depth, lanes, positions, n_prelude, n_loop, hd,
+                                                    *k.stride(), HD=HD, BLOCK=min(1024, triton.next_power_of_2(HD)))

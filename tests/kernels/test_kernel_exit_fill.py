@@ -5,7 +5,7 @@ import pytest
 import torch
 from kernel_tolerances import DEVICE
 
-from tinyloop.kernels.exit_fill import exit_fill, exit_fill_ref
+from tinyloop.kernels.exit_fill import exit_fill, exit_fill_ref, exit_fill_rows, exit_fill_rows_ref
 
 
 def tables(top, nl, n_prelude):
@@ -73,3 +73,47 @@ def test_exit_publish_writes_depth_and_token():
         exit_publish(ctl[2], greedy[1], torch.zeros(3, dtype=torch.long, pin_memory=pin))
     with pytest.raises(ValueError, match="int64"):
         exit_publish(ctl[2].int(), greedy[1], torch.zeros(2, dtype=torch.long, pin_memory=pin))
+
+
+@pytest.mark.parametrize("H,hd", [(1, 8), (3, 20)])
+@pytest.mark.parametrize("top,nl", [(2, 1), (6, 2), (5, 3)])
+def test_exit_fill_rows_matches_ref_and_the_host_fill(H, hd, top, nl):
+    """An interleaved launch's rows: idle (ran 0), exited at every depth below theirs, run to
+    their depth, with depths below the cache's top; each against the per-row host fill."""
+    n_prelude, slots, S = 1, 9, 13
+    layers = n_prelude + top * nl + 1
+    g = torch.Generator().manual_seed(H * 100 + hd + top * nl)
+    layer = lambda i, j: n_prelude + i * nl + j  # noqa: E731
+    rows = [(0, top, 0, S)]  # an idle row: sits past the cache, moves nothing
+    rows += [(e, L, 1 + len(rows) + e, (5 * e + L) % S) for L in range(2, top + 1) for e in range(1, L + 1)]
+    rows = rows[:slots]
+    ran, depth, lanes, positions = (torch.tensor(c, device=DEVICE) for c in zip(*rows))
+    lanes = torch.arange(len(rows), device=DEVICE)  # each row its own lane
+    k0 = torch.randn(layers, slots, H, S, hd, generator=g).to(DEVICE)
+    v0 = torch.randn(layers, slots, H, S, hd, generator=g).to(DEVICE)
+    outs = []
+    for fill in (exit_fill_rows, exit_fill_rows_ref):
+        k, v = k0.clone(), v0.clone()
+        fill(k, v, ran, depth, lanes, positions, n_prelude, nl, top)
+        outs.append((k, v))
+    (kk, kv), (rk, rv) = outs
+    assert torch.equal(kk, rk) and torch.equal(kv, rv)
+    want_k, want_v = k0.clone(), v0.clone()
+    for b, (e, L, _, pos) in enumerate(rows):
+        for i in range(max(e, 1), L) if e > 0 else ():
+            for j in range(nl):
+                want_k[layer(i, j), b, :, pos] = k0[layer(e - 1, j), b, :, pos]
+                want_v[layer(i, j), b, :, pos] = v0[layer(e - 1, j), b, :, pos]
+    assert torch.equal(kk, want_k) and torch.equal(kv, want_v)
+    assert not torch.equal(kk, k0), "the fill moved nothing: the case tests little"
+
+
+def test_exit_fill_rows_refuses_bad_input():
+    k = torch.zeros(10, 2, 2, 8, 4, device=DEVICE)
+    row = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="k and v must be alike"):
+        exit_fill_rows(k, torch.zeros(10, 2, 2, 8, 5, device=DEVICE), row, row, row, row, 1, 2, 4)
+    with pytest.raises(ValueError, match="int64"):
+        exit_fill_rows(k, k.clone(), row.int(), row, row, row, 1, 2, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        exit_fill_rows(k, k.clone(), row, row, row, row, 1, 2, 5)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.kernels.exit_check import exit_check_ref
-from tinyloop.kernels.exit_fill import exit_fill_ref, exit_publish_ref
+from tinyloop.kernels.exit_fill import exit_fill_ref, exit_fill_rows_ref, exit_publish_ref
 from tinyloop.kernels.decode_attention import (decode_attention_ref, rope_chunk_attention_ref,
                                                rope_decode_attention_ref, rope_tree_attention_ref)
 from tinyloop.kernels.hcache import h_cache_write_ref, h_decode_attention_ref, h_encode_ref, h_rows_ref
@@ -32,6 +32,7 @@ class Ops:
     exit_check = staticmethod(exit_check_ref)  # early exit's check (worker/runner/early_exit.py)
     exit_fill = staticmethod(exit_fill_ref)  # its copy fill, the exit depth on the device (runner/solo_exit.py)
     exit_publish = staticmethod(exit_publish_ref)  # and the depth and token to the host
+    exit_fill_rows = staticmethod(exit_fill_rows_ref)  # the copy fill of an interleaved launch's rows
     interleave_pass = staticmethod(interleave_pass_ref)  # an interleaved pass's rows (runner/stages.py)
     # store-h caches (kernels/hcache.py)
     h_cache_write = staticmethod(h_cache_write_ref)
@@ -83,9 +84,10 @@ class TritonOps(Ops):
         from tinyloop.kernels.tree_attention import tree_attention
         self.tree_attention = tree_attention
         from tinyloop.kernels.exit_check import exit_check
-        from tinyloop.kernels.exit_fill import exit_fill, exit_publish
+        from tinyloop.kernels.exit_fill import exit_fill, exit_fill_rows, exit_publish
         self.exit_check = exit_check
         self.exit_fill = exit_fill
+        self.exit_fill_rows = exit_fill_rows
         self.exit_publish = exit_publish
         from tinyloop.kernels.interleave import interleave_pass
         self.interleave_pass = interleave_pass
