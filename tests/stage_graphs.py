@@ -57,7 +57,7 @@ class EagerGraphs:
         self.stages[(kind, bucket, stage)]()
 
 
-def with_stage_graphs(m: Model, loops, prefill_graph_len: int = 0) -> EagerGraphs:
+def with_stage_graphs(m: Model, loops, prefill_graph_len: int = 0, interleave: bool = True) -> EagerGraphs:
     """Give m a graphed runner (its buckets, its capture, its replay-or-eager choices, as on
     the GPU) whose graphs are EagerGraphs, captured for the depths in `loops`."""
     r = m.runner
@@ -66,7 +66,7 @@ def with_stage_graphs(m: Model, loops, prefill_graph_len: int = 0) -> EagerGraph
         mp.setattr(runner_mod, "Graphs", EagerGraphs, raising=False)
         mp.setattr(torch.cuda, "synchronize", lambda device=None: None)
         mp.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-        settings = RunnerSettings(cuda_graphs=True, prefill_graph_len=prefill_graph_len)
+        settings = RunnerSettings(cuda_graphs=True, prefill_graph_len=prefill_graph_len, interleave=interleave)
         m.runner = Runner(r.model, r.cache, r.ops, settings)
         m.capture_graphs(loops)
     assert isinstance(m.runner.graphs, EagerGraphs)

@@ -387,13 +387,14 @@ def test_chunk_passes():
 
 
 def test_an_exit_stream_waits_for_the_rows_midway(model):
-    """A stream with an early-exit rule runs the whole-token (exit) step: it joins a batch of
-    interleaved rows, those midway finish their token first (one draining launch), and every
-    stream still gets its standalone tokens."""
+    """A stream with an early-exit rule that the passes cannot check (kl reads the next-token
+    distribution) runs the whole-token (exit) step: it joins a batch of interleaved rows, those
+    midway finish their token first (one draining launch), and every stream still gets its
+    standalone tokens."""
     # five shallow streams and a deep one: a launch runs the shallow rows' two passes
     jobs = [([3, 17, 42], 2), ([9, 8, 7, 6], 7), ([1, 2], 2), ([4] * 5, 2), ([8, 9], 2), ([6, 6, 1], 2)]
     want = [model.generate(p, loops=L, max_tokens=8)[len(p):] for p, L in jobs]
-    rule = dict(early_exit={"criterion": "latent", "threshold": 1e-30})  # exits at no iteration
+    rule = dict(early_exit={"criterion": "kl", "threshold": 1e-30})  # exits at no iteration
     ex_prompt = [5, 6, 7]
     ex_want = model.generate(ex_prompt, loops=4, max_tokens=5, **rule)[len(ex_prompt):]
     b = Batcher(model.runner)
@@ -439,3 +440,67 @@ def test_interleaved_on_every_model_option(config_path):
         m.runner.interleave = lambda *a, **k: calls.append(a[5]) or interleave(*a, **k)
         assert _run_batcher(m, jobs, 7) == want
         assert calls  # the streams did interleave
+
+
+def _run_exit_batcher(m, jobs, max_tokens, interleave=True):
+    """Every job (prompt, loops, exit rule or None) joined at once, stepped to its end: each
+    job's (tokens, finish stats)."""
+    b = Batcher(m.runner, interleave=interleave)
+    got, fin = {}, {}
+    for lane, (p, L, rule) in enumerate(jobs):
+        ids, f = b.join(m.start(m.make_request(p, loops=L, max_tokens=max_tokens, early_exit=rule), lane))
+        got[lane], fin[lane] = list(ids), f
+    while b:
+        for lane, (ids, f) in b.step().items():
+            got[lane].extend(ids)
+            fin[lane] = f
+    return [(got[i], fin[i].stats) for i in range(len(jobs))]
+
+
+LATENT = {"criterion": "latent", "threshold": 0.3}
+EXIT_JOBS = [([3, 17, 42], 8, LATENT), ([9, 8, 7, 6], 8, None), ([5] * 6, 6, {**LATENT, "min_loops": 3}),
+             ([1, 2], 3, None), ([77, 78, 79], 8, {"criterion": "latent", "threshold": 0.5}), ([4, 4], 5, LATENT)]
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "stage-graphs"])
+def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
+    """Streams with latent exit rules beside streams without, at mixed depths, in interleaved
+    launches that check the rules inside the passes (eagerly, and through the interleaved stage
+    graphs): each stream's tokens and stats (iterations histogram included) are those of its
+    run alone, and the launches really end tokens early."""
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        want = [(list(m.generate(p, loops=L, max_tokens=9, early_exit=r)[len(p):]),
+                 m.generate(p, loops=L, max_tokens=9, early_exit=r).stats) for p, L, r in EXIT_JOBS]
+        if graphed:
+            graphs = with_stage_graphs(m, range(1, 9))
+        calls = []
+        interleave = m.runner.interleave
+
+        def logged(*a, exits=None, **k):
+            out = interleave(*a, exits=exits, **k)
+            calls.append((exits is not None, out.depths, out.finished))
+            return out
+        m.runner.interleave = logged
+        got = _run_exit_batcher(m, EXIT_JOBS, 9)
+        if graphed:
+            stages = {s for _, s in graphs.replayed("interleaved")}
+            assert {"exit_start", "iter_exit", "exit_end"} <= stages
+    for (g_ids, g_stats), (w_ids, w_stats) in zip(got, want):
+        assert g_ids == w_ids
+        assert g_stats == w_stats
+    hist = [st["iterations_histogram"] for (_, st), (_, _, r) in zip(want, EXIT_JOBS) if r is not None]
+    assert any(sum(h[:-1]) for h in hist), "no token exited: the case tests little"
+    assert calls[0][0]  # while exit streams run, their launches check the rules
+    # some launch ended a token by its rule, short of its depth
+    assert any(f and d < 8 for ex, ds, fs in calls if ex for d, f in zip(ds, fs))
+
+
+def test_interleave_refuses_rules_it_cannot_check(model):
+    r = model.runner
+    kl = model.make_request([1, 2], loops=4, max_tokens=2, early_exit={"criterion": "kl", "threshold": 0.1}).early_exit
+    rc = model.make_request([1, 2], loops=4, max_tokens=2,
+                            early_exit={"criterion": "latent", "threshold": 0.1, "cache": "recompute"}).early_exit
+    args = dict(lanes=[0, 1], tokens=[3, 4], positions=[5, 5], depths=[4, 4], starts=[0, 0], passes=1)
+    for exits, match in (([kl, None], "kl / copy"), ([None, rc], "latent / recompute"), ([None], "one exit rule")):
+        with pytest.raises(ValueError, match=match):
+            r.interleave(**args, exits=exits)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tinyloop.kernels.rope import apply_rope_ref
 from tinyloop.worker import Model
+from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.runner.early_exit import ExitRule, ExitState
 
 from model_zoo import CONFIGS, TINY, write_checkpoint
@@ -410,14 +411,16 @@ def test_choose_span_weighs_the_recent_depths():
 def test_graphed_exit_step_keeps_stopped_rows_until_a_smaller_bucket(tiny_path):
     """Rows that stop while the rows going still need the same bucket stay in place (frozen by
     their depth) and move behind only when a smaller bucket holds the rest: with rows stopping
-    one by one over many iterations, the step still equals the eager one, row by row."""
+    one by one over many iterations, the step still equals the eager one, row by row. (With
+    interleaving off: latent rules are otherwise checked inside interleaved passes.)"""
     from stage_graphs import with_stage_graphs
+    from tinyloop.worker.model.settings import Settings
     rules = [{"criterion": "latent", "threshold": t} for t in (0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)]
     prompts = [PROMPT, [1, 2, 3], [9] * 6, [200, 100, 50], [7, 7], [3, 1, 4, 1, 5], [42] * 3]
     depths = [8] * len(prompts)
-    with Model(tiny_path, max_seq_len=64, n_slots=16) as m:
+    with Model(tiny_path, max_seq_len=64, n_slots=16, settings=Settings(interleave=False)) as m:
         eager = m.generate_batch(prompts, per_lane_loops=depths, max_tokens=10, early_exit=rules)
-        graphs = with_stage_graphs(m, range(1, 9))
+        graphs = with_stage_graphs(m, range(1, 9), interleave=False)
         graphed = m.generate_batch(prompts, per_lane_loops=depths, max_tokens=10, early_exit=rules)
     assert [list(g) for g in graphed] == [list(g) for g in eager]
     assert [g.stats for g in graphed] == [g.stats for g in eager]
@@ -441,3 +444,25 @@ def test_solo_exit_keeps_a_bounded_history(tiny_path):
             kept = m.runner._solo._plans
             assert [r.threshold for r, _ in kept] == [0.3, 0.2, 0.1]
             assert all(len(h) == 2 for _, h, _ in kept.values())  # 3 tokens: 2 exit steps each
+
+
+def test_interleaved_gate_exit_equals_standalone(ouro_path):
+    """Ouro's gate criterion, checked inside interleaved passes: each stream as alone."""
+    gate = {"criterion": "gate", "threshold": 0.6}
+    jobs = [([3, 17, 42], 8, gate), ([9, 8, 7, 6], 6, {"criterion": "gate", "threshold": 0.9, "min_loops": 2}),
+            ([5] * 6, 4, None), ([1, 2], 8, gate)]
+    with Model(ouro_path, max_seq_len=64, n_slots=4) as m:
+        want = [(list(m.generate(p, loops=L, max_tokens=8, early_exit=r)[len(p):]),
+                 m.generate(p, loops=L, max_tokens=8, early_exit=r).stats) for p, L, r in jobs]
+        b = Batcher(m.runner)
+        got = {}
+        for lane, (p, L, rule) in enumerate(jobs):
+            ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=8, early_exit=rule), lane))
+            got[lane] = [list(ids), None]
+        while b:
+            for lane, (ids, f) in b.step().items():
+                got[lane][0].extend(ids)
+                got[lane][1] = f and f.stats
+        got = [tuple(got[i]) for i in range(len(jobs))]
+    assert got == want
+    assert any(sum(st["iterations_histogram"][:-1]) for (_, st), j in zip(want, jobs) if j[2] is not None)

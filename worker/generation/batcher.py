@@ -22,9 +22,16 @@ is then a number of passes over every stream's row, each row at its own iteratio
 token, and only the rows whose token reaches its depth come back with logits; the others go on
 in the next launch from where they stopped. So a stream at depth 4 decodes several tokens
 (up to eight) while one at depth 32 decodes one, instead of every row's step lasting the
-deepest row's 32 iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of one depth at a
-token boundary run the plain batched step; a stream with an early-exit rule runs the plain
-(exit) step too, once the rows midway through a token have finished theirs.
+deepest row's 32 iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of
+one depth at a token boundary run the plain batched step.
+
+Streams with an early-exit rule interleave too where the rule can be checked inside the passes
+(`ExitRule.interleaves`: the gate or latent criterion, the copy fill) and at least two streams
+share the launch: a row that its rule stops ends its token there, and its next token starts
+in the next launch, so the rows' exits turn into tokens for their streams instead of idle rows
+waiting for the deepest. The host reads each launch's ends before the next (one read a launch).
+Other rules (kl, argmax, recompute) and a stream alone run the whole-token exit step, once the
+rows midway through a token have finished theirs.
 
 All calls run on the worker's one step thread (never two at once).
 """
@@ -192,13 +199,17 @@ class Batcher:
         position after the one its host state last ran): on_device[lane], a one-element device
         tensor, or with `values` values[on_device[lane]]."""
         lanes = [lane for lane in self.states if lane not in skip]
-        exiting = any(self.states[lane].exits is not None for lane in lanes)
-        if self._iters and (exiting or not self.interleave):
+        rules = [self.states[lane].req.early_exit for lane in lanes]
+        exiting = any(r is not None for r in rules)
+        # exit rules checked inside interleaved passes: every rule can be, and rows share a launch
+        exit_interleaved = (self.interleave and exiting and all(r is None or r.interleaves for r in rules)
+                            and (len(lanes) > 1 or bool(self._iters)))
+        if self._iters and not exit_interleaved and (exiting or not self.interleave):
             # rows midway through a token finish it first: the plain (exit) step runs whole tokens
             self._launch_interleaved(sorted(self._iters), on_device, values, drain=True)
             return
         mixed = len({self.states[lane].req.loops for lane in lanes}) > 1
-        if self.interleave and not exiting and (self._iters or mixed):
+        if exit_interleaved or (self.interleave and not exiting and (self._iters or mixed)):
             self._launch_interleaved(sorted(lanes), on_device, values)
             return
         # deepest first: the runner then runs each iteration over the rows that need it only
@@ -216,19 +227,26 @@ class Batcher:
                             drain: bool = False) -> None:
         """An interleaved launch over `lanes` (tokens as `_launch`'s): each row from where its
         token stands, for `chunk_passes` passes (drain: as many as the longest remainder, so
-        that every row's token ends). The rows whose token ends come back with logits."""
+        that every row's token ends). The rows whose token ends come back with logits. A row
+        with an exit rule counts, for the choice of passes, on ending where its stream's last
+        token did (at its rule's earliest exit for its first)."""
         sts = [self.states[lane] for lane in lanes]
         starts = [self._iters.get(lane, 0) for lane in lanes]
         depths = [st.req.loops for st in sts]
+        rules = [st.req.early_exit for st in sts]
+        exits = rules if any(r is not None for r in rules) else None
         remaining = [d - s for d, s in zip(depths, starts)]
-        passes = max(remaining) if drain else chunk_passes(remaining, self.runner.pass_overhead)
+        expected = [rem if r is None else max(1, min(st.step_depths[-1] if st.step_depths else r.earliest(), d) - s)
+                    for rem, r, st, d, s in zip(remaining, rules, sts, depths, starts)]
+        passes = max(remaining) if drain else chunk_passes(expected, self.runner.pass_overhead)
         tokens = [st.tok_id if s == 0 else 0 for st, s in zip(sts, starts)]
         out = self.runner.interleave(lanes, tokens, [st.pos for st in sts], depths, starts, passes,
-                                     on_device=self._device_tokens(lanes, on_device, values), prev=self._last)
+                                     on_device=self._device_tokens(lanes, on_device, values), prev=self._last,
+                                     exits=exits)
         self._last = out
         ran = []
         for row, (lane, st, s, d) in enumerate(zip(lanes, sts, starts, depths)):
-            if s + passes >= d:
+            if (s + passes >= d) if out.finished is None else out.finished[row]:
                 ran.append((row, lane, st))
                 self._iters.pop(lane, None)
             else:

@@ -54,6 +54,12 @@ CACHE_POLICIES = ("copy", "recompute")
 # bench/results/early-exit-cpu.json); argmax takes none (its patience decides).
 DEFAULT_THRESHOLD = {"gate": 0.5, "kl": 5e-4, "latent": 5e-2, "argmax": 1.0}
 DEFAULT_PATIENCE = 2
+# The rules an interleaved launch checks on the device (worker/runner/stages.py InterleavedStep):
+# those that read no next-token distribution, with the copy fill. kl and argmax need the coda
+# and head after every iteration, recompute a projection per skipped layer: whole-token steps.
+INTERLEAVED_CRITERIA = ("gate", "latent")
+NEVER = 1 << 30
+IDLE_PARAMS = [0, 1.0, NEVER, NEVER, 1, 0]  # ExitState.params of a row with no rule and depth 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,11 @@ class ExitRule:
     @property
     def needs_logits(self) -> bool:
         return self.criterion in ("kl", "argmax")
+
+    @property
+    def interleaves(self) -> bool:
+        """Whether an interleaved launch can check this rule (INTERLEAVED_CRITERIA, copy fill)."""
+        return self.criterion in INTERLEAVED_CRITERIA and self.cache == "copy"
 
     def earliest(self) -> int:
         """The first iteration count after which this rule may stop a token."""
@@ -162,8 +173,7 @@ class ExitState:
         """Load a step's rows: rules (None: a row that runs its depth) and depths; the rows
         past them are idle (depth 0: stopped from the start)."""
         params = self.load_host(rules, depths)
-        never = 1 << 30
-        params += [[0, 1.0, never, never, 1, 0]] * (self.n - len(rules))
+        params += [IDLE_PARAMS] * (self.n - len(rules))
         self.params.copy_(device_tensor(params, self.device, torch.float32), non_blocking=True)
         self.clear()
         self.set_order(list(range(self.n)))
@@ -171,7 +181,7 @@ class ExitState:
     def load_host(self, rules: list[ExitRule | None], depths: list[int]) -> list[list[float]]:
         """The host's copy of the rows' rules (what needs_logits and can_stop read) -> the
         rows of `params` to load."""
-        never = 1 << 30  # a row with no rule: no exit, no logits before its depth
+        never = NEVER  # a row with no rule: no exit, no logits before its depth
         self.depths = list(depths)
         self.earliest = [r.earliest() if r is not None else never for r in rules]
         self.first = [r.first_logits() if r is not None and r.needs_logits else never for r in rules]

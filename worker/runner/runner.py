@@ -36,13 +36,13 @@ from tinyloop.worker.model.cache import CacheParts
 from tinyloop.worker.model.errors import LanesBusy
 from tinyloop.worker.model.modules import LoopedTransformer
 from tinyloop.worker.model.ops import Ops
-from tinyloop.worker.runner.early_exit import ExitRule, ExitState, fill_skipped
+from tinyloop.worker.runner.early_exit import IDLE_PARAMS, INTERLEAVED_CRITERIA, ExitRule, ExitState, fill_skipped
 from tinyloop.worker.runner.engine import Counters, Engine
 from tinyloop.worker.runner.rounds import ChainRound
 from tinyloop.worker.runner.solo_exit import SoloExit
 from tinyloop.worker.runner.sampler import RowSampling, SamplerGraphs, SamplingParams, sample_rows
-from tinyloop.worker.runner.stages import (INTERLEAVED_STAGES, BatchStep, InterleavedStep, PaddedPrefill, TreeStages,
-                                           batch_buckets, batch_buffers, device_tensor, interleaved_buffers,
+from tinyloop.worker.runner.stages import (EXIT_STAGES, INTERLEAVED_STAGES, BatchStep, InterleavedStep, PaddedPrefill,
+                                           TreeStages, batch_buckets, batch_buffers, device_tensor, interleaved_buffers,
                                            prefill_buckets, prefill_buffers)
 
 
@@ -125,6 +125,7 @@ class StepOut:
     work: Counters
     host: tuple[torch.Tensor, int] | None = None
     depths: list[int] = field(default_factory=list)
+    finished: list[bool] | None = None  # an interleaved launch with exit rules: whose token ended
 
     def detach(self) -> None:
         """Own copies of the outputs (the buffers they view are about to be overwritten)."""
@@ -287,6 +288,7 @@ class Runner:
         self._exit: dict[int, BatchStep] = {}  # eager early-exit stage sets by row count
         self._exit_shared = None
         self._exit_checks: ExitState | None = None  # the exit checks' static buffers
+        self._lane_exits: ExitState | None = None   # interleaved launches': one row per lane, and the idle rows'
         self._solo: SoloExit | None = None  # a one-row exit step's graphs, made on first use
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
@@ -587,7 +589,7 @@ class Runner:
     @torch.no_grad()
     def interleave(self, lanes: list[int], tokens: list, positions: list[int], depths: list[int],
                    starts: list[int], passes: int, on_device: DeviceTokens | None = None,
-                   prev: StepOut | None = None) -> StepOut:
+                   prev: StepOut | None = None, exits: list | None = None) -> StepOut:
         """`passes` passes over B decode rows, each at its own iteration: row i runs iterations
         [starts[i], min(starts[i] + passes, depths[i])) of the token at positions[i] on
         lanes[i]. A row at starts[i] == 0 embeds its token first (tokens[i], or on_device's);
@@ -595,7 +597,14 @@ class Runner:
         are not logits). Between calls a row's residual waits in the runner's row for its lane,
         so a row continues where its last call left it (the same lane, position and depth).
         Every row of every pass runs the same weights, so a shallow row decodes its next tokens
-        while a deep one is still iterating."""
+        while a deep one is still iterating.
+
+        exits: each row's ExitRule or None (rules that `interleave`: gate or latent, the copy
+        fill). A row's rule is checked on the device after each of its iterations, its criteria
+        kept per lane between calls like its residual; a row it stops ends its token there (the
+        skipped iterations' cache entries filled at the call's end) and gets its logits. The
+        host then reads, once, which rows' tokens ended and the iterations each ran: the
+        StepOut's `finished` and `depths`. A row's rule stays the same until its token ends."""
         B = len(lanes)
         if not self.interleaves:
             raise ValueError("interleaved decode needs the K/V cache, one weight set for every iteration and "
@@ -609,26 +618,60 @@ class Runner:
         if not all(0 <= s < d <= self.cache.max_loops for s, d in zip(starts, depths)):
             raise ValueError(f"each row starts inside its depth, at most {self.cache.max_loops}: "
                              f"starts {starts}, depths {depths}")
-        work = self.counters.add(passes, sum(min(s + passes, d) - s for s, d in zip(starts, depths)))
+        if exits is not None:
+            if len(exits) != B:
+                raise ValueError("interleave takes one exit rule (or None) per row")
+            bad = [r for r in exits if r is not None and not r.interleaves]
+            if bad:
+                raise ValueError(f"an interleaved launch checks the {' and '.join(INTERLEAVED_CRITERIA)} criteria "
+                                 f"with the copy fill, not {bad[0].criterion} / {bad[0].cache}")
         b = next((b for b in self._batch_buckets if b >= B), None)
         graphed = b is not None and self.graphs.covers("interleaved", b, INTERLEAVED_STAGES)
         step = self._interleaved_step(b if graphed else B)
         self._claim("interleaved", prev)
+        rules = None
+        if exits is not None:
+            state = self._lane_exit_state()
+            step.with_exits(state, IDLE_PARAMS)
+            if graphed and not self.graphs.covers("interleaved", b, EXIT_STAGES):
+                step.load([], [], [], [], [], rules=[])  # idle rows: capturing writes no lane
+                for s in EXIT_STAGES:
+                    self.graphs.capture_stage("interleaved", b, s, lambda s=s: step.run(s))
+            rules = state.load_host(list(exits), list(depths))
         host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
-        step.load(list(lanes), host, list(positions), list(depths), list(starts), self._device_rows(on_device))
-        stages = (["resume"] if any(starts) else []) + (["prelude"] if not all(starts) else [])
-        stages += ["iter"] * passes
+        step.load(list(lanes), host, list(positions), list(depths), list(starts), self._device_rows(on_device),
+                  rules=rules)
+        stages = (["exit_start"] if exits is not None else []) + (["resume"] if any(starts) else [])
+        stages += ["prelude"] if not all(starts) else []
+        stages += ["iter" if exits is None else "iter_exit"] * passes
         stages += ["save"] if any(s + passes < d for s, d in zip(starts, depths)) else []
-        stages += ["coda"] if any(s + passes >= d for s, d in zip(starts, depths)) else []
+        ends = any(s + passes >= d for s, d in zip(starts, depths))
+        stages += ["coda"] if ends or exits is not None else []
+        stages += ["exit_end"] if exits is not None else []
         for stage in stages:
             if graphed:
                 self.graphs.replay("interleaved", b, stage)
             else:
                 step.run(stage)
         logits = step.logits[:B]
-        out = StepOut(logits, logits.argmax(-1), None, None, work, depths=list(depths))
+        if exits is None:
+            ran, finished = list(depths), None
+            work = self.counters.add(passes, sum(min(s + passes, d) - s for s, d in zip(starts, depths)))
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            ran, done = step.published[:, :B].tolist()
+            finished = [bool(f) for f in done]
+            work = self.counters.add(passes, sum(r - s if f else passes for r, s, f in zip(ran, starts, finished)))
+        out = StepOut(logits, logits.argmax(-1), None, None, work, depths=ran, finished=finished)
         self._owners["interleaved"] = out
         return out
+
+    def _lane_exit_state(self) -> ExitState:
+        """The exit criteria of interleaved launches: one row per lane, row n_slots the idle rows'."""
+        if self._lane_exits is None:
+            self._lane_exits = ExitState(self.model, self.cache.n_slots + 1, self.device, self.ops.exit_check)
+        return self._lane_exits
 
     def _interleaved_step(self, b: int) -> InterleavedStep:
         if b not in self._interleaved:

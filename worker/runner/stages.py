@@ -204,11 +204,12 @@ def batch_buffers(engine: Engine, bucket: int) -> tuple:
 
 class InterleavedStep(StagedPass):
     """Passes of `bucket` decode rows that each sit at their own iteration of their own token
-    (`Runner.interleave`). Per row, in one (7, bucket) int64 buffer: its token, position, cache
+    (`Runner.interleave`). Per row, in one (9, bucket) int64 buffer: its token, position, cache
     lane, the iteration it starts the call at, its row of the lane residuals (`lane_x`, which
-    keeps a row's residual between calls; n_slots for an idle row, a row of its own), and the
+    keeps a row's residual between calls; n_slots for an idle row, a row of its own), the
     layer-flattened cache rows of its loop layer 0 at the iteration it runs next and at its last
-    (kernels/interleave.py: a row is live while the first is at most the second).
+    (kernels/interleave.py: a row is live while the first is at most the second), its depth, and
+    the iterations its token has run where an exit rule stopped it (its depth otherwise).
 
     Stages, each over every row of the bucket:
     - "resume": the residual of each row from its lane's row of lane_x;
@@ -221,8 +222,20 @@ class InterleavedStep(StagedPass):
     - "coda": the rows whose iterations passed their last run the coda (the others, again, at
       position max_seq_len) and every row the head: the logits of the rows that finished.
 
+    With exit rules (`with_exits`: an ExitState of n_slots + 1 rows, one per lane and row n_slots
+    for the idle rows, which keeps each lane's criteria between calls as lane_x keeps its
+    residual), three more stages:
+    - "exit_start": every row's rule into its lane's parameters, and the criteria's running
+      state cleared for the rows that start a token;
+    - "iter_exit": "iter", then each live row's check (`ExitState.check` over its lane's state);
+      a row its rule stops has its depth entry set to the iterations it ran, and its last cache
+      row pulled back to them, so it is live no more: later passes carry it, the coda takes it;
+    - "exit_end": the skipped iterations' cache entries of the rows that stopped (the `copy`
+      policy, `Ops.exit_fill_rows`), and each row's iterations and whether its token ended
+      published to a host buffer (pinned on CUDA).
+
     An idle row: token 0, position max_seq_len, lane 0, lane_x row n_slots, past its last
-    iteration from the start (so never live, its cache rows lane 0's valid ones). The
+    iteration from the start (so never live, its cache rows lane 0's valid ones), depth 0. The
     buffers may be views of larger ones shared by every bucket (`interleaved_buffers`)."""
 
     def __init__(self, engine: Engine, bucket: int, lane_x: torch.Tensor, buffers: tuple | None = None):
@@ -231,7 +244,8 @@ class InterleavedStep(StagedPass):
         self.engine, self.bucket, self.lane_x = engine, bucket, lane_x
         self.ctl = ctl[:, :bucket]
         self.tokens = self.ctl[0, :, None]
-        self.positions, self.lanes, self.starts, self.xrows, self.base, self.last = (self.ctl[k] for k in range(1, 7))
+        self.positions, self.lanes, self.starts, self.xrows, self.base, self.last, self.token_depth, self.ran = (
+            self.ctl[k] for k in range(1, 9))
         self.x, self.logits, self.live = x[:bucket], logits[:bucket], live[:bucket]
         self.pos = pos[:, :bucket]  # (3, bucket, 1): the positions the prelude, iter and coda pass
         self.rows = rows[:cfg.n_loop_layers * bucket].view(cfg.n_loop_layers, bucket)  # contiguous, per bucket
@@ -239,6 +253,20 @@ class InterleavedStep(StagedPass):
         self.stride = cfg.n_loop_layers * cache.n_slots  # one iteration in the layer-flattened cache
         self._outside = torch.tensor(self.S, device=cache.device)  # the position that touches no cache
         self.passes = [Pass(self.lanes, self.pos[k], self.S + 1) for k in range(3)]
+        self.exits = None  # an ExitState over the lanes, once `with_exits`
+
+    def with_exits(self, state, never: list[float]) -> None:
+        """Give the step exit stages over `state` (the class docstring); never: the parameters
+        of a row with no rule and depth 0 (ExitState's), for the idle rows' row."""
+        if self.exits is not None:
+            return
+        dev = self.x.device
+        self.exits = state
+        self.rules = torch.zeros(self.bucket, 6, dtype=torch.float32, device=dev)
+        self.never = torch.tensor(never, dtype=torch.float32, device=dev)
+        self.published = torch.zeros(2, self.bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.kinds = frozenset(k for k in ("gate", "latent") if k in state.all_kinds)
+        self._idle_row = torch.tensor(self.n_slots, device=dev)
 
     @torch.no_grad()
     def run(self, stage) -> None:
@@ -258,12 +286,39 @@ class InterleavedStep(StagedPass):
         elif stage == "coda":
             torch.where(self.base > self.last, self.positions, self._outside, out=self.pos[2, :, 0])
             self.logits.copy_(e.logits(e.coda(x, self.passes[2]))[:, -1])
+        elif stage in EXIT_STAGES and self.exits is not None:
+            self._run_exit(stage)
         else:
             raise ValueError(f"an interleaved step has no stage {stage!r}")
 
+    def _run_exit(self, stage) -> None:
+        e, st, n = self.engine, self.exits, self.n_slots
+        if stage == "exit_start":
+            st.params.index_copy_(0, self.xrows, self.rules)
+            st.params[n].copy_(self.never)  # the idle rows' row: no rule, so never a decision
+            fresh = torch.where(self.starts == 0, self.xrows, n)  # the rows that start a token
+            for buf, value in ((st.d, 0), (st.remaining, 1), (st.cum, 0), (st.prev_arg, -1), (st.streak, 0)):
+                buf.index_fill_(0, fresh, value)
+        elif stage == "iter_exit":
+            self.run("iter")
+            # live rows check their own lane's criteria; the others (done, idle) the idle row's
+            torch.where(self.live, self.xrows, self._idle_row, out=st.order[:self.bucket])
+            st.check(self.bucket, e.model.state(self.x[:, 0]), None, self.ran, None, self.kinds)
+            cfg = e.config
+            stopped = ((self.ran - 1) * cfg.n_loop_layers + cfg.n_prelude) * n + self.lanes
+            torch.where(self.ran < self.token_depth, torch.minimum(self.last, stopped), self.last, out=self.last)
+        else:  # exit_end
+            cfg, cache = e.config, e.cache
+            e.ops.exit_fill_rows(cache.k, cache.v, self.ran, self.token_depth, self.lanes, self.positions, cfg.n_prelude,
+                                 cfg.n_loop_layers, cache.max_loops)
+            self.published[0].copy_(self.ran, non_blocking=True)
+            self.published[1].copy_(self.base > self.last, non_blocking=True)
+
     def load(self, lanes: list[int], tokens: list[int], positions: list[int], depths: list[int],
-             starts: list[int], on_device: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> None:
-        """Rows [0, len(lanes)) from the lists, the rest idle; on_device as `BatchStep.load`'s."""
+             starts: list[int], on_device: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+             rules: list[list[float]] | None = None) -> None:
+        """Rows [0, len(lanes)) from the lists, the rest idle; on_device as `BatchStep.load`'s;
+        rules: each row's exit parameters (ExitState.load_host's rows), with exit stages."""
         pad = self.bucket - len(lanes)
         cfg, n = self.engine.config, self.n_slots
         flat = lambda it, lane: (it * cfg.n_loop_layers + cfg.n_prelude) * n + lane  # noqa: E731
@@ -271,19 +326,24 @@ class InterleavedStep(StagedPass):
         base = [flat(s, lane) for s, lane in zip(starts, lanes)] + [flat(1, 0)] * pad
         last = [flat(d - 1, lane) for d, lane in zip(depths, lanes)] + [flat(0, 0)] * pad
         self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [self.S] * pad, lanes + [0] * pad,
-                                starts + [0] * pad, lanes + [n] * pad, base, last], self.ctl), non_blocking=True)
+                                starts + [0] * pad, lanes + [n] * pad, base, last, depths + [0] * pad,
+                                depths + [0] * pad], self.ctl), non_blocking=True)
         _device_tokens_into(self.ctl[0], on_device)
+        if rules is not None:
+            never = self.never.tolist()
+            self.rules.copy_(_pinned(list(rules) + [never] * pad, self.rules), non_blocking=True)
 
 
 INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
+EXIT_STAGES = ("exit_start", "iter_exit", "exit_end")  # an interleaved step's, with exit rules
 
 
 def interleaved_buffers(engine: Engine, bucket: int) -> tuple:
-    """Static buffers of interleaved passes of up to `bucket` rows: the (7, bucket) control rows,
+    """Static buffers of interleaved passes of up to `bucket` rows: the (9, bucket) control rows,
     residual, logits, the three passes' positions, the iteration's flat cache rows and live rows."""
     cfg, device = engine.config, engine.cache.device
     dtype = engine.model.tok_embeddings.weight.dtype
-    return (torch.zeros(7, bucket, dtype=torch.long, device=device),
+    return (torch.zeros(9, bucket, dtype=torch.long, device=device),
             torch.zeros(bucket, 1, cfg.residual_width, dtype=dtype, device=device),
             torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device),
             torch.zeros(3, bucket, 1, dtype=torch.long, device=device),
