@@ -47,6 +47,27 @@ def test_graphed_exit_equals_the_reference_path(tiny_path, monkeypatch):
     assert min(bk for k, bk, s in calls if k == "batch" and isinstance(s, int)) < 4  # rows left the bucket
 
 
+def test_interleaved_exit_on_graphs_equals_the_reference_path(tiny_path, monkeypatch):
+    """Latent rules checked inside interleaved passes (captured stages, Triton check and fill)
+    against the torch reference path without graphs, fp32: the same tokens up to near ties,
+    the same exits, and the exit stages replayed."""
+    rules = [{"criterion": "latent", "threshold": 0.3}, None, {"criterion": "latent", "threshold": 0.5,
+                                                               "min_loops": 2}, {"criterion": "latent", "threshold": 0.2}]
+    with Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=4) as fast, \
+            Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", backend="torch",
+                  cuda_graphs=False, n_slots=4) as ref:
+        calls = _spy(monkeypatch, fast.runner.graphs)
+        a = fast.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)
+        b = ref.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)
+    agree = sum(x == y for p, g, h in zip(PROMPTS, a, b) for x, y in zip(g[len(p):], h[len(p):]))
+    assert agree >= 0.9 * 16 * len(PROMPTS)
+    for g, h, r in zip(a, b, rules):
+        if r is not None:
+            assert sum(g.stats["iterations_histogram"][:-1]) > 0  # tokens exited early
+            assert abs(g.stats["iterations_per_token"] - h.stats["iterations_per_token"]) < 1.0
+    assert {"exit_start", "iter_exit", "exit_end"} <= {s for k, _, s in calls if k == "interleaved"}
+
+
 def test_gate_rule_on_cuda(tmp_path):
     cfg = dataclasses.replace(TINY, n_prelude=0, n_coda=0, n_loop_layers=2, norm="sandwich",
                               loop_final_norm=True, final_norm=False, exit_gate=True, max_loops=12)
