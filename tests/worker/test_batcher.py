@@ -478,7 +478,7 @@ def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
 
         def logged(*a, exits=None, **k):
             out = interleave(*a, exits=exits, **k)
-            calls.append((exits is not None, out.depths, out.finished))
+            calls.append((exits is not None, out))  # its ends are read by the batcher's next step
             return out
         m.runner.interleave = logged
         got = _run_exit_batcher(m, EXIT_JOBS, 9)
@@ -491,8 +491,9 @@ def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
     hist = [st["iterations_histogram"] for (_, st), (_, _, r) in zip(want, EXIT_JOBS) if r is not None]
     assert any(sum(h[:-1]) for h in hist), "no token exited: the case tests little"
     assert calls[0][0]  # while exit streams run, their launches check the rules
+    assert all(out.pending is None for _, out in calls)  # every launch's ends were read
     # some launch ended a token by its rule, short of its depth
-    assert any(f and d < 8 for ex, ds, fs in calls if ex for d, f in zip(ds, fs))
+    assert any(f and d < 8 for ex, out in calls if ex for d, f in zip(out.depths, out.finished))
 
 
 def test_interleave_refuses_rules_it_cannot_check(model):

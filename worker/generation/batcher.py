@@ -131,6 +131,8 @@ class Batcher:
         row dropped. The tokens, logits and stats are those of the plain loop."""
         self.rows_stepped = 0
         if not self.states:
+            if self._ahead is not None and callable(self._ahead[0]):
+                self._ahead[0]()  # a launch whose streams all left: its work is still counted
             self._ahead = None
             self.runner.release(self._last)
             self._last = None
@@ -140,6 +142,8 @@ class Batcher:
                 self._launch({})
             ran, out, solo, self.rows_stepped = self._ahead
             self._ahead = None
+            if callable(ran):  # an interleaved launch with exit rules: its ends are read now
+                ran = ran()
             # a stream that left meanwhile is dropped (its lane may hold a new stream already)
             rows = [(row, lane) for row, lane, st in ran if self.states.get(lane) is st]
             if not rows:
@@ -244,14 +248,23 @@ class Batcher:
                                      on_device=self._device_tokens(lanes, on_device, values), prev=self._last,
                                      exits=exits)
         self._last = out
-        ran = []
-        for row, (lane, st, s, d) in enumerate(zip(lanes, sts, starts, depths)):
-            if (s + passes >= d) if out.finished is None else out.finished[row]:
-                ran.append((row, lane, st))
-                self._iters.pop(lane, None)
-            else:
-                self._iters[lane] = s + passes
-        self._ahead = ran, out, False, len(lanes)
+
+        def ended() -> list:
+            """The rows whose token ended (the others' iterations so far into `_iters`)."""
+            out.resolve()
+            ran = []
+            for row, (lane, st, s, d) in enumerate(zip(lanes, sts, starts, depths)):
+                if self.states.get(lane) is not st:  # left meanwhile (its lane may hold a new stream)
+                    continue
+                if (s + passes >= d) if out.finished is None else out.finished[row]:
+                    ran.append((row, lane, st))
+                    self._iters.pop(lane, None)
+                else:
+                    self._iters[lane] = s + passes
+            return ran
+        # with exit rules the ends are on the device until the next step reads them; the host
+        # prepares meanwhile, and `_iters` is exact again before the next launch
+        self._ahead = (ended if exits is not None else ended()), out, False, len(lanes)
 
     @staticmethod
     def _device_tokens(lanes: list[int], on_device: dict, values: torch.Tensor | None) -> DeviceTokens | None:

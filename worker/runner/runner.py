@@ -29,6 +29,7 @@ import heapq
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -126,6 +127,14 @@ class StepOut:
     host: tuple[torch.Tensor, int] | None = None
     depths: list[int] = field(default_factory=list)
     finished: list[bool] | None = None  # an interleaved launch with exit rules: whose token ended
+    pending: Callable[[], None] | None = None  # such a launch's: reads finished and depths (`resolve`)
+
+    def resolve(self) -> None:
+        """An interleaved launch with exit rules: wait for it and read whose token ended and
+        the iterations each ran (`finished`, `depths`); nothing otherwise."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
 
     def detach(self) -> None:
         """Own copies of the outputs (the buffers they view are about to be overwritten)."""
@@ -604,7 +613,9 @@ class Runner:
         kept per lane between calls like its residual; a row it stops ends its token there (the
         skipped iterations' cache entries filled at the call's end) and gets its logits. The
         host then reads, once, which rows' tokens ended and the iterations each ran: the
-        StepOut's `finished` and `depths`. A row's rule stays the same until its token ends."""
+        StepOut's `finished` and `depths`, once `StepOut.resolve` is called (which waits for the
+        launch: the host prepares its next launch meanwhile). A row's rule stays the same until
+        its token ends."""
         B = len(lanes)
         if not self.interleaves:
             raise ValueError("interleaved decode needs the K/V cache, one weight set for every iteration and "
@@ -655,15 +666,21 @@ class Runner:
                 step.run(stage)
         logits = step.logits[:B]
         if exits is None:
-            ran, finished = list(depths), None
             work = self.counters.add(passes, sum(min(s + passes, d) - s for s, d in zip(starts, depths)))
+            out = StepOut(logits, logits.argmax(-1), None, None, work, depths=list(depths))
         else:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            ran, done = step.published[:, :B].tolist()
-            finished = [bool(f) for f in done]
-            work = self.counters.add(passes, sum(r - s if f else passes for r, s, f in zip(ran, starts, finished)))
-        out = StepOut(logits, logits.argmax(-1), None, None, work, depths=ran, finished=finished)
+            if step.published_event is not None:
+                step.published_event.record()
+            out = StepOut(logits, logits.argmax(-1), None, None, Counters(0, 0))
+
+            def read(out=out, step=step):
+                if step.published_event is not None:
+                    step.published_event.synchronize()
+                ran, done = step.published[:, :B].tolist()
+                out.depths, out.finished = ran, [bool(f) for f in done]
+                out.work = self.counters.add(passes, sum(r - s if f else passes
+                                                         for r, s, f in zip(ran, starts, out.finished)))
+            out.pending = read
         self._owners["interleaved"] = out
         return out
 

@@ -263,8 +263,10 @@ class InterleavedStep(StagedPass):
         dev = self.x.device
         self.exits = state
         self.rules = torch.zeros(self.bucket, 6, dtype=torch.float32, device=dev)
+        self.never_host = list(never)
         self.never = torch.tensor(never, dtype=torch.float32, device=dev)
         self.published = torch.zeros(2, self.bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.published_event = torch.cuda.Event() if dev.type == "cuda" else None
         self.kinds = frozenset(k for k in ("gate", "latent") if k in state.all_kinds)
         self._idle_row = torch.tensor(self.n_slots, device=dev)
 
@@ -330,8 +332,7 @@ class InterleavedStep(StagedPass):
                                 depths + [0] * pad], self.ctl), non_blocking=True)
         _device_tokens_into(self.ctl[0], on_device)
         if rules is not None:
-            never = self.never.tolist()
-            self.rules.copy_(_pinned(list(rules) + [never] * pad, self.rules), non_blocking=True)
+            self.rules.copy_(_pinned(list(rules) + [self.never_host] * pad, self.rules), non_blocking=True)
 
 
 INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
