@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.generation.batcher import Batcher, chunk_passes
+from tinyloop.worker.generation.batcher import Batcher, chunk_passes, expected_remaining
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
 from tinyloop.worker.runner.stages import BatchStep
 
@@ -384,6 +384,13 @@ def test_chunk_passes():
     for bad in ([], [0, 3]):
         with pytest.raises(ValueError, match="at least one iteration left"):
             chunk_passes(bad, 1.0)
+
+
+def test_expected_remaining():
+    assert expected_remaining([], 16, 0) == 16          # a first token: its depth
+    assert expected_remaining([3, 7, 2, 4, 5], 16, 0) == 7  # the deepest of the latest four
+    assert expected_remaining([9, 3, 2, 4, 5], 16, 2) == 3  # (9 is older than the latest four)
+    assert expected_remaining([3, 4], 16, 4) == 12       # past every guess: up to its depth
 
 
 def test_an_exit_stream_waits_for_the_rows_midway(model):

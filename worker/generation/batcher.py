@@ -66,6 +66,17 @@ def chunk_passes(remaining: list[int], overhead: float) -> int:
     return best
 
 
+EXIT_HISTORY = 4  # a stream's latest token depths that its next token's expected depth reads
+
+
+def expected_remaining(depths: list[int], depth: int, start: int) -> int:
+    """The iterations a token with an exit rule is expected to run from `start` on, for the
+    choice of passes: up to the deepest of its stream's latest EXIT_HISTORY tokens (its depth
+    for a first token, or once it has run past them: no guess below where it stands)."""
+    guess = max(depths[-EXIT_HISTORY:]) if depths else depth
+    return (guess if guess > start else depth) - start
+
+
 class Batcher:
     def __init__(self, runner: Runner, interleave: bool = True):
         self.runner = runner
@@ -232,15 +243,14 @@ class Batcher:
         """An interleaved launch over `lanes` (tokens as `_launch`'s): each row from where its
         token stands, for `chunk_passes` passes (drain: as many as the longest remainder, so
         that every row's token ends). The rows whose token ends come back with logits. A row
-        with an exit rule counts, for the choice of passes, on ending where its stream's last
-        token did (at its rule's earliest exit for its first)."""
+        with an exit rule counts, for the choice of passes, on `expected_remaining`."""
         sts = [self.states[lane] for lane in lanes]
         starts = [self._iters.get(lane, 0) for lane in lanes]
         depths = [st.req.loops for st in sts]
         rules = [st.req.early_exit for st in sts]
         exits = rules if any(r is not None for r in rules) else None
         remaining = [d - s for d, s in zip(depths, starts)]
-        expected = [rem if r is None else max(1, min(st.step_depths[-1] if st.step_depths else r.earliest(), d) - s)
+        expected = [rem if r is None else expected_remaining(st.step_depths, d, s)
                     for rem, r, st, d, s in zip(remaining, rules, sts, depths, starts)]
         passes = max(remaining) if drain else chunk_passes(expected, self.runner.pass_overhead)
         tokens = [st.tok_id if s == 0 else 0 for st, s in zip(sts, starts)]
