@@ -645,9 +645,7 @@ class Runner:
             state = self._lane_exit_state()
             step.with_exits(state, IDLE_PARAMS)
             if graphed and not self.graphs.covers("interleaved", b, EXIT_STAGES):
-                step.load([], [], [], [], [], rules=[])  # idle rows: capturing writes no lane
-                for s in EXIT_STAGES:
-                    self.graphs.capture_stage("interleaved", b, s, lambda s=s: step.run(s))
+                self._capture_exit_stages(state)
             rules = state.load_host(list(exits), list(depths))
         host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
         step.load(list(lanes), host, list(positions), list(depths), list(starts), self._device_rows(on_device),
@@ -683,6 +681,20 @@ class Runner:
             out.pending = read
         self._owners["interleaved"] = out
         return out
+
+    def _capture_exit_stages(self, state: ExitState) -> None:
+        """The exit stages of every interleaved bucket as graphs, captured the first time an
+        interleaved launch has exit rules (a batch that shrinks as its streams end then finds
+        its smaller buckets' ready), each over idle rows: capturing writes no lane."""
+        for bucket in self._batch_buckets:
+            if not self.graphs.covers("interleaved", bucket, INTERLEAVED_STAGES):
+                continue
+            step = self._interleaved_step(bucket)
+            step.with_exits(state, IDLE_PARAMS)
+            step.load([], [], [], [], [], rules=[])
+            for s in EXIT_STAGES:
+                if not self.graphs.covers("interleaved", bucket, [s]):
+                    self.graphs.capture_stage("interleaved", bucket, s, lambda step=step, s=s: step.run(s))
 
     def _lane_exit_state(self) -> ExitState:
         """The exit criteria of interleaved launches: one row per lane, row n_slots the idle rows'."""
