@@ -48,6 +48,17 @@ def exit_fill_ref(k, v, depth_row, slot_row, pos_row, its, dst, src) -> None:
 
 
 @triton.jit
+def _copy_cell(k_ptr, v_ptr, src, dst, base, hd, s_l, s_h, s_d, HD: tl.constexpr, BLOCK: tl.constexpr):
+    """One (slot, position)'s K and V of every head: cache layer src into layer dst."""
+    for o in range(0, HD, BLOCK):
+        offs = o + tl.arange(0, BLOCK)
+        m = offs < HD
+        at = base + (offs // hd) * s_h + (offs % hd) * s_d
+        tl.store(k_ptr + dst * s_l + at, tl.load(k_ptr + src * s_l + at, mask=m), mask=m)
+        tl.store(v_ptr + dst * s_l + at, tl.load(v_ptr + src * s_l + at, mask=m), mask=m)
+
+
+@triton.jit
 def _exit_fill_kernel(k_ptr, v_ptr, depth_ptr, slot_ptr, pos_ptr, its_ptr, dst_ptr, src_ptr, n, top, hd,
                       s_l, s_s, s_h, s_p, s_d, HD: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
@@ -57,12 +68,7 @@ def _exit_fill_kernel(k_ptr, v_ptr, depth_ptr, slot_ptr, pos_ptr, its_ptr, dst_p
         src = tl.load(src_ptr + (tl.minimum(e, top) - 1) * n + c)
         dst = tl.load(dst_ptr + c)
         base = tl.load(slot_ptr) * s_s + tl.load(pos_ptr) * s_p
-        for o in range(0, HD, BLOCK):
-            offs = o + tl.arange(0, BLOCK)
-            m = offs < HD
-            at = base + (offs // hd) * s_h + (offs % hd) * s_d
-            tl.store(k_ptr + dst * s_l + at, tl.load(k_ptr + src * s_l + at, mask=m), mask=m)
-            tl.store(v_ptr + dst * s_l + at, tl.load(v_ptr + src * s_l + at, mask=m), mask=m)
+        _copy_cell(k_ptr, v_ptr, src, dst, base, hd, s_l, s_h, s_d, HD, BLOCK)
 
 
 def exit_fill(k, v, depth_row, slot_row, pos_row, its, dst, src) -> None:
@@ -155,12 +161,7 @@ def _exit_fill_rows_kernel(k_ptr, v_ptr, ran_ptr, depth_ptr, lanes_ptr, pos_ptr,
         src = n_prelude + (e - 1) * n_loop + j
         dst = n_prelude + i * n_loop + j
         base = tl.load(lanes_ptr + b) * s_s + tl.load(pos_ptr + b) * s_p
-        for o in range(0, HD, BLOCK):
-            offs = o + tl.arange(0, BLOCK)
-            m = offs < HD
-            at = base + (offs // hd) * s_h + (offs % hd) * s_d
-            tl.store(k_ptr + dst * s_l + at, tl.load(k_ptr + src * s_l + at, mask=m), mask=m)
-            tl.store(v_ptr + dst * s_l + at, tl.load(v_ptr + src * s_l + at, mask=m), mask=m)
+        _copy_cell(k_ptr, v_ptr, src, dst, base, hd, s_l, s_h, s_d, HD, BLOCK)
 
 
 def exit_fill_rows(k, v, ran, depth, lanes, positions, n_prelude: int, n_loop: int, top: int) -> None:
