@@ -452,7 +452,7 @@ def test_interleaved_on_every_model_option(config_path):
 def _run_exit_batcher(m, jobs, max_tokens, interleave=True):
     """Every job (prompt, loops, exit rule or None) joined at once, stepped to its end: each
     job's (tokens, finish stats)."""
-    b = Batcher(m.runner, interleave=interleave)
+    b = Batcher(m.runner, interleave=interleave, interleave_exits=True)
     got, fin = {}, {}
     for lane, (p, L, rule) in enumerate(jobs):
         ids, f = b.join(m.start(m.make_request(p, loops=L, max_tokens=max_tokens, early_exit=rule), lane))
@@ -472,9 +472,10 @@ EXIT_JOBS = [([3, 17, 42], 8, LATENT), ([9, 8, 7, 6], 8, None), ([5] * 6, 6, {**
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "stage-graphs"])
 def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
     """Streams with latent exit rules beside streams without, at mixed depths, in interleaved
-    launches that check the rules inside the passes (eagerly, and through the interleaved stage
-    graphs): each stream's tokens and stats (iterations histogram included) are those of its
-    run alone, and the launches really end tokens early."""
+    launches that check the rules inside the passes (eagerly, asked for: a runner without graphs
+    runs the whole-token exit step by default; and through the interleaved stage graphs): each
+    stream's tokens and stats (iterations histogram included) are those of its run alone, and
+    the launches really end tokens early."""
     with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
         want = [(list(m.generate(p, loops=L, max_tokens=9, early_exit=r)[len(p):]),
                  m.generate(p, loops=L, max_tokens=9, early_exit=r).stats) for p, L, r in EXIT_JOBS]
@@ -512,3 +513,11 @@ def test_interleave_refuses_rules_it_cannot_check(model):
     for exits, match in (([kl, None], "kl / copy"), ([None, rc], "latent / recompute"), ([None], "one exit rule")):
         with pytest.raises(ValueError, match=match):
             r.interleave(**args, exits=exits)
+
+
+def test_exit_streams_interleave_by_default_only_with_graphs(tiny_path):
+    with Model(tiny_path, max_seq_len=64, n_slots=4) as m:
+        assert not Batcher(m.runner).interleave_exits and Batcher(m.runner, interleave_exits=True).interleave_exits
+        with_stage_graphs(m, range(1, 5))
+        assert Batcher(m.runner).interleave_exits
+        assert not Batcher(m.runner, interleave=False, interleave_exits=True).interleave_exits

@@ -454,7 +454,7 @@ def test_interleaved_gate_exit_equals_standalone(ouro_path):
     with Model(ouro_path, max_seq_len=64, n_slots=4) as m:
         want = [(list(m.generate(p, loops=L, max_tokens=8, early_exit=r)[len(p):]),
                  m.generate(p, loops=L, max_tokens=8, early_exit=r).stats) for p, L, r in jobs]
-        b = Batcher(m.runner)
+        b = Batcher(m.runner, interleave_exits=True)
         got = {}
         for lane, (p, L, rule) in enumerate(jobs):
             ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=8, early_exit=rule), lane))

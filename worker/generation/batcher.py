@@ -25,13 +25,16 @@ in the next launch from where they stopped. So a stream at depth 4 decodes sever
 deepest row's 32 iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of
 one depth at a token boundary run the plain batched step.
 
-Streams with an early-exit rule interleave too where the rule can be checked inside the passes
-(`ExitRule.interleaves`: the gate or latent criterion, the copy fill) and at least two streams
-share the launch: a row that its rule stops ends its token there, and its next token starts
-in the next launch, so the rows' exits turn into tokens for their streams instead of idle rows
-waiting for the deepest. The host reads each launch's ends before the next (one read a launch).
-Other rules (kl, argmax, recompute) and a stream alone run the whole-token exit step, once the
-rows midway through a token have finished theirs.
+On a runner with graphs (CUDA), streams with an early-exit rule interleave too where the rule
+can be checked inside the passes (`ExitRule.interleaves`: the gate or latent criterion, the copy
+fill) and at least two streams share the launch: a row that its rule stops ends its token there,
+and its next token starts in the next launch, so the rows' exits turn into tokens for their
+streams instead of idle rows waiting for the deepest. The host reads each launch's ends before
+the next (one read a launch). Other rules (kl, argmax, recompute), a stream alone, and every
+exit stream on a runner without graphs run the whole-token exit step, once the rows midway
+through a token have finished theirs: eagerly, that step runs stage sets of exactly the rows
+still iterating, where an interleaved pass runs every row and a stopped row waits for the
+launch's end (bench/results/early-exit-cpu-interleaved.json measures both on a CPU).
 
 All calls run on the worker's one step thread (never two at once).
 """
@@ -78,10 +81,13 @@ def expected_remaining(depths: list[int], depth: int, start: int) -> int:
 
 
 class Batcher:
-    def __init__(self, runner: Runner, interleave: bool = True):
+    def __init__(self, runner: Runner, interleave: bool = True, interleave_exits: bool | None = None):
         self.runner = runner
         # interleaved launches for streams at different depths (Runner.interleave), where it runs
         self.interleave = interleave and runner.interleaves
+        # and for streams with exit rules (None: where the runner has graphs; the module docstring)
+        self.interleave_exits = self.interleave and (runner.graphs is not None if interleave_exits is None
+                                                     else interleave_exits)
         self._iters: dict[int, int] = {}  # lane -> iterations its stream's token in flight has run
         self.states: dict[int, DecodeState] = {}  # lane -> a stream whose decided token waits to run
         self.steps = 0       # batched forwards whose logits streams used
@@ -217,7 +223,7 @@ class Batcher:
         rules = [self.states[lane].req.early_exit for lane in lanes]
         exiting = any(r is not None for r in rules)
         # exit rules checked inside interleaved passes: every rule can be, and rows share a launch
-        exit_interleaved = (self.interleave and exiting and all(r is None or r.interleaves for r in rules)
+        exit_interleaved = (self.interleave_exits and exiting and all(r is None or r.interleaves for r in rules)
                             and (len(lanes) > 1 or bool(self._iters)))
         if self._iters and not exit_interleaved and (exiting or not self.interleave):
             # rows midway through a token finish it first: the plain (exit) step runs whole tokens
