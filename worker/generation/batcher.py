@@ -25,16 +25,14 @@ in the next launch from where they stopped. So a stream at depth 4 decodes sever
 deepest row's 32 iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of
 one depth at a token boundary run the plain batched step.
 
-On a runner with graphs (CUDA), streams with an early-exit rule interleave too where the rule
-can be checked inside the passes (`ExitRule.interleaves`: the gate or latent criterion, the copy
-fill) and at least two streams share the launch: a row that its rule stops ends its token there,
-and its next token starts in the next launch, so the rows' exits turn into tokens for their
-streams instead of idle rows waiting for the deepest. The host reads each launch's ends before
-the next (one read a launch). Other rules (kl, argmax, recompute), a stream alone, and every
-exit stream on a runner without graphs run the whole-token exit step, once the rows midway
-through a token have finished theirs: eagerly, that step runs stage sets of exactly the rows
-still iterating, where an interleaved pass runs every row and a stopped row waits for the
-launch's end (bench/results/early-exit-cpu-interleaved.json measures both on a CPU).
+Where the runner says so (`Runner.exit_interleaves`: on CUDA), streams with an early-exit rule
+interleave too where the rule can be checked inside the passes (`ExitRule.interleaves`: the gate
+or latent criterion, the copy fill) and at least two streams share the launch: a row that its
+rule stops ends its token there, and its next token starts in the next launch, so the rows'
+exits turn into tokens for their streams instead of idle rows waiting for the deepest. The host
+reads each launch's ends before the next (one read a launch). Other rules (kl, argmax,
+recompute), a stream alone, and every exit stream elsewhere run the whole-token exit step, once
+the rows midway through a token have finished theirs.
 
 All calls run on the worker's one step thread (never two at once).
 """
@@ -85,8 +83,8 @@ class Batcher:
         self.runner = runner
         # interleaved launches for streams at different depths (Runner.interleave), where it runs
         self.interleave = interleave and runner.interleaves
-        # and for streams with exit rules (None: where the runner has graphs; the module docstring)
-        self.interleave_exits = self.interleave and (runner.graphs is not None if interleave_exits is None
+        # and for streams with exit rules (None: where the runner says so; the module docstring)
+        self.interleave_exits = self.interleave and (runner.exit_interleaves if interleave_exits is None
                                                      else interleave_exits)
         self._iters: dict[int, int] = {}  # lane -> iterations its stream's token in flight has run
         self.states: dict[int, DecodeState] = {}  # lane -> a stream whose decided token waits to run

@@ -587,6 +587,15 @@ class Runner:
         return self.settings.interleave and self.engine.interleaves
 
     @property
+    def exit_interleaves(self) -> bool:
+        """Whether a batch's exit rules are best checked inside interleaved launches here: where
+        the stage sets replay as graphs, a pass costs the same whatever rows are live, so a row
+        that stops early is a token gained; eagerly, the whole-token exit step's stage sets hold
+        only the rows still iterating, and an interleaved pass, which runs every row, loses to it
+        (bench/results/early-exit-interleaved-cpu.json)."""
+        return self.interleaves and self.graphs is not None
+
+    @property
     def pass_overhead(self) -> float:
         """What an interleaved call costs beside its passes, in passes: the prelude, the coda
         and the head, by their weights against the shared block's (a decode step of a few
