@@ -6,7 +6,8 @@
 # Applies trace.patch (timestamps at each hop of a Generate stream: client, gateway handler,
 # worker channel, actor, step thread, back), serves bench-285m (random bf16), sends 60
 # one-at-a-time streams (128-token prompts, 128 tokens, L = 8) with probe.py and prints the
-# median of each hop (report.py). The patch edits the tree: run it in a copy, never commit it.
+# median of each hop (report.py), into $OUT/ttft-path-cuda.json. The patch edits the tree: run it in a
+# copy, never commit it.
 set -euo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 patch -p1 < bench/ttft_trace/trace.patch > /dev/null
@@ -24,6 +25,6 @@ for _ in $(seq 120); do grep -q "listening" "$OUT/serve.log" && break; sleep 1; 
 python bench/ttft_trace/probe.py 127.0.0.1:50777 async > /dev/null  # warm-up
 for mode in async async-sleep sync; do
     line=$(python bench/ttft_trace/probe.py 127.0.0.1:50777 "$mode" | tail -1); echo "$line"
-    set -- $line; python3 bench/ttft_trace/report.py /tmp/ttft-trace "${@: -2}"
+    set -- $line; python3 bench/ttft_trace/report.py /tmp/ttft-trace "${@: -2}" --run "$mode" --json "$OUT/ttft-path-cuda.json"
 done
 kill %1

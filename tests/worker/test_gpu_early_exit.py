@@ -30,10 +30,19 @@ def _spy(monkeypatch, graphs) -> list:
     return calls
 
 
+def _fast(path) -> Model:
+    """fp32 on the Triton kernels and captured graphs."""
+    return Model(path, max_seq_len=128, device="cuda", dtype="float32", n_slots=4)
+
+
+def _reference(path) -> Model:
+    """The same on the torch reference ops, eagerly."""
+    return Model(path, max_seq_len=128, device="cuda", dtype="float32", backend="torch", cuda_graphs=False,
+                 n_slots=4)
+
+
 def test_graphed_exit_equals_the_reference_path(tiny_path, monkeypatch):
-    with Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=4) as fast, \
-            Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", backend="torch",
-                  cuda_graphs=False, n_slots=4) as ref:
+    with _fast(tiny_path) as fast, _reference(tiny_path) as ref:
         calls = _spy(monkeypatch, fast.runner.graphs)
         a = fast.generate_batch(PROMPTS, per_lane_loops=[8, 8, 6, 7], max_tokens=16, early_exit=RULES)
         b = ref.generate_batch(PROMPTS, per_lane_loops=[8, 8, 6, 7], max_tokens=16, early_exit=RULES)
@@ -53,9 +62,7 @@ def test_interleaved_exit_on_graphs_equals_the_reference_path(tiny_path, monkeyp
     the same exits, and the exit stages replayed."""
     rules = [{"criterion": "latent", "threshold": 0.3}, None, {"criterion": "latent", "threshold": 0.5,
                                                                "min_loops": 2}, {"criterion": "latent", "threshold": 0.2}]
-    with Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=4) as fast, \
-            Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", backend="torch",
-                  cuda_graphs=False, n_slots=4) as ref:
+    with _fast(tiny_path) as fast, _reference(tiny_path) as ref:
         calls = _spy(monkeypatch, fast.runner.graphs)
         a = fast.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)
         b = ref.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)

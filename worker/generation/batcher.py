@@ -267,10 +267,10 @@ class Batcher:
             """The rows whose token ended (the others' iterations so far into `_iters`)."""
             out.resolve()
             ran = []
-            for row, (lane, st, s, d) in enumerate(zip(lanes, sts, starts, depths)):
+            for row, (lane, st, s) in enumerate(zip(lanes, sts, starts)):
                 if self.states.get(lane) is not st:  # left meanwhile (its lane may hold a new stream)
                     continue
-                if (s + passes >= d) if out.finished is None else out.finished[row]:
+                if out.finished[row]:
                     ran.append((row, lane, st))
                     self._iters.pop(lane, None)
                 else:

@@ -126,8 +126,8 @@ class StepOut:
     work: Counters
     host: tuple[torch.Tensor, int] | None = None
     depths: list[int] = field(default_factory=list)
-    finished: list[bool] | None = None  # an interleaved launch with exit rules: whose token ended
-    pending: Callable[[], None] | None = None  # such a launch's: reads finished and depths (`resolve`)
+    finished: list[bool] | None = None  # an interleaved launch: whose token ended
+    pending: Callable[[], None] | None = None  # one with exit rules: reads finished and depths (`resolve`)
 
     def resolve(self) -> None:
         """An interleaved launch with exit rules: wait for it and read whose token ended and
@@ -652,7 +652,7 @@ class Runner:
         rules = None
         if exits is not None:
             state = self._lane_exit_state()
-            step.with_exits(state, IDLE_PARAMS)
+            step.with_exits(state, IDLE_PARAMS, INTERLEAVED_CRITERIA)
             if graphed and not self.graphs.covers("interleaved", b, EXIT_STAGES):
                 self._capture_exit_stages(state)
             rules = state.load_host(list(exits), list(depths))
@@ -674,7 +674,8 @@ class Runner:
         logits = step.logits[:B]
         if exits is None:
             work = self.counters.add(passes, sum(min(s + passes, d) - s for s, d in zip(starts, depths)))
-            out = StepOut(logits, logits.argmax(-1), None, None, work, depths=list(depths))
+            out = StepOut(logits, logits.argmax(-1), None, None, work, depths=list(depths),
+                          finished=[s + passes >= d for s, d in zip(starts, depths)])
         else:
             if step.published_event is not None:
                 step.published_event.record()
@@ -699,7 +700,7 @@ class Runner:
             if not self.graphs.covers("interleaved", bucket, INTERLEAVED_STAGES):
                 continue
             step = self._interleaved_step(bucket)
-            step.with_exits(state, IDLE_PARAMS)
+            step.with_exits(state, IDLE_PARAMS, INTERLEAVED_CRITERIA)
             step.load([], [], [], [], [], rules=[])
             for s in EXIT_STAGES:
                 if not self.graphs.covers("interleaved", bucket, [s]):

@@ -255,9 +255,10 @@ class InterleavedStep(StagedPass):
         self.passes = [Pass(self.lanes, self.pos[k], self.S + 1) for k in range(3)]
         self.exits = None  # an ExitState over the lanes, once `with_exits`
 
-    def with_exits(self, state, never: list[float]) -> None:
+    def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
-        of a row with no rule and depth 0 (ExitState's), for the idle rows' row."""
+        of a row with no rule and depth 0 (ExitState's), for the idle rows' row; criteria: those
+        the passes check (early_exit.INTERLEAVED_CRITERIA)."""
         if self.exits is not None:
             return
         dev = self.x.device
@@ -267,7 +268,7 @@ class InterleavedStep(StagedPass):
         self.never = torch.tensor(never, dtype=torch.float32, device=dev)
         self.published = torch.zeros(2, self.bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.published_event = torch.cuda.Event() if dev.type == "cuda" else None
-        self.kinds = frozenset(k for k in ("gate", "latent") if k in state.all_kinds)
+        self.kinds = state.all_kinds & frozenset(criteria)
         self._idle_row = torch.tensor(self.n_slots, device=dev)
 
     @torch.no_grad()
