@@ -99,15 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         for (flags, parity, _), span in sorted(solo.spans.items()):
             if parity == 0:
                 graphs_us[f"solo span {len(flags)}"] = gpu_us(span.replay, args.replays)
-        i, slot, lg = min(solo.iterations)
-        graphs_us[f"solo iteration {i}"] = gpu_us(solo.iterations[(i, slot, lg)].replay, args.replays)
+        it_key = min(solo.iterations)  # (half, iteration, host slot, with logits)
+        i = it_key[1]
+        graphs_us[f"solo iteration {i}"] = gpu_us(solo.iterations[it_key].replay, args.replays)
         graphs_us["solo end"] = gpu_us(solo.ends[(0, None)].replay, args.replays)
     print("graphs (GPU us per replay):", {k: round(v, 1) for k, v in graphs_us.items()}, flush=True)
     launches = {f"decode L={L}": g.decode[L].graph.replay}
     if solo is not None:
         launches.update({f"solo span {len(flags)}": span.replay for (flags, parity, _), span in sorted(solo.spans.items())
                          if parity == 0})
-        launches[f"solo iteration {i}"] = solo.iterations[(i, slot, lg)].replay
+        launches[f"solo iteration {i}"] = solo.iterations[it_key].replay
     launch = {name: launch_us(fn, 50) for name, fn in launches.items()}
     print("launch (host us per replay call):", {k: round(v, 1) for k, v in launch.items()}, flush=True)
     # one exit step at a time, as the stream runs them
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             t = time.perf_counter()
             o = runner.decode([lane], [tok], [pos], [L], exits=[req.early_exit])
+            o.resolve()  # a one-row exit step is launched, not waited for
             tok = int(o.greedy[0])
             steps.append((time.perf_counter() - t) * 1e6)
             pos += 1
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(16):
                 o = runner.decode([lane], [tok], [pos], [L], exits=[req.early_exit])
+                o.resolve()
                 tok = int(o.greedy[0])
                 pos += 1
     steps.sort()

@@ -504,6 +504,47 @@ def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
     assert any(f and d < 8 for ex, out in calls if ex for d, f in zip(out.depths, out.finished))
 
 
+@pytest.mark.parametrize("span", [None, "min"])
+def test_lone_exit_stream_runs_ahead_on_its_graphs_and_equals_standalone(tiny_path, span):
+    """One exit stream in the batcher on a graphed runner (stand-ins on CPU) steps on the
+    one-row graphs, each step launched before the one before it has ended (solo_exit.py); a
+    second stream joining midway makes the runner end the pending step before the two run
+    together. Both streams' tokens and stats are those of their runs alone, with the span
+    guessed and with every token going on past it (each launched-ahead step then runs again)."""
+    from tinyloop.worker.runner.solo_exit import SoloExit
+    rule = {"criterion": "latent", "threshold": 0.3}
+    jobs = [([3, 17, 42], 8, rule, 14), ([9, 8, 7, 6], 8, rule, 5)]
+    with Model(tiny_path, max_seq_len=64, n_slots=4) as m:
+        runs = [(p, m.generate(p, loops=L, max_tokens=n, early_exit=rl)) for p, L, rl, n in jobs]
+        want = [(list(g[len(p):]), g.stats) for p, g in runs]
+        with_stage_graphs(m, range(1, 9))
+        r = m.runner
+        r._solo = solo = SoloExit(r.engine, r.graphs, r.ops.exit_check, span=span)
+        b = Batcher(r, interleave_exits=True)
+        got, fin = {}, {}
+        for lane, (p, L, rl, n) in enumerate(jobs[:1]):
+            ids, f = b.join(m.start(m.make_request(p, loops=L, max_tokens=n, early_exit=rl), lane))
+            got[lane], fin[lane] = list(ids), f
+        steps = 0
+        while b:
+            for lane, (ids, f) in b.step().items():
+                got[lane].extend(ids)
+                fin[lane] = f
+            steps += 1
+            if steps == 6:  # the lone stream's step is pending now: the join must not see it so
+                assert r._solo_last is not None
+                p, L, rl, n = jobs[1]
+                ids, f = b.join(m.start(m.make_request(p, loops=L, max_tokens=n, early_exit=rl), 1))
+                got[1], fin[1] = list(ids), f
+        assert r._solo_last is None
+    for lane, (w_ids, w_stats) in enumerate(want):
+        assert got[lane] == w_ids
+        assert fin[lane].stats == w_stats
+    assert solo.counts["ahead"] >= 3, solo.counts
+    if span == "min":
+        assert solo.counts["relaunched"] > 0, solo.counts
+
+
 def test_interleave_refuses_rules_it_cannot_check(model):
     r = model.runner
     kl = model.make_request([1, 2], loops=4, max_tokens=2, early_exit={"criterion": "kl", "threshold": 0.1}).early_exit

@@ -205,6 +205,10 @@ class DecodeState:
         self._buf: torch.Tensor | None = None    # a pinned buffer for tokens copied there
         self._copied: torch.cuda.Event | None = None
         self._undo: tuple | None = None          # (out, pos, work) before a speculative step
+        # a step launched and not ended yet (StepOut.pending): its work and depths count once it
+        # has ended (`_count`), at the latest when its token is read (`host_token`)
+        self._unended: StepOut | None = None
+        self._src: StepOut | None = None         # the step whose token copy_to_host brings over
         self.exits = [req.early_exit] if req.early_exit is not None else None  # runner.decode's `exits`
         self.step_depths: list[int] = []         # iterations each decode step ran (early exit only)
 
@@ -260,6 +264,7 @@ class DecodeState:
         """Start bringing the sampled token to the host, with an event to wait on (CUDA); on
         CPU the token is already there. A step whose greedy token already went to the host
         (`StepOut.host`) needs no copy; anything else is copied into a pinned buffer."""
+        self._src = self.out
         if tok.device.type != "cuda":
             self._host, self._slot = tok, 0
             return
@@ -275,7 +280,10 @@ class DecodeState:
 
     def host_token(self) -> int:
         """The token `copy_to_host` started bringing over, once it is there (the step
-        launched after it keeps running)."""
+        launched after it keeps running). A step still pending ends first: the host reads its
+        token once it is final."""
+        if self._src is not None and self._src is self._unended:
+            self._count()
         if self._copied is not None:
             self._copied.synchronize()
         return int(self._host[self._slot])
@@ -292,8 +300,12 @@ class DecodeState:
         K/V at `pos` of the lane's layers. That is harmless: whatever reads the lane later (a
         new prefill, a resume, a decode step) writes a position before it attends to it."""
         self.runner.release(self.out)
-        self.out, self.pos, self.work, n = self._undo
-        del self.step_depths[n:]
+        if self._unended is self.out:  # never counted: what counted meanwhile is the step before's
+            self._unended = None
+            self.out, self.pos = self._undo[:2]
+        else:
+            self.out, self.pos, self.work, n = self._undo
+            del self.step_depths[n:]
         self._undo = None
 
     def decide(self) -> int | None:
@@ -340,6 +352,8 @@ class DecodeState:
         token = self.tok if ahead else self.tok_id
         out = runner.decode([self.lane], [token], [pos], [L], req.window, req.safety_threshold is not None,
                             prev=self.out, exits=self.exits)
+        if not ahead:
+            out.resolve()
         if L != req.loops:
             self.warm_x.append(out.residual.clone())
         self.take(out)
@@ -349,15 +363,29 @@ class DecodeState:
         self.take(out)
 
     def take(self, out: StepOut) -> None:
+        self._count()
+        if getattr(out, "pending", None) is not None:  # a RowOut of a batched step has ended
+            self._unended = out
+        else:
+            self._count(out)
+        self.out = out
+        self.pos += 1
+
+    def _count(self, out: StepOut | None = None) -> None:
+        """Count a step's work and depths: `out`, or else the step still pending (ended now)."""
+        if out is None:
+            out, self._unended = self._unended, None
+            if out is None:
+                return
+            out.resolve()
         self.work = self.work.plus(out.work)
         if self.exits is not None:
             self.step_depths.extend(out.depths)
-        self.out = out
-        self.pos += 1
 
     def finish(self) -> Finish:
         """The stream is over: its finish reason and stats. The state lets go of its logits
         (a graph's buffer, or a row of a batched step's output) whichever path ran it."""
+        self._count()
         self.runner.release(self.out)
         self._logits = self._norm = self.out = None
         stats = {"prompt_tokens": len(self.req.prompt), "completion_tokens": self.generated,

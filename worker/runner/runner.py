@@ -25,6 +25,7 @@ a call for anyone else on the same buffers first gives the owner copies of its o
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import threading
 import time
@@ -113,6 +114,18 @@ class _Held:
         self.pool.release(self.lane)
 
 
+def _settles(method):
+    """A Runner call that first ends the pending one-row exit step (`Runner._decode_solo`), so
+    that its outputs, its stream's token and its lane's cache are final before anything reads
+    or overwrites them."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self._solo_last is not None:
+            self._settle_solo()
+        return method(self, *args, **kwargs)
+    return call
+
+
 @dataclass(eq=False)
 class StepOut:
     """A decode step's outputs for its B lanes. `greedy` is the argmax of `logits`; `host`, when
@@ -127,11 +140,14 @@ class StepOut:
     host: tuple[torch.Tensor, int] | None = None
     depths: list[int] = field(default_factory=list)
     finished: list[bool] | None = None  # an interleaved launch: whose token ended
-    pending: Callable[[], None] | None = None  # one with exit rules: reads finished and depths (`resolve`)
+    # an interleaved launch with exit rules, or a one-row exit step (Runner._decode_solo):
+    # `resolve` ends it and sets finished / depths / work; until then its outputs are not final,
+    # so a copy of greedy taken before is stale (hand the runner the tensor itself)
+    pending: Callable[[], None] | None = None
 
     def resolve(self) -> None:
-        """An interleaved launch with exit rules: wait for it and read whose token ended and
-        the iterations each ran (`finished`, `depths`); nothing otherwise."""
+        """A pending step: wait for it and read whose token ended and the iterations each ran
+        (`finished`, `depths`, `work`); nothing otherwise."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending()
@@ -164,6 +180,8 @@ class DeviceTokens:
         if not tokens:
             return None
         rows = list(tokens)
+        if len(rows) == 1:  # the tensor itself, no copy: a pending step's token is final only
+            return cls(rows, tokens[rows[0]].view(1), [0])  # once that step has ended
         return cls(rows, torch.stack([tokens[r].view(()) for r in rows]), list(range(len(rows))))
 
     def as_dict(self) -> dict[int, torch.Tensor]:
@@ -299,6 +317,11 @@ class Runner:
         self._exit_checks: ExitState | None = None  # the exit checks' static buffers
         self._lane_exits: ExitState | None = None   # interleaved launches': one row per lane, and the idle rows'
         self._solo: SoloExit | None = None  # a one-row exit step's graphs, made on first use
+        # the one-row exit step launched last and not ended yet, with its StepOut: the next
+        # step of its stream is launched before it ends (`_decode_solo`); anything else ends it
+        # first (`_settles`)
+        self._solo_last: tuple | None = None
+        self._solo_at: dict[int, tuple[int, int]] = {}  # half -> (lane, position) of its last step
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
         self._prefill_shared = None
@@ -313,6 +336,7 @@ class Runner:
             self.graphs = Graphs(self.engine)
 
     # -- start-up --------------------------------------------------------------------------
+    @_settles
     def capture(self, loops: list[int], progress=None) -> dict:
         """Capture every graph for depths up to max(loops): the batch-1 decode step of each
         depth in `loops`, and for depths up to the deepest, the prefill stages of every length
@@ -363,6 +387,7 @@ class Runner:
 
     # -- chunk stages ----------------------------------------------------------------------
     @torch.no_grad()
+    @_settles
     def prefill(self, lane: int, tokens: list[int], loops: int, window: int = 0,
                 track_norm: bool = False) -> ChunkOut:
         """A fresh prompt at depth `loops` into `lane`: its last logits (1, V)."""
@@ -379,6 +404,7 @@ class Runner:
         return ChunkOut(logits, work, norm=p.norm_max)
 
     @torch.no_grad()
+    @_settles
     def prefill_many(self, lanes: list[int], prompts: list[list[int]], depths: list[int]) -> list[ChunkOut]:
         """Fresh prompts into their lanes in one pass, each at its own depth: their last logits
         (1, V) each, as `prefill` gives them one by one. The prompts are right-padded to the
@@ -438,6 +464,7 @@ class Runner:
         return out
 
     @torch.no_grad()
+    @_settles
     def chunk(self, lane: int, tokens: list[int], first_pos: int, loops: int, window: int = 0,
               track_norm: bool = False) -> ChunkOut:
         """A prompt's tokens at positions [first_pos, first_pos + T) of `lane` at depth `loops`,
@@ -454,6 +481,7 @@ class Runner:
         return ChunkOut(logits, work, norm=p.norm_max)
 
     @torch.no_grad()
+    @_settles
     def build(self, lane: int, tokens: list[int], loops: int, window: int = 0) -> ChunkOut:
         """The prelude and iterations [0, loops) of a fresh prompt into `lane`: the residual
         entering iteration `loops` (1, T, D), no coda."""
@@ -470,6 +498,7 @@ class Runner:
         return ChunkOut(None, work, residual=x)
 
     @torch.no_grad()
+    @_settles
     def extend(self, lane: int, residual: torch.Tensor, start: int, stop: int, first_pos: int = 0,
                window: int = 0, track_norm: bool = False) -> ChunkOut:
         """Iterations [start, stop) and the coda over a chunk's residual (1, T, D) entering
@@ -491,6 +520,7 @@ class Runner:
         return ChunkOut(e.logits(e.coda(x, p)[:, -1:])[:, -1], work, norm=p.norm_max)
 
     @torch.no_grad()
+    @_settles
     def trace(self, lane: int, tokens: list[int], loops: int) -> tuple[list[str], torch.Tensor]:
         """Every stage's residual at the last position of a fresh prompt: (labels, (n, D) fp32)."""
         T = len(tokens)
@@ -513,7 +543,10 @@ class Runner:
         be reused without a copy). exits: row i's early-exit rule (None: it runs depths[i]); the
         StepOut's `depths` are then the iterations each row ran (early_exit.py)."""
         B = len(lanes)
-        if exits is not None and any(r is not None for r in exits):
+        exiting = exits is not None and any(r is not None for r in exits)
+        if self._solo_last is not None and not (exiting and B == 1 and self.graphs is not None):
+            self._settle_solo()
+        if exiting:
             if window or track_norm:
                 raise ValueError("early exit runs on the full cache (cache_window=0) with no safety check")
             return self._decode_exit(lanes, tokens, positions, depths, exits, on_device, prev)
@@ -605,6 +638,7 @@ class Runner:
         return ((cfg.n_prelude + cfg.n_coda) * layer + cfg.vocab_size * cfg.d_model) / (cfg.n_loop_layers * layer)
 
     @torch.no_grad()
+    @_settles
     def interleave(self, lanes: list[int], tokens: list, positions: list[int], depths: list[int],
                    starts: list[int], passes: int, on_device: DeviceTokens | None = None,
                    prev: StepOut | None = None, exits: list | None = None) -> StepOut:
@@ -851,21 +885,60 @@ class Runner:
         return out
 
     def _decode_solo(self, lane, token, position, depth, rule, on_device, prev) -> StepOut:
-        """_decode_exit of one row on graphs of its own (solo_exit.py): a span graph per token."""
+        """_decode_exit of one row on graphs of its own (solo_exit.py): a span graph per token,
+        launched and not waited for. The StepOut is pending: `resolve` ends the step (its
+        `depths` and `work` are set then); so does the runner's next call of any kind.
+
+        The next step of the same stream (its token the device tensor this step's greedy
+        token lands in) is launched before this one ends: the device runs the two spans back
+        to back while the host ends the first. Where the first went on past its span (the
+        host runs its later iterations), the second ran on its stale token and runs again."""
         if isinstance(on_device, DeviceTokens):
             on_device = on_device.as_dict()
         token = (on_device or {}).get(0, token)
         if self._solo is None:
             self._solo = SoloExit(self.engine, self.graphs, self.ops.exit_check)
-        self._claim("solo", prev)
-        solo = self._solo
-        ran = solo.run(lane, token, position, depth, rule)
+        solo, last = self._solo, self._solo_last
+        ahead = (last is not None and isinstance(token, torch.Tensor)
+                 and token.data_ptr() == solo.greedy[last[0].parity].data_ptr()
+                 and last[0].precedes(lane, position, depth, rule) and not solo.needs_capture(depth, rule))
+        if last is not None and not ahead:
+            self._settle_solo()
         parity = position % 2
-        out = StepOut(solo.step.logits, solo.greedy[parity], solo.step.x, None, self.counters.add(ran, ran),
-                      (solo.host[parity], 1) if solo.published else None, depths=[ran])
-        self._owners["solo"] = out
+        owner = self._owners.pop(("solo", parity), None)
+        # the half's last step is this stream's step before `prev` (pipelined decode): let go
+        behind = prev is not None and last is not None and last[1] is prev and \
+            self._solo_at.get(parity) == (lane, position - 2)
+        if owner is not None and owner is not prev and not behind:
+            owner.detach()
+        self._solo_at[parity] = (lane, position)
+        s = solo.launch(lane, token, position, depth, rule)
+        h = solo.halves[parity]
+        out = StepOut(h.step.logits, solo.greedy[parity], h.step.x, None, Counters(0, 0), (solo.host[parity], 1))
+        out.pending = lambda: self._end_solo(s, out)
+        if self._solo_last is not None:  # launched ahead of its stream's last step: end that one now
+            solo.counts["ahead"] += 1
+            if self._settle_solo():
+                solo.relaunch(s)
+        self._solo_last = (s, out)
+        self._owners[("solo", parity)] = out
         return out
 
+    def _end_solo(self, s, out: StepOut) -> None:
+        if self._solo_last is not None and self._solo_last[0] is s:
+            self._solo_last = None
+        ran = self._solo.finish(s)
+        out.depths, out.work = [ran], self.counters.add(ran, ran)
+
+    def _settle_solo(self) -> bool:
+        """End the one-row exit step still pending, if any -> whether it went on past its span."""
+        last, self._solo_last = self._solo_last, None
+        if last is None:
+            return False
+        last[1].resolve()
+        return last[0].went_on
+
+    @_settles
     def sample(self, logits: torch.Tensor, seen: torch.Tensor | None, params: list[SamplingParams],
                seeds: list[int], positions: list[int]) -> torch.Tensor:
         """The tokens of rows of logits (B, V), row b on its own parameters params[b], key
@@ -922,6 +995,7 @@ class Runner:
             self._exit[n] = BatchStep(self.engine, n, self._exit_shared)
         return self._exit[n]
 
+    @_settles
     def close(self) -> None:
         """Let go of every captured graph at once (Model.close): a graph keeps the closure it
         captured, which refers back to what owns the graph, so left alone the graphs would go
@@ -933,7 +1007,10 @@ class Runner:
         self.graphs = self._solo = self._sampler = None
 
     def release(self, out: StepOut | None) -> None:
-        """The caller is done with `out`: its buffers may be reused without a copy."""
+        """The caller is done with `out`: its buffers may be reused without a copy (a pending
+        step ends first: its stream's cache is then as its depths say)."""
+        if self._solo_last is not None and self._solo_last[1] is out:
+            self._settle_solo()
         for key, owner in list(self._owners.items()):
             if owner is out:
                 del self._owners[key]
@@ -950,6 +1027,7 @@ class Runner:
         return pos + rounds * (k + 1) <= self.cache.max_seq_len
 
     @torch.no_grad()
+    @_settles
     def chain_round(self, lane: int, draft_loops: int, verify_loops: int, k: int,
                     state: tuple[int, int] | None = None) -> "RoundOut":
         """One greedy chain round on `lane` (rounds.ChainRound): state (t, pos), the decided
@@ -977,6 +1055,7 @@ class Runner:
 
     # -- speculative verify ------------------------------------------------------------------
     @torch.no_grad()
+    @_settles
     def verify(self, lane: int, residual: torch.Tensor, pos: int, start: int, stop: int) -> ChunkOut:
         """A draft chain's verify: the chunk of residuals (1, n, D) entering iteration `start`,
         first token at pos, through iterations [start, stop) and the coda: every position's
@@ -988,6 +1067,7 @@ class Runner:
             tr.run(stage)
         return ChunkOut(tr.logits[:n], tr.work)
 
+    @_settles
     def tree(self, lane: int, nodes: int, pos: int, stages: list | None = None) -> TreeRun:
         """The tree stages for `nodes` nodes rooted at pos on `lane`: a verify bucket's graphs
         when they cover `stages` and its pads stay inside the cache, else eager stages of

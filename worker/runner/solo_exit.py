@@ -52,16 +52,57 @@ RULES_KEPT = 256  # the (rule, depth) pairs whose histories are kept (a request'
 
 def choose_span(first: int, depth: int, ran: list[int]) -> int:
     """The span in [first, depth] that costs least over the depths `ran` of recent tokens: the
-    iterations the span runs past `first`, plus, for each token that ran deeper, MISS_COST and
-    LATE_ITERATION_COST per iteration past the span. No history: `first`."""
+    iterations the span runs past `first`, plus, for each token that ran deeper, MISS_COST, the
+    span's own iterations again (the step launched after it ran on its stale token and runs
+    once more) and LATE_ITERATION_COST per iteration past the span. No history: `first`. One
+    pass over the depths, then one over the spans (suffix sums of the tokens past each)."""
     if not ran:
         return first
+    count = [0] * (depth + 1)
+    for r in ran:
+        count[min(r, depth)] += 1
     best, cost = first, None
-    for c in range(first, depth + 1):
-        late = sum(MISS_COST + LATE_ITERATION_COST * (r - c) for r in ran if r > c) / len(ran)
-        if cost is None or c - first + late < cost:
-            best, cost = c, c - first + late
+    past = past_sum = 0  # the tokens that ran deeper than c, and their depths' sum
+    costs = []
+    for c in range(depth, first - 1, -1):
+        late = past * (MISS_COST + c) + LATE_ITERATION_COST * (past_sum - c * past)
+        costs.append((c - first + late / len(ran), c))
+        past += count[c]
+        past_sum += c * count[c]
+    for cst, c in reversed(costs):  # the shortest span of the cheapest
+        if cost is None or cst < cost:
+            best, cost = c, cst
     return best
+
+
+class _Half:
+    """The buffers of the steps at one position parity: the row's stage set, its check state
+    and the event behind its last span. A stream's consecutive steps alternate halves, so a
+    step runs while its predecessor's buffers still hold what that one needs to go on."""
+
+    def __init__(self, engine, op):
+        dev = engine.cache.device
+        self.step = BatchStep(engine, 1)
+        self.state = ExitState(engine.model, 1, dev, op)
+        self.event = torch.cuda.Event() if dev.type == "cuda" else None
+
+
+class SoloStep:
+    """A launched step: what `SoloExit.finish` needs to end it."""
+    __slots__ = ("lane", "token", "position", "depth", "rule", "parity", "c", "copy", "key", "history",
+                 "ran", "went_on")
+
+    def __init__(self, lane, token, position, depth, rule, c, copy, key, history):
+        self.lane, self.token, self.position, self.depth, self.rule = lane, token, position, depth, rule
+        self.parity, self.c, self.copy, self.key, self.history = position % 2, c, copy, key, history
+        self.ran: int | None = None
+        self.went_on = False
+
+    def precedes(self, lane: int, position: int, depth: int, rule: ExitRule) -> bool:
+        """Whether a step of (lane, position, depth, rule) is this step's stream's next, with
+        the copy fill (inside the span: recompute fills eagerly once the step has ended)."""
+        return (self.lane == lane and self.position + 1 == position and self.depth == depth
+                and self.rule == rule and rule.cache == "copy")
 
 
 class SoloExit:
@@ -71,41 +112,41 @@ class SoloExit:
         self.engine, self.graphs, self.span = engine, graphs, span
         dev = engine.cache.device
         cuda = dev.type == "cuda"
-        self.step = BatchStep(engine, 1)
-        self.state = ExitState(engine.model, 1, dev, op)
+        self.halves = [_Half(engine, op), _Half(engine, op)]
         self.rule_params = torch.zeros(1, 6, dtype=torch.float32, device=dev)  # the span graph's input
-        # the greedy token of even and odd positions: a stream may read a step's token after
+        # the greedy token of even and odd positions: a stream reads a step's token after
         # launching the next step (pipelined decode), so consecutive steps write different ones
         self.greedy = torch.zeros(2, 1, dtype=torch.long, device=dev)
-        # per position parity, the depth the row ran and its token as the span's end publishes
-        # them (pinned on CUDA: the kernel writes them; kernels/exit_fill.exit_publish), and the
-        # event behind the span. `published`: whether the last step's token is its slot's
+        # per position parity, the depth the row ran and its token as the span's (or the end
+        # graph's) last kernel publishes them (pinned on CUDA: kernels/exit_fill.exit_publish)
         self.host = torch.zeros(2, 2, dtype=torch.long, pin_memory=cuda)
-        self.span_event = torch.cuda.Event() if cuda else None
-        self.published = False
         # span: keyed by (whether each of its iterations reads logits, position parity, copy fill)
         self.spans: dict[tuple[tuple[bool, ...], int, bool], object] = {}
-        self.iterations: dict[tuple[int, int, bool], object] = {}  # (i, host slot, with logits)
-        # end: the coda and the greedy token, and the copy fill of an early exit, keyed by
-        # (position parity, (exit depth, depth) or None)
+        self.iterations: dict[tuple[int, int, int, bool], object] = {}  # (parity, i, host slot, with logits)
+        # end: the coda, the greedy token and its publication, and the copy fill of an early
+        # exit, keyed by (position parity, (exit depth, depth) or None)
         self.ends: dict[tuple[int, tuple[int, int] | None], object] = {}
-        self._fills: dict[int, object] = {}  # depth -> the span's copy fill
+        self._fills: dict[tuple[int, int], object] = {}  # (parity, depth) -> the span's copy fill
         self._loaded: tuple | None = None  # (rule, depth) whose params rule_params holds
-        self._ready: set[tuple] = set()  # the (depth, first, logits, copy) whose later graphs are captured
+        self._ready: set[tuple] = set()  # the (depth, first, logits, copy) whose iterations and spans are captured
+        self._ends_ready: set[tuple] = set()  # the (parity, depth, copy) whose end graphs are captured
         # (rule, depth) -> [first iteration it may stop after, the depths its last tokens ran,
         # {span: the span's logits flags}]
         self._plans: dict[tuple, list] = {}
-        self.counts = {"steps": 0, "went_on": 0}  # steps run, and those that went on past their span
+        # steps ended, those that went on past their span, those launched before the step
+        # before them had ended (Runner._decode_solo), and those of these launched again
+        # because the step before them went on
+        self.counts = {"steps": 0, "went_on": 0, "ahead": 0, "relaunched": 0}
 
     def drop(self) -> None:
         """Let go of the graphs now (Runner.close): their closures refer back to this object."""
         for graphs in (self.spans, self.iterations, self.ends):
             graphs.clear()
 
-    def _iteration(self, i: int, slot: int | None, logits: bool) -> None:
+    def _iteration(self, h: _Half, i: int, slot: int | None, logits: bool) -> None:
         """Iteration i, the coda where the check reads logits, and the check into host slot
         `slot` (None: nothing published)."""
-        st, step = self.state, self.step
+        st, step = h.state, h.step
         step.run(i)
         if logits:
             step.run("coda")
@@ -114,21 +155,23 @@ class SoloExit:
 
     def _capture(self, first: int, top: int, logits: bool) -> None:
         """The iteration graphs from `first` up to `top` (with logits too where the rule reads
-        them), where missing: captured before the step loads its row."""
-        missing = [(i, s, lg) for i in range(first, top) for s in (0, 1) for lg in {False, logits}
-                   if (i, s, lg) not in self.iterations]
-        if not missing:
-            return
-        self.step.load([], [], [], [])  # an idle row: no capture's warm-up writes a lane
+        them), both halves, where missing: captured before the step loads its row."""
+        missing = [(par, i, s, lg) for par in (0, 1) for i in range(first, top) for s in (0, 1)
+                   for lg in {False, logits} if (par, i, s, lg) not in self.iterations]
+        for par in {m[0] for m in missing}:
+            self.halves[par].step.load([], [], [], [])  # an idle row: no capture's warm-up writes a lane
         for key in missing:
-            self.iterations[key] = self.graphs.capture_call(lambda key=key: self._iteration(*key))
+            par, i, s, lg = key
+            self.iterations[key] = self.graphs.capture_call(
+                lambda h=self.halves[par], i=i, s=s, lg=lg: self._iteration(h, i, s, lg))
 
     def _capture_span(self, key: tuple, depth: int) -> None:
         """The span graph `key` (flags, parity, copy) of a step of `depth` iterations, captured
         before the step loads its row, the greedy tokens kept through its warm-ups."""
         flags, parity, copy = key
-        st, step = self.state, self.step
-        fill = self._span_fill(depth) if copy else None
+        h = self.halves[parity]
+        st, step = h.state, h.step
+        fill = self._span_fill(parity, depth) if copy else None
 
         def span():
             st.params.copy_(self.rule_params)
@@ -136,7 +179,7 @@ class SoloExit:
             st.order.zero_()
             step.run("prelude")
             for i, lg in enumerate(flags):
-                self._iteration(i, None, lg)
+                self._iteration(h, i, None, lg)
             step.run("coda")
             torch.argmax(step.logits, -1, out=self.greedy[parity])
             if fill is not None:
@@ -147,25 +190,34 @@ class SoloExit:
         self.spans[key] = self.graphs.capture_call(span)
         self.greedy.copy_(kept)
 
-    def run(self, lane: int, token, position: int, depth: int, rule: ExitRule) -> int:
-        """One decode step of `token` (a host int or a one-element device tensor) at `position`
-        on `lane`, at most `depth` iterations, stopping where `rule` says -> the iterations it
-        ran. Its outputs: step.logits (1, V), self.greedy[position % 2] (1,), step.x (1, 1, W)."""
-        st, step = self.state, self.step
+    def needs_capture(self, depth: int, rule: ExitRule) -> bool:
+        """Whether a step of `depth` iterations under `rule` captures graphs before it runs (the
+        captures load idle rows into both halves: nothing may be in flight)."""
+        plan, copy = self._plans.get((rule, depth)), rule.cache == "copy"
+        return (plan is None or (depth, plan[0], rule.needs_logits, copy) not in self._ready
+                or any((par, depth, copy) not in self._ends_ready for par in (0, 1)))
+
+    def launch(self, lane: int, token, position: int, depth: int, rule: ExitRule) -> SoloStep:
+        """Launch one decode step of `token` (a host int or a one-element device tensor) at
+        `position` on `lane`, at most `depth` iterations, stopping where `rule` says: its span
+        graph, not waited for (`finish` ends it). Its outputs, once ended: the half's step.logits
+        (1, V) and step.x (1, 1, W), self.greedy[position % 2] (1,), self.host[position % 2]
+        (the iterations it ran, its greedy token). Captures run first where `needs_capture`."""
+        parity = position % 2
         if self._loaded != (rule, depth):  # the host's copy of the rule, and the span's input
-            params = st.load_host([rule], [depth])
+            for h in self.halves:
+                params = h.state.load_host([rule], [depth])
             self.rule_params.copy_(device_tensor(params, self.rule_params.device, torch.float32), non_blocking=True)
             self._loaded = (rule, depth)
         plan = self._plan(rule, depth)
         first, history, flags_of = plan
         c = self._span(first, depth, history)
+        st = self.halves[parity].state
         if c not in flags_of:
             flags_of[c] = tuple(st.needs_logits(d, [0]) for d in range(1, c + 1))
         copy = rule.cache == "copy"
-        parity = position % 2
         key = (flags_of[c], parity, copy)
-        ready = (depth, first, rule.needs_logits, copy) in self._ready
-        if not ready:
+        if (depth, first, rule.needs_logits, copy) not in self._ready:
             self._capture(first, depth, rule.needs_logits)
             # every span the guess may pick, at once: a capture (two warm-up runs and the
             # capture) costs many steps, and the guess moves with the stream's depths
@@ -175,27 +227,52 @@ class SoloExit:
                 for par in (0, 1):
                     if (flags_of[n], par, copy) not in self.spans:
                         self._capture_span((flags_of[n], par, copy), depth)
+            self._ready.add((depth, first, rule.needs_logits, copy))
         if key not in self.spans:
             self._capture_span(key, depth)
-        dev = token if isinstance(token, torch.Tensor) else None
-        step.load([lane], [0 if dev is not None else token], [position], [depth],
-                  None if dev is None else (None, dev.view(1)))
-        if not ready:
-            self._capture_ends(depth, copy)
-            self._ready.add((depth, first, rule.needs_logits, copy))
-        self.spans[key].replay()
-        if self.span_event is not None:
-            self.span_event.record()
-            self.span_event.synchronize()
-        ran = int(self.host[parity, 0])
+        s = SoloStep(lane, token, position, depth, rule, c, copy, key, history)
+        self._load(s)
+        if (parity, depth, copy) not in self._ends_ready:
+            self._capture_ends(parity, depth, copy)
+            self._ends_ready.add((parity, depth, copy))
+        self._replay(s)
+        return s
+
+    def _load(self, s: SoloStep) -> None:
+        dev = s.token if isinstance(s.token, torch.Tensor) else None
+        self.halves[s.parity].step.load([s.lane], [0 if dev is not None else s.token], [s.position], [s.depth],
+                                        None if dev is None else (None, dev.view(1)))
+
+    def _replay(self, s: SoloStep) -> None:
+        h = self.halves[s.parity]
+        self.spans[s.key].replay()
+        if h.event is not None:
+            h.event.record()
+
+    def relaunch(self, s: SoloStep) -> None:
+        """Run launched step `s` again, from its row's load: the step before it went on past its
+        span after `s` was launched, so `s` ran on that step's stale token and cache."""
+        self.counts["relaunched"] += 1
+        self._load(s)
+        self._replay(s)
+
+    def finish(self, s: SoloStep) -> int:
+        """End launched step `s` -> the iterations it ran: wait for its span, and where its rule
+        had not stopped it by the span's end, go on one iteration at a time (the host reads
+        each decision) and run its end graph, which publishes its token."""
+        h = self.halves[s.parity]
+        if h.event is not None:
+            h.event.synchronize()
+        ran = int(self.host[s.parity, 0])
         self.counts["steps"] += 1
-        self.published = ran <= c
-        if not self.published:  # the rule had not stopped it by the span's end: on, one iteration at a time
+        if ran > s.c:  # the rule had not stopped it by the span's end: on, one iteration at a time
             self.counts["went_on"] += 1
-            ran = self._go_on(c, depth, position, copy)
-        history.append(ran)
-        if ran < depth and not copy:
-            fill_skipped(self.engine, [(0, lane, position, ran, depth, rule.cache)], step.x)
+            s.went_on = True
+            ran = self._go_on(h, s)
+        s.history.append(ran)
+        if ran < s.depth and not s.copy:
+            fill_skipped(self.engine, [(0, s.lane, s.position, ran, s.depth, s.rule.cache)], h.step.x)
+        s.ran = ran
         return ran
 
     def _plan(self, rule: ExitRule, depth: int) -> list:
@@ -218,15 +295,15 @@ class SoloExit:
             return min(max(self.span, first), depth)
         return choose_span(first, depth, list(history))
 
-    def _go_on(self, c: int, depth: int, position: int, copy: bool) -> int:
-        """Iterations c .. depth - 1 of a row the span left going, then the end graph -> the
-        iterations it ran."""
-        st = self.state
+    def _go_on(self, h: _Half, s: SoloStep) -> int:
+        """Iterations c .. depth - 1 of a row the span left going, then the end graph (its token
+        published; waited for) -> the iterations it ran."""
+        st, depth = h.state, s.depth
         ran, pending = depth, None
-        for i in range(c, depth):
+        for i in range(s.c, depth):
             d = i + 1
             slot = d % 2
-            self.iterations[(i, slot, st.needs_logits(d, [0]))].replay()
+            self.iterations[(s.parity, i, slot, st.needs_logits(d, [0]))].replay()
             published = None
             if d < depth and st.can_stop(d, [0]):
                 st.mark(slot)
@@ -235,61 +312,65 @@ class SoloExit:
             if to_read is not None and st.read(to_read[0], 1)[0]:
                 ran = to_read[1]
                 break
-        self.ends[(position % 2, (ran, depth) if copy and ran < depth else None)].replay()
+        self.ends[(s.parity, (ran, depth) if s.copy and ran < depth else None)].replay()
+        if h.event is not None:
+            h.event.record()
+            h.event.synchronize()
         return ran
 
-    def _capture_ends(self, depth: int, copy: bool) -> None:
-        """The end graphs of a step of `depth` iterations where missing, for both parities and,
-        under the copy policy, every exit depth: captured after the step loaded its row and
-        before it runs, so their warm-ups write only the row's own position, in cache layers
-        that the step itself writes afterwards (its iterations below where it stops, its fill
-        from there to its depth, its coda)."""
-        step, cap = self.step, self.graphs.capture_call
-        missing = [(parity, fill) for parity in (0, 1)
-                   for fill in [None] + ([(e, depth) for e in range(1, depth)] if copy else [])
+    def _capture_ends(self, parity: int, depth: int, copy: bool) -> None:
+        """The end graphs of a step of `depth` iterations at `parity` where missing, under the
+        copy policy for every exit depth: captured after the step loaded its row into that
+        half and before it runs, so their warm-ups write only the row's own position, in cache
+        layers that the step itself writes afterwards (its iterations below where it stops, its
+        fill from there to its depth, its coda)."""
+        h, cap = self.halves[parity], self.graphs.capture_call
+        step = h.step
+        missing = [fill for fill in [None] + ([(e, depth) for e in range(1, depth)] if copy else [])
                    if (parity, fill) not in self.ends]
         if not missing:
             return
         # the last step's token, which its stream may not have read yet, survives the warm-ups
         kept = self.greedy.clone()
-        for parity, fill in missing:
-            fn = None if fill is None else self._fill(*fill)
+        for fill in missing:
+            fn = None if fill is None else self._fill(step, *fill)
 
-            def end(parity=parity, fn=fn):
+            def end(fn=fn):
                 step.run("coda")
                 torch.argmax(step.logits, -1, out=self.greedy[parity])
                 if fn is not None:
                     fn()
+                self.engine.ops.exit_publish(step.ctl[2], self.greedy[parity], self.host[parity])
             self.ends[(parity, fill)] = cap(end)
         self.greedy.copy_(kept)
 
-    def _fill(self, e: int, top: int):
+    def _fill(self, step: BatchStep, e: int, top: int):
         """The copy policy's fill of a token that ran e of `top` iterations, on the row's lane
-        and position as the step's buffers hold them: iterations [e, top) of every block layer
+        and position as `step`'s buffers hold them: iterations [e, top) of every block layer
         get iteration e - 1's K/V (early_exit.fill_skipped, with device indices)."""
         cfg, cache, dev = self.engine.config, self.engine.cache, self.engine.cache.device
         pairs = [(cfg.loop_layer_index(i, j), cfg.loop_layer_index(e - 1, j))
                  for i in range(e, top) for j in range(cfg.n_loop_layers)]
         dst, src = (torch.tensor(v, dtype=torch.long, device=dev) for v in zip(*pairs))
-        slot, pos = self.step.ctl[3], self.step.ctl[1]
+        slot, pos = step.ctl[3], step.ctl[1]
 
         def fill():
             for t in (cache.k, cache.v):
                 t[dst, slot, :, pos] = t[src, slot, :, pos]
         return fill
 
-    def _span_fill(self, top: int):
-        """The copy fill of a span of a step of `top` iterations, its exit depth e read on the
-        device (the row's depth entry, which the check set where the rule stopped it): every
-        iteration i in [e, top) of every block layer gets iteration e - 1's K/V (the ops'
-        exit_fill, kernels/exit_fill.py, over every candidate cell i in [1, top)). An idle row
-        (depth 0) moves nothing."""
-        if top in self._fills:
-            return self._fills[top]
+    def _span_fill(self, parity: int, top: int):
+        """The copy fill of a span of a step of `top` iterations at `parity`, its exit depth e
+        read on the device (the row's depth entry, which the check set where the rule stopped
+        it): every iteration i in [e, top) of every block layer gets iteration e - 1's K/V (the
+        ops' exit_fill, kernels/exit_fill.py, over every candidate cell i in [1, top)). An idle
+        row (depth 0) moves nothing."""
+        if (parity, top) in self._fills:
+            return self._fills[(parity, top)]
         cfg, cache, dev = self.engine.config, self.engine.cache, self.engine.cache.device
         nl = cfg.n_loop_layers
         if top < 2:
-            self._fills[top] = None
+            self._fills[(parity, top)] = None
             return None
         cells = [(i, j) for i in range(1, top) for j in range(nl)]
         its = torch.tensor([i for i, _ in cells], dtype=torch.long, device=dev)
@@ -297,9 +378,9 @@ class SoloExit:
         # row e - 1 of `src`: each cell's source when the token exited after e iterations
         src = torch.tensor([[cfg.loop_layer_index(e - 1, j) for _, j in cells] for e in range(1, top + 1)],
                            dtype=torch.long, device=dev)
-        ctl, op = self.step.ctl, self.engine.ops.exit_fill
+        ctl, op = self.halves[parity].step.ctl, self.engine.ops.exit_fill
 
         def fill():
             op(cache.k, cache.v, ctl[2], ctl[3], ctl[1], its, dst, src)
-        self._fills[top] = fill
+        self._fills[(parity, top)] = fill
         return fill
