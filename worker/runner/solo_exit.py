@@ -12,15 +12,26 @@ skipped iterations' cache entries, with the exit depth read on the device. A row
 stops at d <= c is frozen on the device (its depth becomes d), so the iterations after d carry
 it through unchanged and the coda reads its exit state: the span's result is the token's
 whatever c is. The span's last kernel writes the depth the row ran and its token into pinned
-host memory (kernels/exit_fill.exit_publish), so the host waits for the span and reads both,
+host memory (kernels/exit_fill.exit_publish), so the host reads both once the span is done,
 with no copy launched; the stream takes the token from there (StepOut.host). The span's
 checks publish nothing: each copy to host memory in a graph is a node that costs the device
 microseconds. Where the rule had not
 stopped the row by c (and c < its depth), the step goes on from there: one graph per
 iteration (the iteration, its coda where the rule reads logits, the check publishing its
 decision into a pinned host slot), the host reading iteration d's decision after launching
-iteration d + 1, then an end graph (coda, greedy token, the copy fill keyed by the exit depth)
-that overwrites what the span's end wrote. `recompute` runs early_exit's eager fill after it.
+iteration d + 1, then an end graph (coda, greedy token, the copy fill keyed by the exit depth,
+the publication) that overwrites what the span's end wrote. `recompute` runs early_exit's
+eager fill after it.
+
+`launch` replays the span and returns; `finish` waits for it, reads the depth and goes on where
+needed. A stream's next step (its token the device tensor this one's greedy token lands in)
+is launched before this one is finished (Runner._decode_solo), so the device runs the spans
+back to back while the host finishes the first and does the stream's work: the steps of even
+and odd positions have buffers of their own (`_Half`: the stage set, the check state), and a
+step that goes on past its span still finds its state there. The next step then ran on a
+stale token (and a cache without this token's later iterations) and runs again (`relaunch`):
+its cache writes are at its own position, which the second run writes over. choose_span
+counts that second run in a miss's cost.
 
 c is a guess of where the stream's tokens stop, from the depths its last tokens ran
 (`choose_span`): iterations past a token's exit are paid on the device, a token that goes on
@@ -29,9 +40,10 @@ past c pays a host round trip and a launch per further iteration. A fixed `span`
 
 The span graphs (every length the guess may pick, both position parities) and the iteration
 graphs are captured the first time a step of a rule's depth and kind needs them, before it loads
-its row: the stage set then holds an idle row (a position past the cache, depth 0), so a
+its row: the stage sets then hold an idle row (a position past the cache, depth 0), so a
 capture's warm-up writes no lane's cache. The end graphs (per position parity, exit depth and
-depth) are captured after the row is loaded and before it runs (`_capture_ends`).
+depth) are captured after the row is loaded into its half and before it runs (`_capture_ends`).
+No step is in flight during a capture (`needs_capture`: the runner finishes the last first).
 """
 from __future__ import annotations
 
