@@ -97,6 +97,20 @@ class _Half:
         self.step = BatchStep(engine, 1)
         self.state = ExitState(engine.model, 1, dev, op)
         self.event = torch.cuda.Event() if dev.type == "cuda" else None
+        # the row's (token, position, depth, lane) on the host, pinned on CUDA, copied into the
+        # stage set's control buffer: written again only once the half's last step has ended
+        # (the runner finishes a step before launching the one two positions on), so its copy
+        # has run by then
+        self.staging = torch.zeros(4, 1, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._rows = self.staging.numpy()
+
+    def load(self, lane: int, token, position: int, depth: int) -> None:
+        """The stage set's one row: `token` a host int or a one-element device tensor."""
+        dev = isinstance(token, torch.Tensor)
+        self._rows[:, 0] = (0 if dev else token, position, depth, lane)
+        self.step.ctl.copy_(self.staging, non_blocking=True)
+        if dev:
+            self.step.ctl[0].copy_(token.view(1))
 
 
 class SoloStep:
@@ -251,9 +265,7 @@ class SoloExit:
         return s
 
     def _load(self, s: SoloStep) -> None:
-        dev = s.token if isinstance(s.token, torch.Tensor) else None
-        self.halves[s.parity].step.load([s.lane], [0 if dev is not None else s.token], [s.position], [s.depth],
-                                        None if dev is None else (None, dev.view(1)))
+        self.halves[s.parity].load(s.lane, s.token, s.position, s.depth)
 
     def _replay(self, s: SoloStep) -> None:
         h = self.halves[s.parity]
