@@ -1,0 +1,111 @@
+"""Where a batch of early-exit streams' time goes on the GPU: per interleaved launch, its rows,
+passes and the tokens it ended, the host's time inside Runner.interleave and in the wait for
+its ends, and the device's busy share of the run (a torch.profiler timeline).
+
+    python -m bench.profile_exit_batch --out-dir out      # the H200: 64 streams, latent 0.15
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.common import hardware, write
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loops", type=int, default=16)
+    ap.add_argument("--rule", default="latent=0.15", help="criterion=threshold")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args(argv)
+    from bench.early_exit import heldout_sequences
+    from tinyloop.worker.api import Model
+    from tinyloop.worker.model.default_model import default_model_path
+    crit, _, thr = args.rule.partition("=")
+    rule = {"criterion": crit, "threshold": float(thr)}
+    model = Model(default_model_path(), max_seq_len=args.prompt_tokens + args.tokens + 1, device="cuda",
+                  n_slots=args.streams)
+    L, n = args.loops, args.streams
+    prompts = [t[:args.prompt_tokens] for t in heldout_sequences(model, n, args.prompt_tokens)]
+    runner = model.runner
+    launches = []
+    inner = runner.interleave
+
+    def logged(lanes, tokens, positions, depths, starts, passes, **kw):
+        t = time.perf_counter()
+        out = inner(lanes, tokens, positions, depths, starts, passes, **kw)
+        rec = {"rows": len(lanes), "passes": passes, "fresh": sum(1 for s in starts if s == 0),
+               "host_us": (time.perf_counter() - t) * 1e6}
+        launches.append(rec)
+        if out.pending is not None:
+            pend = out.pending
+
+            def timed():
+                t0 = time.perf_counter()
+                pend()
+                rec["wait_us"] = (time.perf_counter() - t0) * 1e6
+                rec["ended"] = sum(out.finished)
+            out.pending = timed
+        elif out.finished is not None:
+            rec["ended"] = sum(out.finished)
+        return out
+    runner.interleave = logged
+    kw = {"early_exit": rule}
+    for _ in range(2):
+        model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=8, **kw)
+    full = model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=2)
+    launches.clear()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    g = model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens, **kw)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    run = list(launches)
+    launches.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens, **kw)
+        torch.cuda.synchronize()
+        prof_wall = time.perf_counter() - t
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in ev)
+    busy, cur = 0.0, None
+    for a, b in spans:
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                busy += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+    tokens = sum(len(x) - len(p) for x, p in zip(g, prompts))
+    steady = [r for r in run if r["rows"] == n]
+    summary = {k: statistics.median([r[k] for r in steady if k in r]) for k in ("passes", "host_us", "wait_us", "ended",
+                                                                                  "fresh")} if steady else {}
+    print(f"{len(run)} launches, {tokens} tokens in {wall * 1e3:.1f} ms ({tokens / wall:.0f} tok/s); "
+          f"64-row launches: median {summary}", flush=True)
+    print(f"profiled run: {prof_wall * 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms "
+          f"({busy / 1e3 / (prof_wall * 1e3):.0%})", flush=True)
+    write("profile-exit-batch-cuda", {
+        "hardware": hardware(torch.device("cuda")),
+        "workload": {"model": "default", "loops": L, "rule": rule, "streams": n, "tokens": args.tokens,
+                     "prompt_tokens": args.prompt_tokens},
+        "run": {"wall_ms": wall * 1e3, "tokens": tokens, "tok_s": tokens / wall, "launches": len(run),
+                "iterations_per_token": sum(x.stats.get("iterations_per_token", L) for x in g) / n},
+        "full_rows": len(full),
+        "steady_launch_median": summary,
+        "profiled": {"wall_ms": prof_wall * 1e3, "gpu_busy_ms": busy / 1e3},
+        "launches": run[:400],
+    }, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
