@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return out
     runner.interleave = logged
     kw = {"early_exit": rule}
-    for _ in range(2):
-        model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=8, **kw)
+    for _ in range(2):  # the timed run's length: every graph it replays is captured by then
+        model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens, **kw)
     full = model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=2)
     launches.clear()
     torch.cuda.synchronize()

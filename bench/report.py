@@ -486,7 +486,10 @@ def profile_exit_body(r: Result) -> str:
               "greedy token and the copy fill; iteration: one iteration and its check, for a token that goes on "
               "past its span; end: the coda and the greedy token after one that did)."
             + (f" Of {text(steps.get('steps'))} one-row exit steps, {text(steps.get('went_on'))} went on past "
-               "their span." if steps else "") + "\n")
+               "their span." if steps else "")
+            + (f" {text(steps.get('ahead'))} were launched before the step before them had ended (the stream's "
+               f"steps run back to back on the device), {text(steps.get('relaunched'))} of them again because "
+               "that step went on." if "ahead" in steps else "") + "\n")
 
 
 def ray_hop_body(r: Result) -> str:
