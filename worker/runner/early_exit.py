@@ -60,6 +60,7 @@ DEFAULT_PATIENCE = 2
 INTERLEAVED_CRITERIA = ("gate", "latent")
 NEVER = 1 << 30
 IDLE_PARAMS = [0, 1.0, NEVER, NEVER, 1, 0]  # ExitState.params of a row with no rule and depth 0
+RULE_ROWS_KEPT = 1024  # the (rule, depth) rows an ExitState keeps made (a request's threshold is any float)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class ExitState:
         # every criterion this model can be asked for: what a captured check computes
         self.all_kinds = frozenset(["latent", "kl", "argmax"] + (["gate"] if cfg.exit_gate else []))
         self.kinds: frozenset[str] = frozenset()
+        self._rows: dict[tuple, list[float]] = {}  # (rule, depth) -> its row of params (`_row`)
 
     def reset(self, rules: list[ExitRule | None], depths: list[int]) -> None:
         """Load a step's rows: rules (None: a row that runs its depth) and depths; the rows
@@ -181,13 +183,28 @@ class ExitState:
     def load_host(self, rules: list[ExitRule | None], depths: list[int]) -> list[list[float]]:
         """The host's copy of the rows' rules (what needs_logits and can_stop read) -> the
         rows of `params` to load."""
-        never = NEVER  # a row with no rule: no exit, no logits before its depth
+        rows = [self._row(r, d) for r, d in zip(rules, depths)]
         self.depths = list(depths)
-        self.earliest = [r.earliest() if r is not None else never for r in rules]
-        self.first = [r.first_logits() if r is not None and r.needs_logits else never for r in rules]
+        self.earliest = [row[2] for row in rows]
+        self.first = [row[3] for row in rows]
         self.kinds = frozenset(r.criterion for r in rules if r is not None)
-        return [[CRITERION_ID[r.criterion] if r else 0, r.threshold if r else 1.0, self.earliest[i],
-                 self.first[i], r.patience if r else 1, depths[i]] for i, r in enumerate(rules)]
+        return rows
+
+    def _row(self, r: ExitRule | None, depth: int) -> list[float]:
+        """A row of `params` (criterion id, threshold, earliest exit, first iteration with
+        logits, patience, depth), made once per (rule, depth): a batch's streams keep theirs
+        from step to step. A row with no rule: no exit, no logits before its depth."""
+        key = (r, depth)
+        row = self._rows.get(key)
+        if row is None:
+            if len(self._rows) >= RULE_ROWS_KEPT:
+                self._rows.clear()
+            never = NEVER
+            row = self._rows[key] = [CRITERION_ID[r.criterion] if r else 0, r.threshold if r else 1.0,
+                                     r.earliest() if r is not None else never,
+                                     r.first_logits() if r is not None and r.needs_logits else never,
+                                     r.patience if r else 1, depth]
+        return row
 
     def clear(self) -> None:
         """Every row's running state as before its first check. prev_n and prev_logp need none:

@@ -12,6 +12,7 @@ Only `runner.Runner` builds and runs these; nothing here counts work.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tinyloop.kernels.tree_attention import ancestors_from_parents
@@ -41,6 +42,35 @@ def device_tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -
     ahead); from pinned memory it is queued like a kernel."""
     t = torch.tensor(data, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+class Staging:
+    """Host buffers that a stage set's inputs are written into and copied from, reused in turn
+    (pinned on CUDA, written through a numpy view): each slot keeps the event of the copy that
+    last read it and waits for it before it is written again, since a launch's copy may still
+    be queued when the next launch is prepared. No tensor is made per launch."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device, slots: int = 2):
+        cuda = device.type == "cuda"
+        self.bufs = [torch.zeros(shape, dtype=dtype, pin_memory=cuda) for _ in range(slots)]
+        self.views = [b.numpy() for b in self.bufs]
+        self.events = [torch.cuda.Event() for _ in range(slots)] if cuda else None
+        self.read = [False] * slots
+        self.i = 0
+
+    def next(self):
+        """The next slot's numpy view, once no copy still reads it."""
+        self.i = (self.i + 1) % len(self.bufs)
+        if self.events is not None and self.read[self.i]:
+            self.events[self.i].synchronize()
+        return self.views[self.i]
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        """Copy the slot `next` gave into dst (queued on the current stream)."""
+        dst.copy_(self.bufs[self.i], non_blocking=True)
+        if self.events is not None:
+            self.events[self.i].record()
+            self.read[self.i] = True
 
 
 def _pinned(data: list, like: torch.Tensor) -> torch.Tensor:
@@ -254,6 +284,7 @@ class InterleavedStep(StagedPass):
         self._outside = torch.tensor(self.S, device=cache.device)  # the position that touches no cache
         self.passes = [Pass(self.lanes, self.pos[k], self.S + 1) for k in range(3)]
         self.exits = None  # an ExitState over the lanes, once `with_exits`
+        self._staging = self._rule_staging = None  # the host side of ctl's and rules' loads
 
     def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
@@ -322,18 +353,31 @@ class InterleavedStep(StagedPass):
              rules: list[list[float]] | None = None) -> None:
         """Rows [0, len(lanes)) from the lists, the rest idle; on_device as `BatchStep.load`'s;
         rules: each row's exit parameters (ExitState.load_host's rows), with exit stages."""
-        pad = self.bucket - len(lanes)
+        B = len(lanes)
         cfg, n = self.engine.config, self.n_slots
-        flat = lambda it, lane: (it * cfg.n_loop_layers + cfg.n_prelude) * n + lane  # noqa: E731
+        nl, npre = cfg.n_loop_layers, cfg.n_prelude
+        if self._staging is None:
+            self._staging = Staging(tuple(self.ctl.shape), self.ctl.dtype, self.ctl.device)
+            self._rule_staging = Staging(tuple(self.rules.shape), self.rules.dtype, self.ctl.device) \
+                if self.exits is not None else None
+        v = self._staging.next()
+        lane, start, depth = (np.asarray(a, dtype=np.int64) for a in (lanes, starts, depths))
         # an idle row: past its last (valid) row from the start, so never live
-        base = [flat(s, lane) for s, lane in zip(starts, lanes)] + [flat(1, 0)] * pad
-        last = [flat(d - 1, lane) for d, lane in zip(depths, lanes)] + [flat(0, 0)] * pad
-        self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [self.S] * pad, lanes + [0] * pad,
-                                starts + [0] * pad, lanes + [n] * pad, base, last, depths + [0] * pad,
-                                depths + [0] * pad], self.ctl), non_blocking=True)
+        for k, (row, idle) in enumerate(((tokens, 0), (positions, self.S), (lane, 0), (start, 0), (lane, n),
+                                        ((start * nl + npre) * n + lane, (nl + npre) * n),
+                                        (((depth - 1) * nl + npre) * n + lane, npre * n), (depth, 0), (depth, 0))):
+            v[k, :B] = row
+            v[k, B:] = idle
+        self._staging.copy_to(self.ctl)
         _device_tokens_into(self.ctl[0], on_device)
         if rules is not None:
-            self.rules.copy_(_pinned(list(rules) + [self.never_host] * pad, self.rules), non_blocking=True)
+            if self._rule_staging is None:
+                self._rule_staging = Staging(tuple(self.rules.shape), self.rules.dtype, self.ctl.device)
+            r = self._rule_staging.next()
+            if B:
+                r[:B] = rules
+            r[B:] = self.never_host
+            self._rule_staging.copy_to(self.rules)
 
 
 INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
