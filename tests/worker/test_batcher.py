@@ -386,6 +386,28 @@ def test_chunk_passes():
             chunk_passes(bad, 1.0)
 
 
+def test_host_cost_turns_into_passes():
+    """An exit launch's host preparation in passes of device time: the running mean of host
+    time over the device time of one pass, which lets the launches run every row to its
+    token's end where the host, not the device, bounds them."""
+    from tinyloop.worker.generation.batcher import HostCost
+    c = HostCost()
+    assert c.passes == 0.0
+    for _ in range(40):
+        c.update(1e-3, 1e-3, 4.0)  # 1 ms of host work against 4 passes in 1 ms
+    assert c.passes == pytest.approx(4.0, rel=1e-3)
+    c.update(-1.0, 1e-3, 4.0)
+    c.update(1e-3, 0.0, 4.0)
+    assert c.passes == pytest.approx(4.0, rel=1e-3)  # unmeasured launches change nothing
+    c.update(10.0, 1e-6, 1.0)
+    assert c.passes <= HostCost.CAP
+    # tokens exiting after 3 or 4 iterations, and rows carried over with 1 left: the device
+    # alone is cheapest at 3 passes; with the host's 5 passes every token ends in the launch
+    rows = [3] * 30 + [4] * 20 + [1] * 14
+    assert chunk_passes(rows, 1.04) == 3
+    assert chunk_passes(rows, 1.04 + 5.0) == 4
+
+
 def test_expected_remaining():
     assert expected_remaining([], 16, 0) == 16          # a first token: its depth
     assert expected_remaining([3, 7, 2, 4, 5], 16, 0) == 7  # the deepest of the latest four

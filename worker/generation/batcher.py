@@ -38,6 +38,7 @@ All calls run on the worker's one step thread (never two at once).
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -70,6 +71,31 @@ def chunk_passes(remaining: list[int], overhead: float) -> int:
 EXIT_HISTORY = 4  # a stream's latest token depths that its next token's expected depth reads
 
 
+class HostCost:
+    """The host's share of an interleaved launch with exit rules, in passes of device time.
+
+    The host reads such a launch's ends before it prepares the next, so the device waits for
+    the host between the two: a launch costs the host's preparation beside its passes and its
+    own overhead (prelude, coda, head). On a small model that wait is several passes, and a
+    launch that ends fewer tokens pays it more often. `update` takes each launch's host time
+    (from its predecessor's ends read to its own launch) and its passes' device time (CUDA
+    events around them, read once it has ended); `passes` is their running mean, 0 until a
+    launch is measured (a runner without graphs measures none)."""
+    WEIGHT = 0.25  # of the newest launch in the running mean
+    CAP = 64.0     # passes at most: one odd launch (a capture, a paused host) skews no choice for long
+
+    def __init__(self):
+        self.passes = 0.0
+
+    def update(self, host_s: float, device_s: float, units: float) -> None:
+        """A launch whose host preparation took host_s and whose `units` passes (its own
+        overhead included) took device_s on the device."""
+        if host_s < 0 or device_s <= 0 or units <= 0:
+            return
+        sample = min(self.CAP, host_s / (device_s / units))
+        self.passes += self.WEIGHT * (sample - self.passes)
+
+
 def expected_remaining(depths: list[int], depth: int, start: int) -> int:
     """The iterations a token with an exit rule is expected to run from `start` on, for the
     choice of passes: up to the deepest of its stream's latest EXIT_HISTORY tokens (its depth
@@ -95,6 +121,8 @@ class Batcher:
         self._ahead: tuple[list, StepOut, bool, int] | None = None
         self.rows_stepped = 0  # the rows of the launch the last `step` handed out (the batch size)
         self._last: StepOut | None = None            # the runner step the states' outputs view
+        self.host_cost = HostCost()  # exit launches' host preparation, for the choice of passes
+        self._ends_read: float | None = None  # when the last exit launch's ends were read (perf_counter)
         self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
         self._copied: torch.cuda.Event | None = None
 
@@ -256,16 +284,24 @@ class Batcher:
         remaining = [d - s for d, s in zip(depths, starts)]
         expected = [rem if r is None else expected_remaining(st.step_depths, d, s)
                     for rem, r, st, d, s in zip(remaining, rules, sts, depths, starts)]
-        passes = max(remaining) if drain else chunk_passes(expected, self.runner.pass_overhead)
+        overhead = self.runner.pass_overhead
+        passes = max(remaining) if drain else chunk_passes(expected, overhead + (self.host_cost.passes if exits
+                                                                                 else 0.0))
         tokens = [st.tok_id if s == 0 else 0 for st, s in zip(sts, starts)]
         out = self.runner.interleave(lanes, tokens, [st.pos for st in sts], depths, starts, passes,
                                      on_device=self._device_tokens(lanes, on_device, values), prev=self._last,
                                      exits=exits)
         self._last = out
+        launched, since = time.perf_counter(), self._ends_read
+        self._ends_read = None
 
         def ended() -> list:
             """The rows whose token ended (the others' iterations so far into `_iters`)."""
             out.resolve()
+            self._ends_read = time.perf_counter()
+            if out.timing is not None and since is not None:
+                start, end = out.timing
+                self.host_cost.update(launched - since, start.elapsed_time(end) / 1e3, passes + overhead)
             ran = []
             for row, (lane, st, s) in enumerate(zip(lanes, sts, starts)):
                 if self.states.get(lane) is not st:  # left meanwhile (its lane may hold a new stream)

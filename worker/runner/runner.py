@@ -45,7 +45,7 @@ from tinyloop.worker.runner.solo_exit import SoloExit
 from tinyloop.worker.runner.sampler import RowSampling, SamplerGraphs, SamplingParams, sample_rows
 from tinyloop.worker.runner.stages import (EXIT_STAGES, INTERLEAVED_STAGES, BatchStep, InterleavedStep, PaddedPrefill,
                                            TreeStages, batch_buckets, batch_buffers, device_tensor, interleaved_buffers,
-                                           prefill_buckets, prefill_buffers)
+                                           prefill_buckets, prefill_buffers, Staging)
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,9 @@ class StepOut:
     # `resolve` ends it and sets finished / depths / work; until then its outputs are not final,
     # so a copy of greedy taken before is stale (hand the runner the tensor itself)
     pending: Callable[[], None] | None = None
+    # an interleaved launch with exit rules on graphs: CUDA events around its passes (their
+    # elapsed time is readable once it is resolved), for the batcher's cost of a launch
+    timing: tuple | None = None
 
     def resolve(self) -> None:
         """A pending step: wait for it and read whose token ended and the iterations each ran
@@ -322,6 +325,11 @@ class Runner:
         # first (`_settles`)
         self._solo_last: tuple | None = None
         self._solo_at: dict[int, tuple[int, int]] = {}  # half -> (lane, position) of its last step
+        # two pairs of events around interleaved exit launches' passes, in turn (StepOut.timing)
+        self._timing = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range(2)] if self.device.type == "cuda" else []
+        self._timing_i = 0
+        self._rows_staging = self._rows_dev = None  # _device_rows' row indices, host side and device side
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
         self._prefill_shared = None
@@ -700,11 +708,18 @@ class Runner:
         ends = any(s + passes >= d for s, d in zip(starts, depths))
         stages += ["coda"] if ends or exits is not None else []
         stages += ["exit_end"] if exits is not None else []
+        timing = None
+        if graphed and exits is not None and self._timing:
+            self._timing_i ^= 1
+            timing = self._timing[self._timing_i]
+            timing[0].record()
         for stage in stages:
             if graphed:
                 self.graphs.replay("interleaved", b, stage)
             else:
                 step.run(stage)
+        if timing is not None:
+            timing[1].record()
         logits = step.logits[:B]
         if exits is None:
             work = self.counters.add(passes, sum(min(s + passes, d) - s for s, d in zip(starts, depths)))
@@ -713,7 +728,7 @@ class Runner:
         else:
             if step.published_event is not None:
                 step.published_event.record()
-            out = StepOut(logits, logits.argmax(-1), None, None, Counters(0, 0))
+            out = StepOut(logits, logits.argmax(-1), None, None, Counters(0, 0), timing=timing)
 
             def read(out=out, step=step):
                 if step.published_event is not None:
@@ -772,7 +787,14 @@ class Runner:
         n = len(on_device.rows)
         if on_device.rows == on_device.index == list(range(n)):  # the common case: every row goes on
             return None, on_device.values[:n]
-        return self._slots(on_device.rows), on_device.values.index_select(0, self._slots(on_device.index))
+        if self._rows_staging is None:
+            self._rows_staging = Staging((2, self.cache.n_slots), torch.long, self.device)
+            self._rows_dev = torch.zeros(2, self.cache.n_slots, dtype=torch.long, device=self.device)
+        v = self._rows_staging.next()
+        v[0, :n], v[1, :n] = on_device.rows, on_device.index
+        self._rows_staging.copy_to(self._rows_dev)  # queued before the step that reads it
+        rows, index = self._rows_dev[0, :n], self._rows_dev[1, :n]
+        return rows, on_device.values.index_select(0, index)
 
     def _decode_exit(self, lanes, tokens, positions, depths, rules, on_device, prev) -> StepOut:
         """A decode step whose rows stop iterating where their exit rule says (early_exit.py).
