@@ -1,6 +1,7 @@
 """Where a batch of early-exit streams' time goes on the GPU: per interleaved launch, its rows,
 passes and the tokens it ended, the host's time inside Runner.interleave and in the wait for
-its ends, and the device's busy share of the run (a torch.profiler timeline).
+its ends, and the device's busy share of the run (a torch.profiler timeline), beside the same
+batch at full depth (batched whole-token steps).
 
     python -m bench.profile_exit_batch --out-dir out      # the H200: 64 streams, latent 0.15
 """
@@ -13,6 +14,28 @@ import time
 import torch
 
 from bench.common import hardware, write
+
+
+def busy_share(model, prompts, L: int, n: int, tokens: int, kw: dict) -> tuple[float, float]:
+    """One run of the batch under torch.profiler -> (its wall, s; the GPU's busy time, ms: the
+    union of its kernels' and copies' spans)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=tokens, **kw)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy, cur = 0.0, None
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in ev):
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                busy += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur is not None:
+        busy += cur[1] - cur[0]
+    return wall, busy / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,31 +91,24 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t
     run = list(launches)
     launches.clear()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens, **kw)
-        torch.cuda.synchronize()
-        prof_wall = time.perf_counter() - t
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in ev)
-    busy, cur = 0.0, None
-    for a, b in spans:
-        if cur is None or a > cur[1]:
-            if cur is not None:
-                busy += cur[1] - cur[0]
-            cur = [a, b]
-        else:
-            cur[1] = max(cur[1], b)
-    if cur is not None:
-        busy += cur[1] - cur[0]
+    model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens)  # full depth, warm
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fg = model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens)
+    torch.cuda.synchronize()
+    full_wall = time.perf_counter() - t
+    prof_wall, busy = busy_share(model, prompts, L, n, args.tokens, kw)
+    full_prof_wall, full_busy = busy_share(model, prompts, L, n, args.tokens, {})
     tokens = sum(len(x) - len(p) for x, p in zip(g, prompts))
     steady = [r for r in run if r["rows"] == n]
     summary = {k: statistics.median([r[k] for r in steady if k in r]) for k in ("passes", "host_us", "wait_us", "ended",
                                                                                   "fresh")} if steady else {}
     print(f"{len(run)} launches, {tokens} tokens in {wall * 1e3:.1f} ms ({tokens / wall:.0f} tok/s); "
           f"64-row launches: median {summary}", flush=True)
-    print(f"profiled run: {prof_wall * 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms "
-          f"({busy / 1e3 / (prof_wall * 1e3):.0%})", flush=True)
+    full_tokens = sum(len(x) - len(p) for x, p in zip(fg, prompts))
+    print(f"profiled run: {prof_wall * 1e3:.1f} ms wall, GPU busy {busy:.1f} ms ({busy / (prof_wall * 1e3):.0%}); "
+          f"full depth {full_tokens / full_wall:.0f} tok/s, profiled: {full_prof_wall * 1e3:.1f} ms wall, GPU busy "
+          f"{full_busy:.1f} ms ({full_busy / (full_prof_wall * 1e3):.0%})", flush=True)
     write("profile-exit-batch-cuda", {
         "hardware": hardware(torch.device("cuda")),
         "workload": {"model": "default", "loops": L, "rule": rule, "streams": n, "tokens": args.tokens,
@@ -101,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 "iterations_per_token": sum(x.stats.get("iterations_per_token", L) for x in g) / n},
         "full_rows": len(full),
         "steady_launch_median": summary,
-        "profiled": {"wall_ms": prof_wall * 1e3, "gpu_busy_ms": busy / 1e3},
+        "profiled": {"wall_ms": prof_wall * 1e3, "gpu_busy_ms": busy},
+        "full_depth": {"tok_s": full_tokens / full_wall, "wall_ms": full_wall * 1e3,
+                       "profiled": {"wall_ms": full_prof_wall * 1e3, "gpu_busy_ms": full_busy}},
         "launches": run[:400],
     }, args.out_dir)
     return 0
