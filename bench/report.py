@@ -114,7 +114,7 @@ CURRENT = [
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
-    ("sampling", "cuda"), ("profile-exit", "cuda"), ("rows-tiles", "cuda"),
+    ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"), ("rows-tiles", "cuda"),
     ("batch-fused", "cuda"), ("batch-interleave", "cuda"),
 ]
 
@@ -490,6 +490,32 @@ def profile_exit_body(r: Result) -> str:
             + (f" {text(steps.get('ahead'))} were launched before the step before them had ended (the stream's "
                f"steps run back to back on the device), {text(steps.get('relaunched'))} of them again because "
                "that step went on." if "ahead" in steps else "") + "\n")
+
+
+def profile_exit_batch_body(r: Result) -> str:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    run = r.data.get("run") if isinstance(r.data.get("run"), dict) else {}
+    med = r.data.get("steady_launch_median") if isinstance(r.data.get("steady_launch_median"), dict) else {}
+    prof = r.data.get("profiled") if isinstance(r.data.get("profiled"), dict) else {}
+    full = r.data.get("full_depth") if isinstance(r.data.get("full_depth"), dict) else {}
+    fprof = full.get("profiled") if isinstance(full.get("profiled"), dict) else {}
+    rule = w.get("rule") if isinstance(w.get("rule"), dict) else {}
+
+    def share(p):
+        b, wall = p.get("gpu_busy_ms"), p.get("wall_ms")
+        return f"{b / wall:.0%}" if isinstance(b, (int, float)) and isinstance(wall, (int, float)) and wall else DASH
+    rows = [[f"{text(rule.get('criterion'))} < {text(rule.get('threshold'))}", num(run.get("tok_s"), ",.0f"),
+             num(run.get("iterations_per_token"), ".2f"), ms(prof.get("wall_ms")), ms(prof.get("gpu_busy_ms")),
+             share(prof)],
+            ["full depth", num(full.get("tok_s"), ",.0f"), text(w.get("loops")), ms(fprof.get("wall_ms")),
+             ms(fprof.get("gpu_busy_ms")), share(fprof)]]
+    return (f"Model {text(w.get('model'))}, L = {text(w.get('loops'))}, {text(w.get('streams'))} streams, "
+            f"{text(w.get('tokens'))} tokens each, prompts of {text(w.get('prompt_tokens'))} tokens.\n\n"
+            + table(["run", "tok/s", "iterations / token", "profiled: wall", "GPU busy", "GPU busy share"], rows)
+            + f"\n\nThe rule's {text(run.get('launches'))} interleaved launches, median of the {text(w.get('streams'))}-row "
+            f"ones: {text(med.get('passes'))} passes, {text(med.get('ended'))} tokens ended, "
+            f"{num(med.get('host_us'), '.0f')} µs of host time inside `Runner.interleave`, "
+            f"{num(med.get('wait_us'), '.0f')} µs waiting for its ends.\n")
 
 
 def ray_hop_body(r: Result) -> str:
@@ -1119,6 +1145,9 @@ EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exi
                     "a sweep of rules and thresholds against full depth.")
 PROFILE_EXIT_INTRO = ("`bench/profile_exit.py`: one stream with and without an exit rule, and the GPU time of each "
                       "captured graph an exit step replays (CUDA events around back-to-back replays).")
+PROFILE_EXIT_BATCH_INTRO = ("`bench/profile_exit_batch.py`: a batch of streams with an exit rule (interleaved "
+                            "launches) and the same batch at full depth (batched whole-token steps): tokens/s, and the "
+                            "share of a profiled run's wall time in which the GPU ran anything.")
 QUANT_QUALITY_INTRO = "`bench/quant_quality.py`: the embedded default model's held-out split, per weight format."
 RECOVER_INTRO = ("`bench/recover.py`: a real local Ray cluster and gateway; one worker killed as a crash kills it "
                  "while every worker runs streams; Ray restarts it with a new epoch.")
@@ -1229,6 +1258,8 @@ def render(results: Path = RESULTS) -> str:
         section("Early exit on a CPU", EARLY_EXIT_INTRO, n(("early-exit", "cpu")), early_exit_body),
         section("Where an early-exit step's time goes, on the GPU", PROFILE_EXIT_INTRO, n(("profile-exit", "cuda")),
                 profile_exit_body),
+        section("Where a batch of early-exit streams' time goes, on the GPU", PROFILE_EXIT_BATCH_INTRO,
+                n(("profile-exit-batch", "cuda")), profile_exit_batch_body),
         section("The hop to a worker on a CPU", RAY_HOP_INTRO, n(("ray-hop", "cpu")), ray_hop_body),
         section("A round trip between two processes on the H200's host", TRANSPORT_INTRO, n(("transport", "cuda")),
                 transport_body),
