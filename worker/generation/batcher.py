@@ -78,9 +78,9 @@ class HostCost:
     the host between the two: a launch costs the host's preparation beside its passes and its
     own overhead (prelude, coda, head). On a small model that wait is several passes, and a
     launch that ends fewer tokens pays it more often. `update` takes each launch's host time
-    (from its predecessor's ends read to its own launch) and its passes' device time (CUDA
-    events around them, read once it has ended); `passes` is their running mean, 0 until a
-    launch is measured (a runner without graphs measures none)."""
+    (from its predecessor's ends read to its own launch) and its passes' device time (the
+    runner's `StepOut.timing`, read once it has ended); `passes` is their running mean, 0 until
+    a launch is measured (a runner that times no launch leaves the choice to the device's cost)."""
     WEIGHT = 0.25  # of the newest launch in the running mean
     CAP = 64.0     # passes at most: one odd launch (a capture, a paused host) skews no choice for long
 
