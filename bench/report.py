@@ -469,6 +469,21 @@ def early_exit_body(r: Result) -> str:
                      "bpb", "bpb vs full depth"], rows or [[DASH] * 8]) + "\n")
 
 
+def _span_rows(us: dict) -> list[list[str]]:
+    """The graphs' rows, the solo spans (one per length) in one where there are several: the
+    shortest, the longest and the GPU time each further iteration adds."""
+    spans = sorted((int(k.rsplit(" ", 1)[1]), v) for k, v in us.items()
+                   if k.startswith("solo span ") and k.rsplit(" ", 1)[1].isdigit() and isinstance(v, (int, float)))
+    (a, ta), (b, tb) = (spans[0], spans[-1]) if len(spans) > 1 else ((None, None), (None, None))
+    rows = []
+    for k, v in us.items():
+        if a is None or not k.startswith("solo span "):
+            rows.append([text(k), num(v, ".1f")])
+        elif not rows or not rows[-1][0].startswith("solo span "):
+            rows.append([f"solo span {a} … {b}", f"{ta:.1f} … {tb:.1f} (+{(tb - ta) / (b - a):.1f} an iteration)"])
+    return rows
+
+
 def profile_exit_body(r: Result) -> str:
     w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
     g = r.data.get("generate") if isinstance(r.data.get("generate"), dict) else {}
@@ -480,7 +495,7 @@ def profile_exit_body(r: Result) -> str:
             f"{num(g.get('full_tok_s'), ',.0f')} tok/s at full depth, {num(g.get('exit_tok_s'), ',.0f')} tok/s with "
             f"the rule ({times(g.get('speedup'))}) at {num(g.get('iterations_per_token'), '.2f')} iterations per "
             "token.\n\n"
-            + table(["graph", "GPU µs per replay"], [[text(k), num(v, ".1f")] for k, v in us.items()] or [[DASH] * 2])
+            + table(["graph", "GPU µs per replay"], _span_rows(us) or [[DASH] * 2])
             + "\n\n`batch` graphs are the 2-row batch bucket's stages (the batched exit step), `solo` the one-row "
               "exit step's (span n: a whole token's step of n iterations, each with its check, then the coda, the "
               "greedy token and the copy fill; iteration: one iteration and its check, for a token that goes on "

@@ -52,7 +52,7 @@ from collections import deque
 import torch
 
 from tinyloop.worker.runner.early_exit import ExitRule, ExitState, fill_skipped
-from tinyloop.worker.runner.stages import BatchStep, device_tensor
+from tinyloop.worker.runner.stages import BatchStep, Staging, device_tensor
 
 # choose_span's costs, in the device time of one iteration: a token that goes on past the span
 # waits for the host to read it, and each of its further iterations is a launch of its own
@@ -75,15 +75,13 @@ def choose_span(first: int, depth: int, ran: list[int]) -> int:
         count[min(r, depth)] += 1
     best, cost = first, None
     past = past_sum = 0  # the tokens that ran deeper than c, and their depths' sum
-    costs = []
-    for c in range(depth, first - 1, -1):
+    for c in range(depth, first - 1, -1):  # longest first: `<=` keeps the shortest of the cheapest
         late = past * (MISS_COST + c) + LATE_ITERATION_COST * (past_sum - c * past)
-        costs.append((c - first + late / len(ran), c))
+        cst = c - first + late / len(ran)
+        if cost is None or cst <= cost:
+            best, cost = c, cst
         past += count[c]
         past_sum += c * count[c]
-    for cst, c in reversed(costs):  # the shortest span of the cheapest
-        if cost is None or cst < cost:
-            best, cost = c, cst
     return best
 
 
@@ -97,18 +95,16 @@ class _Half:
         self.step = BatchStep(engine, 1)
         self.state = ExitState(engine.model, 1, dev, op)
         self.event = torch.cuda.Event() if dev.type == "cuda" else None
-        # the row's (token, position, depth, lane) on the host, pinned on CUDA, copied into the
-        # stage set's control buffer: written again only once the half's last step has ended
-        # (the runner finishes a step before launching the one two positions on), so its copy
-        # has run by then
-        self.staging = torch.zeros(4, 1, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._rows = self.staging.numpy()
+        # the row's (token, position, depth, lane) on the host, copied into the stage set's
+        # control buffer (one slot: the runner ends a step before launching the one two
+        # positions on, so the slot's last copy has run by the time it is written again)
+        self.staging = Staging((4, 1), torch.long, dev, slots=1)
 
     def load(self, lane: int, token, position: int, depth: int) -> None:
         """The stage set's one row: `token` a host int or a one-element device tensor."""
         dev = isinstance(token, torch.Tensor)
-        self._rows[:, 0] = (0 if dev else token, position, depth, lane)
-        self.step.ctl.copy_(self.staging, non_blocking=True)
+        self.staging.next()[:, 0] = (0 if dev else token, position, depth, lane)
+        self.staging.copy_to(self.step.ctl)
         if dev:
             self.step.ctl[0].copy_(token.view(1))
 
@@ -116,12 +112,11 @@ class _Half:
 class SoloStep:
     """A launched step: what `SoloExit.finish` needs to end it."""
     __slots__ = ("lane", "token", "position", "depth", "rule", "parity", "c", "copy", "key", "history",
-                 "ran", "went_on")
+                 "went_on")
 
     def __init__(self, lane, token, position, depth, rule, c, copy, key, history):
         self.lane, self.token, self.position, self.depth, self.rule = lane, token, position, depth, rule
         self.parity, self.c, self.copy, self.key, self.history = position % 2, c, copy, key, history
-        self.ran: int | None = None
         self.went_on = False
 
     def precedes(self, lane: int, position: int, depth: int, rule: ExitRule) -> bool:
@@ -296,7 +291,6 @@ class SoloExit:
         s.history.append(ran)
         if ran < s.depth and not s.copy:
             fill_skipped(self.engine, [(0, s.lane, s.position, ran, s.depth, s.rule.cache)], h.step.x)
-        s.ran = ran
         return ran
 
     def _plan(self, rule: ExitRule, depth: int) -> list:

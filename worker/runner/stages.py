@@ -358,8 +358,6 @@ class InterleavedStep(StagedPass):
         nl, npre = cfg.n_loop_layers, cfg.n_prelude
         if self._staging is None:
             self._staging = Staging(tuple(self.ctl.shape), self.ctl.dtype, self.ctl.device)
-            self._rule_staging = Staging(tuple(self.rules.shape), self.rules.dtype, self.ctl.device) \
-                if self.exits is not None else None
         v = self._staging.next()
         lane, start, depth = (np.asarray(a, dtype=np.int64) for a in (lanes, starts, depths))
         # an idle row: past its last (valid) row from the start, so never live
