@@ -19,8 +19,8 @@ import torch
 from tinyloop.worker.generation import resume as resume_mod
 from tinyloop.worker.generation import scoring
 from tinyloop.worker.generation.batcher import Batcher
-from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, Prefill, Request, decode_steps, start,
-                                              stream)
+from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, Prefill, Request, decode_steps,
+                                              prefill_together, start, stream)
 from tinyloop.worker.generation.resume import ResumeHandle
 from tinyloop.worker.runner.sampler import SamplingParams
 from tinyloop.worker.generation.speculative import SpecParams, stream_speculative
@@ -49,6 +49,8 @@ def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+# padded prompt tokens that generate_batch prefills in one pass (the scheduler's 2 x step_tokens)
+BATCH_PREFILL_TOKENS = 2048
 DEFAULT_LANES = {"cuda": 64, "cpu": 8}  # cache lanes when n_slots is not given, within the budget
 
 
@@ -461,9 +463,7 @@ class Model:
                 if not held:
                     raise LanesBusy(f"all {self.n_slots} cache lanes are in use")
                 lane_of = {}
-                for i, lane in held:
-                    self._seat(lane, reqs[i].seed)
-                    st = start(self.runner, lane, reqs[i])
+                for (i, lane), st in zip(held, self._prefill_wave([(lane, reqs[i]) for i, lane in held])):
                     if batcher.eligible(st):
                         new, finish = batcher.join(st)
                         results[i] = (new, finish)
@@ -484,6 +484,34 @@ class Model:
                 for _, lane in held:
                     self.runner.lanes.release(lane)
         return results
+
+    def _prefill_wave(self, seats: list[tuple[int, Request]]) -> list[DecodeState]:
+        """The prompts of a wave of `_batch` prefilled into their lanes: fresh prompts on the full
+        cache together (`prefill_together`), in groups of at most BATCH_PREFILL_TOKENS padded
+        tokens, the others (and a group of one) alone. -> their decode states, in order."""
+        for lane, req in seats:
+            self._seat(lane, req.seed)
+        pres = [Prefill(self.runner, lane, req) for lane, req in seats]
+        states: list[DecodeState | None] = [None] * len(pres)
+        group: list[int] = []
+
+        def flush():
+            if len(group) > 1:
+                for j, st in zip(group, prefill_together([pres[j] for j in group])):
+                    states[j] = st
+            elif group:
+                states[group[0]] = start(self.runner, pres[group[0]].lane, pres[group[0]].req)
+            group.clear()
+        for j, pre in enumerate(pres):
+            if not pre.joinable:
+                states[j] = start(self.runner, pre.lane, pre.req)
+                continue
+            longest = max(pre.remaining, *(pres[k].remaining for k in group)) if group else pre.remaining
+            if group and (len(group) + 1) * longest > BATCH_PREFILL_TOKENS:
+                flush()
+            group.append(j)
+        flush()
+        return states
 
     def _seat(self, lane: int, seed: int) -> None:
         """Key the lane's initial latent state to the request's seed (input injection only:

@@ -245,16 +245,19 @@ def test_generate_batch_on_the_default_model():
 
 def test_generate_batch_runs_in_waves(tiny_path, model, monkeypatch):
     """More prompts than lanes: the batch runs in waves of as many streams as there are lanes,
-    batched within a wave, with the results of one wave on enough lanes and of each prompt
-    alone."""
+    batched within a wave (its prompts prefilled in one pass), with the results of one wave on
+    enough lanes and of each prompt alone."""
     from tinyloop.worker.runner.runner import Runner
     prompts = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31], [9, 8, 7], [5] * 10, [77, 78]]
     kw = dict(per_lane_loops=[2, 8, 5, 3, 1], max_tokens=7, temperature=0.9, top_k=40, seed=[1, 2, 3, 4, 5])
     with Model(tiny_path, max_seq_len=64, n_slots=2) as two:
         prefills, steps = [], []
-        prefill, decode, interleave = Runner.prefill, Runner.decode, Runner.interleave
+        prefill, many = Runner.prefill, Runner.prefill_many
+        decode, interleave = Runner.decode, Runner.interleave
         monkeypatch.setattr(Runner, "prefill", lambda self, lane, *a, **k: (
             prefills.append(lane) if self is two.runner else None) or prefill(self, lane, *a, **k))
+        monkeypatch.setattr(Runner, "prefill_many", lambda self, lanes, *a, **k: (
+            prefills.append(tuple(lanes)) if self is two.runner else None) or many(self, lanes, *a, **k))
         monkeypatch.setattr(Runner, "decode", lambda self, lanes, *a, **k: (
             steps.append(list(lanes)) if self is two.runner else None) or decode(self, lanes, *a, **k))
         # a wave's two streams run at different depths: interleaved launches
@@ -262,7 +265,7 @@ def test_generate_batch_runs_in_waves(tiny_path, model, monkeypatch):
             steps.append(list(lanes)) if self is two.runner else None) or interleave(self, lanes, *a, **k))
         got = two.generate_batch(prompts, **kw)
         monkeypatch.undo()
-        assert prefills == [0, 1, 0, 1, 0]  # three waves
+        assert prefills == [(0, 1), (0, 1), 0]  # three waves, the last of one prompt
         assert max(map(len, steps)) == 2 and all(set(s) <= {0, 1} for s in steps)
         assert two.runner.lanes.free == 2
         one_wave = model.generate_batch(prompts, **kw)
