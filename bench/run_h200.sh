@@ -7,7 +7,8 @@
 #                                          #   int4-tune, exit, interleave, load-ab on demand (load: the service under load; carry .whl for
 #                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
-#                                          #   exit: early exit's sweep, bench/early_exit.py; profile-exit: where an exit step's time goes; sampling: sampled against greedy
+#                                          #   exit: early exit's sweep, bench/early_exit.py; profile-exit: where an exit step's time goes;
+#                                          #   profile-exit-batch: where a batch of exit streams' time goes; sampling: sampled against greedy
 #                                          #   decoding (bench/sampling.py); invariant: the
 #                                          #   batch-invariant kernels' GPU tests and benches; load-ab: load over the worker
 #                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms)
@@ -95,6 +96,8 @@ for s in "${steps[@]}"; do
                 --formats "${formats[@]}" "${tiles[@]}" ;;
         tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         profile-exit) run profile-exit "${PROFILE_S:-120}" python -m bench.profile_exit --out-dir "$OUT" ${PROFILE_EXIT_ARGS:-} ;;
+        profile-exit-batch) run profile-exit-batch "${PROFILE_S:-120}" python -m bench.profile_exit_batch --out-dir "$OUT" \
+            ${PROFILE_EXIT_BATCH_ARGS:---cprofile 40} ;;
         exit) run early-exit "${EXIT_S:-540}" python -m bench.early_exit --device cuda --out-dir "$OUT" ${EXIT_ARGS:-} ;;
         invariant)  # batch-invariant kernels and greedy speculative rounds on the device: their GPU tests
                     # (bitwise equality), the speculative bench, the round's profile, the projection per M
