@@ -51,6 +51,54 @@ def top_functions(prof: cProfile.Profile, n: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_ms"])[:n]
 
 
+# the host's main calls in a batch's decode, timed per call by --sections (class, attribute)
+SECTIONS = (
+    ("tinyloop.worker.generation.batcher", "Batcher", ("step", "_launch", "_launch_interleaved", "_sample",
+                                                       "_copy_to_host", "_host_tokens", "_device_tokens")),
+    ("tinyloop.worker.generation.decode", "DecodeState", ("advanced", "accept", "finish")),
+    ("tinyloop.worker.runner.runner", "Runner", ("interleave", "decode", "release", "_device_rows")),
+    ("tinyloop.worker.runner.runner", "StepOut", ("resolve", "row", "detach")),
+    ("tinyloop.worker.runner.stages", "InterleavedStep", ("load",)),
+    ("tinyloop.worker.runner.stages", "BatchStep", ("load",)),
+    ("tinyloop.worker.runner.early_exit", "ExitState", ("load_host",)),
+    ("tinyloop.worker.runner.graphs", "Graphs", ("replay",)),
+)
+
+
+class Sections:
+    """Wall time and calls of each SECTIONS function while `on` (a wrapper around each: its
+    own cost, about a microsecond a call, counts in its caller's time)."""
+
+    def __init__(self):
+        import importlib
+        self.on, self.time, self.calls = False, {}, {}
+        for mod, cls, names in SECTIONS:
+            owner = getattr(importlib.import_module(mod), cls)
+            for name in names:
+                fn = vars(owner).get(name)
+                if isinstance(fn, staticmethod):
+                    setattr(owner, name, staticmethod(self._wrap(f"{cls}.{name}", fn.__func__)))
+                elif fn is not None:
+                    setattr(owner, name, self._wrap(f"{cls}.{name}", fn))
+
+    def _wrap(self, key, fn):
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.time[key] = self.time.get(key, 0.0) + time.perf_counter() - t
+                self.calls[key] = self.calls.get(key, 0) + 1
+        return timed
+
+    def take(self) -> dict:
+        out = {k: {"ms": self.time[k] * 1e3, "calls": self.calls[k]} for k in sorted(self.time, key=lambda k: -self.time[k])}
+        self.time, self.calls = {}, {}
+        return out
+
+
 class FirstStep:
     """When a run's first batched step starts (perf_counter): its prefill and first tokens end there."""
 
@@ -78,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same steps (no busy share)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="list the N host functions with the most time of their own in each run")
+    ap.add_argument("--sections", action="store_true",
+                    help="time the host's main calls (SECTIONS) in a run of each kind")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
+    sections = Sections() if args.sections else None
     from tinyloop.worker.generation.batcher import Batcher
     first = FirstStep(Batcher)
     from bench.early_exit import heldout_sequences
@@ -141,6 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     sync()
     end = time.perf_counter()
     full_wall, full_decode_wall = end - t, end - first.at
+    timed = {}
+    if sections is not None:
+        for name, kwargs in (("exit", kw), ("full_depth", {})):
+            sections.on = True
+            t = time.perf_counter()
+            model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens, **kwargs)
+            sync()
+            sections.on = False
+            timed[name] = {"wall_ms": (time.perf_counter() - t) * 1e3, "calls": sections.take()}
+            print(f"{name}: {timed[name]['wall_ms']:.1f} ms with the sections timed", flush=True)
+            for k, v in timed[name]["calls"].items():
+                print(f"  {v['ms']:8.2f} ms {v['calls']:6d} calls {v['ms'] * 1e3 / v['calls']:8.1f} us/call  {k}")
     hot = {}
     if args.cprofile:
         for name, kwargs in (("exit", kw), ("full_depth", {})):
@@ -184,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                        "decode_ms": full_decode_wall * 1e3, "decode_tok_s": decode_tokens / full_decode_wall,
                        "profiled": {"wall_ms": full_prof_wall * 1e3, "gpu_busy_ms": full_busy}},
         "host_functions": hot,
+        "sections": timed,
         "launches": run[:400],
     }, args.out_dir)
     return 0
