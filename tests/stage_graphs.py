@@ -19,6 +19,7 @@ class EagerGraphs:
 
     def __init__(self, engine):
         self.engine, self.decode, self.stages, self.log = engine, {}, {}, []
+        self.seen, self.fused = {}, []  # replay_sequence's launches of each sequence; the fused ones
 
     def __len__(self):
         return len(self.stages)
@@ -55,6 +56,22 @@ class EagerGraphs:
     def replay(self, kind, bucket, stage):
         self.log.append((kind, bucket, stage))
         self.stages[(kind, bucket, stage)]()
+
+    def replay_sequence(self, kind, bucket, stages, run):
+        """As Graphs': the stages in order, from a sequence's FUSE_AFTER-th launch on as the fused
+        graph's closure (run(stage) for each); logged as the stages' replays, and the fused
+        launches in `fused`."""
+        key = (kind, bucket, stages)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        fused = self.seen[key] >= graphs_mod.FUSE_AFTER
+        if fused:
+            self.fused.append(key)
+        for stage in stages:
+            self.log.append((kind, bucket, stage))
+            if fused:
+                run(stage)
+            else:
+                self.stages[(kind, bucket, stage)]()
 
 
 def with_stage_graphs(m: Model, loops, prefill_graph_len: int = 0, interleave: bool = True) -> EagerGraphs:

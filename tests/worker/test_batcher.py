@@ -518,6 +518,7 @@ def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
         if graphed:
             stages = {s for _, s in graphs.replayed("interleaved")}
             assert {"exit_start", "iter_exit", "exit_end"} <= stages
+            assert graphs.fused  # launches of a sequence seen before ran as its one graph (its stages' kernels)
     for (g_ids, g_stats), (w_ids, w_stats) in zip(got, want):
         assert g_ids == w_ids
         assert g_stats == w_stats

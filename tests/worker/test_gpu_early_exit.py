@@ -66,6 +66,7 @@ def test_interleaved_exit_on_graphs_equals_the_reference_path(tiny_path, monkeyp
         calls = _spy(monkeypatch, fast.runner.graphs)
         a = fast.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)
         b = ref.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)
+        fused = [key for key in fast.runner.graphs.fused if key[0] == "interleaved"]
     agree = sum(x == y for p, g, h in zip(PROMPTS, a, b) for x, y in zip(g[len(p):], h[len(p):]))
     assert agree >= 0.9 * 16 * len(PROMPTS)
     for g, h, r in zip(a, b, rules):
@@ -73,6 +74,7 @@ def test_interleaved_exit_on_graphs_equals_the_reference_path(tiny_path, monkeyp
             assert sum(g.stats["iterations_histogram"][:-1]) > 0  # tokens exited early
             assert abs(g.stats["iterations_per_token"] - h.stats["iterations_per_token"]) < 1.0
     assert {"exit_start", "iter_exit", "exit_end"} <= {s for k, _, s in calls if k == "interleaved"}
+    assert fused  # the launches of a sequence seen before ran as its one graph
 
 
 def test_gate_rule_on_cuda(tmp_path):

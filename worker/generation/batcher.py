@@ -277,18 +277,22 @@ class Batcher:
         that every row's token ends). The rows whose token ends come back with logits. A row
         with an exit rule counts, for the choice of passes, on `expected_remaining`."""
         sts = [self.states[lane] for lane in lanes]
-        starts = [self._iters.get(lane, 0) for lane in lanes]
-        depths = [st.req.loops for st in sts]
-        rules = [st.req.early_exit for st in sts]
+        iters = self._iters
+        starts, depths, rules, expected, tokens, positions = [], [], [], [], [], []
+        for lane, st in zip(lanes, sts):  # one pass over the rows: a launch's host time is per row
+            req = st.req
+            s, d, r = iters.get(lane, 0), req.loops, req.early_exit
+            starts.append(s)
+            depths.append(d)
+            rules.append(r)
+            expected.append(d - s if r is None else expected_remaining(st.step_depths, d, s))
+            tokens.append(st.tok_id if s == 0 else 0)
+            positions.append(st.pos)
         exits = rules if any(r is not None for r in rules) else None
-        remaining = [d - s for d, s in zip(depths, starts)]
-        expected = [rem if r is None else expected_remaining(st.step_depths, d, s)
-                    for rem, r, st, d, s in zip(remaining, rules, sts, depths, starts)]
         overhead = self.runner.pass_overhead
-        passes = max(remaining) if drain else chunk_passes(expected, overhead + (self.host_cost.passes if exits
-                                                                                 else 0.0))
-        tokens = [st.tok_id if s == 0 else 0 for st, s in zip(sts, starts)]
-        out = self.runner.interleave(lanes, tokens, [st.pos for st in sts], depths, starts, passes,
+        passes = (max(d - s for d, s in zip(depths, starts)) if drain else
+                  chunk_passes(expected, overhead + (self.host_cost.passes if exits else 0.0)))
+        out = self.runner.interleave(lanes, tokens, positions, depths, starts, passes,
                                      on_device=self._device_tokens(lanes, on_device, values), prev=self._last,
                                      exits=exits)
         self._last = out

@@ -170,24 +170,30 @@ class ExitState:
         self.all_kinds = frozenset(["latent", "kl", "argmax"] + (["gate"] if cfg.exit_gate else []))
         self.kinds: frozenset[str] = frozenset()
         self._rows: dict[tuple, list[float]] = {}  # (rule, depth) -> its row of params (`_row`)
+        self._last_load: tuple | None = None  # (rules, depths, rows) of the last `load_host`
 
     def reset(self, rules: list[ExitRule | None], depths: list[int]) -> None:
         """Load a step's rows: rules (None: a row that runs its depth) and depths; the rows
         past them are idle (depth 0: stopped from the start)."""
-        params = self.load_host(rules, depths)
-        params += [IDLE_PARAMS] * (self.n - len(rules))
+        params = self.load_host(rules, depths) + [IDLE_PARAMS] * (self.n - len(rules))  # (a new list)
         self.params.copy_(device_tensor(params, self.device, torch.float32), non_blocking=True)
         self.clear()
         self.set_order(list(range(self.n)))
 
     def load_host(self, rules: list[ExitRule | None], depths: list[int]) -> list[list[float]]:
         """The host's copy of the rows' rules (what needs_logits and can_stop read) -> the
-        rows of `params` to load."""
+        rows of `params` to load (a list the caller must not change)."""
+        # a batch's launches load the same streams' rules again and again: the last load's
+        # rows (the same list object, which InterleavedStep.load then need not copy again)
+        last = self._last_load
+        if last is not None and last[0] == rules and last[1] == depths:
+            return last[2]
         rows = [self._row(r, d) for r, d in zip(rules, depths)]
         self.depths = list(depths)
         self.earliest = [row[2] for row in rows]
         self.first = [row[3] for row in rows]
         self.kinds = frozenset(r.criterion for r in rules if r is not None)
+        self._last_load = (list(rules), list(depths), rows)
         return rows
 
     def _row(self, r: ExitRule | None, depth: int) -> list[float]:

@@ -83,9 +83,15 @@ def decode_step(engine: Engine, slot: torch.Tensor, loops: int, tokens: torch.Te
     return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x), h
 
 
+FUSE_AFTER = 3     # a sequence of stages runs as one graph from its third launch on
+FUSED_KEPT = 64    # sequences kept as graphs (the least recently launched goes first)
+SEEN_KEPT = 4096   # sequences counted towards FUSE_AFTER
+
+
 class Graphs:
     """The captured graphs of one engine. `stages[(kind, bucket, stage)]` holds a stage set's
-    graphs (kind "prefill", "batch", "verify"); `decode[loops]` the batch-1 steps."""
+    graphs (kind "prefill", "batch", "verify"); `decode[loops]` the batch-1 steps; `fused`
+    the sequences of stages that `replay_sequence` launches often, each as one graph."""
 
     def __init__(self, engine: Engine):
         if engine.cache.device.type != "cuda":
@@ -95,6 +101,8 @@ class Graphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.decode: dict[int, DecodeGraph] = {}
         self.stages: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.fused: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, bucket, stages) -> one graph, LRU order
+        self._seen: dict[tuple, int] = {}  # launches of each sequence not fused yet
         self.warm: set = set()  # (kind, bucket, stage) / depths whose kernels have been compiled
         self.key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=self.device)
 
@@ -149,6 +157,7 @@ class Graphs:
         refer back to its owner, a cycle only the collector would break."""
         self.decode.clear()
         self.stages.clear()
+        self.fused.clear()
 
     def capture_call(self, fn) -> torch.cuda.CUDAGraph:
         """fn() as a graph in the shared pool, after two warm runs (runner.sampler's graphs)."""
@@ -165,6 +174,34 @@ class Graphs:
 
     def replay(self, kind: str, bucket: int, stage) -> None:
         self.stages[(kind, bucket, stage)].replay()
+
+    def replay_sequence(self, kind: str, bucket: int, stages: tuple, run) -> None:
+        """The captured stages `stages` of (kind, bucket), in order. A sequence launched often
+        (FUSE_AFTER times) is captured as one graph of run(stage) for each stage, and that graph
+        replays from then on: a launch then costs the host one graph launch, not one a stage
+        (each costs the host about as much as a short stage's device time), and the device no
+        gap between stages. The same kernels on the same static buffers: the same results."""
+        key = (kind, bucket, stages)
+        g = self.fused.pop(key, None)
+        if g is None:
+            n = self._seen.get(key, 0) + 1
+            if n < FUSE_AFTER:
+                if len(self._seen) >= SEEN_KEPT:
+                    self._seen.clear()
+                self._seen[key] = n
+                for stage in stages:
+                    self.replay(kind, bucket, stage)
+                return
+            self._seen.pop(key, None)
+            if len(self.fused) >= FUSED_KEPT:
+                del self.fused[next(iter(self.fused))]
+
+            def run_all(stages=stages):
+                for stage in stages:
+                    run(stage)
+            g = self._capture(run_all, False)  # each stage's kernels are compiled and warm already
+        self.fused[key] = g  # the most recently launched last
+        g.replay()
 
     def _capture(self, fn, warm: bool, warm_fn=None) -> torch.cuda.CUDAGraph:
         """Capture fn() as a CUDA graph in the shared pool; warm: run it (or warm_fn) twice

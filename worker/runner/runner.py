@@ -319,6 +319,7 @@ class Runner:
         self._exit_shared = None
         self._exit_checks: ExitState | None = None  # the exit checks' static buffers
         self._lane_exits: ExitState | None = None   # interleaved launches': one row per lane, and the idle rows'
+        self._exits_checked: list | None = None     # the exit rules the last interleaved launch checked
         self._solo: SoloExit | None = None  # a one-row exit step's graphs, made on first use
         # the one-row exit step launched last and not ended yet, with its StepOut: the next
         # step of its stream is launched before it ends (`_decode_solo`); anything else ends it
@@ -683,7 +684,8 @@ class Runner:
         if exits is not None:
             if len(exits) != B:
                 raise ValueError("interleave takes one exit rule (or None) per row")
-            bad = [r for r in exits if r is not None and not r.interleaves]
+            bad = [] if exits == self._exits_checked else [r for r in exits if r is not None and not r.interleaves]
+            self._exits_checked = None if bad else list(exits)  # a batch's next launches bring the same rules
             if bad:
                 raise ValueError(f"an interleaved launch checks the {' and '.join(INTERLEAVED_CRITERIA)} criteria "
                                  f"with the copy fill, not {bad[0].criterion} / {bad[0].cache}")
@@ -713,10 +715,10 @@ class Runner:
             self._timing_i ^= 1
             timing = self._timing[self._timing_i]
             timing[0].record()
-        for stage in stages:
-            if graphed:
-                self.graphs.replay("interleaved", b, stage)
-            else:
+        if graphed:
+            self.graphs.replay_sequence("interleaved", b, tuple(stages), step.run)
+        else:
+            for stage in stages:
                 step.run(stage)
         if timing is not None:
             timing[1].record()

@@ -285,6 +285,7 @@ class InterleavedStep(StagedPass):
         self.passes = [Pass(self.lanes, self.pos[k], self.S + 1) for k in range(3)]
         self.exits = None  # an ExitState over the lanes, once `with_exits`
         self._staging = self._rule_staging = None  # the host side of ctl's and rules' loads
+        self._rules_loaded = None  # the rows `rules` holds (ExitState.load_host's list: kept unchanged)
 
     def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
@@ -368,7 +369,7 @@ class InterleavedStep(StagedPass):
             v[k, B:] = idle
         self._staging.copy_to(self.ctl)
         _device_tokens_into(self.ctl[0], on_device)
-        if rules is not None:
+        if rules is not None and rules is not self._rules_loaded:  # the same rows are on the device already
             if self._rule_staging is None:
                 self._rule_staging = Staging(tuple(self.rules.shape), self.rules.dtype, self.ctl.device)
             r = self._rule_staging.next()
@@ -376,6 +377,7 @@ class InterleavedStep(StagedPass):
                 r[:B] = rules
             r[B:] = self.never_host
             self._rule_staging.copy_to(self.rules)
+            self._rules_loaded = rules
 
 
 INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
