@@ -606,7 +606,9 @@ class Runner:
         # share their buffers; a row of the bucket past that prefix is frozen by its depth)
         shrink = graphed and depths[0] != depths[-1] and all(a >= c for a, c in zip(depths, depths[1:]))
         active = B  # rows deeper than the iteration: a prefix, shrinking as the iterations go
-        for stage in BatchStep.stages(max(depths)):
+        if graphed and not shrink:  # every stage on bucket b: once launched often, one graph
+            self.graphs.replay_sequence("batch", b, tuple(BatchStep.stages(max(depths))), step.run)
+        for stage in BatchStep.stages(max(depths)) if not graphed or shrink else ():
             if not graphed:
                 step.run(stage)
                 continue
