@@ -461,12 +461,15 @@ def early_exit_body(r: Result) -> str:
         rows.append([text(name), text(rule.get("cache") if rule else None), num(x.get("iterations_per_token"), ".2f"),
                      f"{num(x.get('tok_s_b1'), ',.1f')} ({times(x.get('speedup_b1', 1.0))})",
                      f"{num(x.get('tok_s_batched'), ',.1f')} ({times(x.get('speedup_batched', 1.0))})",
+                     f"{num(x.get('tok_s_batched_decode'), ',.1f')} ({times(x.get('speedup_batched_decode'))})"
+                     if "tok_s_batched_decode" in x else DASH,
                      num(x.get("agreement"), ".3f"), num(x.get("bpb"), ".4f"), num(x.get("bpb_delta_pct"), "+.2f", " %")])
     return (f"Model {text(w.get('model'))}, full depth L = {text(w.get('loops') or get(r.data, 'rows', 0, 'loops'))}; "
-            "tokens/s at batch 1 and batched against full depth in the same run; greedy agreement with full depth; "
-            "held-out bits per byte under teacher forcing with the rule active.\n\n"
-            + table(["rule", "cache", "iterations / token", "tok/s batch 1", "tok/s batched", "greedy agreement",
-                     "bpb", "bpb vs full depth"], rows or [[DASH] * 8]) + "\n")
+            "tokens/s at batch 1 and batched against full depth in the same run (batched: the whole "
+            "`generate_batch`, prefill included, and its decode alone, from its first batched step); greedy "
+            "agreement with full depth; held-out bits per byte under teacher forcing with the rule active.\n\n"
+            + table(["rule", "cache", "iterations / token", "tok/s batch 1", "tok/s batched", "tok/s batched, decode",
+                     "greedy agreement", "bpb", "bpb vs full depth"], rows or [[DASH] * 9]) + "\n")
 
 
 def _span_rows(us: dict) -> list[list[str]]:
@@ -520,17 +523,35 @@ def profile_exit_batch_body(r: Result) -> str:
         b, wall = p.get("gpu_busy_ms"), p.get("wall_ms")
         return f"{b / wall:.0%}" if isinstance(b, (int, float)) and isinstance(wall, (int, float)) and wall else DASH
     rows = [[f"{text(rule.get('criterion'))} < {text(rule.get('threshold'))}", num(run.get("tok_s"), ",.0f"),
-             num(run.get("iterations_per_token"), ".2f"), ms(prof.get("wall_ms")), ms(prof.get("gpu_busy_ms")),
-             share(prof)],
-            ["full depth", num(full.get("tok_s"), ",.0f"), text(w.get("loops")), ms(fprof.get("wall_ms")),
-             ms(fprof.get("gpu_busy_ms")), share(fprof)]]
-    return (f"Model {text(w.get('model'))}, L = {text(w.get('loops'))}, {text(w.get('streams'))} streams, "
+             num(run.get("decode_tok_s"), ",.0f"), num(run.get("iterations_per_token"), ".2f"),
+             ms(prof.get("wall_ms")), ms(prof.get("gpu_busy_ms")), share(prof)],
+            ["full depth", num(full.get("tok_s"), ",.0f"), num(full.get("decode_tok_s"), ",.0f"), text(w.get("loops")),
+             ms(fprof.get("wall_ms")), ms(fprof.get("gpu_busy_ms")), share(fprof)]]
+    body = (f"Model {text(w.get('model'))}, L = {text(w.get('loops'))}, {text(w.get('streams'))} streams, "
             f"{text(w.get('tokens'))} tokens each, prompts of {text(w.get('prompt_tokens'))} tokens.\n\n"
-            + table(["run", "tok/s", "iterations / token", "profiled: wall", "GPU busy", "GPU busy share"], rows)
+            + table(["run", "tok/s", "tok/s, decode", "iterations / token", "profiled: wall", "GPU busy",
+                     "GPU busy share"], rows)
             + f"\n\nThe rule's {text(run.get('launches'))} interleaved launches, median of the {text(w.get('streams'))}-row "
             f"ones: {text(med.get('passes'))} passes, {text(med.get('ended'))} tokens ended, "
             f"{num(med.get('host_us'), '.0f')} µs of host time inside `Runner.interleave`, "
             f"{num(med.get('wait_us'), '.0f')} µs waiting for its ends.\n")
+    sections = r.data.get("sections") if isinstance(r.data.get("sections"), dict) else {}
+    ex, fd = (sections.get(k) if isinstance(sections.get(k), dict) else {} for k in ("exit", "full_depth"))
+    if ex or fd:
+        calls_e, calls_f = ex.get("calls") or {}, fd.get("calls") or {}
+
+        def per(calls, k):
+            c = calls.get(k) if isinstance(calls.get(k), dict) else {}
+            n, t = c.get("calls"), c.get("ms")
+            return (f"{t:.1f} ms, {n} calls ({t * 1e3 / n:.0f} µs each)" if isinstance(t, (int, float)) and n
+                    else DASH)
+        names = sorted(set(calls_e) | set(calls_f), key=lambda k: -max(get(calls_e, k, "ms") or 0,
+                                                                       get(calls_f, k, "ms") or 0))
+        body += ("\nThe host's main calls in one run of each (each call timed by a wrapper; a call's time "
+                 f"includes the calls it makes; runs of {ms(ex.get('wall_ms'))} and {ms(fd.get('wall_ms'))} so timed):\n\n"
+                 + table(["call", "rule", "full depth"], [[code(k), per(calls_e, k), per(calls_f, k)] for k in names])
+                 + "\n")
+    return body
 
 
 def ray_hop_body(r: Result) -> str:

@@ -84,7 +84,7 @@ def decode_step(engine: Engine, slot: torch.Tensor, loops: int, tokens: torch.Te
 
 
 FUSE_AFTER = 3     # a sequence of stages runs as one graph from its third launch on
-FUSED_KEPT = 64    # sequences kept as graphs (the least recently launched goes first)
+FUSED_KEPT = 256   # sequences kept as graphs (the least recently launched goes first; a few MB of host memory)
 SEEN_KEPT = 4096   # sequences counted towards FUSE_AFTER
 
 
