@@ -20,6 +20,7 @@ class EagerGraphs:
     def __init__(self, engine):
         self.engine, self.decode, self.stages, self.log = engine, {}, {}, []
         self.seen, self.fused = {}, []  # replay_sequence's launches of each sequence; the fused ones
+        self.fuse_after = graphs_mod.FUSE_AFTER
 
     def __len__(self):
         return len(self.stages)
@@ -58,12 +59,12 @@ class EagerGraphs:
         self.stages[(kind, bucket, stage)]()
 
     def replay_sequence(self, kind, bucket, stages, run):
-        """As Graphs': the stages in order, from a sequence's FUSE_AFTER-th launch on as the fused
+        """As Graphs': the stages in order, from a sequence's `fuse_after`-th launch on as the fused
         graph's closure (run(stage) for each); logged as the stages' replays, and the fused
         launches in `fused`."""
         key = (kind, bucket, stages)
         self.seen[key] = self.seen.get(key, 0) + 1
-        fused = self.seen[key] >= graphs_mod.FUSE_AFTER
+        fused = self.seen[key] >= self.fuse_after
         if fused:
             self.fused.append(key)
         for stage in stages:

@@ -64,6 +64,7 @@ def test_interleaved_exit_on_graphs_equals_the_reference_path(tiny_path, monkeyp
                                                                "min_loops": 2}, {"criterion": "latent", "threshold": 0.2}]
     with _fast(tiny_path) as fast, _reference(tiny_path) as ref:
         calls = _spy(monkeypatch, fast.runner.graphs)
+        fast.runner.graphs.fuse_after = 2  # a short run: its sequences fuse from their second launch
         a = fast.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)
         b = ref.generate_batch(PROMPTS, per_lane_loops=[8, 6, 8, 7], max_tokens=16, early_exit=rules)
         fused = [key for key in fast.runner.graphs.fused if key[0] == "interleaved"]

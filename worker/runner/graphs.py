@@ -83,7 +83,7 @@ def decode_step(engine: Engine, slot: torch.Tensor, loops: int, tokens: torch.Te
     return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x), h
 
 
-FUSE_AFTER = 3     # a sequence of stages runs as one graph from its third launch on
+FUSE_AFTER = 8     # a sequence of stages runs as one graph from its 8th launch on (a capture costs ms: rare ones never)
 FUSED_KEPT = 256   # sequences kept as graphs (the least recently launched goes first; a few MB of host memory)
 SEEN_KEPT = 4096   # sequences counted towards FUSE_AFTER
 
@@ -93,7 +93,7 @@ class Graphs:
     graphs (kind "prefill", "batch", "verify"); `decode[loops]` the batch-1 steps; `fused`
     the sequences of stages that `replay_sequence` launches often, each as one graph."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, fuse_after: int = FUSE_AFTER):
         if engine.cache.device.type != "cuda":
             raise ValueError("CUDA graphs need the engine on a CUDA device")
         self.engine = engine
@@ -103,6 +103,7 @@ class Graphs:
         self.stages: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.fused: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, bucket, stages) -> one graph, LRU order
         self._seen: dict[tuple, int] = {}  # launches of each sequence not fused yet
+        self.fuse_after = fuse_after       # the launch of a sequence that fuses it
         self.warm: set = set()  # (kind, bucket, stage) / depths whose kernels have been compiled
         self.key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=self.device)
 
@@ -177,7 +178,7 @@ class Graphs:
 
     def replay_sequence(self, kind: str, bucket: int, stages: tuple, run) -> None:
         """The captured stages `stages` of (kind, bucket), in order. A sequence launched often
-        (FUSE_AFTER times) is captured as one graph of run(stage) for each stage, and that graph
+        (`fuse_after` times) is captured as one graph of run(stage) for each stage, and that graph
         replays from then on: a launch then costs the host one graph launch, not one a stage
         (each costs the host about as much as a short stage's device time), and the device no
         gap between stages. The same kernels on the same static buffers: the same results."""
@@ -185,7 +186,7 @@ class Graphs:
         g = self.fused.pop(key, None)
         if g is None:
             n = self._seen.get(key, 0) + 1
-            if n < FUSE_AFTER:
+            if n < self.fuse_after:
                 if len(self._seen) >= SEEN_KEPT:
                     self._seen.clear()
                 self._seen[key] = n
