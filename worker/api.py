@@ -463,12 +463,13 @@ class Model:
                 if not held:
                     raise LanesBusy(f"all {self.n_slots} cache lanes are in use")
                 lane_of = {}
-                for (i, lane), st in zip(held, self._prefill_wave([(lane, reqs[i]) for i, lane in held])):
-                    if batcher.eligible(st):
-                        new, finish = batcher.join(st)
-                        results[i] = (new, finish)
-                        lane_of[lane] = i
-                    else:
+                states = self._prefill_wave([(lane, reqs[i]) for i, lane in held])
+                joining = [(i, lane, st) for (i, lane), st in zip(held, states) if batcher.eligible(st)]
+                for (i, lane, _), (new, finish) in zip(joining, batcher.join_many([st for _, _, st in joining])):
+                    results[i] = (new, finish)
+                    lane_of[lane] = i
+                for (i, lane), st in zip(held, states):
+                    if not batcher.eligible(st):
                         g = drain([], decode_steps(st))
                         results[i] = (list(g), Finish(g.finish_reason, g.stats))
                 while batcher:
@@ -477,7 +478,8 @@ class Model:
                             raise update
                         new, finish = update
                         got = results[lane_of[lane]]
-                        results[lane_of[lane]] = (got[0] + new, finish)
+                        got[0].extend(new)
+                        results[lane_of[lane]] = (got[0], finish)
             finally:
                 for lane in list(batcher.states):
                     batcher.leave(lane)

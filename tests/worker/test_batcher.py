@@ -109,6 +109,25 @@ MIXED = [SAMPLED, GREEDY, dict(temperature=0.7, top_k=5), dict(temperature=1.2, 
          dict(temperature=1.0, top_k=12, repetition_penalty=1.1)]
 
 
+def test_join_many_decides_each_first_token_as_join_does(model):
+    """Streams prefilled together join in one sampling call: each on its own parameters (MIXED:
+    greedy, penalties, samplers), key and prompt penalty, its first token the one its own
+    `join` decides; a stream whose first token ends it (max_tokens 1) finishes there, and the
+    others then batch on to their standalone streams."""
+    kws = [kw for *_, kw in SCHEDULE]
+    reqs = [_request(model, MIXED[i % len(MIXED)], **dict(kws[i])) for i in range(len(kws) - 1)]
+    lanes = list(range(len(reqs)))
+    alone = [_alone(model, r, 0) for r in reqs]
+    b = Batcher(model.runner)
+    got = [list(ids) for ids, _ in b.join_many([model.start(r, lane) for r, lane in zip(reqs, lanes)])]
+    assert [g[0] for g in got] == [ids[0] for ids, _, _ in alone]
+    assert 4 not in b.states  # SCHEDULE's fifth request ends at its first token
+    while b:
+        for lane, (ids, _) in b.step().items():
+            got[lane].extend(ids)
+    assert got == [ids for ids, _, _ in alone]
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, MIXED], ids=["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("poison", [False, True], ids=["clean", "poisoned"])
 def test_batched_streams_equal_standalone(model, sampling, poison):

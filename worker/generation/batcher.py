@@ -140,6 +140,32 @@ class Batcher:
             return [t], None
         return [t], st.finish()
 
+    def join_many(self, states: list[DecodeState]) -> list[Update]:
+        """`join` for several prefilled streams (prompts prefilled together): their first tokens
+        in one sampling call and one host read, each row on its own parameters and key, so each
+        is the token its own `join` decides. A stream with the safety check joins alone (its
+        residual norm is read with its token)."""
+        together = [st for st in states if st.req.safety_threshold is None]
+        first: dict[int, int] = {}
+        if len(together) > 1:
+            toks = self._sample_states(together)
+            for i, (st, t) in enumerate(zip(together, toks.tolist())):
+                st.tok = toks[i:i + 1]
+                first[id(st)] = t
+        out = []
+        for st in states:
+            if id(st) not in first:
+                out.append(self.join(st))
+                continue
+            t = first[id(st)]
+            if st.accept(t):
+                self.states[st.lane] = st
+                self._iters.pop(st.lane, None)
+                out.append(([t], None))
+            else:
+                out.append(([t], st.finish()))
+        return out
+
     def add(self, st: DecodeState) -> None:
         """Take in a stream whose decided token is accepted already and waits to run
         (`DecodeState.decided`: a speculative stream handed over between rounds). Like a stream
@@ -344,13 +370,7 @@ class Batcher:
         sts = [self.states[lanes[r]] for r in rows]
         got, failed = None, {}
         try:
-            seen = None
-            if any(st.req.sampling.repetition_penalty != 1.0 for st in sts):
-                V = sts[0].logits.shape[-1]
-                seen = torch.cat([st.seen if st.seen is not None else
-                                  torch.zeros(1, V, dtype=torch.bool, device=self.runner.device) for st in sts])
-            got = self.runner.sample(torch.cat([st.logits for st in sts]), seen, [st.req.sampling for st in sts],
-                                     [st.req.seed for st in sts], [st.pos for st in sts])
+            got = self._sample_states(sts)
         except Exception as e:
             failed = {lanes[r]: e for r in rows}
         if not plain and got is not None:
@@ -362,6 +382,17 @@ class Batcher:
         if got is not None:
             toks.index_copy_(0, self._to_device(rows), got)
         return toks, failed
+
+    def _sample_states(self, sts: list[DecodeState]) -> torch.Tensor:
+        """The next token of each stream from its logits, (len(sts),) on the device: one
+        `Runner.sample` call, each row on its own parameters, key and penalty."""
+        seen = None
+        if any(st.req.sampling.repetition_penalty != 1.0 for st in sts):
+            V = sts[0].logits.shape[-1]
+            seen = torch.cat([st.seen if st.seen is not None else
+                              torch.zeros(1, V, dtype=torch.bool, device=self.runner.device) for st in sts])
+        return self.runner.sample(torch.cat([st.logits for st in sts]), seen, [st.req.sampling for st in sts],
+                                  [st.req.seed for st in sts], [st.pos for st in sts])
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """A small int64 host list on the device without a host sync: a pageable copy would
