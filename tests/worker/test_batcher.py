@@ -550,6 +550,29 @@ def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
     assert any(f and d < 8 for ex, out in calls if ex for d, f in zip(out.depths, out.finished))
 
 
+def test_exit_rows_that_all_end_each_launch_move_on_on_the_device(tiny_path, monkeypatch):
+    """Streams whose every token stops at its rule's earliest decision (latent < 1: two
+    iterations) end all their rows in each interleaved launch: the next launch brings the same
+    rows one position on, and the runner moves them on on the device instead of loading them
+    again (`InterleavedStep.reload_next`), until a stream ends and the rows change. Each
+    stream's tokens and stats are those of its run alone."""
+    from tinyloop.worker.runner.stages import InterleavedStep
+    rule = {"criterion": "latent", "threshold": 1.0}
+    jobs = [([3, 17, 42], 8, rule), ([9, 8, 7, 6], 8, rule), ([5] * 6, 6, rule), ([77, 78, 79], 7, rule)]
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        want = [(list(m.generate(p, loops=L, max_tokens=10, early_exit=r)[len(p):]),
+                 m.generate(p, loops=L, max_tokens=10, early_exit=r).stats) for p, L, r in jobs]
+        with_stage_graphs(m, range(1, 9))
+        moved, loads = [], []
+        reload_next, load = InterleavedStep.reload_next, InterleavedStep.load
+        monkeypatch.setattr(InterleavedStep, "reload_next", lambda self, t: moved.append(1) or reload_next(self, t))
+        monkeypatch.setattr(InterleavedStep, "load", lambda self, *a, **k: loads.append(1) or load(self, *a, **k))
+        got = _run_exit_batcher(m, jobs, 10)
+    assert got == want
+    assert all(st["iterations_histogram"][1] == st["completion_tokens"] - 1 for _, st in want)  # every token: 2
+    assert len(moved) >= 6 and len(moved) > len(loads), (len(moved), len(loads))
+
+
 @pytest.mark.parametrize("span", [None, "min"])
 def test_lone_exit_stream_runs_ahead_on_its_graphs_and_equals_standalone(tiny_path, span):
     """One exit stream in the batcher on a graphed runner (stand-ins on CPU) steps on the

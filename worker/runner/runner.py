@@ -320,6 +320,7 @@ class Runner:
         self._exit_checks: ExitState | None = None  # the exit checks' static buffers
         self._lane_exits: ExitState | None = None   # interleaved launches': one row per lane, and the idle rows'
         self._exits_checked: list | None = None     # the exit rules the last interleaved launch checked
+        self._interleaved_last: tuple | None = None  # the last interleaved rows loaded (`_interleave_again`)
         self._solo: SoloExit | None = None  # a one-row exit step's graphs, made on first use
         # the one-row exit step launched last and not ended yet, with its StepOut: the next
         # step of its stream is launched before it ends (`_decode_solo`); anything else ends it
@@ -671,40 +672,14 @@ class Runner:
         launch: the host prepares its next launch meanwhile). A row's rule stays the same until
         its token ends."""
         B = len(lanes)
-        if not self.interleaves:
-            raise ValueError("interleaved decode needs the K/V cache, one weight set for every iteration and "
-                             "RunnerSettings.interleave")
-        if not (len(tokens) == len(positions) == len(depths) == len(starts) == B) or B == 0:
-            raise ValueError("interleave takes as many tokens, positions, depths and starts as lanes, at least one")
         if passes < 1:
             raise ValueError(f"interleave runs at least one pass, got {passes}")
-        if len(set(lanes)) != B:
-            raise ValueError("interleave takes each lane once")
-        if not all(0 <= s < d <= self.cache.max_loops for s, d in zip(starts, depths)):
-            raise ValueError(f"each row starts inside its depth, at most {self.cache.max_loops}: "
-                             f"starts {starts}, depths {depths}")
-        if exits is not None:
-            if len(exits) != B:
-                raise ValueError("interleave takes one exit rule (or None) per row")
-            bad = [] if exits == self._exits_checked else [r for r in exits if r is not None and not r.interleaves]
-            self._exits_checked = None if bad else list(exits)  # a batch's next launches bring the same rules
-            if bad:
-                raise ValueError(f"an interleaved launch checks the {' and '.join(INTERLEAVED_CRITERIA)} criteria "
-                                 f"with the copy fill, not {bad[0].criterion} / {bad[0].cache}")
-        b = next((b for b in self._batch_buckets if b >= B), None)
-        graphed = b is not None and self.graphs.covers("interleaved", b, INTERLEAVED_STAGES)
-        step = self._interleaved_step(b if graphed else B)
-        self._claim("interleaved", prev)
-        rules = None
-        if exits is not None:
-            state = self._lane_exit_state()
-            step.with_exits(state, IDLE_PARAMS, INTERLEAVED_CRITERIA)
-            if graphed and not self.graphs.covers("interleaved", b, EXIT_STAGES):
-                self._capture_exit_stages(state)
-            rules = state.load_host(list(exits), list(depths))
-        host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
-        step.load(list(lanes), host, list(positions), list(depths), list(starts), self._device_rows(on_device),
-                  rules=rules)
+        again = self._interleave_again(lanes, positions, depths, starts, on_device, exits)
+        if again is not None:
+            step, b, graphed = again
+            self._claim("interleaved", prev)
+        else:
+            step, b, graphed = self._interleave_load(lanes, tokens, positions, depths, starts, on_device, prev, exits)
         stages = (["exit_start"] if exits is not None else []) + (["resume"] if any(starts) else [])
         stages += ["prelude"] if not all(starts) else []
         stages += ["iter" if exits is None else "iter_exit"] * passes
@@ -744,6 +719,65 @@ class Runner:
             out.pending = read
         self._owners["interleaved"] = out
         return out
+
+    def _interleave_again(self, lanes, positions, depths, starts, on_device, exits):
+        """The rows of the last interleaved launch again, each one position on and starting its
+        next token, its token on the device (a batch's steady state when every row's token ends
+        in each launch): the rows move on on the device (`InterleavedStep.reload_next`), with
+        nothing made, checked or copied on the host again -> (step, bucket, graphed), or None
+        where the launch is another (`_interleave_load` then loads it)."""
+        last = self._interleaved_last
+        if last is None or on_device is None or any(starts):
+            return None
+        step, b, graphed, l_lanes, l_positions, l_depths, l_exits = last
+        B = len(lanes)
+        if not (graphed and len(on_device.rows) == B and on_device.rows == on_device.index and lanes == l_lanes
+                and depths == l_depths and (exits is None) == (l_exits is None) and (exits is None or exits == l_exits)
+                and all(p == q + 1 for p, q in zip(positions, l_positions))):
+            return None
+        step.reload_next(on_device.values[:B])
+        self._interleaved_last = (step, b, graphed, l_lanes, list(positions), l_depths, l_exits)
+        return step, b, graphed
+
+    def _interleave_load(self, lanes, tokens, positions, depths, starts, on_device, prev, exits):
+        """`interleave`'s checks, and its rows loaded from the host -> (step, bucket, graphed)."""
+        B = len(lanes)
+        if not self.interleaves:
+            raise ValueError("interleaved decode needs the K/V cache, one weight set for every iteration and "
+                             "RunnerSettings.interleave")
+        if not (len(tokens) == len(positions) == len(depths) == len(starts) == B) or B == 0:
+            raise ValueError("interleave takes as many tokens, positions, depths and starts as lanes, at least one")
+        if len(set(lanes)) != B:
+            raise ValueError("interleave takes each lane once")
+        if not all(0 <= s < d <= self.cache.max_loops for s, d in zip(starts, depths)):
+            raise ValueError(f"each row starts inside its depth, at most {self.cache.max_loops}: "
+                             f"starts {starts}, depths {depths}")
+        if exits is not None:
+            if len(exits) != B:
+                raise ValueError("interleave takes one exit rule (or None) per row")
+            bad = [] if exits == self._exits_checked else [r for r in exits if r is not None and not r.interleaves]
+            self._exits_checked = None if bad else list(exits)  # a batch's next launches bring the same rules
+            if bad:
+                raise ValueError(f"an interleaved launch checks the {' and '.join(INTERLEAVED_CRITERIA)} criteria "
+                                 f"with the copy fill, not {bad[0].criterion} / {bad[0].cache}")
+        b = next((b for b in self._batch_buckets if b >= B), None)
+        graphed = b is not None and self.graphs.covers("interleaved", b, INTERLEAVED_STAGES)
+        step = self._interleaved_step(b if graphed else B)
+        self._claim("interleaved", prev)
+        rules = None
+        if exits is not None:
+            state = self._lane_exit_state()
+            step.with_exits(state, IDLE_PARAMS, INTERLEAVED_CRITERIA)
+            if graphed and not self.graphs.covers("interleaved", b, EXIT_STAGES):
+                self._capture_exit_stages(state)
+            rules = state.load_host(list(exits), list(depths))
+        host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
+        step.load(list(lanes), host, list(positions), list(depths), list(starts), self._device_rows(on_device),
+                  rules=rules)
+        # rows that all start a token: the next launch may bring the same rows one position on
+        self._interleaved_last = None if any(starts) else (step, b, graphed, list(lanes), list(positions),
+                                                           list(depths), None if exits is None else list(exits))
+        return step, b, graphed
 
     def _capture_exit_stages(self, state: ExitState) -> None:
         """The exit stages of every interleaved bucket as graphs, captured the first time an

@@ -286,6 +286,18 @@ class InterleavedStep(StagedPass):
         self.exits = None  # an ExitState over the lanes, once `with_exits`
         self._staging = self._rule_staging = None  # the host side of ctl's and rules' loads
         self._rules_loaded = None  # the rows `rules` holds (ExitState.load_host's list: kept unchanged)
+        self.loaded: torch.Tensor | None = None  # ctl as the last `load` wrote it, before any pass moved it
+        self._loaded_rows = 0
+
+    def reload_next(self, tokens: torch.Tensor) -> None:
+        """The rows of the last `load`, each at its next position and starting its next token,
+        tokens[i] (on the device) for row i: the control rows as loaded (the passes move their
+        iterations on), one position on, all on the device. For rows that all started a token
+        at that load: each of them then starts the token after."""
+        B = self._loaded_rows
+        self.loaded[1, :B].add_(1)
+        self.ctl.copy_(self.loaded)
+        self.ctl[0, :B].copy_(tokens)
 
     def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
@@ -367,7 +379,11 @@ class InterleavedStep(StagedPass):
                                         (((depth - 1) * nl + npre) * n + lane, npre * n), (depth, 0), (depth, 0))):
             v[k, :B] = row
             v[k, B:] = idle
-        self._staging.copy_to(self.ctl)
+        if self.loaded is None:
+            self.loaded = torch.empty_like(self.ctl)
+        self._staging.copy_to(self.loaded)
+        self.ctl.copy_(self.loaded)
+        self._loaded_rows = B
         _device_tokens_into(self.ctl[0], on_device)
         if rules is not None and rules is not self._rules_loaded:  # the same rows are on the device already
             if self._rule_staging is None:
