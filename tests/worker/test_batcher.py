@@ -552,25 +552,43 @@ def test_interleaved_exit_streams_equal_standalone(tiny_path, graphed):
 
 def test_exit_rows_that_all_end_each_launch_move_on_on_the_device(tiny_path, monkeypatch):
     """Streams whose every token stops at its rule's earliest decision (latent < 1: two
-    iterations) end all their rows in each interleaved launch: the next launch brings the same
-    rows one position on, and the runner moves them on on the device instead of loading them
-    again (`InterleavedStep.reload_next`), until a stream ends and the rows change. Each
-    stream's tokens and stats are those of its run alone."""
+    iterations) end all their rows in each interleaved launch: the batcher launches the same
+    rows again at once, one token on (`Batcher._step_steady`), and the runner moves them on on
+    the device instead of loading them again (`InterleavedStep.reload_next`), until a stream
+    ends (its max_tokens, or a stop token read after the next launch went out) and the rows
+    change. Each stream's tokens, finish and stats are those of its run alone."""
     from tinyloop.worker.runner.stages import InterleavedStep
     rule = {"criterion": "latent", "threshold": 1.0}
-    jobs = [([3, 17, 42], 8, rule), ([9, 8, 7, 6], 8, rule), ([5] * 6, 6, rule), ([77, 78, 79], 7, rule)]
+    jobs = [([3, 17, 42], 8, 12), ([9, 8, 7, 6], 8, 16), ([5] * 6, 6, 7), ([77, 78, 79], 7, 14)]
     with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
-        want = [(list(m.generate(p, loops=L, max_tokens=10, early_exit=r)[len(p):]),
-                 m.generate(p, loops=L, max_tokens=10, early_exit=r).stats) for p, L, r in jobs]
+        stop = list(m.generate(jobs[1][0], loops=8, max_tokens=16, early_exit=rule))[len(jobs[1][0]) + 9]
+        reqs = [m.make_request(p, loops=L, max_tokens=n, early_exit=rule, stop_token_ids=[stop] if i == 1 else [])
+                for i, (p, L, n) in enumerate(jobs)]
+        want = [m.generate(p, loops=L, max_tokens=n, early_exit=rule, stop_token_ids=[stop] if i == 1 else [])
+                for i, (p, L, n) in enumerate(jobs)]
+        assert want[1].finish_reason == "stop" and len(want[1]) < len(jobs[1][0]) + 16
         with_stage_graphs(m, range(1, 9))
-        moved, loads = [], []
+        moved, loads, steady = [], [], []
         reload_next, load = InterleavedStep.reload_next, InterleavedStep.load
         monkeypatch.setattr(InterleavedStep, "reload_next", lambda self, t: moved.append(1) or reload_next(self, t))
         monkeypatch.setattr(InterleavedStep, "load", lambda self, *a, **k: loads.append(1) or load(self, *a, **k))
-        got = _run_exit_batcher(m, jobs, 10)
-    assert got == want
-    assert all(st["iterations_histogram"][1] == st["completion_tokens"] - 1 for _, st in want)  # every token: 2
-    assert len(moved) >= 6 and len(moved) > len(loads), (len(moved), len(loads))
+        b = Batcher(m.runner, interleave_exits=True)
+        step_steady = b._step_steady
+        b._step_steady = lambda st: steady.append(len(st.lanes)) or step_steady(st)
+        got, fin = {}, {}
+        for lane, req in enumerate(reqs):
+            ids, _ = b.join(m.start(req, lane))
+            got[lane] = list(ids)
+        while b:
+            for lane, (ids, f) in b.step().items():
+                got[lane].extend(ids)
+                fin[lane] = f
+    for lane, w in enumerate(want):
+        assert jobs[lane][0] + got[lane] == list(w), lane
+        assert (fin[lane].reason, fin[lane].stats) == (w.finish_reason, w.stats), lane
+    assert all(w.stats["iterations_histogram"][1] == w.stats["completion_tokens"] - 1 for w in want)  # every token: 2
+    assert set(steady) >= {4, 3}, steady  # the steady path again after a stream has ended
+    assert len(moved) >= 8 and len(moved) > len(loads), (len(moved), len(loads))
 
 
 @pytest.mark.parametrize("span", [None, "min"])

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Callable
 
+import numpy as np
 import torch
 
 from tinyloop.worker.generation.decode import DecodeState, Finish
@@ -104,6 +106,19 @@ def expected_remaining(depths: list[int], depth: int, start: int) -> int:
     return (guess if guess > start else depth) - start
 
 
+class _Steady:
+    """An exit launch that the next one may repeat one token on (`Batcher._step_steady`): its
+    rows (lanes, streams, depths, rules, positions), each stream's latest token depths (hist, a
+    ring of EXIT_HISTORY columns; -1: none yet) and the batch's membership when it launched."""
+
+    def __init__(self, out, lanes, sts, depths, rules, positions, hist, members):
+        self.out, self.lanes, self.sts, self.depths, self.rules = out, lanes, sts, depths, rules
+        self.positions, self.hist, self.members = positions, hist, members
+        self.turn = EXIT_HISTORY - 1  # the column the launch in flight's depths go to
+        B = len(lanes)
+        self.rows, self.starts, self.tokens = list(range(B)), [0] * B, [0] * B
+
+
 class Batcher:
     def __init__(self, runner: Runner, interleave: bool = True, interleave_exits: bool | None = None):
         self.runner = runner
@@ -123,6 +138,8 @@ class Batcher:
         self._last: StepOut | None = None            # the runner step the states' outputs view
         self.host_cost = HostCost()  # exit launches' host preparation, for the choice of passes
         self._ends_read: float | None = None  # when the last exit launch's ends were read (perf_counter)
+        self._steady: _Steady | None = None  # the exit launch in flight that the next may repeat
+        self._members = 0  # counts every change of the waiting streams (joins, leaves, ends)
         self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
         self._copied: torch.cuda.Event | None = None
 
@@ -136,6 +153,7 @@ class Batcher:
         t = st.decide()
         if st.accept(t):
             self.states[st.lane] = st
+            self._members += 1
             self._iters.pop(st.lane, None)
             return [t], None
         return [t], st.finish()
@@ -160,6 +178,7 @@ class Batcher:
             t = first[id(st)]
             if st.accept(t):
                 self.states[st.lane] = st
+                self._members += 1
                 self._iters.pop(st.lane, None)
                 out.append(([t], None))
             else:
@@ -176,6 +195,7 @@ class Batcher:
         if st.lane in self.states:
             raise ValueError(f"lane {st.lane} already has a stream in the batch")
         self.states[st.lane] = st
+        self._members += 1
         self._iters.pop(st.lane, None)
 
     def leave(self, lane: int) -> None:
@@ -183,6 +203,7 @@ class Batcher:
         may still write the lane's K/V at its next position: harmless, whatever takes the lane
         next writes a position before it reads it (as with `DecodeState.discard`)."""
         self.states.pop(lane, None)
+        self._members += 1
         self._iters.pop(lane, None)
 
     def __bool__(self) -> bool:
@@ -211,6 +232,13 @@ class Batcher:
                 self._launch({})
             ran, out, solo, self.rows_stepped = self._ahead
             self._ahead = None
+            steady = self._steady
+            if callable(ran) and steady is not None and steady.out is out:
+                ran.resolve()
+                # the same streams, every row's token ended, and each may take the token after next
+                if (steady.members == self._members and len(self.states) == len(steady.lanes) and all(out.finished)
+                        and all(st.generated + 1 < st.req.max_tokens for st in steady.sts)):
+                    return self._step_steady(steady)
             if callable(ran):  # an interleaved launch with exit rules: its ends are read now
                 ran = ran()
             # a stream that left meanwhile is dropped (its lane may hold a new stream already)
@@ -258,12 +286,53 @@ class Batcher:
                 out[lane] = failed[lane]
                 self.runner.release(st.out)
                 del self.states[lane]
+                self._members += 1
             elif st.accept(t):
                 out[lane] = [t], None
             else:
                 out[lane] = [t], st.finish()
                 del self.states[lane]
+                self._members += 1
         return out
+
+    def _step_steady(self, steady: "_Steady") -> dict[int, Update]:
+        """`step` for an exit launch whose every row's token ended, with the same plain greedy
+        streams still waiting and none at its last token: the same rows launch again at once,
+        each at its next position with its greedy token on the device (the runner moves them on
+        on the device: `Runner.interleave`), and the streams take their tokens after, while it
+        runs. The tokens, logits and stats are those of `step`'s general path."""
+        out, lanes, sts = steady.out, steady.lanes, steady.sts
+        B = len(lanes)
+        self.steps += 1
+        self.lane_steps += B
+        self.rows_stepped = B
+        out.detach()  # the rows outlive the next launch, which reuses the step's buffers
+        toks = out.greedy[:B]
+        self._copy_to_host(toks)
+        steady.hist[:, steady.turn % EXIT_HISTORY] = out.depths
+        steady.turn += 1
+        expected = steady.hist.max(axis=1).tolist()  # expected_remaining of a token at its start
+        passes = chunk_passes(expected, self.runner.pass_overhead + self.host_cost.passes)
+        positions = [p + 1 for p in steady.positions]
+        rows = steady.rows
+        nxt = self.runner.interleave(lanes, steady.tokens, positions, steady.depths, steady.starts, passes,
+                                     on_device=DeviceTokens(rows, toks, rows), prev=self._last, exits=steady.rules)
+        self._last = nxt
+        self._ahead = (self._ends(nxt, lanes, sts, steady.starts, passes, steady.rules), nxt, False, B)
+        steady.out, steady.positions = nxt, positions
+        self._steady = steady
+        self._iters.clear()  # every row's token ended: none is midway
+        for row, st in enumerate(sts):
+            st.advanced(out.row(row))
+        updates: dict[int, Update] = {}
+        for lane, st, t in zip(lanes, sts, self._host_tokens(B)):
+            if st.accept(t):
+                updates[lane] = [t], None
+            else:  # a stop token: its row in the launch just made runs on, unread
+                updates[lane] = [t], st.finish()
+                del self.states[lane]
+                self._members += 1
+        return updates
 
     def _launch(self, on_device: dict, skip: frozenset | set = frozenset(),
                 values: torch.Tensor | None = None) -> None:
@@ -322,16 +391,37 @@ class Batcher:
                                      on_device=self._device_tokens(lanes, on_device, values), prev=self._last,
                                      exits=exits)
         self._last = out
+        self._steady = None
+        if exits is not None and not drain and all(st.plain_greedy for st in sts):
+            # the next launch may be these rows again, each one token on (`_step_steady`)
+            hist = np.full((len(lanes), EXIT_HISTORY), -1, dtype=np.int64)
+            for row, st in enumerate(sts):
+                back = st.step_depths[-(EXIT_HISTORY - 1):]
+                hist[row, :len(back)] = back
+            self._steady = _Steady(out, lanes, sts, depths, rules, positions, hist, self._members)
+        self._ahead = (self._ends(out, lanes, sts, starts, passes, exits), out, False, len(lanes))
+
+    def _ends(self, out: StepOut, lanes: list[int], sts: list[DecodeState], starts: list[int], passes: int,
+              exits) -> Callable[[], list] | list:
+        """The rows of an interleaved launch whose token ended, as `step` reads them: with exit
+        rules a callable that waits for the launch's ends (the host prepares meanwhile), else
+        the list. A row whose token did not end has its iterations so far in `_iters`."""
+        overhead = self.runner.pass_overhead
         launched, since = time.perf_counter(), self._ends_read
         self._ends_read = None
 
-        def ended() -> list:
-            """The rows whose token ended (the others' iterations so far into `_iters`)."""
+        def resolve() -> None:
+            if out.pending is None:
+                return
             out.resolve()
             self._ends_read = time.perf_counter()
             if out.timing is not None and since is not None:
                 start, end = out.timing
                 self.host_cost.update(launched - since, start.elapsed_time(end) / 1e3, passes + overhead)
+
+        def ended() -> list:
+            """The rows whose token ended (the others' iterations so far into `_iters`)."""
+            resolve()
             ran = []
             for row, (lane, st, s) in enumerate(zip(lanes, sts, starts)):
                 if self.states.get(lane) is not st:  # left meanwhile (its lane may hold a new stream)
@@ -342,9 +432,10 @@ class Batcher:
                 else:
                     self._iters[lane] = s + passes
             return ran
+        ended.resolve = resolve
         # with exit rules the ends are on the device until the next step reads them; the host
         # prepares meanwhile, and `_iters` is exact again before the next launch
-        self._ahead = (ended if exits is not None else ended()), out, False, len(lanes)
+        return ended if exits is not None else ended()
 
     @staticmethod
     def _device_tokens(lanes: list[int], on_device: dict, values: torch.Tensor | None) -> DeviceTokens | None:
