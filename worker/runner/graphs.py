@@ -104,6 +104,7 @@ class Graphs:
         self.fused: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, bucket, stages) -> one graph, LRU order
         self._seen: dict[tuple, int] = {}  # launches of each sequence not fused yet
         self.fuse_after = fuse_after       # the launch of a sequence that fuses it
+        self._side: torch.cuda.Stream | None = None  # the stream of captures while serving
         self.warm: set = set()  # (kind, bucket, stage) / depths whose kernels have been compiled
         self.key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=self.device)
 
@@ -200,9 +201,37 @@ class Graphs:
             def run_all(stages=stages):
                 for stage in stages:
                     run(stage)
-            g = self._capture(run_all, False)  # each stage's kernels are compiled and warm already
+            g = self._capture_serving(run_all)  # each stage's kernels are compiled and warm already
         self.fused[key] = g  # the most recently launched last
         g.replay()
+
+    def _capture_serving(self, fn) -> torch.cuda.CUDAGraph:
+        """fn() as a graph in the shared pool while the worker serves: on a side stream that
+        waits for the work queued so far (the caller's stream then waits for it), with no device
+        sync and no cache emptied. torch.cuda.graph does both, and frees the cached pinned host
+        memory too, which costs milliseconds at every capture and more at the allocations after;
+        fn's kernels are warm (its stages were captured before), so nothing else is needed."""
+        dev = self.device
+        cur = torch.cuda.current_stream(dev)
+        if self._side is None:
+            self._side = torch.cuda.Stream(dev)
+        self._side.wait_stream(cur)
+        g = torch.cuda.CUDAGraph()
+        enabled = gc.isenabled()
+        gc.disable()  # as in _capture
+        try:
+            with torch.cuda.stream(self._side):
+                g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    g.capture_end()
+        finally:
+            if enabled:
+                gc.enable()
+        cur.wait_stream(self._side)
+        g.captured_fn = fn
+        return g
 
     def _capture(self, fn, warm: bool, warm_fn=None) -> torch.cuda.CUDAGraph:
         """Capture fn() as a CUDA graph in the shared pool; warm: run it (or warm_fn) twice
