@@ -30,7 +30,9 @@ interleave too where the rule can be checked inside the passes (`ExitRule.interl
 or latent criterion, the copy fill) and at least two streams share the launch: a row that its
 rule stops ends its token there, and its next token starts in the next launch, so the rows'
 exits turn into tokens for their streams instead of idle rows waiting for the deepest. The host
-reads each launch's ends before the next (one read a launch). Other rules (kl, argmax,
+reads each launch's ends before the next (one read a launch); where every row's token ended and
+the same plain greedy streams wait, the next launch is those rows one token on, made at once
+(`_step_steady`), and the streams take their tokens while it runs. Other rules (kl, argmax,
 recompute), a stream alone, and every exit stream elsewhere run the whole-token exit step, once
 the rows midway through a token have finished theirs.
 
@@ -409,10 +411,12 @@ class Batcher:
         overhead = self.runner.pass_overhead
         launched, since = time.perf_counter(), self._ends_read
         self._ends_read = None
+        read = []  # whether resolve ran (it runs once)
 
         def resolve() -> None:
-            if out.pending is None:
+            if read:
                 return
+            read.append(True)
             out.resolve()
             self._ends_read = time.perf_counter()
             if out.timing is not None and since is not None:
