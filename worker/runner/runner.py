@@ -674,13 +674,15 @@ class Runner:
         B = len(lanes)
         if passes < 1:
             raise ValueError(f"interleave runs at least one pass, got {passes}")
-        again = self._interleave_again(lanes, positions, depths, starts, on_device, exits)
+        again = self._interleave_again(lanes, positions, depths, starts, on_device, exits, prev)
         if again is not None:
-            step, b, graphed = again
+            step, b, graphed, own = again
             self._claim("interleaved", prev)
         else:
             step, b, graphed = self._interleave_load(lanes, tokens, positions, depths, starts, on_device, prev, exits)
-        stages = (["exit_start"] if exits is not None else []) + (["resume"] if any(starts) else [])
+            own = False
+        stages = ["next"] if own else []  # the rows move on inside the launch
+        stages += (["exit_start"] if exits is not None else []) + (["resume"] if any(starts) else [])
         stages += ["prelude"] if not all(starts) else []
         stages += ["iter" if exits is None else "iter_exit"] * passes
         stages += ["save"] if any(s + passes < d for s, d in zip(starts, depths)) else []
@@ -699,15 +701,15 @@ class Runner:
                 step.run(stage)
         if timing is not None:
             timing[1].record()
-        logits = step.logits[:B]
+        logits, greedy = step.logits[:B], step.greedy[:B]  # (a launch without the coda ends no row)
         if exits is None:
             work = self.counters.add(passes, sum(min(s + passes, d) - s for s, d in zip(starts, depths)))
-            out = StepOut(logits, logits.argmax(-1), None, None, work, depths=list(depths),
+            out = StepOut(logits, greedy, None, None, work, depths=list(depths),
                           finished=[s + passes >= d for s, d in zip(starts, depths)])
         else:
             if step.published_event is not None:
                 step.published_event.record()
-            out = StepOut(logits, logits.argmax(-1), None, None, Counters(0, 0), timing=timing)
+            out = StepOut(logits, greedy, None, None, Counters(0, 0), timing=timing)
 
             def read(out=out, step=step):
                 if step.published_event is not None:
@@ -720,12 +722,14 @@ class Runner:
         self._owners["interleaved"] = out
         return out
 
-    def _interleave_again(self, lanes, positions, depths, starts, on_device, exits):
+    def _interleave_again(self, lanes, positions, depths, starts, on_device, exits, prev):
         """The rows of the last interleaved launch again, each one position on and starting its
         next token, its token on the device (a batch's steady state when every row's token ends
-        in each launch): the rows move on on the device (`InterleavedStep.reload_next`), with
-        nothing made, checked or copied on the host again -> (step, bucket, graphed), or None
-        where the launch is another (`_interleave_load` then loads it)."""
+        in each launch): the rows move on on the device, with nothing made, checked or copied on
+        the host again -> (step, bucket, graphed, own), or None where the launch is another
+        (`_interleave_load` then loads it). own: the tokens are that launch's greedy ones (prev
+        is its StepOut and they are its `greedy`), so the launch's own "next" stage moves the
+        rows on; otherwise `InterleavedStep.reload_next` does, before the launch."""
         last = self._interleaved_last
         if last is None or on_device is None or any(starts):
             return None
@@ -735,9 +739,13 @@ class Runner:
                 and depths == l_depths and (exits is None) == (l_exits is None) and (exits is None or exits == l_exits)
                 and all(p == q + 1 for p, q in zip(positions, l_positions))):
             return None
-        step.reload_next(on_device.values[:B])
+        values = on_device.values[:B]
+        own = (prev is not None and prev is self._owners.get("interleaved") and prev.greedy.shape[0] == B
+               and values.data_ptr() == prev.greedy.data_ptr())
+        if not own:
+            step.reload_next(values)
         self._interleaved_last = (step, b, graphed, l_lanes, list(positions), l_depths, l_exits)
-        return step, b, graphed
+        return step, b, graphed, own
 
     def _interleave_load(self, lanes, tokens, positions, depths, starts, on_device, prev, exits):
         """`interleave`'s checks, and its rows loaded from the host -> (step, bucket, graphed)."""

@@ -242,6 +242,9 @@ class InterleavedStep(StagedPass):
     the iterations its token has run where an exit rule stopped it (its depth otherwise).
 
     Stages, each over every row of the bucket:
+    - "next": the rows of the last load again, each one position on and starting its next token,
+      its greedy token of the launch before (`reload_next` on the device; `greedy` is the coda's
+      argmax);
     - "resume": the residual of each row from its lane's row of lane_x;
     - "prelude": the rows that start at iteration 0 embed their token and run the prelude (the
       others pass position max_seq_len, which writes and reads no cache, and keep their residual);
@@ -250,7 +253,8 @@ class InterleavedStep(StagedPass):
       its residual); every row then moves on by one iteration;
     - "save": each row's residual into its lane's row of lane_x;
     - "coda": the rows whose iterations passed their last run the coda (the others, again, at
-      position max_seq_len) and every row the head: the logits of the rows that finished.
+      position max_seq_len) and every row the head: the logits of the rows that finished, and
+      their argmax (`greedy`).
 
     With exit rules (`with_exits`: an ExitState of n_slots + 1 rows, one per lane and row n_slots
     for the idle rows, which keeps each lane's criteria between calls as lane_x keeps its
@@ -286,18 +290,20 @@ class InterleavedStep(StagedPass):
         self.exits = None  # an ExitState over the lanes, once `with_exits`
         self._staging = self._rule_staging = None  # the host side of ctl's and rules' loads
         self._rules_loaded = None  # the rows `rules` holds (ExitState.load_host's list: kept unchanged)
-        self.loaded: torch.Tensor | None = None  # ctl as the last `load` wrote it, before any pass moved it
+        # ctl as the last `load` wrote it, before any pass moved it, and (row 9) 1 for its rows
+        self.loaded = torch.zeros(10, bucket, dtype=ctl.dtype, device=ctl.device)
         self._loaded_rows = 0
+        self.greedy = torch.zeros(bucket, dtype=torch.long, device=ctl.device)  # the coda's argmax
 
     def reload_next(self, tokens: torch.Tensor) -> None:
         """The rows of the last `load`, each at its next position and starting its next token,
         tokens[i] (on the device) for row i: the control rows as loaded (the passes move their
         iterations on), one position on, all on the device. For rows that all started a token
-        at that load: each of them then starts the token after."""
-        B = self._loaded_rows
-        self.loaded[1, :B].add_(1)
-        self.ctl.copy_(self.loaded)
-        self.ctl[0, :B].copy_(tokens)
+        at that load: each of them then starts the token after. The "next" stage does the same
+        with each row's greedy token of the launch before (`greedy`), inside the launch."""
+        self.loaded[1].add_(self.loaded[9])
+        self.ctl.copy_(self.loaded[:9])
+        self.ctl[0, :self._loaded_rows].copy_(tokens)
 
     def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
@@ -333,6 +339,11 @@ class InterleavedStep(StagedPass):
         elif stage == "coda":
             torch.where(self.base > self.last, self.positions, self._outside, out=self.pos[2, :, 0])
             self.logits.copy_(e.logits(e.coda(x, self.passes[2]))[:, -1])
+            torch.argmax(self.logits, dim=-1, out=self.greedy)
+        elif stage == "next":  # reload_next, each row's token its greedy one of the launch before
+            self.loaded[1].add_(self.loaded[9])
+            self.ctl.copy_(self.loaded[:9])
+            torch.mul(self.greedy, self.loaded[9], out=self.ctl[0])
         elif stage in EXIT_STAGES and self.exits is not None:
             self._run_exit(stage)
         else:
@@ -370,7 +381,7 @@ class InterleavedStep(StagedPass):
         cfg, n = self.engine.config, self.n_slots
         nl, npre = cfg.n_loop_layers, cfg.n_prelude
         if self._staging is None:
-            self._staging = Staging(tuple(self.ctl.shape), self.ctl.dtype, self.ctl.device)
+            self._staging = Staging(tuple(self.loaded.shape), self.ctl.dtype, self.ctl.device)
         v = self._staging.next()
         lane, start, depth = (np.asarray(a, dtype=np.int64) for a in (lanes, starts, depths))
         # an idle row: past its last (valid) row from the start, so never live
@@ -379,10 +390,9 @@ class InterleavedStep(StagedPass):
                                         (((depth - 1) * nl + npre) * n + lane, npre * n), (depth, 0), (depth, 0))):
             v[k, :B] = row
             v[k, B:] = idle
-        if self.loaded is None:
-            self.loaded = torch.empty_like(self.ctl)
+        v[9, :B], v[9, B:] = 1, 0
         self._staging.copy_to(self.loaded)
-        self.ctl.copy_(self.loaded)
+        self.ctl.copy_(self.loaded[:9])
         self._loaded_rows = B
         _device_tokens_into(self.ctl[0], on_device)
         if rules is not None and rules is not self._rules_loaded:  # the same rows are on the device already
@@ -396,7 +406,7 @@ class InterleavedStep(StagedPass):
             self._rules_loaded = rules
 
 
-INTERLEAVED_STAGES = ("resume", "prelude", "iter", "save", "coda")
+INTERLEAVED_STAGES = ("next", "resume", "prelude", "iter", "save", "coda")
 EXIT_STAGES = ("exit_start", "iter_exit", "exit_end")  # an interleaved step's, with exit rules
 
 
