@@ -496,6 +496,7 @@ class Model:
         pres = [Prefill(self.runner, lane, req) for lane, req in seats]
         states: list[DecodeState | None] = [None] * len(pres)
         group: list[int] = []
+        longest = 0  # the group's longest prompt
 
         def flush():
             if len(group) > 1:
@@ -508,10 +509,11 @@ class Model:
             if not pre.joinable:
                 states[j] = start(self.runner, pre.lane, pre.req)
                 continue
-            longest = max(pre.remaining, *(pres[k].remaining for k in group)) if group else pre.remaining
-            if group and (len(group) + 1) * longest > BATCH_PREFILL_TOKENS:
+            if group and (len(group) + 1) * max(longest, pre.remaining) > BATCH_PREFILL_TOKENS:
                 flush()
+                longest = 0
             group.append(j)
+            longest = max(longest, pre.remaining)
         flush()
         return states
 

@@ -110,12 +110,13 @@ def expected_remaining(depths: list[int], depth: int, start: int) -> int:
 
 class _Steady:
     """An exit launch that the next one may repeat one token on (`Batcher._step_steady`): its
-    rows (lanes, streams, depths, rules, positions), each stream's latest token depths (hist, a
-    ring of EXIT_HISTORY columns; -1: none yet) and the batch's membership when it launched."""
+    rows (lanes, streams, depths, rules, positions) and the batch's membership when it launched;
+    once repeated, each stream's latest token depths (`hist`)."""
 
-    def __init__(self, out, lanes, sts, depths, rules, positions, hist, members):
+    def __init__(self, out, lanes, sts, depths, rules, positions, members):
         self.out, self.lanes, self.sts, self.depths, self.rules = out, lanes, sts, depths, rules
-        self.positions, self.hist, self.members = positions, hist, members
+        self.positions, self.members = positions, members
+        self.hist: np.ndarray | None = None  # (rows, EXIT_HISTORY) ring of depths, -1: none yet
         self.turn = EXIT_HISTORY - 1  # the column the launch in flight's depths go to
         B = len(lanes)
         self.rows, self.starts, self.tokens = list(range(B)), [0] * B, [0] * B
@@ -311,6 +312,11 @@ class Batcher:
         out.detach()  # the rows outlive the next launch, which reuses the step's buffers
         toks = out.greedy[:B]
         self._copy_to_host(toks)
+        if steady.hist is None:  # the first repeat: the depths before the launch in flight
+            steady.hist = np.full((B, EXIT_HISTORY), -1, dtype=np.int64)
+            for row, st in enumerate(sts):
+                back = st.step_depths[-(EXIT_HISTORY - 1):]
+                steady.hist[row, :len(back)] = back
         steady.hist[:, steady.turn % EXIT_HISTORY] = out.depths
         steady.turn += 1
         expected = steady.hist.max(axis=1).tolist()  # expected_remaining of a token at its start
@@ -396,11 +402,7 @@ class Batcher:
         self._steady = None
         if exits is not None and not drain and all(st.plain_greedy for st in sts):
             # the next launch may be these rows again, each one token on (`_step_steady`)
-            hist = np.full((len(lanes), EXIT_HISTORY), -1, dtype=np.int64)
-            for row, st in enumerate(sts):
-                back = st.step_depths[-(EXIT_HISTORY - 1):]
-                hist[row, :len(back)] = back
-            self._steady = _Steady(out, lanes, sts, depths, rules, positions, hist, self._members)
+            self._steady = _Steady(out, lanes, sts, depths, rules, positions, self._members)
         self._ahead = (self._ends(out, lanes, sts, starts, passes, exits), out, False, len(lanes))
 
     def _ends(self, out: StepOut, lanes: list[int], sts: list[DecodeState], starts: list[int], passes: int,
@@ -411,12 +413,13 @@ class Batcher:
         overhead = self.runner.pass_overhead
         launched, since = time.perf_counter(), self._ends_read
         self._ends_read = None
-        read = []  # whether resolve ran (it runs once)
+        read = False  # resolve runs once
 
         def resolve() -> None:
+            nonlocal read
             if read:
                 return
-            read.append(True)
+            read = True
             out.resolve()
             self._ends_read = time.perf_counter()
             if out.timing is not None and since is not None:

@@ -606,19 +606,21 @@ class Runner:
         # deeper than i, a prefix, so it replays the smallest bucket holding them (the buckets
         # share their buffers; a row of the bucket past that prefix is frozen by its depth)
         shrink = graphed and depths[0] != depths[-1] and all(a >= c for a, c in zip(depths, depths[1:]))
-        active = B  # rows deeper than the iteration: a prefix, shrinking as the iterations go
-        if graphed and not shrink:  # every stage on bucket b: once launched often, one graph
-            self.graphs.replay_sequence("batch", b, tuple(BatchStep.stages(max(depths))), step.run)
-        for stage in BatchStep.stages(max(depths)) if not graphed or shrink else ():
-            if not graphed:
+        stages = BatchStep.stages(max(depths))
+        if not graphed:
+            for stage in stages:
                 step.run(stage)
-                continue
-            bucket = b
-            if shrink and isinstance(stage, int):
-                while depths[active - 1] <= stage:
-                    active -= 1
-                bucket = next(x for x in self._batch_buckets if x >= active)
-            self.graphs.replay("batch", bucket, stage)
+        elif not shrink:  # every stage on bucket b: once launched often, one graph
+            self.graphs.replay_sequence("batch", b, tuple(stages), step.run)
+        else:
+            active = B  # rows deeper than the iteration: a prefix, shrinking as the iterations go
+            for stage in stages:
+                bucket = b
+                if isinstance(stage, int):
+                    while depths[active - 1] <= stage:
+                        active -= 1
+                    bucket = next(x for x in self._batch_buckets if x >= active)
+                self.graphs.replay("batch", bucket, stage)
         logits = step.logits[:B]
         out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=list(depths))
         self._owners["batch"] = out

@@ -301,9 +301,13 @@ class InterleavedStep(StagedPass):
         iterations on), one position on, all on the device. For rows that all started a token
         at that load: each of them then starts the token after. The "next" stage does the same
         with each row's greedy token of the launch before (`greedy`), inside the launch."""
+        self._move_on()
+        self.ctl[0, :self._loaded_rows].copy_(tokens)
+
+    def _move_on(self) -> None:
+        """ctl: the rows of the last `load` one position on (row 9 of `loaded`: 1 for its rows)."""
         self.loaded[1].add_(self.loaded[9])
         self.ctl.copy_(self.loaded[:9])
-        self.ctl[0, :self._loaded_rows].copy_(tokens)
 
     def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
@@ -341,8 +345,7 @@ class InterleavedStep(StagedPass):
             self.logits.copy_(e.logits(e.coda(x, self.passes[2]))[:, -1])
             torch.argmax(self.logits, dim=-1, out=self.greedy)
         elif stage == "next":  # reload_next, each row's token its greedy one of the launch before
-            self.loaded[1].add_(self.loaded[9])
-            self.ctl.copy_(self.loaded[:9])
+            self._move_on()
             torch.mul(self.greedy, self.loaded[9], out=self.ctl[0])
         elif stage in EXIT_STAGES and self.exits is not None:
             self._run_exit(stage)
