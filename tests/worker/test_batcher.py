@@ -597,6 +597,44 @@ def test_exit_rows_that_all_end_each_launch_move_on_on_the_device(tiny_path, mon
     assert len(moved) >= 8 and len(moved) > len(loads), (len(moved), len(loads))
 
 
+@pytest.mark.parametrize("threshold", [0.1, 0.05])
+def test_exit_rows_that_end_apart_move_on_on_the_device(tiny_path, monkeypatch, threshold):
+    """Streams whose tokens stop at different depths (latent < 0.3 or < 0.05), in launches of
+    fewer passes than some rows need: each launch ends some rows' tokens and not others', and
+    the next launch is the same rows made on the device (`Batcher._step_steady`, the "next"
+    stage), each ended row one token on and each other going on from where it stopped, with
+    no load from the host. Each stream's tokens, finish and stats are those of its run alone."""
+    from tinyloop.worker.runner.stages import InterleavedStep
+    rule = {"criterion": "latent", "threshold": threshold}
+    jobs = [([3, 17, 42], 8, 14), ([9, 8, 7, 6], 8, 16), ([5] * 6, 6, 11), ([77, 78, 79], 7, 15)]
+    with Model(tiny_path, max_seq_len=64, n_slots=8) as m:
+        want = [m.generate(p, loops=L, max_tokens=n, early_exit=rule) for p, L, n in jobs]
+        graphs = with_stage_graphs(m, range(1, 9))
+        graphs.fuse_after = 2
+        loads, partial = [], []
+        load = InterleavedStep.load
+        monkeypatch.setattr(InterleavedStep, "load", lambda self, *a, **k: loads.append(1) or load(self, *a, **k))
+        b = Batcher(m.runner, interleave_exits=True)
+        step_steady = b._step_steady
+        b._step_steady = lambda st: partial.append(not all(st.out.finished)) or step_steady(st)
+        got, fin = {}, {}
+        for lane, (p, L, n) in enumerate(jobs):
+            ids, _ = b.join(m.start(m.make_request(p, loops=L, max_tokens=n, early_exit=rule), lane))
+            got[lane] = list(ids)
+        while b:
+            for lane, (ids, f) in b.step().items():
+                got[lane].extend(ids)
+                fin[lane] = f
+        nexts = [s for _, s in graphs.replayed("interleaved") if s == "next"]
+    for lane, w in enumerate(want):
+        assert jobs[lane][0] + got[lane] == list(w), lane
+        assert (fin[lane].reason, fin[lane].stats) == (w.finish_reason, w.stats), lane
+    depths = {d for w in want for d, n in enumerate(w.stats["iterations_histogram"], 1) if n}
+    assert len(depths) > 1, depths  # the tokens stop apart
+    assert sum(partial) >= 4, partial  # launches on the device after one that ended some rows only
+    assert len(nexts) > 2 * len(loads), (len(nexts), len(loads))
+
+
 @pytest.mark.parametrize("span", [None, "min"])
 def test_lone_exit_stream_runs_ahead_on_its_graphs_and_equals_standalone(tiny_path, span):
     """One exit stream in the batcher on a graphed runner (stand-ins on CPU) steps on the

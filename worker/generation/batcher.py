@@ -30,9 +30,10 @@ interleave too where the rule can be checked inside the passes (`ExitRule.interl
 or latent criterion, the copy fill) and at least two streams share the launch: a row that its
 rule stops ends its token there, and its next token starts in the next launch, so the rows'
 exits turn into tokens for their streams instead of idle rows waiting for the deepest. The host
-reads each launch's ends before the next (one read a launch); where every row's token ended and
-the same plain greedy streams wait, the next launch is those rows one token on, made at once
-(`_step_steady`), and the streams take their tokens while it runs. Other rules (kl, argmax,
+reads each launch's ends before the next (one read a launch); where the same plain greedy
+streams wait, the next launch is those rows again, made at once on the device (`_step_steady`):
+each row whose token ended one token on, each other from where it stopped; the streams whose
+token ended take it while that launch runs. Other rules (kl, argmax,
 recompute), a stream alone, and every exit stream elsewhere run the whole-token exit step, once
 the rows midway through a token have finished theirs.
 
@@ -109,17 +110,18 @@ def expected_remaining(depths: list[int], depth: int, start: int) -> int:
 
 
 class _Steady:
-    """An exit launch that the next one may repeat one token on (`Batcher._step_steady`): its
-    rows (lanes, streams, depths, rules, positions) and the batch's membership when it launched;
-    once repeated, each stream's latest token depths (`hist`)."""
+    """An exit launch that the next one may repeat on the device (`Batcher._step_steady`): its
+    rows (lanes, streams, depths, rules, the positions and starts of the tokens they run), its
+    passes and the batch's membership when it launched; once repeated, each stream's latest
+    token depths (`hist`)."""
 
-    def __init__(self, out, lanes, sts, depths, rules, positions, members):
+    def __init__(self, out, lanes, sts, depths, rules, positions, starts, passes, members):
         self.out, self.lanes, self.sts, self.depths, self.rules = out, lanes, sts, depths, rules
-        self.positions, self.members = positions, members
+        self.positions, self.starts, self.passes, self.members = positions, starts, passes, members
         self.hist: np.ndarray | None = None  # (rows, EXIT_HISTORY) ring of depths, -1: none yet
-        self.turn = EXIT_HISTORY - 1  # the column the launch in flight's depths go to
+        self.turn: np.ndarray | None = None  # each row's column for its next token's depth
         B = len(lanes)
-        self.rows, self.starts, self.tokens = list(range(B)), [0] * B, [0] * B
+        self.rows, self.tokens = list(range(B)), [0] * B
 
 
 class Batcher:
@@ -238,9 +240,10 @@ class Batcher:
             steady = self._steady
             if callable(ran) and steady is not None and steady.out is out:
                 ran.resolve()
-                # the same streams, every row's token ended, and each may take the token after next
-                if (steady.members == self._members and len(self.states) == len(steady.lanes) and all(out.finished)
-                        and all(st.generated + 1 < st.req.max_tokens for st in steady.sts)):
+                # the same streams, and each whose token ended may take the token after next
+                if (steady.members == self._members and len(self.states) == len(steady.lanes)
+                        and all(st.generated + 1 < st.req.max_tokens
+                                for st, f in zip(steady.sts, out.finished) if f)):
                     return self._step_steady(steady)
             if callable(ran):  # an interleaved launch with exit rules: its ends are read now
                 ran = ran()
@@ -299,47 +302,64 @@ class Batcher:
         return out
 
     def _step_steady(self, steady: "_Steady") -> dict[int, Update]:
-        """`step` for an exit launch whose every row's token ended, with the same plain greedy
-        streams still waiting and none at its last token: the same rows launch again at once,
-        each at its next position with its greedy token on the device (the runner moves them on
-        on the device: `Runner.interleave`), and the streams take their tokens after, while it
-        runs. The tokens, logits and stats are those of `step`'s general path."""
+        """`step` for an exit launch of the same plain greedy streams still waiting, none at its
+        last token: the same rows launch again at once, each whose token ended at its next
+        position with its greedy token on the device, each other going on with its token from
+        where it stopped (the runner moves them on on the device: `Runner.interleave`), and the
+        streams whose token ended take it after, while it runs. The tokens, logits and stats are
+        those of `step`'s general path."""
         out, lanes, sts = steady.out, steady.lanes, steady.sts
         B = len(lanes)
-        self.steps += 1
-        self.lane_steps += B
+        fin = out.finished
+        ended = [row for row in range(B) if fin[row]]
+        if ended:
+            self.steps += 1
+            self.lane_steps += len(ended)
         self.rows_stepped = B
         out.detach()  # the rows outlive the next launch, which reuses the step's buffers
         toks = out.greedy[:B]
-        self._copy_to_host(toks)
+        if ended:
+            self._copy_to_host(toks)
         if steady.hist is None:  # the first repeat: the depths before the launch in flight
             steady.hist = np.full((B, EXIT_HISTORY), -1, dtype=np.int64)
+            steady.turn = np.zeros(B, dtype=np.int64)
             for row, st in enumerate(sts):
                 back = st.step_depths[-(EXIT_HISTORY - 1):]
                 steady.hist[row, :len(back)] = back
-        steady.hist[:, steady.turn % EXIT_HISTORY] = out.depths
-        steady.turn += 1
-        expected = steady.hist.max(axis=1).tolist()  # expected_remaining of a token at its start
+                steady.turn[row] = len(back)
+        starts = [0 if f else s + steady.passes for s, f in zip(steady.starts, fin)]
+        if ended:
+            idx = np.asarray(ended)
+            steady.hist[idx, steady.turn[idx]] = np.asarray(out.depths)[idx]
+            steady.turn[idx] = (steady.turn[idx] + 1) % EXIT_HISTORY
+        # expected_remaining of each row from where it stands
+        guess, start, depth = steady.hist.max(axis=1), np.asarray(starts), np.asarray(steady.depths)
+        expected = (np.where(guess > start, guess, depth) - start).tolist()
         passes = chunk_passes(expected, self.runner.pass_overhead + self.host_cost.passes)
-        positions = [p + 1 for p in steady.positions]
+        positions = [p + 1 if f else p for p, f in zip(steady.positions, fin)]
         rows = steady.rows
-        nxt = self.runner.interleave(lanes, steady.tokens, positions, steady.depths, steady.starts, passes,
+        nxt = self.runner.interleave(lanes, steady.tokens, positions, steady.depths, starts, passes,
                                      on_device=DeviceTokens(rows, toks, rows), prev=self._last, exits=steady.rules)
         self._last = nxt
-        self._ahead = (self._ends(nxt, lanes, sts, steady.starts, passes, steady.rules), nxt, False, B)
-        steady.out, steady.positions = nxt, positions
+        self._ahead = (self._ends(nxt, lanes, sts, starts, passes, steady.rules), nxt, False, B)
+        steady.out, steady.positions, steady.starts, steady.passes = nxt, positions, starts, passes
         self._steady = steady
-        self._iters.clear()  # every row's token ended: none is midway
-        for row, st in enumerate(sts):
-            st.advanced(out.row(row))
+        # the rows midway through a token, as `_ends` leaves them (the general path reads them)
+        self._iters.clear()
+        self._iters.update((lane, s) for lane, s in zip(lanes, starts) if s)
+        for row in ended:
+            sts[row].advanced(out.row(row))
         updates: dict[int, Update] = {}
-        for lane, st, t in zip(lanes, sts, self._host_tokens(B)):
-            if st.accept(t):
-                updates[lane] = [t], None
-            else:  # a stop token: its row in the launch just made runs on, unread
-                updates[lane] = [t], st.finish()
-                del self.states[lane]
-                self._members += 1
+        if ended:
+            host = self._host_tokens(B)
+            for row in ended:
+                lane, st, t = lanes[row], sts[row], host[row]
+                if st.accept(t):
+                    updates[lane] = [t], None
+                else:  # a stop token: its row in the launch just made runs on, unread
+                    updates[lane] = [t], st.finish()
+                    del self.states[lane]
+                    self._members += 1
         return updates
 
     def _launch(self, on_device: dict, skip: frozenset | set = frozenset(),
@@ -401,8 +421,8 @@ class Batcher:
         self._last = out
         self._steady = None
         if exits is not None and not drain and all(st.plain_greedy for st in sts):
-            # the next launch may be these rows again, each one token on (`_step_steady`)
-            self._steady = _Steady(out, lanes, sts, depths, rules, positions, self._members)
+            # the next launch may be these rows again, moved on on the device (`_step_steady`)
+            self._steady = _Steady(out, lanes, sts, depths, rules, positions, starts, passes, self._members)
         self._ahead = (self._ends(out, lanes, sts, starts, passes, exits), out, False, len(lanes))
 
     def _ends(self, out: StepOut, lanes: list[int], sts: list[DecodeState], starts: list[int], passes: int,

@@ -725,26 +725,31 @@ class Runner:
         return out
 
     def _interleave_again(self, lanes, positions, depths, starts, on_device, exits, prev):
-        """The rows of the last interleaved launch again, each one position on and starting its
-        next token, its token on the device (a batch's steady state when every row's token ends
-        in each launch): the rows move on on the device, with nothing made, checked or copied on
-        the host again -> (step, bucket, graphed, own), or None where the launch is another
-        (`_interleave_load` then loads it). own: the tokens are that launch's greedy ones (prev
-        is its StepOut and they are its `greedy`), so the launch's own "next" stage moves the
-        rows on; otherwise `InterleavedStep.reload_next` does, before the launch."""
+        """The rows of the last interleaved launch again, each whose token ended one position on
+        and starting its next token, its token on the device, and each other going on from where
+        it stopped (a batch's steady state): the rows move on on the device, with nothing made,
+        checked or copied on the host again -> (step, bucket, graphed, own), or None where the
+        launch is another (`_interleave_load` then loads it). own: the tokens are that launch's
+        greedy ones (prev is its StepOut, resolved, and they are its `greedy`), so the launch's
+        own "next" stage moves the rows on, whichever ended (prev.finished: the rows that start
+        a token now); otherwise, where every row's token ended, `InterleavedStep.reload_next`
+        does, before the launch."""
         last = self._interleaved_last
-        if last is None or on_device is None or any(starts):
+        if last is None or on_device is None:
             return None
         step, b, graphed, l_lanes, l_positions, l_depths, l_exits = last
         B = len(lanes)
+        fresh = [s == 0 for s in starts]
         if not (graphed and len(on_device.rows) == B and on_device.rows == on_device.index and lanes == l_lanes
                 and depths == l_depths and (exits is None) == (l_exits is None) and (exits is None or exits == l_exits)
-                and all(p == q + 1 for p, q in zip(positions, l_positions))):
+                and all(p == q + f for p, q, f in zip(positions, l_positions, fresh))):
             return None
         values = on_device.values[:B]
         own = (prev is not None and prev is self._owners.get("interleaved") and prev.greedy.shape[0] == B
-               and values.data_ptr() == prev.greedy.data_ptr())
+               and values.data_ptr() == prev.greedy.data_ptr() and prev.finished == fresh)
         if not own:
+            if not all(fresh):
+                return None
             step.reload_next(values)
         self._interleaved_last = (step, b, graphed, l_lanes, list(positions), l_depths, l_exits)
         return step, b, graphed, own
@@ -784,9 +789,9 @@ class Runner:
         host = [0 if isinstance(t, torch.Tensor) else t for t in tokens]
         step.load(list(lanes), host, list(positions), list(depths), list(starts), self._device_rows(on_device),
                   rules=rules)
-        # rows that all start a token: the next launch may bring the same rows one position on
-        self._interleaved_last = None if any(starts) else (step, b, graphed, list(lanes), list(positions),
-                                                           list(depths), None if exits is None else list(exits))
+        # the next launch may bring the same rows on (`_interleave_again`)
+        self._interleaved_last = (step, b, graphed, list(lanes), list(positions), list(depths),
+                                  None if exits is None else list(exits))
         return step, b, graphed
 
     def _capture_exit_stages(self, state: ExitState) -> None:

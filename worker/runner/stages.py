@@ -242,9 +242,10 @@ class InterleavedStep(StagedPass):
     the iterations its token has run where an exit rule stopped it (its depth otherwise).
 
     Stages, each over every row of the bucket:
-    - "next": the rows of the last load again, each one position on and starting its next token,
-      its greedy token of the launch before (`reload_next` on the device; `greedy` is the coda's
-      argmax);
+    - "next": the rows of the last load again, each row whose token the launch before ended one
+      position on and starting its next token, its greedy token of that launch (`greedy` is the
+      coda's argmax), each other row going on with its token from where it stopped (all on the
+      device: `loaded` holds each row as it would start its next token);
     - "resume": the residual of each row from its lane's row of lane_x;
     - "prelude": the rows that start at iteration 0 embed their token and run the prelude (the
       others pass position max_seq_len, which writes and reads no cache, and keep their residual);
@@ -290,24 +291,40 @@ class InterleavedStep(StagedPass):
         self.exits = None  # an ExitState over the lanes, once `with_exits`
         self._staging = self._rule_staging = None  # the host side of ctl's and rules' loads
         self._rules_loaded = None  # the rows `rules` holds (ExitState.load_host's list: kept unchanged)
-        # ctl as the last `load` wrote it, before any pass moved it, and (row 9) 1 for its rows
-        self.loaded = torch.zeros(10, bucket, dtype=ctl.dtype, device=ctl.device)
+        # rows 0-8: ctl as the last `load` wrote it with each row at the start of its token (start
+        # 0, its first cache row), at the position of the token it runs (a row's next token starts
+        # from here, one position on); row 9: 1 for its rows; rows 10-11: the load's own starts and
+        # first cache rows, for ctl
+        self.loaded = torch.zeros(12, bucket, dtype=ctl.dtype, device=ctl.device)
         self._loaded_rows = 0
         self.greedy = torch.zeros(bucket, dtype=torch.long, device=ctl.device)  # the coda's argmax
+        # the "next" stage's rows: whose token ended, and whose goes on
+        self._ended = torch.zeros(bucket, dtype=torch.bool, device=ctl.device)
+        self._ended_rows = torch.zeros(bucket, dtype=ctl.dtype, device=ctl.device)
+        self._going = torch.zeros(bucket, dtype=torch.bool, device=ctl.device)
 
     def reload_next(self, tokens: torch.Tensor) -> None:
         """The rows of the last `load`, each at its next position and starting its next token,
-        tokens[i] (on the device) for row i: the control rows as loaded (the passes move their
-        iterations on), one position on, all on the device. For rows that all started a token
-        at that load: each of them then starts the token after. The "next" stage does the same
-        with each row's greedy token of the launch before (`greedy`), inside the launch."""
-        self._move_on()
+        tokens[i] (on the device) for row i, all on the device: for rows whose every token ended
+        in the launch before (the caller knows). The "next" stage moves rows on inside the launch,
+        with each ended row's greedy token of the launch before (`greedy`), whichever ended."""
+        self.loaded[1].add_(self.loaded[9])
+        self.ctl.copy_(self.loaded[:9])
         self.ctl[0, :self._loaded_rows].copy_(tokens)
 
     def _move_on(self) -> None:
-        """ctl: the rows of the last `load` one position on (row 9 of `loaded`: 1 for its rows)."""
-        self.loaded[1].add_(self.loaded[9])
-        self.ctl.copy_(self.loaded[:9])
+        """The "next" stage: each row of the last `load` whose token ended (its iterations past
+        its last, set by the passes or its exit rule) one position on at the start of its next
+        token, its greedy token; each other row as it stands, marked as midway (start 1: no
+        prelude, its exit criteria kept); idle rows idle."""
+        ended, rows, going = self._ended, self._ended_rows, self._going
+        torch.gt(self.base, self.last, out=ended)
+        torch.mul(ended, self.loaded[9], out=rows)
+        self.loaded[1].add_(rows)
+        torch.lt(rows, self.loaded[9], out=going)
+        torch.where(going, self.ctl, self.loaded[:9], out=self.ctl)
+        self.starts.copy_(going)
+        torch.mul(self.greedy, rows, out=self.ctl[0])
 
     def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
@@ -344,9 +361,8 @@ class InterleavedStep(StagedPass):
             torch.where(self.base > self.last, self.positions, self._outside, out=self.pos[2, :, 0])
             self.logits.copy_(e.logits(e.coda(x, self.passes[2]))[:, -1])
             torch.argmax(self.logits, dim=-1, out=self.greedy)
-        elif stage == "next":  # reload_next, each row's token its greedy one of the launch before
+        elif stage == "next":
             self._move_on()
-            torch.mul(self.greedy, self.loaded[9], out=self.ctl[0])
         elif stage in EXIT_STAGES and self.exits is not None:
             self._run_exit(stage)
         else:
@@ -388,14 +404,16 @@ class InterleavedStep(StagedPass):
         v = self._staging.next()
         lane, start, depth = (np.asarray(a, dtype=np.int64) for a in (lanes, starts, depths))
         # an idle row: past its last (valid) row from the start, so never live
-        for k, (row, idle) in enumerate(((tokens, 0), (positions, self.S), (lane, 0), (start, 0), (lane, n),
-                                        ((start * nl + npre) * n + lane, (nl + npre) * n),
-                                        (((depth - 1) * nl + npre) * n + lane, npre * n), (depth, 0), (depth, 0))):
+        for k, (row, idle) in enumerate(((tokens, 0), (positions, self.S), (lane, 0), (0, 0), (lane, n),
+                                        (npre * n + lane, (nl + npre) * n),
+                                        (((depth - 1) * nl + npre) * n + lane, npre * n), (depth, 0), (depth, 0),
+                                        (1, 0), (start, 0), ((start * nl + npre) * n + lane, (nl + npre) * n))):
             v[k, :B] = row
             v[k, B:] = idle
-        v[9, :B], v[9, B:] = 1, 0
         self._staging.copy_to(self.loaded)
         self.ctl.copy_(self.loaded[:9])
+        if any(starts):  # rows midway through a token: their own start and first cache row
+            self.ctl[3:6:2].copy_(self.loaded[10:12])
         self._loaded_rows = B
         _device_tokens_into(self.ctl[0], on_device)
         if rules is not None and rules is not self._rules_loaded:  # the same rows are on the device already
