@@ -7,6 +7,7 @@ For full depth L (no exit) and each (criterion, threshold) of the sweep, in one 
 
     iterations_per_token   mean iterations per decoded token (the generate runs' usage)
     tok_s_b1               tokens/s of one stream (batch 1), greedy, --tokens tokens per prompt
+                           (each tokens/s figure: the best of --repeat timed runs)
     tok_s_batched          tokens/s of --streams streams decoding together (one batched step each),
                            prefill and first tokens included (generate_batch's wall)
     tok_s_batched_decode   the same tokens but the first ones over the wall from the batch's
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bpb-tokens", type=int, default=None, help="teacher-forced tokens per sequence")
     ap.add_argument("--sweep", nargs="+", default=[],
                     help="criterion=v1,v2,... (thresholds; argmax: patiences) in place of SWEEP's")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs of each kind (batch 1 over the prompts, the batched run): the best")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--tag", default="", help="appended to the result's name: early-exit-<device>-<tag>.json")
@@ -177,25 +180,32 @@ def main(argv: list[str] | None = None) -> int:
         kw = {} if rule is None else {"early_exit": rule}
         # warm-up (kernels, allocations, the exit checks' graphs) of both paths timed below
         model.generate(prompts[0], loops=L, max_tokens=4, **kw)
-        # the whole batched run twice: the captures of its launches' sequences happen here
-        for _ in range(2):
+        # the whole batched run three times: the captures of its launches' sequences happen here
+        # (a launch's stage sequence depends on which rows end where, and passes on measured time)
+        for _ in range(3):
             model.generate_batch(prompts[:streams], per_lane_loops=[L] * streams, max_tokens=args.tokens, **kw)
-        outs, secs = [], 0.0
-        for p in prompts[:prompts_n]:
-            sync(dev)
-            t = time.perf_counter()
-            g = model.generate(p, loops=L, max_tokens=args.tokens, **kw)
-            sync(dev)
-            secs += time.perf_counter() - t
-            outs.append(g)
+        secs = math.inf  # the best of --repeat passes over the prompts (one host hiccup skews no figure)
+        for _ in range(args.repeat):
+            outs, took = [], 0.0
+            for p in prompts[:prompts_n]:
+                sync(dev)
+                t = time.perf_counter()
+                g = model.generate(p, loops=L, max_tokens=args.tokens, **kw)
+                sync(dev)
+                took += time.perf_counter() - t
+                outs.append(g)
+            secs = min(secs, took)
         gen = [g[len(p):] for g, p in zip(outs, prompts)]
-        sync(dev)
-        first_step.reset()
-        t = time.perf_counter()
-        batch = model.generate_batch(prompts[:streams], per_lane_loops=[L] * streams, max_tokens=args.tokens, **kw)
-        sync(dev)
-        end = time.perf_counter()
-        batch_s, decode_s = end - t, end - (first_step.at or t)
+        batch_s = decode_s = math.inf
+        for _ in range(args.repeat):
+            sync(dev)
+            first_step.reset()
+            t = time.perf_counter()
+            batch = model.generate_batch(prompts[:streams], per_lane_loops=[L] * streams, max_tokens=args.tokens,
+                                         **kw)
+            sync(dev)
+            end = time.perf_counter()
+            batch_s, decode_s = min(batch_s, end - t), min(decode_s, end - (first_step.at or t))
         bits, nbytes, tf_depths = teacher_forced_bits(model, bpb_texts, args.bpb_prompt, L, rule)
         row = {"rule": rule, "loops": L,
                "iterations_per_token": (sum(g.stats.get("iterations_per_token", L) for g in outs) / len(outs)),
