@@ -115,7 +115,7 @@ CURRENT = [
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
     ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"), ("rows-tiles", "cuda"),
-    ("batch-fused", "cuda"), ("batch-interleave", "cuda"),
+    ("batch-fused", "cuda"), ("batch-interleave", "cuda"), ("generate-ab", "cuda"),
 ]
 
 
@@ -551,6 +551,23 @@ def profile_exit_batch_body(r: Result) -> str:
                  f"includes the calls it makes; runs of {ms(ex.get('wall_ms'))} and {ms(fd.get('wall_ms'))} so timed):\n\n"
                  + table(["call", "rule", "full depth"], [[code(k), per(calls_e, k), per(calls_f, k)] for k in names])
                  + "\n")
+    return body
+
+
+def generate_ab_body(r: Result) -> str:
+    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
+    med = r.data.get("median_tok_s") if isinstance(r.data.get("median_tok_s"), dict) else {}
+    over = r.data.get("over_base") if isinstance(r.data.get("over_base"), dict) else {}
+    trees = list(med)
+    loops = [str(L) for L in (w.get("loops") or [])]
+    rows = [[code(t) + (f" (`{r.data['base_commit']}`)" if t == "base" and r.data.get("base_commit") else "")]
+            + [f"{num(get(med, t, L), ',.0f')} ({times(get(over, t, L), 3)})" for L in loops] for t in trees]
+    body = (f"Model {text(w.get('model'))}, {text(w.get('tokens'))} greedy tokens a generate, the best of "
+            f"{text(w.get('repeat'))} a round, {text(w.get('rounds'))} rounds alternating the trees in the order "
+            f"given (the first the reference); median tokens/s over the rounds (over the first tree's).\n\n"
+            + table(["tree"] + [f"L = {L}" for L in loops], rows or [[DASH]]) + "\n")
+    if r.data.get("finding"):
+        body += f"\n{text(r.data['finding'])}.\n"
     return body
 
 
@@ -1181,6 +1198,8 @@ EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exi
                     "a sweep of rules and thresholds against full depth.")
 PROFILE_EXIT_INTRO = ("`bench/profile_exit.py`: one stream with and without an exit rule, and the GPU time of each "
                       "captured graph an exit step replays (CUDA events around back-to-back replays).")
+GENERATE_AB_INTRO = ("`bench/generate_ab.py`: `Model.generate` of two source trees on one host, each in a process "
+                     "of its own, alternated round by round.")
 PROFILE_EXIT_BATCH_INTRO = ("`bench/profile_exit_batch.py`: a batch of streams with an exit rule (interleaved "
                             "launches) and the same batch at full depth (batched whole-token steps): tokens/s, and the "
                             "share of a profiled run's wall time in which the GPU ran anything.")
@@ -1296,6 +1315,8 @@ def render(results: Path = RESULTS) -> str:
                 profile_exit_body),
         section("Where a batch of early-exit streams' time goes, on the GPU", PROFILE_EXIT_BATCH_INTRO,
                 n(("profile-exit-batch", "cuda")), profile_exit_batch_body),
+        section("Generate, one tree against another, on the GPU", GENERATE_AB_INTRO, n(("generate-ab", "cuda")),
+                generate_ab_body),
         section("The hop to a worker on a CPU", RAY_HOP_INTRO, n(("ray-hop", "cpu")), ray_hop_body),
         section("A round trip between two processes on the H200's host", TRANSPORT_INTRO, n(("transport", "cuda")),
                 transport_body),
