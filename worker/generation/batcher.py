@@ -318,8 +318,6 @@ class Batcher:
         self.rows_stepped = B
         out.detach()  # the rows outlive the next launch, which reuses the step's buffers
         toks = out.greedy[:B]
-        if ended:
-            self._copy_to_host(toks)
         if steady.hist is None:  # the first repeat: the depths before the launch in flight
             steady.hist = np.full((B, EXIT_HISTORY), -1, dtype=np.int64)
             steady.turn = np.zeros(B, dtype=np.int64)
@@ -351,7 +349,7 @@ class Batcher:
             sts[row].advanced(out.row(row))
         updates: dict[int, Update] = {}
         if ended:
-            host = self._host_tokens(B)
+            host = out.greedy_host  # read with the launch's ends
             for row in ended:
                 lane, st, t = lanes[row], sts[row], host[row]
                 if st.accept(t):

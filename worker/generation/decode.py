@@ -17,7 +17,7 @@ import torch
 from tinyloop.worker.runner.sampler import SamplingParams
 from tinyloop.worker.runner.early_exit import ExitRule, histogram
 from tinyloop.worker.runner.engine import Counters
-from tinyloop.worker.runner.runner import Runner, StepOut
+from tinyloop.worker.runner.runner import RowOut, Runner, StepOut
 from tinyloop.worker.runner.stages import device_tensor
 # Finish reasons (documented in docs/api.md).
 FINISH_LENGTH = "length"      # max_tokens reached
@@ -378,6 +378,12 @@ class DecodeState:
             if out is None:
                 return
             out.resolve()
+        if type(out) is RowOut:  # a batched step's row, once per token: its iterations alone
+            L, w = out.iterations, self.work
+            self.work = Counters(w.loop_iterations + L, w.loop_token_iterations + L)
+            if self.exits is not None:
+                self.step_depths.append(L)
+            return
         self.work = self.work.plus(out.work)
         if self.exits is not None:
             self.step_depths.extend(out.depths)

@@ -147,6 +147,9 @@ class StepOut:
     # an interleaved launch with exit rules on graphs: CUDA events around its passes (their
     # elapsed time is readable once it is resolved), for the batcher's cost of a launch
     timing: tuple | None = None
+    # an interleaved launch with exit rules, once resolved: `greedy` on the host, read with its
+    # ends (a row's entry is its next token where its token ended)
+    greedy_host: list[int] | None = None
 
     def resolve(self) -> None:
         """A pending step: wait for it and read whose token ended and the iterations each ran
@@ -192,14 +195,24 @@ class DeviceTokens:
 
 
 class RowOut:
-    """Row i of a StepOut, with its fields (views) made on first read."""
-    __slots__ = ("_step", "_i", "work", "depths", "host")
+    """Row i of a StepOut, with its fields (views) made on first read. A batched step hands
+    every row out, once per token of each stream: `iterations` (its token's) is all most
+    readers take (DecodeState counts it directly)."""
+    __slots__ = ("_step", "_i", "iterations", "host")
+    pending = None  # a row is handed out once its step has ended
 
     def __init__(self, step: StepOut, i: int):
         self._step, self._i = step, i
-        L = step.depths[i] if step.depths else step.work.loop_iterations
-        self.work, self.depths = Counters(L, L), [L]
+        self.iterations = step.depths[i] if step.depths else step.work.loop_iterations
         self.host = step.host if i == 0 else None
+
+    @property
+    def work(self) -> Counters:
+        return Counters(self.iterations, self.iterations)
+
+    @property
+    def depths(self) -> list[int]:
+        return [self.iterations]
 
     def _view(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[self._i:self._i + 1]
@@ -716,7 +729,7 @@ class Runner:
             def read(out=out, step=step):
                 if step.published_event is not None:
                     step.published_event.synchronize()
-                ran, done = step.published[:, :B].tolist()
+                ran, done, out.greedy_host = step.published[:, :B].tolist()
                 out.depths, out.finished = ran, [bool(f) for f in done]
                 out.work = self.counters.add(passes, sum(r - s if f else passes
                                                          for r, s, f in zip(ran, starts, out.finished)))

@@ -266,8 +266,8 @@ class InterleavedStep(StagedPass):
       a row its rule stops has its depth entry set to the iterations it ran, and its last cache
       row pulled back to them, so it is live no more: later passes carry it, the coda takes it;
     - "exit_end": the skipped iterations' cache entries of the rows that stopped (the `copy`
-      policy, `Ops.exit_fill_rows`), and each row's iterations and whether its token ended
-      published to a host buffer (pinned on CUDA).
+      policy, `Ops.exit_fill_rows`), and each row's iterations, whether its token ended and its
+      greedy token published to a host buffer (pinned on CUDA): one host read for all three.
 
     An idle row: token 0, position max_seq_len, lane 0, lane_x row n_slots, past its last
     iteration from the start (so never live, its cache rows lane 0's valid ones), depth 0. The
@@ -337,7 +337,7 @@ class InterleavedStep(StagedPass):
         self.rules = torch.zeros(self.bucket, 6, dtype=torch.float32, device=dev)
         self.never_host = list(never)
         self.never = torch.tensor(never, dtype=torch.float32, device=dev)
-        self.published = torch.zeros(2, self.bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.published = torch.zeros(3, self.bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.published_event = torch.cuda.Event() if dev.type == "cuda" else None
         self.kinds = state.all_kinds & frozenset(criteria)
         self._idle_row = torch.tensor(self.n_slots, device=dev)
@@ -390,6 +390,7 @@ class InterleavedStep(StagedPass):
                                  cfg.n_loop_layers, cache.max_loops)
             self.published[0].copy_(self.ran, non_blocking=True)
             self.published[1].copy_(self.base > self.last, non_blocking=True)
+            self.published[2].copy_(self.greedy, non_blocking=True)
 
     def load(self, lanes: list[int], tokens: list[int], positions: list[int], depths: list[int],
              starts: list[int], on_device: tuple[torch.Tensor | None, torch.Tensor] | None = None,
