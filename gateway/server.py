@@ -81,10 +81,10 @@ def server_options(o: GatewayOptions) -> list[tuple[str, int]]:
 class _Worker:
     def __init__(self, index: int, actor, info: dict):
         self.index, self.actor, self.info = index, actor, info
-        self.inflight = 0
-        # the worker's own count of the jobs it holds or queues, from every gateway in front of
-        # it (its stats, asked for every health interval), and this gateway's in-flight count then
-        self.load, self.inflight_at_poll = 0, 0
+        self.inflight = 0  # this gateway's streams on the worker now
+        # the worker's count of the other gateways' (and callers') streams at its last poll (its
+        # stats, asked for every health interval: every stream it holds, less this gateway's)
+        self.others = 0
         self.label = info["worker_id"]
         self.healthy = True
         self.lanes = max(1, int(info.get("lanes", 1)))
@@ -128,14 +128,13 @@ class _Worker:
             await link.close()
 
     def load_now(self) -> int:
-        """Jobs on the worker now, as far as this gateway can tell: the worker's count at the
-        last poll (every gateway's work: queued and holding a lane), moved by what this gateway
-        placed there or saw end since. Other gateways' changes show at the next poll."""
-        return max(0, self.load + self.inflight - self.inflight_at_poll)
+        """Streams on the worker now, as far as this gateway can tell: its own, counted live,
+        and the others' at the last poll (their changes show at the next)."""
+        return self.others + self.inflight
 
     def polled(self, stats: dict) -> None:
-        self.load = int(stats["queued"]) + int(stats["running"])
-        self.inflight_at_poll = self.inflight
+        """A poll's stats (`WorkerActor.stats` asked with this gateway's origin)."""
+        self.others = max(0, int(stats["streams"]) - int(stats.get("own_streams", 0)))
 
 
 def _deadline(context, p) -> None:
@@ -158,6 +157,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         self.default_loops = first["default_loops"]
         self.draining = False
         self.inflight = 0
+        # this gateway's id: the prefix of its stream keys, which the workers count it by
+        self.origin = uuid.uuid4().hex[:12]
         self._rr = itertools.count()
         self.on_health = None  # async callback(serving: bool), set by Gateway: some worker can take work or none
         self.streams: set[asyncio.Task] = set()  # the handler tasks of the streams in flight
@@ -366,7 +367,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             yield msg
 
     async def _stream(self, method: str, context, w: _Worker, request_id: str, actor_method: str, *args):
-        key = uuid.uuid4().hex
+        key = f"{self.origin}.{uuid.uuid4().hex}"
         t0 = time.perf_counter()
         first = True
         done = False
@@ -706,7 +707,8 @@ class Gateway:
                 if not w.healthy:
                     continue
                 try:
-                    stats = await asyncio.wait_for(_ref(w.actor.stats.remote()), self.options.health_interval_s * 5)
+                    stats = await asyncio.wait_for(_ref(w.actor.stats.remote(self.servicer.origin)),
+                                                   self.options.health_interval_s * 5)
                     if stats.get("epoch") != w.info.get("epoch"):  # Ray restarted it between two polls
                         await w.refresh(self.options.worker_channel, self.options.health_interval_s * 5)
                 except (asyncio.TimeoutError, *_ACTOR_ERRORS):

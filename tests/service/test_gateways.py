@@ -55,7 +55,8 @@ def test_a_handle_built_through_one_gateway_resumes_through_another(gateways):
 def test_placement_sees_the_load_another_gateway_put_on_a_worker(gateways):
     """While a stream from the first gateway runs on one worker, the second gateway, which has
     nothing in flight anywhere, sends its new requests to the other worker (by its own counts
-    alone, a rotation, it would alternate)."""
+    alone, a rotation, it would alternate): the workers' polled counts less its own streams,
+    plus its own counted live."""
     actors, first, second = gateways
     with TinyLoopClient(first.address) as a, TinyLoopClient(second.address) as b:
         h = a.build_resume_handle(PROMPT, l_used=2, max_loops=8)
@@ -65,10 +66,9 @@ def test_placement_sees_the_load_another_gateway_put_on_a_worker(gateways):
         time.sleep(0.5)  # several of the second gateway's polls
         seen = []
         for _ in range(4):
+            # back to back: a poll in flight while the one before ran counts it as the second
+            # gateway's own (`own_streams`), which placement takes from its live count instead
             seen.append(b.generate(PROMPT, loops=2, max_tokens=2).collect()[1].worker_id)
-            # a poll in flight while that request ended may still count it on its worker (the
-            # placement's view is one poll old): each request here waits for a poll taken after
-            time.sleep(0.25)
         stream.cancel()
         assert h.worker_id not in seen, \
             f"the second gateway sent new work to {seen} while {h.worker_id} ran the first's stream"

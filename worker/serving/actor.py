@@ -270,15 +270,22 @@ class WorkerActor:
                 "kv_bytes_per_token_layer": self.model.kv_bytes_per_token_layer, "channel": await self.channel(),
                 **(await self.stats())}
 
-    async def stats(self) -> dict:
+    async def stats(self, origin: str | None = None) -> dict:
         """Worker-side counts: what the tests use to prove nothing leaks, and the gateway's
-        metrics (cumulative step histograms in `steps`)."""
+        metrics (cumulative step histograms in `steps`). With origin (a gateway's id, the prefix
+        `<origin>.` of its stream keys), `own_streams` counts that gateway's streams among
+        `streams` (both at one instant of the event loop), so its placement can take the other
+        gateways' load from here and its own from its live count."""
         self._sweep()
         b = self.scheduler.batcher
-        return {"epoch": self.epoch, "active_lanes": self.lanes - self.model.runner.lanes.free,
-                "queued": self.scheduler.queued, "running": self.scheduler.running,
-                "streams": len(self._sinks), "handles": len(self.handles), "handle_bytes": self.handles.nbytes,
-                "batched_steps": b.steps, "batched_lane_steps": b.lane_steps, "steps": self._metrics.snapshot()}
+        out = {"epoch": self.epoch, "active_lanes": self.lanes - self.model.runner.lanes.free,
+               "queued": self.scheduler.queued, "running": self.scheduler.running,
+               "streams": len(self._sinks), "handles": len(self.handles), "handle_bytes": self.handles.nbytes,
+               "batched_steps": b.steps, "batched_lane_steps": b.lane_steps, "steps": self._metrics.snapshot()}
+        if origin:
+            prefix = origin + "."
+            out["own_streams"] = sum(1 for key in self._sinks if key.startswith(prefix))
+        return out
 
     async def configure(self, handle_ttl_s: float | None = None, handle_budget_bytes: int | None = None,
                         coalesce_s: float | None = None) -> dict:
