@@ -6,7 +6,8 @@ import pytest
 import torch
 from kernel_tolerances import DEVICE
 
-from tinyloop.kernels.interleave import interleave_pass, interleave_pass_ref
+from tinyloop.kernels.interleave import (interleave_next, interleave_next_ref, interleave_pass, interleave_pass_ref,
+                                         interleave_stop, interleave_stop_ref)
 
 
 def case(B, n_loop, n_prelude=2, n_slots=7, S=50, seed=0):
@@ -24,20 +25,26 @@ def case(B, n_loop, n_prelude=2, n_slots=7, S=50, seed=0):
 
 @pytest.mark.parametrize("B", [1, 5, 16, 33, 128])
 @pytest.mark.parametrize("n_loop", [1, 3])
-def test_interleave_pass_matches_ref_and_the_layers(B, n_loop):
+@pytest.mark.parametrize("with_order", [False, True])
+def test_interleave_pass_matches_ref_and_the_layers(B, n_loop, with_order):
+    """With order (an exit check's rows), each row's xrows entry where live, else n_slots."""
     n_slots, S = 7, 50
     (base, last, positions, its, depth, lanes, idle), flat = case(B, n_loop, n_slots=n_slots, S=S, seed=B + n_loop)
+    xrows = torch.where(idle, n_slots, lanes)
     outs = []
     for op in (interleave_pass, interleave_pass_ref):
         b = base.clone()
         rows = torch.full((n_loop, B), -7, dtype=torch.long, device=DEVICE)
         pos = torch.full((B,), -7, dtype=torch.long, device=DEVICE)
         live = torch.zeros(B, dtype=torch.bool, device=DEVICE)
-        op(b, last, positions, S, n_loop * n_slots, n_slots, rows, pos, live)
-        outs.append((b, rows, pos, live))
+        order = torch.full((B,), -7, dtype=torch.long, device=DEVICE) if with_order else None
+        op(b, last, positions, S, n_loop * n_slots, n_slots, rows, pos, live, order, xrows if with_order else None)
+        outs.append((b, rows, pos, live) + ((order,) if with_order else ()))
     for a, r in zip(*outs):
         assert torch.equal(a, r)
-    b, rows, pos, live = outs[0]
+    b, rows, pos, live = outs[0][:4]
+    if with_order:
+        assert torch.equal(outs[0][4], torch.where(live, xrows, n_slots))
     want_live = (its < depth) & ~idle
     assert torch.equal(live, want_live)
     assert torch.equal(pos, torch.where(want_live, positions, S))
@@ -88,3 +95,54 @@ def test_interleave_pass_on_gpu_at_served_shapes(B, n_loop, n_prelude):
         interleave_pass_ref(*args(ref_base, ref))
         torch.cuda.synchronize()
         assert torch.equal(got_base, ref_base) and all(torch.equal(a, r) for a, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("B", [1, 6, 33, 128])
+@pytest.mark.parametrize("n_loop", [1, 3])
+def test_interleave_stop_matches_ref_and_pulls_back_the_stopped_rows(B, n_loop):
+    """A row its rule stopped (ran < depth) has its last flat row at iteration ran - 1 (or
+    earlier, where it was already); a row still going keeps its last."""
+    n_prelude, n_slots = 2, 7
+    (_, last, _, _, depth, lanes, idle), flat = case(B, n_loop, n_prelude=n_prelude, n_slots=n_slots, seed=B * 3 + n_loop)
+    g = torch.Generator().manual_seed(B)
+    stops = torch.rand(B, generator=g) < 0.5
+    ran = torch.where(stops, (torch.rand(B, generator=g) * depth.cpu()).long().clamp(min=1), depth.cpu()).to(DEVICE)
+    outs = []
+    for op in (interleave_stop, interleave_stop_ref):
+        x = last.clone()
+        op(ran, depth, x, lanes, n_prelude, n_loop, n_slots)
+        outs.append(x)
+    assert torch.equal(*outs)
+    want = torch.where(ran < depth, torch.minimum(last, flat(ran - 1, lanes)), last)
+    assert torch.equal(outs[0], want)
+    stopped = (ran < depth) & ~idle  # a loaded row's last is its depth's: a stop pulls it back
+    assert torch.equal(outs[0][stopped], flat(ran - 1, lanes)[stopped])
+
+
+@pytest.mark.parametrize("B", [1, 7, 64])
+def test_interleave_next_matches_ref_and_moves_ended_rows_on(B):
+    """Rows whose token ended start their next token one position on with their greedy token;
+    rows still going keep their control rows, marked midway (start 1); idle rows stay idle. The
+    control rows may be a view of a wider buffer (the buckets share one)."""
+    g = torch.Generator().manual_seed(B)
+    wide = torch.randint(0, 1000, (9, B + 5), generator=g)
+    loaded = torch.randint(0, 1000, (12, B), generator=g)
+    live = (torch.arange(B) % 4 != 3).long()
+    loaded[9] = live
+    ended = torch.rand(B, generator=g) < 0.5
+    wide[5, :B] = torch.where(ended, wide[6, :B] + 1, wide[6, :B] - 1)
+    greedy = torch.randint(0, 50, (B,), generator=g)
+    outs = []
+    for op in (interleave_next, interleave_next_ref):
+        w, ld = wide.clone().to(DEVICE), loaded.clone().to(DEVICE)
+        op(w[:, :B], ld, greedy.to(DEVICE))
+        outs.append((w.cpu(), ld.cpu()))
+    (w, ld), (wr, ldr) = outs
+    assert torch.equal(w, wr) and torch.equal(ld, ldr)
+    assert torch.equal(w[:, B:], wide[:, B:])  # the rest of the wide buffer untouched
+    e, go = ended & (live == 1), ~ended & (live == 1)
+    assert torch.equal(ld[1], loaded[1] + e.long())
+    for k in (2, 4, 5, 6, 7, 8):
+        assert torch.equal(w[k, :B][go], wide[k, :B][go]) and torch.equal(w[k, :B][~go], loaded[k][~go])
+    assert torch.equal(w[1, :B][~go], loaded[1][~go] + e.long()[~go])
+    assert torch.equal(w[0, :B], torch.where(e, greedy, 0)) and torch.equal(w[3, :B], go.long())

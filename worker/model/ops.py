@@ -13,7 +13,7 @@ from tinyloop.kernels.exit_fill import exit_fill_ref, exit_fill_rows_ref, exit_p
 from tinyloop.kernels.decode_attention import (decode_attention_ref, rope_chunk_attention_ref,
                                                rope_decode_attention_ref, rope_tree_attention_ref)
 from tinyloop.kernels.hcache import h_cache_write_ref, h_decode_attention_ref, h_encode_ref, h_rows_ref
-from tinyloop.kernels.interleave import interleave_pass_ref
+from tinyloop.kernels.interleave import interleave_next_ref, interleave_pass_ref, interleave_stop_ref
 from tinyloop.kernels.rope import apply_rope_ref, rope_cache_write_ref
 from tinyloop.kernels.tree_attention import tree_attention_ref
 
@@ -34,6 +34,8 @@ class Ops:
     exit_publish = staticmethod(exit_publish_ref)  # and the depth and token to the host
     exit_fill_rows = staticmethod(exit_fill_rows_ref)  # the copy fill of an interleaved launch's rows
     interleave_pass = staticmethod(interleave_pass_ref)  # an interleaved pass's rows (runner/stages.py)
+    interleave_stop = staticmethod(interleave_stop_ref)  # its rows stopped by their exit rules
+    interleave_next = staticmethod(interleave_next_ref)  # a launch's rows moved on to their next tokens
     # store-h caches (kernels/hcache.py)
     h_cache_write = staticmethod(h_cache_write_ref)
     h_rows = staticmethod(h_rows_ref)
@@ -89,8 +91,10 @@ class TritonOps(Ops):
         self.exit_fill = exit_fill
         self.exit_fill_rows = exit_fill_rows
         self.exit_publish = exit_publish
-        from tinyloop.kernels.interleave import interleave_pass
+        from tinyloop.kernels.interleave import interleave_next, interleave_pass, interleave_stop
         self.interleave_pass = interleave_pass
+        self.interleave_stop = interleave_stop
+        self.interleave_next = interleave_next
         # store-h caches: the write and the fused decode read; the chunk paths' row reads stay
         # the torch reference's (gathers, no host sync)
         from tinyloop.kernels.hcache import h_cache_write, h_decode_attention

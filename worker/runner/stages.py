@@ -298,10 +298,6 @@ class InterleavedStep(StagedPass):
         self.loaded = torch.zeros(12, bucket, dtype=ctl.dtype, device=ctl.device)
         self._loaded_rows = 0
         self.greedy = torch.zeros(bucket, dtype=torch.long, device=ctl.device)  # the coda's argmax
-        # the "next" stage's rows: whose token ended, and whose goes on
-        self._ended = torch.zeros(bucket, dtype=torch.bool, device=ctl.device)
-        self._ended_rows = torch.zeros(bucket, dtype=ctl.dtype, device=ctl.device)
-        self._going = torch.zeros(bucket, dtype=torch.bool, device=ctl.device)
 
     def reload_next(self, tokens: torch.Tensor) -> None:
         """The rows of the last `load`, each at its next position and starting its next token,
@@ -316,15 +312,8 @@ class InterleavedStep(StagedPass):
         """The "next" stage: each row of the last `load` whose token ended (its iterations past
         its last, set by the passes or its exit rule) one position on at the start of its next
         token, its greedy token; each other row as it stands, marked as midway (start 1: no
-        prelude, its exit criteria kept); idle rows idle."""
-        ended, rows, going = self._ended, self._ended_rows, self._going
-        torch.gt(self.base, self.last, out=ended)
-        torch.mul(ended, self.loaded[9], out=rows)
-        self.loaded[1].add_(rows)
-        torch.lt(rows, self.loaded[9], out=going)
-        torch.where(going, self.ctl, self.loaded[:9], out=self.ctl)
-        self.starts.copy_(going)
-        torch.mul(self.greedy, rows, out=self.ctl[0])
+        prelude, its exit criteria kept); idle rows idle (`Ops.interleave_next`)."""
+        self.engine.ops.interleave_next(self.ctl, self.loaded, self.greedy)
 
     def with_exits(self, state, never: list[float], criteria) -> None:
         """Give the step exit stages over `state` (the class docstring); never: the parameters
@@ -340,7 +329,6 @@ class InterleavedStep(StagedPass):
         self.published = torch.zeros(3, self.bucket, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.published_event = torch.cuda.Event() if dev.type == "cuda" else None
         self.kinds = state.all_kinds & frozenset(criteria)
-        self._idle_row = torch.tensor(self.n_slots, device=dev)
 
     @torch.no_grad()
     def run(self, stage) -> None:
@@ -352,9 +340,7 @@ class InterleavedStep(StagedPass):
             torch.where(start, self.positions, self._outside, out=self.pos[0, :, 0])
             torch.where(start[:, None, None], e.embed_prelude(self.tokens, self.passes[0]), x, out=x)
         elif stage == "iter":
-            e.ops.interleave_pass(self.base, self.last, self.positions, self.S, self.stride, self.n_slots,
-                                  self.rows, self.pos[1, :, 0], self.live)
-            torch.where(self.live[:, None, None], e.iteration_rows(x, self.passes[1], self.rows), x, out=x)
+            self._pass()
         elif stage == "save":
             self.lane_x.index_copy_(0, self.xrows, x)
         elif stage == "coda":
@@ -368,6 +354,14 @@ class InterleavedStep(StagedPass):
         else:
             raise ValueError(f"an interleaved step has no stage {stage!r}")
 
+    def _pass(self, order: torch.Tensor | None = None) -> None:
+        """One iteration of every row, each at its own (the "iter" stage); with order, each row's
+        row of the exit state's buffers too (its lane's where live, else the idle rows')."""
+        e, x = self.engine, self.x
+        e.ops.interleave_pass(self.base, self.last, self.positions, self.S, self.stride, self.n_slots,
+                              self.rows, self.pos[1, :, 0], self.live, order, None if order is None else self.xrows)
+        torch.where(self.live[:, None, None], e.iteration_rows(x, self.passes[1], self.rows), x, out=x)
+
     def _run_exit(self, stage) -> None:
         e, st, n = self.engine, self.exits, self.n_slots
         if stage == "exit_start":
@@ -377,13 +371,11 @@ class InterleavedStep(StagedPass):
             for buf, value in ((st.d, 0), (st.remaining, 1), (st.cum, 0), (st.prev_arg, -1), (st.streak, 0)):
                 buf.index_fill_(0, fresh, value)
         elif stage == "iter_exit":
-            self.run("iter")
             # live rows check their own lane's criteria; the others (done, idle) the idle row's
-            torch.where(self.live, self.xrows, self._idle_row, out=st.order[:self.bucket])
+            self._pass(st.order[:self.bucket])
             st.check(self.bucket, e.model.state(self.x[:, 0]), None, self.ran, None, self.kinds)
             cfg = e.config
-            stopped = ((self.ran - 1) * cfg.n_loop_layers + cfg.n_prelude) * n + self.lanes
-            torch.where(self.ran < self.token_depth, torch.minimum(self.last, stopped), self.last, out=self.last)
+            e.ops.interleave_stop(self.ran, self.token_depth, self.last, self.lanes, cfg.n_prelude, cfg.n_loop_layers, n)
         else:  # exit_end
             cfg, cache = e.config, e.cache
             e.ops.exit_fill_rows(cache.k, cache.v, self.ran, self.token_depth, self.lanes, self.positions, cfg.n_prelude,
