@@ -39,6 +39,17 @@ from ._checks import check_device, check_dtype, check_shape
 MAX_ROWS = 4096  # one program holds every row
 
 
+def _check_rows(op: str, B: int, **vectors) -> None:
+    """B within one program's rows, and each of `vectors` a contiguous (B,) int64 vector."""
+    if not 1 <= B <= MAX_ROWS:
+        raise ValueError(f"{op}: 1 to {MAX_ROWS} rows, got {B}")
+    for name, t in vectors.items():
+        check_shape(op, name, t, (B,))
+        check_dtype(op, name, t, (torch.long,))
+        if t.stride(0) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous")
+
+
 def interleave_pass_ref(base, last, positions, outside: int, stride: int, n_slots: int, rows, pos, live,
                         order=None, xrows=None) -> None:
     live.copy_(base <= last)
@@ -73,27 +84,19 @@ def _interleave_pass_kernel(base_ptr, last_ptr, positions_ptr, rows_ptr, pos_ptr
 def interleave_pass(base, last, positions, outside: int, stride: int, n_slots: int, rows, pos, live,
                     order=None, xrows=None) -> None:
     """interleave_pass_ref in one launch (module docstring)."""
-    check_device("interleave_pass", base=base, last=last, positions=positions, rows=rows, pos=pos, live=live)
     if (order is None) != (xrows is None):
         raise ValueError("interleave_pass: order and xrows come together")
+    extra = {} if order is None else {"order": order, "xrows": xrows}
+    check_device("interleave_pass", base=base, last=last, positions=positions, rows=rows, pos=pos, live=live,
+                 **extra)
     B = base.shape[0]
-    if not 1 <= B <= MAX_ROWS:
-        raise ValueError(f"interleave_pass: 1 to {MAX_ROWS} rows, got {B}")
-    for name, t in (("base", base), ("last", last), ("positions", positions), ("pos", pos)):
-        check_shape("interleave_pass", name, t, (B,))
-        check_dtype("interleave_pass", name, t, (torch.long,))
+    _check_rows("interleave_pass", B, base=base, last=last, positions=positions, pos=pos, **extra)
     check_shape("interleave_pass", "live", live, (B,))
     check_dtype("interleave_pass", "live", live, (torch.bool,))
     check_dtype("interleave_pass", "rows", rows, (torch.long,))
     if rows.dim() != 2 or rows.shape[1] != B or rows.shape[0] < 1:
         raise ValueError(f"interleave_pass: rows must be (n_loop, {B}), got {tuple(rows.shape)}")
-    if order is not None:
-        check_device("interleave_pass", base=base, order=order, xrows=xrows)
-        for name, t in (("order", order), ("xrows", xrows)):
-            check_shape("interleave_pass", name, t, (B,))
-            check_dtype("interleave_pass", name, t, (torch.long,))
-    extra = () if order is None else (order, xrows)
-    if not all(t.is_contiguous() for t in (base, last, positions, rows, pos, live, *extra)):
+    if not (rows.is_contiguous() and live.is_contiguous()):
         raise ValueError("interleave_pass: every tensor must be contiguous")
     _interleave_pass_kernel[(1,)](base, last, positions, rows, pos, live.view(torch.int8),
                                   order if order is not None else base, xrows if xrows is not None else base, B,
@@ -140,13 +143,7 @@ def interleave_stop(ran, depth, last, lanes, n_prelude: int, n_loop: int, n_slot
     """interleave_stop_ref in one launch (the comment above)."""
     check_device("interleave_stop", ran=ran, depth=depth, last=last, lanes=lanes)
     B = last.shape[0]
-    if not 1 <= B <= MAX_ROWS:
-        raise ValueError(f"interleave_stop: 1 to {MAX_ROWS} rows, got {B}")
-    for name, t in (("ran", ran), ("depth", depth), ("last", last), ("lanes", lanes)):
-        check_shape("interleave_stop", name, t, (B,))
-        check_dtype("interleave_stop", name, t, (torch.long,))
-        if t.stride(0) != 1:
-            raise ValueError(f"interleave_stop: {name} must be contiguous")
+    _check_rows("interleave_stop", B, ran=ran, depth=depth, last=last, lanes=lanes)
     _interleave_stop_kernel[(1,)](ran, depth, last, lanes, B, n_prelude, n_loop, n_slots,
                                   BLOCK=max(16, triton.next_power_of_2(B)))
 
@@ -189,13 +186,11 @@ def interleave_next(ctl, loaded, greedy) -> None:
     """interleave_next_ref in one launch (the comment above)."""
     check_device("interleave_next", ctl=ctl, loaded=loaded, greedy=greedy)
     B = ctl.shape[1]
-    if not 1 <= B <= MAX_ROWS:
-        raise ValueError(f"interleave_next: 1 to {MAX_ROWS} rows, got {B}")
+    _check_rows("interleave_next", B, greedy=greedy)
     if ctl.shape[0] != 9 or loaded.dim() != 2 or loaded.shape[0] < 10 or loaded.shape[1] != B:
         raise ValueError(f"interleave_next: ctl (9, B) and loaded (>= 10, B), got {tuple(ctl.shape)} and "
                          f"{tuple(loaded.shape)}")
-    check_shape("interleave_next", "greedy", greedy, (B,))
-    for name, t in (("ctl", ctl), ("loaded", loaded), ("greedy", greedy)):
+    for name, t in (("ctl", ctl), ("loaded", loaded)):
         check_dtype("interleave_next", name, t, (torch.long,))
         if t.stride(-1) != 1:
             raise ValueError(f"interleave_next: {name}'s rows must be contiguous")

@@ -196,8 +196,8 @@ class DeviceTokens:
 
 class RowOut:
     """Row i of a StepOut, with its fields (views) made on first read. A batched step hands
-    every row out, once per token of each stream: `iterations` (its token's) is all most
-    readers take (DecodeState counts it directly)."""
+    every row out, once per token of each stream: its work is `iterations` alone (its token's,
+    which DecodeState counts)."""
     __slots__ = ("_step", "_i", "iterations", "host")
     pending = None  # a row is handed out once its step has ended
 
@@ -205,14 +205,6 @@ class RowOut:
         self._step, self._i = step, i
         self.iterations = step.depths[i] if step.depths else step.work.loop_iterations
         self.host = step.host if i == 0 else None
-
-    @property
-    def work(self) -> Counters:
-        return Counters(self.iterations, self.iterations)
-
-    @property
-    def depths(self) -> list[int]:
-        return [self.iterations]
 
     def _view(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[self._i:self._i + 1]

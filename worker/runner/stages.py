@@ -304,8 +304,7 @@ class InterleavedStep(StagedPass):
         tokens[i] (on the device) for row i, all on the device: for rows whose every token ended
         in the launch before (the caller knows). The "next" stage moves rows on inside the launch,
         with each ended row's greedy token of the launch before (`greedy`), whichever ended."""
-        self.loaded[1].add_(self.loaded[9])
-        self.ctl.copy_(self.loaded[:9])
+        self._move_on()
         self.ctl[0, :self._loaded_rows].copy_(tokens)
 
     def _move_on(self) -> None:
