@@ -54,9 +54,12 @@ def top_functions(prof: cProfile.Profile, n: int) -> list[dict]:
 # the host's main calls in a batch's decode, timed per call by --sections (class, attribute)
 SECTIONS = (
     ("tinyloop.worker.generation.batcher", "Batcher", ("step", "_launch", "_launch_interleaved", "_sample",
-                                                       "_copy_to_host", "_host_tokens", "_device_tokens")),
+                                                       "_copy_to_host", "_host_tokens", "_device_tokens",
+                                                       "join_many")),
+    ("tinyloop.worker.api", "Model", ("_prefill_wave",)),
     ("tinyloop.worker.generation.decode", "DecodeState", ("advanced", "accept", "finish")),
-    ("tinyloop.worker.runner.runner", "Runner", ("interleave", "decode", "release", "_device_rows")),
+    ("tinyloop.worker.runner.runner", "Runner", ("interleave", "decode", "release", "_device_rows", "prefill_many",
+                                                 "prefill")),
     ("tinyloop.worker.runner.runner", "StepOut", ("resolve", "row", "detach")),
     ("tinyloop.worker.runner.stages", "InterleavedStep", ("load",)),
     ("tinyloop.worker.runner.stages", "BatchStep", ("load",)),

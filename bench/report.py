@@ -1025,8 +1025,8 @@ STARTUP_PARTS = ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs
 def startup_section(rs: list[Result]) -> str:
     head = ("## Worker start-up (`bench/startup.py`)\n\n"
             "A worker reports healthy, and the gateway listens, once its model is loaded and every graph captured; "
-            "`Model.startup` times each part and counts the graphs (which depend on the (bucket, depth) grid, not on "
-            "the lanes) and the bytes the captures took. One file per model preset, the newest of each:\n\n")
+            "`Model.startup` times each part and counts the graphs (which depend on the (bucket, depth) grid, and "
+            "the row counts of the batched steps and multi-row prefills on the lanes) and the bytes the captures took. One file per model preset, the newest of each:\n\n")
     if not rs:
         return head + "No result file on record.\n"
     rows = []

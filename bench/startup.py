@@ -7,9 +7,11 @@ graph is captured (worker/runner/runner.py `Runner.capture`: the batch-1 decode 
 depth, the prefill stages of each prompt-length bucket, the verify stages of each node bucket
 and the batched decode stages of each lane-count bucket), so this is what a deployment's
 startup probe has to allow (deploy/). --lanes: the worker's cache lanes (`Model(n_slots=...)`,
-the actor's `lanes`). No graph depends on the lane count, only on the buckets: every run
-captures the same graphs but the batched stages, whose buckets (powers of two up to the lane
-count, and the count) grow with log2 of the lanes; `same_graphs_but_batch` checks it.
+the actor's `lanes`). Graphs depend on the buckets, and only the row counts depend on the lane
+count: every run captures the same graphs but the batched stages (their buckets: powers of
+two up to the lane count, and the count) and the multi-row prefills (`prefill<rows>`, the
+row counts up to the lane count), which grow with log2 of the lanes; `same_graphs_but_lanes`
+checks it.
 
 Per run: `Model.startup` (load_s, the *_graphs_s parts, graphs, graph_bytes: the graph pool's
 bytes, lanes), the graphs by kind and the batch buckets, the GPU memory allocated and reserved
@@ -31,6 +33,12 @@ from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
 
 KINDS = ("decode", "prefill", "verify", "batch")
+
+
+def by_lanes(kind: str) -> bool:
+    """Whether a graph kind's count grows with the lanes: rows of a batched step or of a
+    multi-row prefill (`prefill4`, ...)."""
+    return kind in ("batch", "interleaved") or (kind.startswith("prefill") and kind[7:].isdigit())
 
 
 def graphs_by_kind(m: Model) -> tuple[dict[str, int], list[int]]:
@@ -73,22 +81,23 @@ def main(argv: list[str] | None = None) -> None:
             kinds, buckets = graphs_by_kind(m)
             run = {"lanes": lanes, "cache_lanes": m.n_slots, "wall_s": wall, **m.startup,
                    "graphs_by_kind": kinds, "batch_buckets": buckets,
-                   "graphs_less_batch": m.startup["graphs"] - kinds.get("batch", 0)}
+                   "graphs_less_lanes": m.startup["graphs"] - sum(v for k, v in kinds.items() if by_lanes(k))}
             if dev.type == "cuda":
                 run["memory_allocated_GB"] = torch.cuda.memory_allocated(dev) / 1e9
                 run["memory_reserved_GB"] = torch.cuda.memory_reserved(dev) / 1e9
         result["runs"].append(run)
-        # every run captures the same graphs but the batched stages (the one part that grows with the lanes)
-        result["same_graphs_but_batch"] = len({(r["graphs_less_batch"], tuple((k, v) for k, v in
-                                                r["graphs_by_kind"].items() if k != "batch"))
+        # every run captures the same graphs but the rows' (the parts that grow with the lanes)
+        result["same_graphs_but_lanes"] = len({(r["graphs_less_lanes"], tuple((k, v) for k, v in
+                                                r["graphs_by_kind"].items() if not by_lanes(k)))
                                                for r in result["runs"]}) == 1
         parts = ", ".join(f"{k} {v:.1f}" for k, v in run.items() if k.endswith("_s") and k != "wall_s")
         tqdm.write(f"{lanes} lane(s): {run['wall_s']:.1f} s, {run['graphs']} graphs "
-                   f"({run['graphs_less_batch']} + {kinds.get('batch', 0)} batched in buckets {buckets}), "
+                   f"({run['graphs_less_lanes']} + {run['graphs'] - run['graphs_less_lanes']} by rows, batched "
+                   f"in buckets {buckets}), "
                    f"{run['graph_bytes'] / 1e9:.2f} GB graph pool; {parts}")
         write(f"startup-{args.preset}-{dev.type}", result, args.out_dir)
-    if not result["same_graphs_but_batch"]:
-        print("WARNING: the runs captured different graphs besides the batched stages: "
+    if not result["same_graphs_but_lanes"]:
+        print("WARNING: the runs captured different graphs besides the rows' stages: "
               + ", ".join(f"{r['lanes']} lanes: {r['graphs_by_kind']}" for r in result["runs"]))
 
 

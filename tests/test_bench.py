@@ -380,8 +380,8 @@ def test_startup_bench_cpu(tmp_path):
     assert [run["lanes"] for run in r["runs"]] == [1, 2] and [run["cache_lanes"] for run in r["runs"]] == [1, 2]
     for run in r["runs"]:
         assert run["wall_s"] >= run["load_s"] > 0 and run["graphs"] == run["graph_bytes"] == 0
-        assert run["graphs_by_kind"] == {} and run["batch_buckets"] == [] and run["graphs_less_batch"] == 0
-    assert r["same_graphs_but_batch"]
+        assert run["graphs_by_kind"] == {} and run["batch_buckets"] == [] and run["graphs_less_lanes"] == 0
+    assert r["same_graphs_but_lanes"]
     for bad in (["--preset", "nope"], ["--lanes", "0"]):
         with pytest.raises(SystemExit):
             startup.main(bad + ["--device", "cpu"])
@@ -390,17 +390,20 @@ def test_startup_bench_cpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_startup_bench_graphs_do_not_grow_with_lanes_on_cuda(tmp_path):
-    """On the GPU every lane count captures the same graphs but the batched stages, whose
-    buckets are the powers of two below the lane count and the count itself."""
+    """On the GPU every lane count captures the same graphs but the rows' stages: the batched
+    ones, whose buckets are the powers of two below the lane count and the count itself, and
+    the multi-row prefills of row counts up to the lane count."""
     from bench import startup
     startup.main(["--preset", "tiny", "--lanes", "1", "5", "--max-seq-len", "64", "--device", "cuda",
                   "--out-dir", str(tmp_path)])
     one, five = json.loads((tmp_path / "startup-tiny-cuda.json").read_text())["runs"]
     assert (one["batch_buckets"], five["batch_buckets"]) == ([], [2, 4, 5])
     assert one["graphs_by_kind"]["batch"] == 0 < five["graphs_by_kind"]["batch"]
-    assert {k: v for k, v in one["graphs_by_kind"].items() if k != "batch"} == \
-        {k: v for k, v in five["graphs_by_kind"].items() if k != "batch"}
-    assert one["graphs_less_batch"] == five["graphs_less_batch"] == one["graphs"] > 0
+    assert "prefill2" not in one["graphs_by_kind"] and five["graphs_by_kind"]["prefill4"] > 0
+    assert "prefill8" not in five["graphs_by_kind"]
+    assert {k: v for k, v in one["graphs_by_kind"].items() if not startup.by_lanes(k)} == \
+        {k: v for k, v in five["graphs_by_kind"].items() if not startup.by_lanes(k)}
+    assert one["graphs_less_lanes"] == five["graphs_less_lanes"] == one["graphs"] > 0
     assert five["graph_bytes"] > 0 and five["decode_graphs_s"] > 0
 
 

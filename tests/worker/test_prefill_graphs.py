@@ -264,3 +264,30 @@ def test_prompts_prefilled_together_replay_multi_row_graphs(config_path):
             assert ((got[i].logits - want[i]).norm() / want[i].norm()) < 1e-3, i
             step = r.decode([i], [7], [len(p)], [L]).logits
             assert ((step - after[i]).norm() / after[i].norm()) < 1e-3, i
+
+
+def test_a_burst_of_prompts_shares_one_replay_per_stage(config_path):
+    """Row counts up to the lane count: 19 fresh prompts are one 16-row group, one 2-row group
+    and one prompt alone (the 32- and 64-row graphs exceed the 19 lanes and are not built);
+    every row count's stage set is a view of one set of buffers, and each prompt's last logits
+    and next step equal its own prefill's."""
+    with Model(config_path, max_seq_len=MAX_SEQ, n_slots=19) as m:
+        g = with_stage_graphs(m, [4], prefill_graph_len=MAX_SEQ)
+        r = m.runner
+        assert sorted({rows for rows, _ in r._rows_buckets}) == [2, 4, 8, 16]
+        lengths = [3 + (7 * i) % 29 for i in range(19)]
+        depths = [4 - i % 3 for i in range(19)]
+        prompts = [prompt(T, i) for i, T in enumerate(lengths)]
+        want = [r.prefill(i, p, L).logits.clone() for i, (p, L) in enumerate(zip(prompts, depths))]
+        after = [r.decode([i], [7], [len(p)], [L]).logits.clone() for i, (p, L) in enumerate(zip(prompts, depths))]
+        g.log.clear()
+        got = r.prefill_many(list(range(19)), prompts, depths)
+        codas = {kind: len([s for _, s in g.replayed(kind) if s == "coda"]) for kind in ("prefill16", "prefill2", "prefill")}
+        assert codas == {"prefill16": 1, "prefill2": 1, "prefill": 1}, codas
+        assert not g.replayed("prefill4") and not g.replayed("prefill8")
+        ptrs = {pre.x.data_ptr() for pre in r._prefill_rows.values()}
+        assert len(r._prefill_rows) > 1 and len(ptrs) == 1
+        for i, (p, L) in enumerate(zip(prompts, depths)):
+            assert ((got[i].logits - want[i]).norm() / want[i].norm()) < 1e-3, i
+            step = r.decode([i], [7], [len(p)], [L]).logits
+            assert ((step - after[i]).norm() / after[i].norm()) < 1e-3, i

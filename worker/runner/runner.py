@@ -45,7 +45,8 @@ from tinyloop.worker.runner.solo_exit import SoloExit
 from tinyloop.worker.runner.sampler import RowSampling, SamplerGraphs, SamplingParams, sample_rows
 from tinyloop.worker.runner.stages import (EXIT_STAGES, INTERLEAVED_STAGES, BatchStep, InterleavedStep, PaddedPrefill,
                                            TreeStages, batch_buckets, batch_buffers, device_tensor, interleaved_buffers,
-                                           prefill_buckets, prefill_buffers, Staging)
+                                           prefill_buckets, prefill_buffers, rows_prefill_buffers,
+                                           rows_prefill_views, Staging)
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,11 @@ class RunnerSettings:
     """cuda_graphs: capture at start-up (CUDA only). prefill_graph_len: the longest prompt the
     prefill graphs cover (0: prefill stays eager). verify_buckets: the node counts the verify
     graphs are built for (a chain of the default draft_ahead 4, and the longest tree).
-    prefill_rows: the prompt counts of the multi-row prefill graphs (`prefill_many`), each for
-    the length buckets whose rows × bucket is at most prefill_rows_len tokens. device_rounds:
+    prefill_rows: the prompt counts of the multi-row prefill graphs (`prefill_many`; those up
+    to the lane count), each for the length buckets whose rows × bucket is at most
+    prefill_rows_len tokens: a burst of 64 short prompts is one replay per stage, not 16
+    (their stage sets share one set of buffers, so the row counts cost graphs, not memory
+    beyond the largest). device_rounds:
     greedy speculative chains run whole rounds on the device (`chain_round`), one graph per
     round where graphs are captured (eager elsewhere: the CPU tests). sampler_graphs: with
     graphs, `sample` replays a captured sampler per row bucket. interleave: batched steps of
@@ -63,8 +67,8 @@ class RunnerSettings:
     cuda_graphs: bool = False
     prefill_graph_len: int = 2048
     verify_buckets: tuple[int, ...] = (5, 17)
-    prefill_rows: tuple[int, ...] = (2, 4)
-    prefill_rows_len: int = 512
+    prefill_rows: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
+    prefill_rows_len: int = 2048
     device_rounds: bool = False
     sampler_graphs: bool = True
     interleave: bool = True
@@ -312,8 +316,8 @@ class Runner:
         self._verify_buckets = [b for b in settings.verify_buckets if b <= S] if settings.cuda_graphs else []
         self._prefill: dict[int, PaddedPrefill] = {}
         # (rows, bucket) of the multi-row prefill graphs
-        self._rows_buckets = [(r, b) for r in settings.prefill_rows if r > 1 for b in self._prefill_buckets
-                              if r * b <= settings.prefill_rows_len]
+        self._rows_buckets = [(r, b) for r in settings.prefill_rows if 1 < r <= cache.n_slots
+                              for b in self._prefill_buckets if r * b <= settings.prefill_rows_len]
         self._prefill_rows: dict[tuple[int, int], PaddedPrefill] = {}
         self._batch: dict[int, BatchStep] = {}
         self._interleaved: dict[int, InterleavedStep] = {}
@@ -340,6 +344,7 @@ class Runner:
         self._trees: dict[int, TreeStages] = {}
         self._owners: dict[object, StepOut] = {}  # buffers (a DecodeGraph, "batch") -> the StepOut viewing them
         self._prefill_shared = None
+        self._rows_shared = None  # the multi-row prefills' buffers, flat (`_rows_stages`)
         self._batch_shared = None
         self._rounds: dict[tuple[int, int, int], ChainRound] = {}
         # each lane's speculative round state, (token, position), read and left by its rounds
@@ -1177,7 +1182,12 @@ class Runner:
 
     def _rows_stages(self, rows: int, b: int) -> PaddedPrefill:
         if (rows, b) not in self._prefill_rows:
-            self._prefill_rows[(rows, b)] = PaddedPrefill(self.engine, b, rows=rows)
+            if self._rows_shared is None:
+                top_rows = max(r for r, _ in self._rows_buckets)
+                top_tokens = max(r * b for r, b in self._rows_buckets)
+                self._rows_shared = rows_prefill_buffers(self.engine, top_tokens, top_rows)
+            self._prefill_rows[(rows, b)] = PaddedPrefill(self.engine, b, rows_prefill_views(self._rows_shared, rows, b),
+                                                          rows=rows)
         return self._prefill_rows[(rows, b)]
 
     def _rows_graph(self, rows: int, T: int, loops: int) -> PaddedPrefill | None:

@@ -176,6 +176,22 @@ def prefill_buffers(engine: Engine, bucket: int, rows: int = 1) -> tuple:
             torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=device))
 
 
+def rows_prefill_buffers(engine: Engine, tokens: int, rows: int) -> tuple:
+    """Static buffers every multi-row padded prefill of up to `rows` prompts and `tokens`
+    padded tokens in all can take views of (`rows_prefill_views`): tokens and residual flat,
+    last index, slot and logits per row."""
+    tok, _, _, x, _ = prefill_buffers(engine, tokens)
+    _, last, slot, _, logits = prefill_buffers(engine, 0, rows)
+    return tok.view(-1), last, slot, x.view(tokens, -1), logits
+
+
+def rows_prefill_views(buffers: tuple, rows: int, bucket: int) -> tuple:
+    """The (rows, bucket[, D]) fronts of `rows_prefill_buffers`, contiguous, as PaddedPrefill
+    takes them."""
+    tok, last, slot, x, logits = buffers
+    return tok[:rows * bucket].view(rows, bucket), last, slot, x[:rows * bucket].view(rows, bucket, -1), logits
+
+
 class BatchStep(StagedPass):
     """One decode step of `bucket` rows: per row a token, its position, its depth
     (`Engine.run_loops(depth=...)`) and its cache slot, all in one (4, bucket) int64 buffer.
