@@ -45,6 +45,20 @@ def run_timed(fn, device: torch.device, repeat: int, warmup: int = 0):
     return statistics.median(times), out
 
 
+def warm_until_steady(fn, model, min_runs: int = 3, max_runs: int = 40) -> int:
+    """Run fn() at least min_runs times and until a run captures no CUDA graph (at most
+    max_runs): the runs timed after it replay what a worker that has served the workload a
+    while replays, with no capture (10-15 ms each) inside them. -> the runs made."""
+    runs = 0
+    while runs < max_runs:
+        before = model.graph_captures
+        fn()
+        runs += 1
+        if runs >= min_runs and model.graph_captures == before:
+            break
+    return runs
+
+
 def timed(fn, device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
     """Median wall-clock milliseconds of fn()."""
     return run_timed(fn, device, repeat, warmup)[0] * 1e3

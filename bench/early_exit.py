@@ -21,6 +21,9 @@ For full depth L (no exit) and each (criterion, threshold) of the sweep, in one 
                            every next true token, in bits, over the bytes those tokens spell
     bpb_delta_pct          bpb against full depth's, in percent
     iterations_per_token_tf  the same mean over the teacher-forced steps
+    batched_warm_runs      the batched runs made before the timed ones: until one captured no
+                           graph (at least 3), as a worker that has served the workload a while;
+                           batched_captures_timed: graphs captured inside the timed runs (0 when steady)
 
 Prompts are held-out text (the training corpus's held-out files), encoded with the model's own
 tokenizer, so any default model works. --preset runs a random-weight model of a preset instead
@@ -37,7 +40,7 @@ import time
 
 import torch
 
-from bench.common import hardware, write
+from bench.common import hardware, warm_until_steady, write
 
 SWEEP = {"latent": [0.2, 0.1, 0.07, 0.05, 0.03],
          "kl": [0.03, 0.01, 3e-3, 1e-3, 3e-4],
@@ -180,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         kw = {} if rule is None else {"early_exit": rule}
         # warm-up (kernels, allocations, the exit checks' graphs) of both paths timed below
         model.generate(prompts[0], loops=L, max_tokens=4, **kw)
-        # the whole batched run three times: the captures of its launches' sequences happen here
-        # (a launch's stage sequence depends on which rows end where, and passes on measured time)
-        for _ in range(3):
-            model.generate_batch(prompts[:streams], per_lane_loops=[L] * streams, max_tokens=args.tokens, **kw)
+        # the whole batched run until it captures nothing: the captures of its launches' sequences
+        # happen here (a launch's stage sequence depends on which rows end where, and passes on
+        # measured time, so a sequence fuses once it has come back often: graphs.FUSE_AFTER)
+        warm_runs = warm_until_steady(lambda: model.generate_batch(prompts[:streams], per_lane_loops=[L] * streams,
+                                                                   max_tokens=args.tokens, **kw), model)
         secs = math.inf  # the best of --repeat passes over the prompts (one host hiccup skews no figure)
         for _ in range(args.repeat):
             outs, took = [], 0.0
@@ -197,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             secs = min(secs, took)
         gen = [g[len(p):] for g, p in zip(outs, prompts)]
         batch_s = decode_s = math.inf
+        captures = model.graph_captures
         for _ in range(args.repeat):
             sync(dev)
             first_step.reset()
@@ -214,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                "tok_s_b1": sum(len(x) for x in gen) / secs,
                "tok_s_batched": sum(len(g) - len(p) for g, p in zip(batch, prompts)) / batch_s,
                "tok_s_batched_decode": sum(len(g) - len(p) - 1 for g, p in zip(batch, prompts)) / decode_s,
+               "batched_warm_runs": warm_runs, "batched_captures_timed": model.graph_captures - captures,
                "batched_iterations_per_token": sum(g.stats.get("iterations_per_token", L) for g in batch) / len(batch),
                "bpb": bits / nbytes, "iterations_per_token_tf": sum(tf_depths) / len(tf_depths)}
         if full is None:

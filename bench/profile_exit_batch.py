@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.common import hardware, write
+from bench.common import hardware, warm_until_steady, write
 
 
 def busy_share(model, prompts, L: int, n: int, tokens: int, kw: dict) -> tuple[float, float]:
@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         return out
     runner.interleave = logged
     kw = {"early_exit": rule}
-    for _ in range(2):  # the timed run's length: every graph it replays is captured by then
-        model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens, **kw)
+    # until a run captures nothing: every graph the timed run replays is captured by then
+    warm_runs = warm_until_steady(lambda: model.generate_batch(prompts, per_lane_loops=[L] * n,
+                                                               max_tokens=args.tokens, **kw), model)
     full = model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=2)
     launches.clear()
     sync()
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     wall, decode_wall = end - t, end - first.at
     run = list(launches)
     launches.clear()
-    model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens)  # full depth, warm
+    warm_until_steady(lambda: model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=args.tokens), model)
     sync()
     first.reset()
     t = time.perf_counter()
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": hardware(torch.device(args.device)),
         "workload": {"model": "default", "loops": L, "rule": rule, "streams": n, "tokens": args.tokens,
                      "prompt_tokens": args.prompt_tokens},
-        "run": {"wall_ms": wall * 1e3, "tokens": tokens, "tok_s": tokens / wall, "launches": len(run),
+        "run": {"warm_runs": warm_runs, "wall_ms": wall * 1e3, "tokens": tokens, "tok_s": tokens / wall, "launches": len(run),
                 "decode_ms": decode_wall * 1e3, "decode_tok_s": decode_tokens / decode_wall,
                 "iterations_per_token": sum(x.stats.get("iterations_per_token", L) for x in g) / n},
         "full_rows": len(full),

@@ -21,6 +21,7 @@ class EagerGraphs:
         self.engine, self.decode, self.stages, self.log = engine, {}, {}, []
         self.seen, self.fused = {}, []  # replay_sequence's launches of each sequence; the fused ones
         self.fuse_after = graphs_mod.FUSE_AFTER
+        self.captures = 0  # as Graphs': stages and calls "captured" so far
 
     def __len__(self):
         return len(self.stages)
@@ -30,6 +31,7 @@ class EagerGraphs:
 
     def capture_stage(self, kind, bucket, stage, run):
         if (kind, bucket, stage) not in self.stages:
+            self.captures += 1
             run()  # the warm-up: a stage whose inputs were not loaded for it fails here
             self.stages[(kind, bucket, stage)] = run
 
@@ -38,6 +40,7 @@ class EagerGraphs:
 
     def capture_call(self, fn):
         """A "graph" of fn (the sampler's): its replay runs fn eagerly, logged as kind "call"."""
+        self.captures += 1
         fn()  # the warm-up, as the GPU's
         log = self.log
 
