@@ -1019,7 +1019,7 @@ def _gb(n):
     return None if n is None else n / 1e9
 
 
-STARTUP_PARTS = ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs_s", "batch_graphs_s", "exit_warm_s")
+STARTUP_PARTS = ("load_s", "decode_graphs_s", "prefill_graphs_s", "verify_graphs_s", "batch_graphs_s")
 
 
 def startup_section(rs: list[Result]) -> str:
@@ -1039,9 +1039,9 @@ def startup_section(rs: list[Result]) -> str:
                             + [count(run.get("graphs")), num(_gb(run.get("graph_bytes")), ".2f", " GB"),
                                num(run.get("memory_allocated_GB"), ".1f", " GB"), code(r.commit)])
     t = table(["model", "lanes", "cache lanes", "max seq len", "wall", "load", "decode graphs", "prefill graphs",
-               "speculative (verify) graphs", "batched graphs", "exit paths", "graphs", "graph memory",
-               "GPU memory allocated", "commit"],
-              rows or [[DASH] * 15])
+               "speculative (verify) graphs", "batched graphs", "graphs", "graph memory", "GPU memory allocated",
+               "commit"],
+              rows or [[DASH] * 14])
     prov = "\n\n".join(provenance(r) for r in rs)
     return head + t + "\n\n" + prov + "\n"
 

@@ -13,8 +13,8 @@ two up to the lane count, and the count) and the multi-row prefills (`prefill<ro
 row counts up to the lane count), which grow with log2 of the lanes; `same_graphs_but_lanes`
 checks it.
 
-Per run: `Model.startup` (load_s, the *_graphs_s parts, exit_warm_s: `Model.warm_exit_paths`,
-graphs, graph_bytes: the graph pool's bytes, lanes), the graphs by kind and the batch buckets, the GPU memory allocated and reserved
+Per run: `Model.startup` (load_s, the *_graphs_s parts, graphs, graph_bytes: the graph pool's
+bytes, lanes), the graphs by kind and the batch buckets, the GPU memory allocated and reserved
 once it stands, and the wall time. --preset: a preset of worker/model/config.py (random
 weights, written once) or `default` (the embedded default model). On CPU nothing is captured:
 a smoke run of the load.
@@ -36,9 +36,9 @@ KINDS = ("decode", "prefill", "verify", "batch")
 
 
 def by_lanes(kind: str) -> bool:
-    """Whether a graph kind's count grows with the lanes: rows of a batched step (its exit
-    checks too) or of a multi-row prefill (`prefill4`, ...)."""
-    return kind in ("batch", "interleaved", "exit") or (kind.startswith("prefill") and kind[7:].isdigit())
+    """Whether a graph kind's count grows with the lanes: rows of a batched step or of a
+    multi-row prefill (`prefill4`, ...)."""
+    return kind in ("batch", "interleaved") or (kind.startswith("prefill") and kind[7:].isdigit())
 
 
 def graphs_by_kind(m: Model) -> tuple[dict[str, int], list[int]]:
@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.reset_peak_memory_stats(dev)
         t = time.perf_counter()
         with Model(path, max_seq_len=args.max_seq_len, device=dev, dtype=dtype, n_slots=lanes) as m:
-            m.warm_exit_paths()  # as a worker does before it reports healthy (startup["exit_warm_s"])
             wall = time.perf_counter() - t
             kinds, buckets = graphs_by_kind(m)
             run = {"lanes": lanes, "cache_lanes": m.n_slots, "wall_s": wall, **m.startup,

@@ -185,30 +185,6 @@ class Model:
             raise ValueError("this Model was built with cuda_graphs=False")
         self.runner.capture([self._loops(L) for L in loops])
 
-    def warm_exit_paths(self) -> float:
-        """Run every early-exit path once, a few greedy tokens of one stream and of a batch of
-        two lanes under each criterion the model offers, so their kernels compile and their
-        graphs capture now: otherwise the first request with an exit rule does it, a stall of
-        seconds for every stream on the worker. A worker does this at start-up, before it reports
-        healthy (worker/serving/actor.py); it uses lanes 0 and 1 as a capture does. CUDA graphs
-        only (elsewhere nothing is captured or compiled ahead) -> seconds (also startup["exit_warm_s"])."""
-        self._check_open()
-        if self.runner.graphs is None or self.kv_mode != "kv":
-            return 0.0
-        t = time.perf_counter()
-        self.runner.capture_exit_graphs()  # every bucket's, which the requests below touch only in part
-        L = self.config.max_loops
-        prompt = list(range(1, 9))
-        rules = [{"criterion": c} for c in (("gate",) if self.config.exit_gate else ()) + ("kl", "latent", "argmax")]
-        for rule in rules + [{"criterion": "latent", "cache": "recompute"}]:
-            self.generate(prompt, loops=L, max_tokens=4, early_exit=rule)
-            if self.n_slots > 1:
-                self.generate_batch([prompt, prompt[:5]], per_lane_loops=[L, max(1, L // 2)], max_tokens=4,
-                                    early_exit=rule)
-        self.startup["exit_warm_s"] = time.perf_counter() - t
-        self.startup["graphs"] = len(self.runner.graphs)
-        return self.startup["exit_warm_s"]
-
     @property
     def graph_captures(self) -> int:
         """CUDA graphs captured so far, at start-up and while serving (0 without graphs): a

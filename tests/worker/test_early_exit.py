@@ -364,33 +364,6 @@ def test_graphed_exit_step_shrinks_buckets_and_equals_eager(tiny_path):
     assert {s for _, s in checks} == {"check0", "check1", "check+logits0", "check+logits1"}
 
 
-def test_exit_paths_warmed_at_start_up_leave_nothing_behind(tiny_path):
-    """Model.warm_exit_paths (a worker's start-up): the exit stages and checks of every batch
-    bucket are captured before any request asks for exit, and the requests after it give what
-    they give on a model that was never warmed."""
-    from stage_graphs import with_stage_graphs
-    from tinyloop.worker.runner.stages import EXIT_STAGES
-    rules = [{"criterion": "latent", "threshold": 0.3}, {"criterion": "kl", "threshold": 0.05}, None,
-             {"criterion": "argmax", "patience": 1}, {"criterion": "latent", "threshold": 0.2, "cache": "recompute"}]
-    prompts = [PROMPT, [1, 2, 3], [9] * 6, [200, 100, 50], [7, 7]]
-
-    def requests(m):
-        one = m.generate(PROMPT, loops=8, max_tokens=10, early_exit=rules[0])
-        return [one] + m.generate_batch(prompts, per_lane_loops=[8, 8, 6, 8, 7], max_tokens=10, early_exit=rules)
-    with Model(tiny_path, max_seq_len=64, n_slots=8) as cold, Model(tiny_path, max_seq_len=64, n_slots=8) as warm:
-        with_stage_graphs(cold, range(1, 9))
-        graphs = with_stage_graphs(warm, range(1, 9))
-        buckets = warm.runner._batch_buckets
-        assert not any(graphs.covers("interleaved", b, EXIT_STAGES) for b in buckets)
-        assert warm.warm_exit_paths() > 0 and "exit_warm_s" in warm.startup
-        assert all(graphs.covers("interleaved", b, EXIT_STAGES) for b in buckets)
-        assert all(graphs.covers("exit", b, ["check0", "check+logits1"]) for b in buckets)
-        got = requests(warm)
-        want = requests(cold)
-    assert [list(g) for g in got] == [list(g) for g in want]
-    assert [g.stats for g in got] == [g.stats for g in want]
-
-
 @pytest.mark.parametrize("span", [None, "min", "max", 4])
 @pytest.mark.parametrize("rule", [{"criterion": "latent", "threshold": 0.3},
                                   {"criterion": "kl", "threshold": 0.05, "min_loops": 3},

@@ -83,13 +83,7 @@ def decode_step(engine: Engine, slot: torch.Tensor, loops: int, tokens: torch.Te
     return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x), h
 
 
-# A sequence of stages runs as one graph from its 64th launch on. Rent or buy: a capture while
-# serving stalls every stream for about 10-15 ms, a fused launch saves the host about 10 us a
-# stage (some 150 us for an exit launch's dozen stages), so a capture pays for itself after
-# about that many launches; a sequence that never comes back that often (the shrinking tail of
-# a batch, an odd pass count) is never captured, and one that does costs at most about twice
-# what capturing at once would have.
-FUSE_AFTER = 64
+FUSE_AFTER = 8     # a sequence of stages runs as one graph from its 8th launch on (a capture costs ms: rare ones never)
 FUSED_KEPT = 256   # sequences kept as graphs (the least recently launched goes first; a few MB of host memory)
 SEEN_KEPT = 4096   # sequences counted towards FUSE_AFTER
 

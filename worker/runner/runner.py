@@ -804,18 +804,6 @@ class Runner:
                                   None if exits is None else list(exits))
         return step, b, graphed
 
-    @_settles
-    def capture_exit_graphs(self) -> None:
-        """The exit checks of every batch bucket (kind "exit") and, where launches interleave,
-        the exit stages of every interleaved bucket: what the first batched step with an exit
-        rule would capture otherwise, while streams wait (`Model.warm_exit_paths` at a worker's
-        start-up). Capturing writes no lane."""
-        if self.graphs is None or not self._batch_buckets:
-            return
-        self._capture_checks(self._exit_state(), self._batch_buckets[-1])
-        if self.interleaves:
-            self._capture_exit_stages(self._lane_exit_state())
-
     def _capture_exit_stages(self, state: ExitState) -> None:
         """The exit stages of every interleaved bucket as graphs, captured the first time an
         interleaved launch has exit rules (a batch that shrinks as its streams end then finds

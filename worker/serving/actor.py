@@ -224,7 +224,6 @@ class WorkerActor:
         self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes,
                            max_loops=max_loops, init_scale=init_scale, kv_mode=kv_mode,
                            batch_invariant=batch_invariant)
-        self.model.warm_exit_paths()
         self.lanes = self.model.n_slots
         self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens,
                                                                        prefill_together=prefill_together,
@@ -247,9 +246,8 @@ class WorkerActor:
         self._channel_options = channel if channel is not None else ChannelOptions()
         self._channel: asyncio.Future | None = None  # -> (asyncio server, {"address", "token"})
         s = self.model.startup
-        log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s, exit paths warmed in %.1f s",
-                 self.worker_id, s["load_s"], s["graphs"], sum(v for k, v in s.items() if k.endswith("_graphs_s")),
-                 s.get("exit_warm_s", 0.0))
+        log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s", self.worker_id, s["load_s"],
+                 s["graphs"], sum(v for k, v in s.items() if k.endswith("_graphs_s")))
         # Everything made so far (the model, its graphs and their closures, the buffers) lives as
         # long as the worker: out of the collector's sight, a full collection while serving walks
         # only what requests made, not the start-up's objects (tenths of a second, every stream waiting)
