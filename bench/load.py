@@ -106,7 +106,7 @@ async def load(address: str, jobs: list[tuple[list[int], dict, int]], channels: 
     return {"streams": len(jobs), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "depth_token_per_s": weighted / wall, "errors": len(rs) - len(ok),
             "error_examples": sorted({r["error"] for r in rs if "error" in r})[:3],
-            "ttft_ms_p50": 1e3 * pct(ttft, 50), "ttft_ms_p99": 1e3 * pct(ttft, 99),
+            "ttft_ms_p50": ttft and 1e3 * pct(ttft, 50), "ttft_ms_p99": ttft and 1e3 * pct(ttft, 99),
             "tpot_ms_p50": tpot and 1e3 * pct(tpot, 50), "tpot_ms_p99": tpot and 1e3 * pct(tpot, 99),
             "tpot_p99_over_p50": tpot and pct(tpot, 99) / pct(tpot, 50)}
 
@@ -420,6 +420,8 @@ def main() -> int:
                 row = asyncio.run(load(address, jobs, channels))
                 time.sleep(1.5)  # the gateway's next probe brings the worker's step histograms
                 row["worker"] = step_delta(before, worker_steps(mport))
+                if row["errors"]:
+                    tqdm.write(f"{row['errors']} of {row['streams']} streams failed: {row['error_examples']}")
                 runs.append(row)
             row = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
             row["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
