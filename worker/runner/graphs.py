@@ -22,6 +22,7 @@ a graph removes the launches' host cost.
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,8 @@ import torch
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
 from tinyloop.kernels.sampling import greedy_feed
 from tinyloop.worker.runner.engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -103,11 +106,13 @@ class Graphs:
         self.stages: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.fused: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, bucket, stages) -> one graph, LRU order
         self._seen: dict[tuple, int] = {}  # launches of each sequence not fused yet
+        self._unfusable: set[tuple] = set()  # sequences whose capture failed
         self.fuse_after = fuse_after       # the launch of a sequence that fuses it
         self._side: torch.cuda.Stream | None = None  # the stream of captures while serving
         self.warm: set = set()  # (kind, bucket, stage) / depths whose kernels have been compiled
         self.key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=self.device)
         self.captures = 0  # graphs captured so far, at start-up and while serving
+        self.capture_failures = 0  # fused captures that failed (their sequences run stage by stage)
 
     def __len__(self) -> int:
         return len(self.decode) + len(self.stages)
@@ -188,7 +193,7 @@ class Graphs:
         g = self.fused.pop(key, None)
         if g is None:
             n = self._seen.get(key, 0) + 1
-            if n < self.fuse_after:
+            if n < self.fuse_after or key in self._unfusable:
                 if len(self._seen) >= SEEN_KEPT:
                     self._seen.clear()
                 self._seen[key] = n
@@ -202,7 +207,18 @@ class Graphs:
             def run_all(stages=stages):
                 for stage in stages:
                     run(stage)
-            g = self._capture_serving(run_all)  # each stage's kernels are compiled and warm already
+            try:
+                g = self._capture_serving(run_all)  # each stage's kernels are compiled and warm already
+            except RuntimeError as e:
+                # fusing is only a saving: a capture that fails leaves this sequence to its
+                # stages' own graphs from now on (the launch runs them), and says why once
+                self.capture_failures += 1
+                self._unfusable.add(key)
+                log.warning("capturing %s bucket %d's sequence of %d stages failed; it runs stage by stage: %s",
+                            kind, bucket, len(stages), e)
+                for stage in stages:
+                    self.replay(kind, bucket, stage)
+                return
         self.fused[key] = g  # the most recently launched last
         g.replay()
 

@@ -55,10 +55,11 @@ class RunnerSettings:
     prefill graphs cover (0: prefill stays eager). verify_buckets: the node counts the verify
     graphs are built for (a chain of the default draft_ahead 4, and the longest tree).
     prefill_rows: the prompt counts of the multi-row prefill graphs (`prefill_many`; those up
-    to the lane count), each for the length buckets whose rows × bucket is at most
-    prefill_rows_len tokens: a burst of 64 short prompts is one replay per stage, not 16
-    (their stage sets share one set of buffers, so the row counts cost graphs, not memory
-    beyond the largest). device_rounds:
+    to the lane count), each for the length buckets up to prefill_rows_bucket whose rows ×
+    bucket is at most prefill_rows_len tokens: a burst of 64 short prompts is one replay per
+    stage, not 16 (their stage sets share one set of buffers, so the row counts cost graphs and
+    start-up time, not memory beyond the largest; a longer prompt fills a pass well alone).
+    device_rounds:
     greedy speculative chains run whole rounds on the device (`chain_round`), one graph per
     round where graphs are captured (eager elsewhere: the CPU tests). sampler_graphs: with
     graphs, `sample` replays a captured sampler per row bucket. interleave: batched steps of
@@ -69,6 +70,7 @@ class RunnerSettings:
     verify_buckets: tuple[int, ...] = (5, 17)
     prefill_rows: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     prefill_rows_len: int = 2048
+    prefill_rows_bucket: int = 256
     device_rounds: bool = False
     sampler_graphs: bool = True
     interleave: bool = True
@@ -317,7 +319,8 @@ class Runner:
         self._prefill: dict[int, PaddedPrefill] = {}
         # (rows, bucket) of the multi-row prefill graphs
         self._rows_buckets = [(r, b) for r in settings.prefill_rows if 1 < r <= cache.n_slots
-                              for b in self._prefill_buckets if r * b <= settings.prefill_rows_len]
+                              for b in self._prefill_buckets
+                              if b <= settings.prefill_rows_bucket and r * b <= settings.prefill_rows_len]
         self._prefill_rows: dict[tuple[int, int], PaddedPrefill] = {}
         self._batch: dict[int, BatchStep] = {}
         self._interleaved: dict[int, InterleavedStep] = {}
