@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import os
 import random
 import re
@@ -53,6 +54,20 @@ from bench.batch import batched
 from bench.common import hardware, write
 from bench.decode import random_checkpoint, sync
 from tinyloop.worker.model.config import PRESETS
+
+
+def worker_failures(path: str, ray_logs: str = "/tmp/ray/session_latest/logs") -> None:
+    """The failed steps' tracebacks from the Ray workers' logs of the server's session (the
+    caller gets one line of each, the worker logs the whole traceback) into `path`."""
+    out = []
+    for f in sorted(glob.glob(os.path.join(ray_logs, "worker-*.err"))):
+        lines = open(f, errors="replace").read().splitlines()
+        for i, line in enumerate(lines):
+            if "a decode step failed" in line:
+                out += [f"== {os.path.basename(f)}:{i + 1}"] + lines[i:i + 80]
+    with open(path, "w") as fh:
+        fh.write("\n".join(out) + "\n" if out else "no failed step in the workers' logs\n")
+    print(f"failed streams: the workers' tracebacks in {path}", flush=True)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -500,6 +515,9 @@ def main() -> int:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
+    failed = sum(r.get("errors", 0) for r in [*rows.values(), mixed or {}] if isinstance(r, dict))
+    if failed:
+        worker_failures(os.path.join(args.out_dir or tempfile.gettempdir(), "load-worker-failures.log"))
     one_row = rows.get("1")
     dev = torch.device(args.device)
     write(f"load-{dev.type}", {
@@ -520,7 +538,7 @@ def main() -> int:
         "service": rows,
         "mixed": mixed,
         **extra,
-        "one_stream_vs_in_process": one_row and {
+        "one_stream_vs_in_process": one_row and one_row["ttft_ms_p50"] is not None and {
             "tokens_per_s_ratio": one_row["tokens_per_s"] / alone["tokens_per_s"],
             "ttft_overhead_ms": one_row["ttft_ms_p50"] - alone["ttft_ms"]},
         # what the service adds to the worker's own path to a first token (its scheduler alone,

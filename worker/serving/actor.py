@@ -69,7 +69,8 @@ def _status(worker_id: str, e: BaseException) -> dict:
     """An exception as the status the caller gets, by its type: an argument the model cannot
     honour is INVALID_ARGUMENT (TOO_LONG for the cache's length), memory RESOURCE_EXHAUSTED, a
     deadline passed in the queue DEADLINE_EXCEEDED; anything else is a failed step, INTERNAL,
-    with the exception's type and first line only (no traceback, paths or ids)."""
+    with the exception's type and first line only (no traceback, paths or ids: those go to the
+    worker's log)."""
     import torch
 
     from tinyloop.worker.serving.scheduler import DeadlineExceeded
@@ -83,6 +84,14 @@ def _status(worker_id: str, e: BaseException) -> dict:
     if isinstance(e, DeadlineExceeded):
         return error("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", f"{worker_id}: {msg}")
     first = (msg.strip().splitlines() or [""])[0][:200]
+    # the caller gets one line; the worker's log gets the traceback, once per failure (a failed
+    # step's exception reaches every stream of the step)
+    if not getattr(e, "_tinyloop_logged", False):
+        log.error("%s: a decode step failed", worker_id, exc_info=e)
+        try:
+            e._tinyloop_logged = True
+        except AttributeError:  # an exception type that takes no attributes: logged each time
+            pass
     return error("INTERNAL", "STEP_FAILED", f"{worker_id}: a decode step failed ({type(e).__name__}: {first})")
 
 
