@@ -56,18 +56,26 @@ from bench.decode import random_checkpoint, sync
 from tinyloop.worker.model.config import PRESETS
 
 
-def worker_failures(path: str, ray_logs: str = "/tmp/ray/session_latest/logs") -> None:
-    """The failed steps' tracebacks from the Ray workers' logs of the server's session (the
-    caller gets one line of each, the worker logs the whole traceback) into `path`."""
-    out = []
+# what the workers log when a step fails (its traceback follows) or a capture while serving fails
+WORKER_FAILURES = ("a decode step failed", "failed; it runs stage by stage")
+
+
+def worker_failures(path: str, ray_logs: str = "/tmp/ray/session_latest/logs") -> int:
+    """The failed steps' tracebacks and failed captures from the Ray workers' logs of the
+    server's session (the caller gets one line of a failed step, the worker logs it whole) into
+    `path`, where there are any. -> how many."""
+    out, n = [], 0
     for f in sorted(glob.glob(os.path.join(ray_logs, "worker-*.err"))):
         lines = open(f, errors="replace").read().splitlines()
         for i, line in enumerate(lines):
-            if "a decode step failed" in line:
+            if any(w in line for w in WORKER_FAILURES):
+                n += 1
                 out += [f"== {os.path.basename(f)}:{i + 1}"] + lines[i:i + 80]
-    with open(path, "w") as fh:
-        fh.write("\n".join(out) + "\n" if out else "no failed step in the workers' logs\n")
-    print(f"failed streams: the workers' tracebacks in {path}", flush=True)
+    if out:
+        with open(path, "w") as fh:
+            fh.write("\n".join(out) + "\n")
+        print(f"{n} failures in the workers' logs: {path}", flush=True)
+    return n
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -515,9 +523,7 @@ def main() -> int:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
-    failed = sum(r.get("errors", 0) for r in [*rows.values(), mixed or {}] if isinstance(r, dict))
-    if failed:
-        worker_failures(os.path.join(args.out_dir or tempfile.gettempdir(), "load-worker-failures.log"))
+    failures = worker_failures(os.path.join(args.out_dir or tempfile.gettempdir(), "load-worker-failures.log"))
     one_row = rows.get("1")
     dev = torch.device(args.device)
     write(f"load-{dev.type}", {
@@ -533,6 +539,7 @@ def main() -> int:
                      "max_hops_per_s": args.max_hops_per_s, "worker_channel": args.worker_channel,
                      "repeat": args.repeat,
                      "greedy": True},
+        "worker_log_failures": failures,
         "in_process_one_stream": alone,
         "ceiling": ceil,
         "service": rows,
