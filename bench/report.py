@@ -510,6 +510,9 @@ def profile_exit_body(r: Result) -> str:
                "that step went on." if "ahead" in steps else "") + "\n")
 
 
+SECTIONS_SHOWN = 12  # the timed calls of a profile-exit-batch run the doc lists (the JSON has every one)
+
+
 def profile_exit_batch_body(r: Result) -> str:
     w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
     run = r.data.get("run") if isinstance(r.data.get("run"), dict) else {}
@@ -546,8 +549,9 @@ def profile_exit_batch_body(r: Result) -> str:
             return (f"{t:.1f} ms, {n} calls ({t * 1e3 / n:.0f} µs each)" if isinstance(t, (int, float)) and n
                     else DASH)
         names = sorted(set(calls_e) | set(calls_f), key=lambda k: -max(get(calls_e, k, "ms") or 0,
-                                                                       get(calls_f, k, "ms") or 0))
-        body += ("\nThe host's main calls in one run of each (each call timed by a wrapper; a call's time "
+                                                                       get(calls_f, k, "ms") or 0))[:SECTIONS_SHOWN]
+        body += (f"\nThe host's {SECTIONS_SHOWN} costliest calls in one run of each (each call timed by a "
+                 "wrapper; a call's time "
                  f"includes the calls it makes; runs of {ms(ex.get('wall_ms'))} and {ms(fd.get('wall_ms'))} so timed):\n\n"
                  + table(["call", "rule", "full depth"], [[code(k), per(calls_e, k), per(calls_f, k)] for k in names])
                  + "\n")
@@ -1026,7 +1030,8 @@ def startup_section(rs: list[Result]) -> str:
     head = ("## Worker start-up (`bench/startup.py`)\n\n"
             "A worker reports healthy, and the gateway listens, once its model is loaded and every graph captured; "
             "`Model.startup` times each part and counts the graphs (which depend on the (bucket, depth) grid, and "
-            "the row counts of the batched steps and multi-row prefills on the lanes) and the bytes the captures took. One file per model preset, the newest of each:\n\n")
+            "the row counts of the batched steps and multi-row prefills on the lanes) and the bytes the captures "
+            "took. One file per model preset, the newest of each:\n\n")
     if not rs:
         return head + "No result file on record.\n"
     rows = []

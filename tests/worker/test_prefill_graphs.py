@@ -282,7 +282,8 @@ def test_a_burst_of_prompts_shares_one_replay_per_stage(config_path):
         after = [r.decode([i], [7], [len(p)], [L]).logits.clone() for i, (p, L) in enumerate(zip(prompts, depths))]
         g.log.clear()
         got = r.prefill_many(list(range(19)), prompts, depths)
-        codas = {kind: len([s for _, s in g.replayed(kind) if s == "coda"]) for kind in ("prefill16", "prefill2", "prefill")}
+        codas = {kind: len([s for _, s in g.replayed(kind) if s == "coda"])
+                 for kind in ("prefill16", "prefill2", "prefill")}
         assert codas == {"prefill16": 1, "prefill2": 1, "prefill": 1}, codas
         assert not g.replayed("prefill4") and not g.replayed("prefill8")
         ptrs = {pre.x.data_ptr() for pre in r._prefill_rows.values()}

@@ -192,35 +192,43 @@ class Graphs:
         key = (kind, bucket, stages)
         g = self.fused.pop(key, None)
         if g is None:
-            n = self._seen.get(key, 0) + 1
-            if n < self.fuse_after or key in self._unfusable:
-                if len(self._seen) >= SEEN_KEPT:
-                    self._seen.clear()
-                self._seen[key] = n
-                for stage in stages:
-                    self.replay(kind, bucket, stage)
-                return
-            self._seen.pop(key, None)
-            if len(self.fused) >= FUSED_KEPT:
-                del self.fused[next(iter(self.fused))]
-
-            def run_all(stages=stages):
-                for stage in stages:
-                    run(stage)
-            try:
-                g = self._capture_serving(run_all)  # each stage's kernels are compiled and warm already
-            except RuntimeError as e:
-                # fusing is only a saving: a capture that fails leaves this sequence to its
-                # stages' own graphs from now on (the launch runs them), and says why once
-                self.capture_failures += 1
-                self._unfusable.add(key)
-                log.warning("capturing %s bucket %d's sequence of %d stages failed; it runs stage by stage: %s",
-                            kind, bucket, len(stages), e)
-                for stage in stages:
-                    self.replay(kind, bucket, stage)
-                return
+            g = self._fuse(key, run)
+        if g is None:  # not launched often enough yet, or its capture failed
+            for stage in stages:
+                self.replay(kind, bucket, stage)
+            return
         self.fused[key] = g  # the most recently launched last
         g.replay()
+
+    def _fuse(self, key: tuple, run) -> torch.cuda.CUDAGraph | None:
+        """The sequence `key` as one graph, at its `fuse_after`-th launch (None before, and for
+        good once its capture failed)."""
+        if key in self._unfusable:
+            return None
+        n = self._seen.get(key, 0) + 1
+        if n < self.fuse_after:
+            if len(self._seen) >= SEEN_KEPT:
+                self._seen.clear()
+            self._seen[key] = n
+            return None
+        self._seen.pop(key, None)
+        if len(self.fused) >= FUSED_KEPT:
+            del self.fused[next(iter(self.fused))]
+        kind, bucket, stages = key
+
+        def run_all(stages=stages):
+            for stage in stages:
+                run(stage)
+        try:
+            return self._capture_serving(run_all)  # each stage's kernels are compiled and warm already
+        except RuntimeError as e:
+            # fusing is only a saving: a capture that fails leaves this sequence to its stages'
+            # own graphs from now on (the launch runs them), and says why once
+            self.capture_failures += 1
+            self._unfusable.add(key)
+            log.warning("capturing %s bucket %d's sequence of %d stages failed; it runs stage by stage: %s",
+                        kind, bucket, len(stages), e)
+            return None
 
     def _capture_serving(self, fn) -> torch.cuda.CUDAGraph:
         """fn() as a graph in the shared pool while the worker serves: on a side stream that

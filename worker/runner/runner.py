@@ -1189,8 +1189,8 @@ class Runner:
                 top_rows = max(r for r, _ in self._rows_buckets)
                 top_tokens = max(r * b for r, b in self._rows_buckets)
                 self._rows_shared = rows_prefill_buffers(self.engine, top_tokens, top_rows)
-            self._prefill_rows[(rows, b)] = PaddedPrefill(self.engine, b, rows_prefill_views(self._rows_shared, rows, b),
-                                                          rows=rows)
+            views = rows_prefill_views(self._rows_shared, rows, b)
+            self._prefill_rows[(rows, b)] = PaddedPrefill(self.engine, b, views, rows=rows)
         return self._prefill_rows[(rows, b)]
 
     def _rows_graph(self, rows: int, T: int, loops: int) -> PaddedPrefill | None:
