@@ -556,3 +556,44 @@ def test_a_captured_call_keeps_what_it_closes_over(tiny_path):
         out.zero_()
         graph.replay()
         assert out.tolist() == [3.0, 2.0, 1.0, 0.0]
+
+
+def test_a_batched_step_fuses_on_a_thread_that_never_ran_a_matmul(tiny_path):
+    """A worker steps its batches on a thread of its own, not the one that loaded the model and
+    captured its stages: the first fused capture of a batched step past Settings.fused_rows
+    (projections through cuBLAS) is that thread's first matmul. It fuses (no failed capture)
+    and its streams equal the reference's."""
+    import threading
+
+    from tinyloop.worker.generation.batcher import Batcher
+    from tinyloop.worker.model.settings import Settings
+    fast = Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=4,
+                 settings=Settings(fused_rows=2))  # prompts prefill by replays: no matmul of the thread's own
+    ref = Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", backend="torch", cuda_graphs=False)
+    jobs = {0: (PROMPTS[0], 4, 24), 1: (PROMPTS[1], 4, 24), 2: ([9, 8, 7, 6], 4, 24)}
+    got, failed = {}, []
+
+    def serve():
+        try:
+            b = Batcher(fast.runner, interleave=False)
+            for lane, (p, L, n) in jobs.items():
+                ids, _ = b.join(fast.start(fast.make_request(p, loops=L, max_tokens=n), lane))
+                got[lane] = list(ids)
+            while b:
+                for lane, (ids, _) in b.step().items():
+                    got[lane].extend(ids)
+        except BaseException as e:  # the test thread asserts on it
+            failed.append(e)
+    try:
+        t = threading.Thread(target=serve)
+        t.start()
+        t.join(120)
+        assert not failed, failed
+        graphs = fast.runner.graphs
+        assert graphs.capture_failures == 0
+        assert [key[:2] for key in graphs.fused] == [("batch", 4)]
+        for lane, (p, L, n) in jobs.items():
+            assert p + got[lane] == ref.generate(p, loops=L, max_tokens=n), lane
+    finally:
+        fast.close()
+        ref.close()

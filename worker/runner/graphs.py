@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,7 @@ class Graphs:
         self._unfusable: set[tuple] = set()  # sequences whose capture failed
         self.fuse_after = fuse_after       # the launch of a sequence that fuses it
         self._side: torch.cuda.Stream | None = None  # the stream of captures while serving
+        self._primed: set[int] = set()  # threads whose cuBLAS handles exist on the side stream
         self.warm: set = set()  # (kind, bucket, stage) / depths whose kernels have been compiled
         self.key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=self.device)
         self.captures = 0  # graphs captured so far, at start-up and while serving
@@ -241,6 +243,8 @@ class Graphs:
         if self._side is None:
             self._side = torch.cuda.Stream(dev)
         self._side.wait_stream(cur)
+        if threading.get_ident() not in self._primed:
+            self._prime_blas()
         g = torch.cuda.CUDAGraph()
         self.captures += 1
         enabled = gc.isenabled()
@@ -258,6 +262,22 @@ class Graphs:
         cur.wait_stream(self._side)
         g.captured_fn = fn
         return g
+
+    def _prime_blas(self) -> None:
+        """Make this thread's cuBLAS handles and their workspaces for the side stream, outside
+        any capture. torch keeps one handle per thread and one workspace per (handle, stream),
+        made at the first matmul: a worker's step thread is not the thread that loaded the model
+        and captured its stages, and its first matmul may be a fused capture's (a batched step
+        past Settings.fused_rows projects through cuBLAS), where making a handle invalidates
+        the capture."""
+        dtype = self.engine.model.tok_embeddings.weight.dtype
+        with torch.cuda.stream(self._side):
+            torch.cuda.current_blas_handle()
+            for dt in {dtype, torch.float32}:
+                a = torch.zeros(8, 8, dtype=dt, device=self.device)
+                torch.nn.functional.linear(a, a)
+                torch.addmm(a, a, a)
+        self._primed.add(threading.get_ident())
 
     def _capture(self, fn, warm: bool, warm_fn=None) -> torch.cuda.CUDAGraph:
         """Capture fn() as a CUDA graph in the shared pool; warm: run it (or warm_fn) twice
