@@ -25,7 +25,7 @@ def graphs_with(stages, capture):
     g.stages = {("batch", 2, s): Replayable(g.log, s) for s in stages}
     g.fused, g._seen, g._unfusable = {}, {}, set()
     g.fuse_after, g.captures, g.capture_failures = 3, 0, 0
-    g._capture_serving = capture
+    g._record = capture
     return g
 
 
@@ -56,7 +56,7 @@ def test_a_failed_capture_leaves_its_sequence_to_its_stages(caplog):
     assert len(tries) == 1 and g.capture_failures == 1 and not g.fused
     assert "during capture" in caplog.text and "stage by stage" in caplog.text
     # another sequence still fuses
-    g._capture_serving = lambda fn: Replayable(g.log, "fused")
+    g._record = lambda fn: Replayable(g.log, "fused")
     g.log.clear()
     for _ in range(3):
         g.replay_sequence("batch", 2, ("prelude", "coda"), lambda s: None)

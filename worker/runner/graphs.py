@@ -222,7 +222,7 @@ class Graphs:
             for stage in stages:
                 run(stage)
         try:
-            return self._capture_serving(run_all)  # each stage's kernels are compiled and warm already
+            return self._record(run_all)  # each stage's kernels are compiled and warm already
         except RuntimeError as e:
             # fusing is only a saving: a capture that fails leaves this sequence to its stages'
             # own graphs from now on (the launch runs them), and says why once
@@ -232,36 +232,22 @@ class Graphs:
                         kind, bucket, len(stages), e)
             return None
 
-    def _capture_serving(self, fn) -> torch.cuda.CUDAGraph:
-        """fn() as a graph in the shared pool while the worker serves: on a side stream that
-        waits for the work queued so far (the caller's stream then waits for it), with no device
-        sync and no cache emptied. torch.cuda.graph does both, and frees the cached pinned host
-        memory too, which costs milliseconds at every capture and more at the allocations after;
-        fn's kernels are warm (its stages were captured before), so nothing else is needed."""
-        dev = self.device
-        cur = torch.cuda.current_stream(dev)
+    def _capture(self, fn, warm: bool, warm_fn=None) -> torch.cuda.CUDAGraph:
+        """fn() as a CUDA graph in the shared pool; warm: run it (or warm_fn) twice first on the
+        capture's stream (compile its Triton kernels, settle its allocations outside the graph)."""
+        if warm:
+            side = self._side_stream()
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    (warm_fn or fn)()
+        return self._record(fn)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream captures run on, after the work queued so far on the caller's stream."""
         if self._side is None:
-            self._side = torch.cuda.Stream(dev)
-        self._side.wait_stream(cur)
-        if threading.get_ident() not in self._primed:
-            self._prime_blas()
-        g = torch.cuda.CUDAGraph()
-        self.captures += 1
-        enabled = gc.isenabled()
-        gc.disable()  # as in _capture
-        try:
-            with torch.cuda.stream(self._side):
-                g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    fn()
-                finally:
-                    g.capture_end()
-        finally:
-            if enabled:
-                gc.enable()
-        cur.wait_stream(self._side)
-        g.captured_fn = fn
-        return g
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        return self._side
 
     def _prime_blas(self) -> None:
         """Make this thread's cuBLAS handles and their workspaces for the side stream, outside
@@ -279,32 +265,34 @@ class Graphs:
                 torch.addmm(a, a, a)
         self._primed.add(threading.get_ident())
 
-    def _capture(self, fn, warm: bool, warm_fn=None) -> torch.cuda.CUDAGraph:
-        """Capture fn() as a CUDA graph in the shared pool; warm: run it (or warm_fn) twice
-        first on a side stream (compile its Triton kernels, settle its allocations outside the
-        graph)."""
-        dev = self.device
-        if warm:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    (warm_fn or fn)()
-            torch.cuda.current_stream(dev).wait_stream(side)
+    def _record(self, fn) -> torch.cuda.CUDAGraph:
+        """Capture fn(), whose kernels are warm, on the side stream (the caller's stream then
+        waits for it), with no device sync and no cache emptied: torch.cuda.graph's entry does
+        both and frees the cached pinned host memory too, which costs milliseconds at every
+        capture and more at the allocations after, at start-up (a thousand captures) as while
+        serving. Captures at start-up and while serving take this one path."""
+        side = self._side_stream()
+        if threading.get_ident() not in self._primed:
+            self._prime_blas()
         g = torch.cuda.CUDAGraph()
         self.captures += 1
         # no garbage collection inside the capture: a graph keeps its closure, which may hold
         # its owner (a cycle), so a dropped model's graphs, events and pinned buffers go when
         # the collector finds them, and destroying those while a stream captures aborts the
-        # process (torch.cuda.graph collects once before it begins)
+        # process
         enabled = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(g, pool=self.pool):
-                fn()
+            with torch.cuda.stream(side):
+                g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    g.capture_end()
         finally:
             if enabled:
                 gc.enable()
+        torch.cuda.current_stream(self.device).wait_stream(side)
         # the graph reads the tensors fn closes over (index tables, static inputs) at every
         # replay: keep them alive as long as the graph, or their memory goes to other tensors
         g.captured_fn = fn

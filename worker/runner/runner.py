@@ -404,6 +404,9 @@ class Runner:
             capture()
             self.startup[part] = self.startup.get(part, 0.0) + time.perf_counter() - t
         torch.cuda.synchronize(self.device)
+        # the warm-ups' blocks go back, so the reserved bytes count the graphs' pool (captures
+        # empty no cache on the way: graphs.Graphs._record)
+        torch.cuda.empty_cache()
         self.startup["graphs"] = len(g)
         self.startup["graph_bytes"] += max(0, torch.cuda.memory_reserved(self.device) - mem0)
         return self.startup
