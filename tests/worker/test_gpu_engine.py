@@ -61,6 +61,21 @@ def _captured(graphs, kind: str) -> dict:
     return out
 
 
+def _run_batched(model, jobs: dict, interleave: bool = False):
+    """{lane: (prompt, depth, max_tokens)} joined on their lanes and stepped by one Batcher to
+    their ends: (the batcher, {lane: the tokens after the prompt})."""
+    from tinyloop.worker.generation.batcher import Batcher
+    b = Batcher(model.runner, interleave=interleave)
+    got = {}
+    for lane, (p, L, n) in jobs.items():
+        ids, _ = b.join(model.start(model.make_request(p, loops=L, max_tokens=n), lane))
+        got[lane] = list(ids)
+    while b:
+        for lane, (ids, _) in b.step().items():
+            got[lane].extend(ids)
+    return b, got
+
+
 @pytest.mark.parametrize("loops", [1, 3, 8])
 def test_graphs_and_triton_equal_torch_reference(pair, loops):
     """One decode graph per depth, replayed for every decode step of a stream."""
@@ -292,18 +307,10 @@ def test_batcher_on_graphs_equals_reference(batch_pair, monkeypatch):
     steps, replayed through the bucket graphs (3 streams: bucket 4, one row idle; then 2:
     bucket 2; then one alone: its decode graph): each stream's greedy tokens are its reference
     stream's."""
-    from tinyloop.worker.generation.batcher import Batcher
     fast, ref = batch_pair
     calls = _replays(monkeypatch, fast.runner.graphs)
-    b = Batcher(fast.runner, interleave=False)  # whole-token steps (interleaved: the next test)
     jobs = {1: (PROMPTS[0], 3, 12), 2: (PROMPTS[1], 8, 20), 4: ([9, 8, 7, 6], 5, 16)}
-    got = {}
-    for lane, (p, L, n) in jobs.items():
-        ids, finish = b.join(fast.start(fast.make_request(p, loops=L, max_tokens=n), lane))
-        got[lane] = list(ids)
-    while b:
-        for lane, (ids, _) in b.step().items():
-            got[lane].extend(ids)
+    b, got = _run_batched(fast, jobs)  # whole-token steps (interleaved: the next test)
     steps = [len(ids) - 1 for ids in got.values()]  # the first token comes from the prefill
     assert b.steps == max(steps) and b.lane_steps == sum(steps)
     assert {bucket for kind, bucket, _ in calls if kind == "batch"} == {4, 2}
@@ -565,7 +572,6 @@ def test_a_batched_step_fuses_on_a_thread_that_never_ran_a_matmul(tiny_path):
     and its streams equal the reference's."""
     import threading
 
-    from tinyloop.worker.generation.batcher import Batcher
     from tinyloop.worker.model.settings import Settings
     fast = Model(tiny_path, max_seq_len=128, device="cuda", dtype="float32", n_slots=4,
                  settings=Settings(fused_rows=2))  # prompts prefill by replays: no matmul of the thread's own
@@ -575,13 +581,7 @@ def test_a_batched_step_fuses_on_a_thread_that_never_ran_a_matmul(tiny_path):
 
     def serve():
         try:
-            b = Batcher(fast.runner, interleave=False)
-            for lane, (p, L, n) in jobs.items():
-                ids, _ = b.join(fast.start(fast.make_request(p, loops=L, max_tokens=n), lane))
-                got[lane] = list(ids)
-            while b:
-                for lane, (ids, _) in b.step().items():
-                    got[lane].extend(ids)
+            got.update(_run_batched(fast, jobs)[1])
         except BaseException as e:  # the test thread asserts on it
             failed.append(e)
     try:
