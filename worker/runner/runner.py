@@ -1090,7 +1090,12 @@ class Runner:
     def close(self) -> None:
         """Let go of every captured graph at once (Model.close): a graph keeps the closure it
         captured, which refers back to what owns the graph, so left alone the graphs would go
-        whenever the collector finds those cycles, perhaps in another model's capture."""
+        whenever the collector finds those cycles, perhaps in another model's capture. The
+        device finishes first: a step may still be in flight (launched, not waited for), and the
+        graphs' pool and this model's tensors go back to the allocator here, for the next
+        model's streams to take."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         for owner in (self.graphs, self._solo, self._sampler):
             if owner is not None:
                 owner.drop()
