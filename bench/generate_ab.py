@@ -8,8 +8,12 @@ code (what `Model.generate` does around the captured decode step) needs the othe
 itself. Here every round runs each tree in a process of its own (its packages mapped onto the
 `tinyloop` namespace as bench/gpu_env.sh does), in the order given, and each process times
 `Model.generate` of --tokens greedy tokens on the embedded default model (or --model) at each
---loops after a warm-up generate: tokens/s, the best of --repeat. The JSON keeps every round's
-figure per tree and depth, the median over rounds, and each tree's median over the first's.
+--loops after a warm-up generate: tokens/s, the best of --repeat; and a generate of one token
+(the prefill, the first token and what a call costs around them), the best of --repeat, so
+that a difference splits into what every call pays once and what each further token pays
+(`decode_us_per_token`: the whole generate less the one-token generate, over the tokens after
+the first). The JSON keeps every round's figures per tree and depth, their medians over the
+rounds, and each tree's medians over the first's.
 """
 from __future__ import annotations
 
@@ -38,20 +42,24 @@ m = Model(default_model_path() if model == "default" else model, max_seq_len=512
 m.capture_graphs(loops) if device == "cuda" else None
 prompt = m.tokenizer.encode("def fibonacci(n):\n    ")
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-out = {}
+out, first = {}, {}
 for L in loops:
     m.generate(prompt, loops=L, max_tokens=8)
-    best = 0.0
+    best, one = 0.0, float("inf")
     for _ in range(repeat):
         sync()
         t = time.perf_counter()
         g = m.generate(prompt, loops=L, max_tokens=tokens)
         sync()
         best = max(best, (len(g) - len(prompt)) / (time.perf_counter() - t))
-    out[str(L)] = best
+        t = time.perf_counter()
+        m.generate(prompt, loops=L, max_tokens=1)
+        sync()
+        one = min(one, time.perf_counter() - t)
+    out[str(L)], first[str(L)] = best, one * 1e3
 m.close()
 import tinyloop.worker
-print("RESULT " + json.dumps({"tok_s": out, "source": tinyloop.worker.__path__[0]}))
+print("RESULT " + json.dumps({"tok_s": out, "first_ms": first, "source": tinyloop.worker.__path__[0]}))
 """
 
 
@@ -68,8 +76,9 @@ def tree_env(tree: Path, scratch: Path) -> dict:
     return env
 
 
-def run_tree(tree: Path, scratch: Path, args) -> dict[str, float]:
-    """tokens/s by depth of one process on `tree`'s code (which it checks it imported)."""
+def run_tree(tree: Path, scratch: Path, args) -> dict:
+    """One process on `tree`'s code (which it checks it imported): {"tok_s", "first_ms"}, each
+    by depth."""
     cmd = [sys.executable, "-c", CHILD, args.model, args.device, str(args.tokens), str(args.repeat),
            *map(str, args.loops)]
     p = subprocess.run(cmd, cwd=tree, env=tree_env(tree, scratch), capture_output=True, text=True)
@@ -79,7 +88,13 @@ def run_tree(tree: Path, scratch: Path, args) -> dict[str, float]:
     r = json.loads(line[len("RESULT "):])
     if Path(r["source"]).resolve() != (tree / "worker").resolve():
         raise RuntimeError(f"the process for {tree} imported tinyloop.worker from {r['source']}")
-    return r["tok_s"]
+    return {"tok_s": r["tok_s"], "first_ms": r["first_ms"]}
+
+
+def decode_us(tok_s: float, first_ms: float, tokens: int) -> float:
+    """The microseconds each token after the first adds to a generate of `tokens` tokens at
+    tok_s, whose one-token generate took first_ms."""
+    return (tokens / tok_s - first_ms / 1e3) / max(1, tokens - 1) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,12 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         trees[name] = Path(path).resolve()
     if len(trees) < 2:
         raise ValueError("--tree: at least two trees to compare")
-    rounds: dict[str, list[dict]] = {name: [] for name in trees}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as scratch:
         for _ in tqdm(range(args.rounds), desc="rounds"):
             for name, tree in trees.items():
-                rounds[name].append(run_tree(tree, Path(scratch) / name, args))
-    median = {name: {str(L): statistics.median(r[str(L)] for r in rs) for L in args.loops} for name, rs in rounds.items()}
+                runs[name].append(run_tree(tree, Path(scratch) / name, args))
+    loops = [str(L) for L in args.loops]
+    rounds = {name: [r["tok_s"] for r in rs] for name, rs in runs.items()}
+    firsts = {name: [r["first_ms"] for r in rs] for name, rs in runs.items()}
+    decodes = {name: [{L: decode_us(r["tok_s"][L], r["first_ms"][L], args.tokens) for L in loops} for r in rs]
+               for name, rs in runs.items()}
+
+    def medians(per_round: dict) -> dict:
+        return {name: {L: statistics.median(r[L] for r in rs) for L in loops} for name, rs in per_round.items()}
+    median, median_first, median_decode = medians(rounds), medians(firsts), medians(decodes)
     base = next(iter(trees))
     ratio = {name: {L: v / median[base][L] for L, v in m.items()} for name, m in median.items()}
     import torch
@@ -118,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                      "rounds": args.rounds},
         "trees": {name: str(t) for name, t in trees.items()},
         "rounds_tok_s": rounds, "median_tok_s": median, "over_base": ratio,
+        "rounds_first_ms": firsts, "median_first_ms": median_first,
+        "rounds_decode_us_per_token": decodes, "median_decode_us_per_token": median_decode,
     }, args.out_dir)
-    print(json.dumps({"median_tok_s": median, "over_base": ratio}, indent=1))
+    print(json.dumps({"median_tok_s": median, "over_base": ratio, "median_first_ms": median_first,
+                      "median_decode_us_per_token": median_decode}, indent=1))
     return 0
 
 

@@ -570,6 +570,14 @@ def generate_ab_body(r: Result) -> str:
             f"{text(w.get('repeat'))} a round, {text(w.get('rounds'))} rounds alternating the trees in the order "
             f"given (the first the reference); median tokens/s over the rounds (over the first tree's).\n\n"
             + table(["tree"] + [f"L = {L}" for L in loops], rows or [[DASH]]) + "\n")
+    first = r.data.get("median_first_ms") if isinstance(r.data.get("median_first_ms"), dict) else {}
+    dec = r.data.get("median_decode_us_per_token") if isinstance(r.data.get("median_decode_us_per_token"), dict) else {}
+    if first and dec:
+        body += ("\nThe same runs split: a one-token generate (the prefill, the first token and what a call costs "
+                 "around them), and what each token after the first adds (µs); medians over the rounds.\n\n"
+                 + table(["tree"] + [f"L = {L}: one token, each next" for L in loops],
+                         [[code(t)] + [f"{ms(get(first, t, L), 3)}, {num(get(dec, t, L), ',.1f')} µs" for L in loops]
+                          for t in trees]) + "\n")
     if r.data.get("finding"):
         body += f"\n{text(r.data['finding'])}.\n"
     return body

@@ -555,3 +555,9 @@ def test_generate_ab_bench_cpu(tmp_path, tiny_path):
     assert set(r["rounds_tok_s"]) == {"base", "head"} and all(len(v) == 2 for v in r["rounds_tok_s"].values())
     assert all(x > 0 for rs in r["rounds_tok_s"].values() for row in rs for x in row.values())
     assert r["over_base"]["base"] == {"1": 1.0, "2": 1.0} and r["over_base"]["head"]["2"] > 0
+    # the one-token generate and the per-token remainder, every round, each tree and depth
+    assert all(len(r[k][t]) == 2 for k in ("rounds_first_ms", "rounds_decode_us_per_token") for t in ("base", "head"))
+    assert all(r["median_first_ms"][t][L] > 0 for t in ("base", "head") for L in ("1", "2"))
+    row = r["rounds_decode_us_per_token"]["head"][0]["2"]
+    assert row == pytest.approx(generate_ab.decode_us(r["rounds_tok_s"]["head"][0]["2"],
+                                                      r["rounds_first_ms"]["head"][0]["2"], 4))
