@@ -399,11 +399,14 @@ class Runner:
                 parts += [("interleaved_graphs_s", stage("interleaved", b, s, il,
                                                          lambda il=il: il.load([], [], [], [], [])))
                           for s in INTERLEAVED_STAGES]
-        for part, capture in (progress(parts) if progress else parts):
+        # captures queue their warm-ups without a device sync (Graphs._record): each part ends
+        # with one, so that its time holds its own device work
+        for k, (part, capture) in enumerate(progress(parts) if progress else parts):
             t = time.perf_counter()
             capture()
+            if k + 1 == len(parts) or parts[k + 1][0] != part:
+                torch.cuda.synchronize(self.device)
             self.startup[part] = self.startup.get(part, 0.0) + time.perf_counter() - t
-        torch.cuda.synchronize(self.device)
         # the warm-ups' blocks go back, so the reserved bytes count the graphs' pool (captures
         # empty no cache on the way: graphs.Graphs._record)
         torch.cuda.empty_cache()
