@@ -109,7 +109,7 @@ class Graphs:
         self._seen: dict[tuple, int] = {}  # launches of each sequence not fused yet
         self._unfusable: set[tuple] = set()  # sequences whose capture failed
         self.fuse_after = fuse_after       # the launch of a sequence that fuses it
-        self._side: torch.cuda.Stream | None = None  # the stream of captures while serving
+        self._side: torch.cuda.Stream | None = None  # the stream every capture (and its warm-ups) runs on
         self._primed: set[int] = set()  # threads whose cuBLAS handles exist on the side stream
         self.warm: set = set()  # (kind, bucket, stage) / depths whose kernels have been compiled
         self.key = torch.full((1,), ARGMAX_KEY_NONE, dtype=torch.long, device=self.device)
