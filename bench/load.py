@@ -66,7 +66,8 @@ def worker_failures(path: str, ray_logs: str = "/tmp/ray/session_latest/logs") -
     `path`, where there are any. -> how many."""
     out, n = [], 0
     for f in sorted(glob.glob(os.path.join(ray_logs, "worker-*.err"))):
-        lines = open(f, errors="replace").read().splitlines()
+        with open(f, errors="replace") as fh:
+            lines = fh.read().splitlines()
         for i, line in enumerate(lines):
             if any(w in line for w in WORKER_FAILURES):
                 n += 1

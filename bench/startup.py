@@ -38,7 +38,7 @@ KINDS = ("decode", "prefill", "verify", "batch")
 def by_lanes(kind: str) -> bool:
     """Whether a graph kind's count grows with the lanes: rows of a batched step or of a
     multi-row prefill (`prefill4`, ...)."""
-    return kind in ("batch", "interleaved") or (kind.startswith("prefill") and kind[7:].isdigit())
+    return kind in ("batch", "interleaved") or kind.removeprefix("prefill").isdigit()
 
 
 def graphs_by_kind(m: Model) -> tuple[dict[str, int], list[int]]:

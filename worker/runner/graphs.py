@@ -249,15 +249,15 @@ class Graphs:
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         return self._side
 
-    def _prime_blas(self) -> None:
-        """Make this thread's cuBLAS handles and their workspaces for the side stream, outside
-        any capture. torch keeps one handle per thread and one workspace per (handle, stream),
-        made at the first matmul: a worker's step thread is not the thread that loaded the model
+    def _prime_blas(self, side: torch.cuda.Stream) -> None:
+        """Make this thread's cuBLAS handles and their workspaces for `side`, outside any
+        capture. torch keeps one handle per thread and one workspace per (handle, stream), made
+        at the first matmul: a worker's step thread is not the thread that loaded the model
         and captured its stages, and its first matmul may be a fused capture's (a batched step
         past Settings.fused_rows projects through cuBLAS), where making a handle invalidates
         the capture."""
         dtype = self.engine.model.tok_embeddings.weight.dtype
-        with torch.cuda.stream(self._side):
+        with torch.cuda.stream(side):
             torch.cuda.current_blas_handle()
             for dt in {dtype, torch.float32}:
                 a = torch.zeros(8, 8, dtype=dt, device=self.device)
@@ -273,7 +273,7 @@ class Graphs:
         serving. Captures at start-up and while serving take this one path."""
         side = self._side_stream()
         if threading.get_ident() not in self._primed:
-            self._prime_blas()
+            self._prime_blas(side)
         g = torch.cuda.CUDAGraph()
         self.captures += 1
         # no garbage collection inside the capture: a graph keeps its closure, which may hold
