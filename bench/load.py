@@ -387,7 +387,7 @@ def main() -> int:
                     help="tinyloop serve's --worker-channel: tokens over the worker's gRPC channel, else Ray")
     ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
     ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
-    ap.add_argument("--first-token-wait-ms", type=float, default=0.0, help="tinyloop serve's --first-token-wait-ms")
+    ap.add_argument("--first-token-wait-ms", type=float, default=2.0, help="tinyloop serve's --first-token-wait-ms")
     ap.add_argument("--max-hops-per-s", type=float, default=640.0, help="tinyloop serve's --max-hops-per-s")
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3,
@@ -415,6 +415,8 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     port, mport = free_port(), free_port()
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)  # the serve log lands there before the JSON does
     log_path = os.path.join(args.out_dir or tempfile.gettempdir(), f"load-serve-{args.preset}.log")
     server = serve(path, args, port, mport, log_path)
     address = f"127.0.0.1:{port}"

@@ -70,9 +70,10 @@ def register(sub) -> None:
                    help="the interpreter switch interval of this process and of each worker's: how long "
                         "a thread that has work (a worker's torch thread, an event loop with a token to "
                         "pass on, gRPC's poller) may wait for the GIL while another runs Python")
-    s.add_argument("--first-token-wait-ms", type=float, default=0.0,
-                   help="how long a worker's torch thread waits for its event loop to pass a stream's first "
-                        "tokens on before it launches the next decode step (0: it does not wait)")
+    s.add_argument("--first-token-wait-ms", type=float, default=2.0,
+                   help="how long at most a worker's torch thread waits for its event loop to pass a step's "
+                        "first tokens on before it launches the decode step, when the new streams are at least "
+                        "a quarter of the running ones (0: it never waits)")
     s.add_argument("--max-message-mb", type=float, default=4.0)
     s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     s.add_argument("--auth-tokens", default=os.environ.get("TINYLOOP_AUTH_TOKENS"),

@@ -27,7 +27,7 @@ class WorkerOptions:
     coalesce_s: float = 0.05  # = worker.actor.DEFAULT_COALESCE_S
     max_hops_per_s: float = 640.0  # = worker.actor.DEFAULT_MAX_HOPS_PER_S
     gil_switch_s: float = 0.0005   # = worker.actor.DEFAULT_GIL_SWITCH_S
-    first_token_wait_s: float = 0.0  # = worker.actor.DEFAULT_FIRST_TOKEN_WAIT_S
+    first_token_wait_s: float = 0.002  # = worker.actor.DEFAULT_FIRST_TOKEN_WAIT_S
     num_cpus: float = 1.0
     torch_threads: int | None = None
     max_restarts: int = -1

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from tinyloop.client import TinyLoopClient, TinyLoopError
+from tinyloop.worker.serving.actor import waits_for_first_tokens
 
 from service_helpers import running_service, wait_idle, worker_stats
 
@@ -142,3 +143,16 @@ def test_warmup_and_safety_arguments_are_checked_on_the_wire(chunking_worker):
             with pytest.raises(TinyLoopError) as e:
                 c.generate([1, 2, 3], max_tokens=4, **kw).collect()
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.message, e.value
+
+
+def test_the_step_thread_waits_for_first_tokens_of_a_lone_stream_or_a_burst_only():
+    """The wait holds back the decode step of every running stream, so it is made for a lone
+    stream or a burst of arrivals (a quarter of the running streams or more), never for one
+    arrival among many, and never when it is off."""
+    assert waits_for_first_tokens(1, 1, 0.002)
+    assert waits_for_first_tokens(64, 64, 0.002)
+    assert waits_for_first_tokens(2, 8, 0.002)
+    assert not waits_for_first_tokens(1, 8, 0.002)
+    assert not waits_for_first_tokens(1, 64, 0.002)
+    assert not waits_for_first_tokens(1, 1, 0.0)
+    assert not waits_for_first_tokens(0, 1, 0.002)

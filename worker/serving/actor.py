@@ -56,7 +56,11 @@ DEFAULT_STEP_TOKENS = 1024
 # Ray hops per second a worker's streams share after their first tokens: each hop costs the
 # worker's one interpreter (and so its step thread) about as much as a stream's step does
 DEFAULT_MAX_HOPS_PER_S = 640.0
-DEFAULT_FIRST_TOKEN_WAIT_S = 0.0  # how long the step thread waits for the event loop to pass a first token on (_post)
+# how long at most the step thread waits for the event loop to pass a step's first tokens on
+# before it launches the decode step (_post); the wait holds that step's other streams back, so
+# it is made only where the new streams are at least FIRST_TOKEN_WAIT_SHARE of those running
+DEFAULT_FIRST_TOKEN_WAIT_S = 0.002
+FIRST_TOKEN_WAIT_SHARE = 0.25
 DEFAULT_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval in a worker process (see WorkerActor.__init__)
 DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per token costs ~3 ms of step time on CPU
 
@@ -93,6 +97,12 @@ def _status(worker_id: str, e: BaseException) -> dict:
         except AttributeError:  # an exception type that takes no attributes: logged each time
             pass
     return error("INTERNAL", "STEP_FAILED", f"{worker_id}: a decode step failed ({type(e).__name__}: {first})")
+
+
+def waits_for_first_tokens(starting: int, running: int, wait_s: float) -> bool:
+    """Whether the step thread waits for a step's first tokens to leave before its decode step
+    (`WorkerActor._post`): `starting` streams get their first tokens, `running` hold a lane."""
+    return bool(starting and wait_s > 0 and starting >= FIRST_TOKEN_WAIT_SHARE * running)
 
 
 class _Refused(Exception):
@@ -328,12 +338,14 @@ class WorkerActor:
         A job's first tokens: this thread then waits (at most first_token_wait_s; 0: not) until the
         event loop has passed them on, so they leave before this thread takes the interpreter
         back to launch the next decode step, which would otherwise hold them up behind its
-        Python."""
+        Python. The wait delays that step for every stream in it, so it is made only when the
+        streams starting now are at least FIRST_TOKEN_WAIT_SHARE of the running ones (a lone
+        stream, a burst of arrivals), not for one arrival among many running streams."""
         from tinyloop.worker.serving.scheduler import Tokens
         if step_stats is not None:
             self._metrics.observe(step_stats)
         urgent = step_stats is None
-        first = False
+        first = 0
         pending, started = self._pending, self._started
         for key, ev in events:
             slot = pending.get(key)
@@ -347,16 +359,20 @@ class WorkerActor:
             else:
                 end = ev
             if end is not None:
+                if key not in started and slot[0]:
+                    first += 1  # a job whose first tokens end it
                 slot[1] = end
                 started.discard(key)
                 urgent = True
             elif key not in started:
                 started.add(key)
-                urgent = first = True
+                urgent = True
+                first += 1
         now = time.monotonic()
         if pending and (urgent or now - self._flushed >= self._flush_s or not self.scheduler.has_work()):
             self._pending, self._flushed = {}, now
-            passed = threading.Event() if first and self.first_token_wait_s else None
+            wait = waits_for_first_tokens(first, self.scheduler.running, self.first_token_wait_s)
+            passed = threading.Event() if wait else None
             self._loop.call_soon_threadsafe(self._deliver, pending, passed)
             if passed is not None:
                 passed.wait(self.first_token_wait_s)
