@@ -12,8 +12,12 @@ itself. Here every round runs each tree in a process of its own (its packages ma
 (the prefill, the first token and what a call costs around them), the best of --repeat, so
 that a difference splits into what every call pays once and what each further token pays
 (`decode_us_per_token`: the whole generate less the one-token generate, over the tokens after
-the first). The JSON keeps every round's figures per tree and depth, their medians over the
-rounds, and each tree's medians over the first's.
+the first); and on CUDA the step's device time alone (`graph_us_per_token`: the depth's captured
+decode graph replayed back to back, each replay fed its own greedy token, no host read), so
+that a decode difference splits further into the device's step and the host's work around it
+(where the host's work per token outlasts the step, the generate is host-bound). The JSON keeps
+every round's figures per tree and depth, their medians over the rounds, and each tree's
+medians over the first's.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ m = Model(default_model_path() if model == "default" else model, max_seq_len=512
 m.capture_graphs(loops) if device == "cuda" else None
 prompt = m.tokenizer.encode("def fibonacci(n):\n    ")
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-out, first = {}, {}
+out, first, graph = {}, {}, {}
 for L in loops:
     m.generate(prompt, loops=L, max_tokens=8)
     best, one = 0.0, float("inf")
@@ -57,9 +61,24 @@ for L in loops:
         sync()
         one = min(one, time.perf_counter() - t)
     out[str(L)], first[str(L)] = best, one * 1e3
+    g = m.runner.graphs.decode.get(L) if device == "cuda" else None
+    if g is not None:
+        pos, steps, dev_best = len(prompt), 64, float("inf")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeat + 1):  # the first a warm-up
+            g.load(0, 0, pos)
+            sync()
+            start.record()
+            for i in range(steps):
+                g.replay(0, pos + i)  # it feeds itself its greedy token, one position on
+            end.record()
+            end.synchronize()
+            dev_best = min(dev_best, start.elapsed_time(end) * 1e3 / steps)
+        graph[str(L)] = dev_best
 m.close()
 import tinyloop.worker
-print("RESULT " + json.dumps({"tok_s": out, "first_ms": first, "source": tinyloop.worker.__path__[0]}))
+print("RESULT " + json.dumps({"tok_s": out, "first_ms": first, "graph_us": graph,
+                             "source": tinyloop.worker.__path__[0]}))
 """
 
 
@@ -77,8 +96,8 @@ def tree_env(tree: Path, scratch: Path) -> dict:
 
 
 def run_tree(tree: Path, scratch: Path, args) -> dict:
-    """One process on `tree`'s code (which it checks it imported): {"tok_s", "first_ms"}, each
-    by depth."""
+    """One process on `tree`'s code (which it checks it imported): {"tok_s", "first_ms",
+    "graph_us"}, each by depth (graph_us: CUDA only)."""
     cmd = [sys.executable, "-c", CHILD, args.model, args.device, str(args.tokens), str(args.repeat),
            *map(str, args.loops)]
     p = subprocess.run(cmd, cwd=tree, env=tree_env(tree, scratch), capture_output=True, text=True)
@@ -88,7 +107,7 @@ def run_tree(tree: Path, scratch: Path, args) -> dict:
     r = json.loads(line[len("RESULT "):])
     if Path(r["source"]).resolve() != (tree / "worker").resolve():
         raise RuntimeError(f"the process for {tree} imported tinyloop.worker from {r['source']}")
-    return {"tok_s": r["tok_s"], "first_ms": r["first_ms"]}
+    return {"tok_s": r["tok_s"], "first_ms": r["first_ms"], "graph_us": r["graph_us"]}
 
 
 def decode_us(tok_s: float, first_ms: float, tokens: int) -> float:
@@ -130,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     def medians(per_round: dict) -> dict:
         return {name: {L: statistics.median(r[L] for r in rs) for L in loops} for name, rs in per_round.items()}
     median, median_first, median_decode = medians(rounds), medians(firsts), medians(decodes)
+    graphs = {name: [r["graph_us"] for r in rs] for name, rs in runs.items()}
+    median_graph = medians(graphs) if all(r["graph_us"] for rs in runs.values() for r in rs) else None
     base = next(iter(trees))
     ratio = {name: {L: v / median[base][L] for L, v in m.items()} for name, m in median.items()}
     import torch
@@ -143,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         "rounds_tok_s": rounds, "median_tok_s": median, "over_base": ratio,
         "rounds_first_ms": firsts, "median_first_ms": median_first,
         "rounds_decode_us_per_token": decodes, "median_decode_us_per_token": median_decode,
+        "rounds_graph_us_per_token": graphs, "median_graph_us_per_token": median_graph,
     }, args.out_dir)
     print(json.dumps({"median_tok_s": median, "over_base": ratio, "median_first_ms": median_first,
-                      "median_decode_us_per_token": median_decode}, indent=1))
+                      "median_decode_us_per_token": median_decode, "median_graph_us_per_token": median_graph},
+                     indent=1))
     return 0
 
 

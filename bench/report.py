@@ -572,12 +572,18 @@ def generate_ab_body(r: Result) -> str:
             + table(["tree"] + [f"L = {L}" for L in loops], rows or [[DASH]]) + "\n")
     first = r.data.get("median_first_ms") if isinstance(r.data.get("median_first_ms"), dict) else {}
     dec = r.data.get("median_decode_us_per_token") if isinstance(r.data.get("median_decode_us_per_token"), dict) else {}
+    graph = r.data.get("median_graph_us_per_token")
+    graph = graph if isinstance(graph, dict) else {}
     if first and dec:
+        def cell(t, L):
+            step = f" (step {num(get(graph, t, L), ',.1f')})" if graph else ""
+            return f"{ms(get(first, t, L), 3)}, {num(get(dec, t, L), ',.1f')} µs{step}"
         body += ("\nThe same runs split: a one-token generate (the prefill, the first token and what a call costs "
-                 "around them), and what each token after the first adds (µs); medians over the rounds.\n\n"
+                 "around them), and what each token after the first adds (µs)"
+                 + ("; in brackets, the step's device time alone (its decode graph replayed back to back, µs)"
+                    if graph else "") + "; medians over the rounds.\n\n"
                  + table(["tree"] + [f"L = {L}: one token, each next" for L in loops],
-                         [[code(t)] + [f"{ms(get(first, t, L), 3)}, {num(get(dec, t, L), ',.1f')} µs" for L in loops]
-                          for t in trees]) + "\n")
+                         [[code(t)] + [cell(t, L) for L in loops] for t in trees]) + "\n")
     if r.data.get("finding"):
         body += f"\n{text(r.data['finding'])}.\n"
     return body

@@ -558,6 +558,8 @@ def test_generate_ab_bench_cpu(tmp_path, tiny_path):
     # the one-token generate and the per-token remainder, every round, each tree and depth
     assert all(len(r[k][t]) == 2 for k in ("rounds_first_ms", "rounds_decode_us_per_token") for t in ("base", "head"))
     assert all(r["median_first_ms"][t][L] > 0 for t in ("base", "head") for L in ("1", "2"))
+    # the graph replay's device time is CUDA's alone
+    assert r["median_graph_us_per_token"] is None and r["rounds_graph_us_per_token"]["head"] == [{}, {}]
     row = r["rounds_decode_us_per_token"]["head"][0]["2"]
     assert row == pytest.approx(generate_ab.decode_us(r["rounds_tok_s"]["head"][0]["2"],
                                                       r["rounds_first_ms"]["head"][0]["2"], 4))
