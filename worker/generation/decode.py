@@ -143,8 +143,9 @@ def decode_steps(st: "DecodeState", pipelined: bool = True) -> TokenStream:
     copy only -> yield -> accept. A stop token discards the launched step (`DecodeState.discard`).
     The tokens, logits, finish and stats are those of the plain loop, bitwise; on CPU the copy
     is synchronous and the same code runs in the same order."""
+    pipelined = pipelined and st.pipelinable  # a request's: fixed for the stream
     while True:
-        if not (pipelined and st.pipelinable):
+        if not pipelined:
             t = st.decide()
             if t is None:
                 break
@@ -203,6 +204,9 @@ class DecodeState:
         self._host: torch.Tensor | None = None   # pipelined decode: where the token lands on the host,
         self._slot = 0                           # at this index
         self._buf: torch.Tensor | None = None    # a pinned buffer for tokens copied there
+        self._cuda = device.type == "cuda"
+        self._ring: torch.Tensor | None = None   # the last step's pinned host ring (StepOut.host),
+        self._ring_np = None                     # and a NumPy view of it
         self._copied: torch.cuda.Event | None = None
         self._undo: tuple | None = None          # (out, pos, work) before a speculative step
         # a step launched and not ended yet (StepOut.pending): its work and depths count once it
@@ -253,29 +257,32 @@ class DecodeState:
         """The token at `pos`, (1,) int64 on the device (no host sync). Greedy with no penalty
         after a step: the step's own argmax (a graph step computed it in its head's epilogue
         and fed it into its next run already)."""
-        p = self.req.sampling
-        if self.out is not None and p.greedy and p.repetition_penalty == 1.0:
+        if self.plain_greedy and self.out is not None:
             self.tok = self.out.greedy
             return self.tok
-        self.tok = self.runner.sample(self.logits, self.seen, [p], [self.req.seed], [self.pos])
+        self.tok = self.runner.sample(self.logits, self.seen, [self.req.sampling], [self.req.seed], [self.pos])
         return self.tok
 
     def copy_to_host(self, tok: torch.Tensor) -> None:
         """Start bringing the sampled token to the host, with an event to wait on (CUDA); on
         CPU the token is already there. A step whose greedy token already went to the host
         (`StepOut.host`) needs no copy; anything else is copied into a pinned buffer."""
-        self._src = self.out
-        if tok.device.type != "cuda":
+        self._src = out = self.out
+        if not self._cuda:
             self._host, self._slot = tok, 0
             return
         if self._copied is None:
             self._buf = torch.empty(1, dtype=torch.long, pin_memory=True)
+            self._buf_np = self._buf.numpy()
             self._copied = torch.cuda.Event()
-        if self.out is not None and self.out.host is not None and tok is self.out.greedy:
-            self._host, self._slot = self.out.host
+        if out is not None and out.host is not None and tok is out.greedy:
+            host, self._slot = out.host
+            if host is not self._ring:  # read through a NumPy view of the same pinned memory:
+                self._ring, self._ring_np = host, host.numpy()  # no tensor made per token
+            self._host = self._ring_np
         else:
             self._buf.copy_(tok, non_blocking=True)
-            self._host, self._slot = self._buf, 0
+            self._host, self._slot = self._buf_np, 0
         self._copied.record()
 
     def host_token(self) -> int:
@@ -363,8 +370,9 @@ class DecodeState:
         self.take(out)
 
     def take(self, out: StepOut) -> None:
-        self._count()
-        if getattr(out, "pending", None) is not None:  # a RowOut of a batched step has ended
+        if self._unended is not None:
+            self._count()
+        if out.pending is not None:  # a step launched and not ended (a RowOut has ended)
             self._unended = out
         else:
             self._count(out)

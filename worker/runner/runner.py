@@ -579,6 +579,11 @@ class Runner:
             if window or track_norm:
                 raise ValueError("early exit runs on the full cache (cache_window=0) with no safety check")
             return self._decode_exit(lanes, tokens, positions, depths, exits, on_device, prev)
+        if B == 1 and on_device is None and not window and not track_norm and self.graphs is not None:
+            g = self.graphs.decode.get(depths[0])
+            if g is not None:  # a stream alone on its depth's graph: the common step, made with no lists
+                return self._decode_graph(lanes[0], tokens[0], positions[0], depths[0],
+                                          self.counters.add(depths[0], depths[0]), prev)
         work = self.counters.add(max(depths), sum(depths))
         if isinstance(on_device, DeviceTokens):
             if window == 0 and not track_norm and B > 1:
