@@ -1217,7 +1217,7 @@ EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exi
                     "a sweep of rules and thresholds against full depth.")
 PROFILE_EXIT_INTRO = ("`bench/profile_exit.py`: one stream with and without an exit rule, and the GPU time of each "
                       "captured graph an exit step replays (CUDA events around back-to-back replays).")
-GENERATE_AB_INTRO = ("`bench/generate_ab.py`: `Model.generate` of two source trees on one host, each in a process "
+GENERATE_AB_INTRO = ("`bench/generate_ab.py`: `Model.generate` of two or more source trees on one host, each in a process "
                      "of its own, alternated round by round.")
 PROFILE_EXIT_BATCH_INTRO = ("`bench/profile_exit_batch.py`: a batch of streams with an exit rule (interleaved "
                             "launches) and the same batch at full depth (batched whole-token steps): tokens/s, and the "
