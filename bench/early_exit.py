@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed runs of each kind (batch 1 over the prompts, the batched run): the best")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--tag", default="", help="appended to the result's name: early-exit-<device>-<tag>.json")
+    ap.add_argument("--tag", default="", help="a benchmark of its own: early-exit-<tag>-<device>.json (an Ouro shape's "
+                    "gate: --tag ouro)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     dev = torch.device(args.device)
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({row['bpb_delta_pct']:+.2f} %)", flush=True)
     within = [r for r in rows[1:] if r["bpb_delta_pct"] <= 1.0]
     best = max(within, key=lambda r: r["speedup_b1"], default=None)
-    write(f"early-exit-{dev.type}" + (f"-{args.tag}" if args.tag else ""), {
+    write("early-exit-" + (f"{args.tag}-" if args.tag else "") + dev.type, {
         "hardware": hardware(dev),
         "workload": {"model": args.model, "config": {k: getattr(cfg, k) for k in (
             "vocab_size", "d_model", "n_heads", "n_kv_heads", "n_prelude", "n_loop_layers", "n_coda", "exit_gate")},

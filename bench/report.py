@@ -113,6 +113,7 @@ CURRENT = [
     ("context", "cpu"), ("load", "cuda"), ("load", "cpu"), ("families", "cuda"),
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
+    ("early-exit-ouro", "cuda"), ("early-exit-ouro", "cpu"),
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
     ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"), ("rows-tiles", "cuda"),
     ("batch-fused", "cuda"), ("batch-interleave", "cuda"), ("generate-ab", "cuda"),
@@ -455,9 +456,11 @@ def early_exit_body(r: Result) -> str:
     rows = []
     for x in r.data.get("rows") or []:
         rule = x.get("rule")
-        name = "full depth" if not rule else (f"{rule.get('criterion')} < {rule.get('threshold')}" if
-                                              rule.get("criterion") != "argmax" else
-                                              f"argmax, patience {rule.get('patience', rule.get('threshold'))}")
+        crit = rule.get("criterion") if rule else None
+        # a gate rule exits once the cumulative exit probability reaches its threshold
+        name = ("full depth" if not rule else
+                f"argmax, patience {rule.get('patience', rule.get('threshold'))}" if crit == "argmax" else
+                f"gate ≥ {rule.get('threshold')}" if crit == "gate" else f"{crit} < {rule.get('threshold')}")
         rows.append([text(name), text(rule.get("cache") if rule else None), num(x.get("iterations_per_token"), ".2f"),
                      f"{num(x.get('tok_s_b1'), ',.1f')} ({times(x.get('speedup_b1', 1.0))})",
                      f"{num(x.get('tok_s_batched'), ',.1f')} ({times(x.get('speedup_batched', 1.0))})",
@@ -1215,6 +1218,11 @@ TRANSPORT_INTRO = ("`bench/transport.py`: a round trip between two processes on 
                    "sends its frames.")
 EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exit.md) on the embedded default model, "
                     "a sweep of rules and thresholds against full depth.")
+EARLY_EXIT_OURO_INTRO = ("`bench/early_exit.py --preset ouro-2.6b --criteria gate --tag ouro`: the gate rule's cost on a "
+                         "random model of Ouro's shape (its width, heads and early-exit gate), against full depth in the "
+                         "same run; at threshold 1.0 the gate is read at every iteration and no token leaves before the "
+                         "last, so the difference is the gate path's own cost. Random weights: the quality columns mean "
+                         "nothing but equality.")
 PROFILE_EXIT_INTRO = ("`bench/profile_exit.py`: one stream with and without an exit rule, and the GPU time of each "
                       "captured graph an exit step replays (CUDA events around back-to-back replays).")
 GENERATE_AB_INTRO = ("`bench/generate_ab.py`: `Model.generate` of two or more source trees on one host, each in a process "
@@ -1330,6 +1338,10 @@ def render(results: Path = RESULTS) -> str:
                 quant_quality_body),
         section("Early exit on the GPU", EARLY_EXIT_INTRO, n(("early-exit", "cuda")), early_exit_body),
         section("Early exit on a CPU", EARLY_EXIT_INTRO, n(("early-exit", "cpu")), early_exit_body),
+        section("Early exit's gate on an Ouro shape, on the GPU", EARLY_EXIT_OURO_INTRO, n(("early-exit-ouro", "cuda")),
+                early_exit_body),
+        section("Early exit's gate on an Ouro shape, on a CPU", EARLY_EXIT_OURO_INTRO, n(("early-exit-ouro", "cpu")),
+                early_exit_body),
         section("Where an early-exit step's time goes, on the GPU", PROFILE_EXIT_INTRO, n(("profile-exit", "cuda")),
                 profile_exit_body),
         section("Where a batch of early-exit streams' time goes, on the GPU", PROFILE_EXIT_BATCH_INTRO,
