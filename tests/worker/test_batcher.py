@@ -65,9 +65,9 @@ def _alone(model, req, lane):
         return ids, stop.value, logits
 
 
-def _batched(model, reqs, schedule, poison: bool, interleave: bool = True):
+def _batched(model, reqs, schedule, poison: bool, interleave: bool = True, interleave_exits: bool | None = None):
     """Drive a Batcher the way the actor does: joins and cancels between steps."""
-    b = Batcher(model.runner, interleave=interleave)
+    b = Batcher(model.runner, interleave=interleave, interleave_exits=interleave_exits)
     if poison:
         # Every layer and position of every stream lane: whatever a stream reads it must have
         # written itself, or its logits would not be bitwise those it gets alone. (Finite, not
@@ -169,12 +169,51 @@ def test_mask_form_mixed_depth_equals_prefix_form(model):
         assert torch.equal(got[b:b + 1], e.run_loops(x[b:b + 1].clone(), q, 0, L))
 
 
-def test_only_plain_decode_is_batched(model):
+def test_decode_on_the_full_cache_without_the_safety_check_is_batched(model):
     b = Batcher(model.runner)
-    plain = model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4), 1)
-    assert b.eligible(plain)
-    for kw in (dict(l_warmup_tokens=2, l_warmup_L=1), dict(safety_check=True), dict(cache_window=8)):
+    for kw in (dict(), dict(l_warmup_tokens=2, l_warmup_L=1)):
+        assert b.eligible(model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), 1)), kw
+    for kw in (dict(safety_check=True), dict(cache_window=8)):
         assert not b.eligible(model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), 1)), kw
+
+
+# L scheduling in the batch: a stream's first l_warmup_tokens decode steps at l_warmup_L, then the
+# extension of those positions to its depth, then its depth, beside plain streams of other depths
+WARM_SCHEDULE = [
+    (1, 0, None, dict(prompt=[3, 17, 42, 99, 7], loops=6, max_tokens=14, seed=1, l_warmup_tokens=4, l_warmup_L=2)),
+    (2, 0, None, dict(prompt=[200, 1, 1, 5, 9, 31, 64], loops=8, max_tokens=9, seed=2)),
+    (3, 1, None, dict(prompt=[9, 8, 7], loops=5, max_tokens=12, seed=3, l_warmup_tokens=3, l_warmup_L=5)),  # = loops
+    (4, 2, None, dict(prompt=[5] * 10, loops=4, max_tokens=12, seed=4, l_warmup_tokens=6, l_warmup_L=1)),  # joins late
+    (5, 3, 6, dict(prompt=[1, 2], loops=7, max_tokens=20, seed=5, l_warmup_tokens=5, l_warmup_L=3)),  # cancelled warming
+    (6, 0, None, dict(prompt=[77, 78], loops=3, max_tokens=2, seed=6, l_warmup_tokens=8, l_warmup_L=1)),  # ends warming
+    (7, 5, None, dict(prompt=[42] * 7, loops=2, max_tokens=10, seed=7)),
+    (0, 1, None, dict(prompt=[8, 6, 4, 2], loops=6, max_tokens=11, seed=8,
+                      early_exit=dict(criterion="latent", threshold=0.5))),  # an exit rule beside them
+]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "whole-token"])
+def test_l_scheduled_streams_in_the_batch_equal_standalone(model, sampling, interleave):
+    """Streams with L scheduling batched beside plain ones (joining early and late, one left
+    mid-warm-up, one ended inside it): each gets its standalone tokens, finish, stats (the
+    extension's work included) and logits bitwise, over a poisoned cache, so every position
+    a later step reads at a depth the warm-up skipped was written by the extension."""
+    reqs = [_request(model, sampling, **dict(kw)) for *_, kw in WARM_SCHEDULE]
+    alone = [_alone(model, r, 0) for r in reqs]
+    # exit rules interleave where the batch allows it (forced here: eagerly the runner would not)
+    batched = _batched(model, reqs, [s[:3] for s in WARM_SCHEDULE], poison=True, interleave=interleave,
+                       interleave_exits=interleave)
+    for i, ((ids, finish, logits), (b_ids, b_finish, b_logits)) in enumerate(zip(alone, batched.values())):
+        if WARM_SCHEDULE[i][2] is not None:
+            assert b_finish is None and 0 < len(b_ids) < len(ids) and b_ids == ids[:len(b_ids)]
+            continue
+        assert b_ids == ids, i
+        assert (b_finish.reason, b_finish.stats) == (finish.reason, finish.stats), i
+        assert len(b_logits) == len(logits) and all(torch.equal(a, b) for a, b in zip(logits, b_logits)), i
+    # the extension ran: a warmed stream's work is more than its steps at their depths alone
+    warmed = alone[0][1].stats["loop_token_iterations"]
+    assert warmed > 5 * 6 + 4 * 2 + (14 - 1 - 4) * 6
 
 
 def test_idle_lanes_keep_their_cache(model):

@@ -69,10 +69,18 @@ def test_every_kind_of_stream_beside_the_batch_equals_its_standalone_run(model):
         s.submit(job(model, key, prompt, **kw))
     s.submit(job(model, "spec", LONG[:10], speculative=dict(draft_loops=2, verify_loops=5, draft_ahead=3),
                  max_tokens=11))
-    tokens, ends, steps = run(s)
+    stepping_alone, batched = set(), set()
+
+    def seen(i, s):
+        stepping_alone.update(s._alone)
+        batched.update(s._batched.values())
+    tokens, ends, steps = run(s, on_step=seen)
     for key, (prompt, kw) in kinds.items():
         assert tokens[key] == alone(model, prompt, **kw), key
         assert ends[key].reason == "length"
+    # L scheduling decodes in the batched step; the safety check, a window and speculation alone
+    assert {"plain", "deep", "sampled", "warmup", "long"} <= batched and not batched & {"safety", "window", "spec"}
+    assert stepping_alone == {"safety", "window", "spec"}
     assert tokens["spec"] == alone(model, LONG[:10], loops=5, max_tokens=11)
     # the budget held, but for the speculative stream (10 tokens), which starts whole in a step of its own
     assert sorted(st.prefill_tokens for st in steps)[-2:] == [6, 10]

@@ -145,6 +145,7 @@ class Batcher:
         self._ends_read: float | None = None  # when the last exit launch's ends were read (perf_counter)
         self._steady: _Steady | None = None  # the exit launch in flight that the next may repeat
         self._members = 0  # counts every change of the waiting streams (joins, leaves, ends)
+        self._warm: set[int] = set()  # lanes whose stream joined in L scheduling's warm-up (`_still_warming`)
         self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
         self._copied: torch.cuda.Event | None = None
 
@@ -158,6 +159,8 @@ class Batcher:
         t = st.decide()
         if st.accept(t):
             self.states[st.lane] = st
+            if st.warm_L is not None:
+                self._warm.add(st.lane)
             self._members += 1
             self._iters.pop(st.lane, None)
             return [t], None
@@ -183,6 +186,8 @@ class Batcher:
             t = first[id(st)]
             if st.accept(t):
                 self.states[st.lane] = st
+                if st.warm_L is not None:
+                    self._warm.add(st.lane)
                 self._members += 1
                 self._iters.pop(st.lane, None)
                 out.append(([t], None))
@@ -200,6 +205,8 @@ class Batcher:
         if st.lane in self.states:
             raise ValueError(f"lane {st.lane} already has a stream in the batch")
         self.states[st.lane] = st
+        if st.warm_L is not None:
+            self._warm.add(st.lane)
         self._members += 1
         self._iters.pop(st.lane, None)
 
@@ -369,27 +376,41 @@ class Batcher:
         lanes = [lane for lane in self.states if lane not in skip]
         rules = [self.states[lane].req.early_exit for lane in lanes]
         exiting = any(r is not None for r in rules)
+        # L scheduling's warm-up steps run whole tokens: each keeps its residual for the extension
+        warming = bool(self._warm) and self._still_warming()
         # exit rules checked inside interleaved passes: every rule can be, and rows share a launch
-        exit_interleaved = (self.interleave_exits and exiting and all(r is None or r.interleaves for r in rules)
-                            and (len(lanes) > 1 or bool(self._iters)))
-        if self._iters and not exit_interleaved and (exiting or not self.interleave):
+        exit_interleaved = (self.interleave_exits and exiting and not warming
+                            and all(r is None or r.interleaves for r in rules) and (len(lanes) > 1 or bool(self._iters)))
+        if self._iters and not exit_interleaved and (exiting or warming or not self.interleave):
             # rows midway through a token finish it first: the plain (exit) step runs whole tokens
             self._launch_interleaved(sorted(self._iters), on_device, values, drain=True)
             return
-        mixed = len({self.states[lane].req.loops for lane in lanes}) > 1
-        if exit_interleaved or (self.interleave and not exiting and (self._iters or mixed)):
+        depth = ({lane: self.states[lane].step_loops for lane in lanes} if warming else
+                 {lane: self.states[lane].req.loops for lane in lanes})
+        mixed = len(set(depth.values())) > 1
+        if exit_interleaved or (self.interleave and not exiting and not warming and (self._iters or mixed)):
             self._launch_interleaved(sorted(lanes), on_device, values)
             return
         # deepest first: the runner then runs each iteration over the rows that need it only
-        lanes.sort(key=lambda lane: (-self.states[lane].req.loops, lane))
+        lanes.sort(key=lambda lane: (-depth[lane], lane))
         sts = [self.states[lane] for lane in lanes]
+        if warming:
+            for st in sts:
+                st.extend_warmup()  # a stream whose first step at its full depth is this one
         dev = self._device_tokens(lanes, on_device, values)
         exits = [st.req.early_exit for st in sts] if exiting else None
         out = self.runner.decode(lanes, [st.tok_id for st in sts], [st.pos for st in sts],
-                                 [st.req.loops for st in sts], on_device=dev, prev=self._last, exits=exits)
+                                 [depth[lane] for lane in lanes], on_device=dev, prev=self._last, exits=exits)
         self._last = out
         self._ahead = ([(row, lane, self.states[lane]) for row, lane in enumerate(lanes)], out, len(lanes) == 1,
                        len(lanes))
+
+    def _still_warming(self) -> bool:
+        """Whether a stream of the batch is in L scheduling's warm-up (`_warm`: the lanes of
+        streams that joined with one, pruned here once their warm-up is over or they left)."""
+        self._warm = {lane for lane in self._warm
+                      if (st := self.states.get(lane)) is not None and st.warm_L is not None and st.warming}
+        return bool(self._warm)
 
     def _launch_interleaved(self, lanes: list[int], on_device: dict, values: torch.Tensor | None,
                             drain: bool = False) -> None:

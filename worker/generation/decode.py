@@ -243,9 +243,38 @@ class DecodeState:
 
     @property
     def batchable(self) -> bool:
-        """Whether a step of this stream may run inside a batched step: plain decode on the
-        full cache, at one depth throughout, with no per-step safety check."""
-        return self.warm_L is None and self.req.safety_threshold is None and self.req.window == 0
+        """Whether a step of this stream may run inside a batched step: decode on the full
+        cache with no per-step safety check, each step at `step_loops` (L scheduling included:
+        the batch runs a warm-up step as a row of its depth, `advanced` keeps its residual and
+        `extend_warmup` runs before the first step at the request's depth)."""
+        return self.req.safety_threshold is None and self.req.window == 0
+
+    @property
+    def step_loops(self) -> int:
+        """The depth of the decode step that runs the token at `pos`: warm_L for the first
+        warmup_tokens decode steps (L scheduling), the request's loops after. By position, so
+        a step launched before its token is accepted (a batched step) gets it right too."""
+        if self.warm_L is not None and self.pos - len(self.req.prompt) < self.req.warmup_tokens:
+            return self.warm_L
+        return self.req.loops
+
+    @property
+    def warming(self) -> bool:
+        """L scheduling not over: a decode step at warm_L still to run, or their extension."""
+        return self.warm_L is not None and (bool(self.warm_x) or self.step_loops != self.req.loops)
+
+    def extend_warmup(self) -> None:
+        """L scheduling, before the first decode step at the request's depth: the tokens decoded
+        at warm_L lack iterations [warm_L, loops) in the cache; run exactly those over them as
+        one chunk from their saved residuals, then the coda, so later tokens see a cache as if
+        all ran at `loops`. Nothing at any other step."""
+        req = self.req
+        if self.warm_L is None or not self.warm_x or self.pos - len(req.prompt) != req.warmup_tokens:
+            return
+        x = torch.cat(self.warm_x, 1)
+        w = self.runner.extend(self.lane, x, self.warm_L, req.loops, self.pos - x.shape[1], req.window).work
+        self.work = self.work.plus(w)
+        self.warm_x.clear()
 
     @property
     def pipelinable(self) -> bool:
@@ -346,16 +375,8 @@ class DecodeState:
         nothing ran since; otherwise it is the accepted host id (other streams may have run on
         the runner since this one sampled)."""
         runner, req, pos = self.runner, self.req, self.pos
-        step = self.generated - 1  # decode steps taken so far
-        if self.warm_L is not None and step == req.warmup_tokens and self.warm_x:
-            # L scheduling: the tokens decoded at warm_L lack iterations [warm_L, loops) in the
-            # cache; run exactly those over them as one chunk from their saved residuals, then
-            # the coda, so later tokens see a cache as if all ran at `loops`
-            x = torch.cat(self.warm_x, 1)
-            w = runner.extend(self.lane, x, self.warm_L, req.loops, pos - x.shape[1], req.window).work
-            self.work = self.work.plus(w)
-            self.warm_x.clear()
-        L = self.warm_L if self.warm_L is not None and step < req.warmup_tokens else req.loops
+        self.extend_warmup()
+        L = self.step_loops
         token = self.tok if ahead else self.tok_id
         out = runner.decode([self.lane], [token], [pos], [L], req.window, req.safety_threshold is not None,
                             prev=self.out, exits=self.exits)
@@ -366,7 +387,10 @@ class DecodeState:
         self.take(out)
 
     def advanced(self, out: StepOut) -> None:
-        """A batched step ran the decided token at `pos`: its row of the step's outputs."""
+        """A batched step ran the decided token at `pos`: its row of the step's outputs (a
+        warm-up step's residual kept for `extend_warmup`)."""
+        if self.warm_L is not None and self.step_loops != self.req.loops:
+            self.warm_x.append(out.residual.clone())
         self.take(out)
 
     def take(self, out: StepOut) -> None:

@@ -17,8 +17,8 @@ Each `step`:
    The fresh prompts that fit the step whole prefill together, in one pass;
 4. hands a greedy speculative stream that steps alone over to the batcher once the worker is
    busy (`SchedulerOptions.speculative_max_running`), then runs one batched decode step
-   (`Batcher.step`) for every stream in the batcher and one step of each stream that steps
-   alone (speculative decoding, L scheduling, the safety check, a sliding window), and returns
+   (`Batcher.step`) for every stream in the batcher (L scheduling included) and one step of
+   each stream that steps alone (speculative decoding, the safety check, a sliding window), and returns
    what happened as events.
 
 A job is a `begin(lane)` callable. What it returns says what the job is: a `Prefill` (a plain
