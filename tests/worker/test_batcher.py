@@ -128,6 +128,19 @@ def test_join_many_decides_each_first_token_as_join_does(model):
     assert got == [ids for ids, _, _ in alone]
 
 
+def _assert_each_is_its_stream_alone(alone: list, batched: dict, schedule: list) -> None:
+    """Every batched stream's tokens, finish, stats and logits are those it gets alone (a
+    cancelled one: a prefix of its tokens, no finish)."""
+    for i, ((ids, finish, logits), (b_ids, b_finish, b_logits)) in enumerate(zip(alone, batched.values())):
+        if schedule[i][2] is not None:  # cancelled: a prefix of its stream, no finish
+            assert b_finish is None and 0 < len(b_ids) < len(ids) and b_ids == ids[:len(b_ids)]
+            continue
+        assert b_ids == ids, i
+        assert (b_finish.reason, b_finish.stats) == (finish.reason, finish.stats), i
+        # bitwise: a lane of a batched step is the step it takes alone
+        assert len(b_logits) == len(logits) and all(torch.equal(a, b) for a, b in zip(logits, b_logits)), i
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, MIXED], ids=["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("poison", [False, True], ids=["clean", "poisoned"])
 def test_batched_streams_equal_standalone(model, sampling, poison):
@@ -138,14 +151,7 @@ def test_batched_streams_equal_standalone(model, sampling, poison):
     reqs[0] = _request(model, of(0), stop=[first_ids[5]], **SCHEDULE[0][3])
     alone = [_alone(model, r, 0) for r in reqs]
     batched = _batched(model, reqs, [s[:3] for s in SCHEDULE], poison)
-    for i, ((ids, finish, logits), (b_ids, b_finish, b_logits)) in enumerate(zip(alone, batched.values())):
-        if SCHEDULE[i][2] is not None:  # cancelled: a prefix of its stream, no finish
-            assert b_finish is None and 0 < len(b_ids) < len(ids) and b_ids == ids[:len(b_ids)]
-            continue
-        assert b_ids == ids, i
-        assert (b_finish.reason, b_finish.stats) == (finish.reason, finish.stats), i
-        # bitwise: a lane of a batched step is the step it takes alone
-        assert len(b_logits) == len(logits) and all(torch.equal(a, b) for a, b in zip(logits, b_logits)), i
+    _assert_each_is_its_stream_alone(alone, batched, SCHEDULE)
     assert alone[0][1].reason == "stop" and alone[4][1].stats["completion_tokens"] == 1
 
 
@@ -204,13 +210,7 @@ def test_l_scheduled_streams_in_the_batch_equal_standalone(model, sampling, inte
     # exit rules interleave where the batch allows it (forced here: eagerly the runner would not)
     batched = _batched(model, reqs, [s[:3] for s in WARM_SCHEDULE], poison=True, interleave=interleave,
                        interleave_exits=interleave)
-    for i, ((ids, finish, logits), (b_ids, b_finish, b_logits)) in enumerate(zip(alone, batched.values())):
-        if WARM_SCHEDULE[i][2] is not None:
-            assert b_finish is None and 0 < len(b_ids) < len(ids) and b_ids == ids[:len(b_ids)]
-            continue
-        assert b_ids == ids, i
-        assert (b_finish.reason, b_finish.stats) == (finish.reason, finish.stats), i
-        assert len(b_logits) == len(logits) and all(torch.equal(a, b) for a, b in zip(logits, b_logits)), i
+    _assert_each_is_its_stream_alone(alone, batched, WARM_SCHEDULE)
     # the extension ran: a warmed stream's work is more than its steps at their depths alone
     warmed = alone[0][1].stats["loop_token_iterations"]
     assert warmed > 5 * 6 + 4 * 2 + (14 - 1 - 4) * 6

@@ -408,8 +408,7 @@ class Batcher:
     def _still_warming(self) -> bool:
         """Whether a stream of the batch is in L scheduling's warm-up (`_warm`: the lanes of
         streams that joined with one, pruned here once their warm-up is over or they left)."""
-        self._warm = {lane for lane in self._warm
-                      if (st := self.states.get(lane)) is not None and st.warm_L is not None and st.warming}
+        self._warm = {lane for lane in self._warm if (st := self.states.get(lane)) is not None and st.warming}
         return bool(self._warm)
 
     def _launch_interleaved(self, lanes: list[int], on_device: dict, values: torch.Tensor | None,

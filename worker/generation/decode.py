@@ -203,7 +203,8 @@ class DecodeState:
         self.warm_x: list[torch.Tensor] = []     # residual entering iteration warm_L, per warm-up position
         self._host: torch.Tensor | None = None   # pipelined decode: where the token lands on the host,
         self._slot = 0                           # at this index
-        self._buf: torch.Tensor | None = None    # a pinned buffer for tokens copied there
+        self._buf: torch.Tensor | None = None    # a pinned buffer for tokens copied there,
+        self._buf_np = None                      # and a NumPy view of it
         self._cuda = device.type == "cuda"
         self._ring: torch.Tensor | None = None   # the last step's pinned host ring (StepOut.host),
         self._ring_np = None                     # and a NumPy view of it
