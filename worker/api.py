@@ -19,7 +19,7 @@ import torch
 from tinyloop.worker.generation import resume as resume_mod
 from tinyloop.worker.generation import scoring
 from tinyloop.worker.generation.batcher import Batcher
-from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, Prefill, Request, decode_steps,
+from tinyloop.worker.generation.decode import (DecodeState, Finish, Generation, Prefill, Request,
                                               prefill_together, start, stream)
 from tinyloop.worker.generation.resume import ResumeHandle
 from tinyloop.worker.runner.sampler import SamplingParams
@@ -457,8 +457,8 @@ class Model:
 
     def _batch(self, reqs: list[Request]) -> list[tuple[list[int], "Finish"]]:
         """Streams on as many free lanes as there are (in waves when there are more requests),
-        their decode steps batched (generation/batcher.py); a stream that cannot join a batch
-        (a windowed cache) decodes alone. -> (generated ids, Finish) per request."""
+        their decode steps batched (generation/batcher.py; a windowed cache in the batcher's
+        checked step). -> (generated ids, Finish) per request."""
         results: list = [None] * len(reqs)
         pending = list(range(len(reqs)))
         batcher = Batcher(self.runner)
@@ -471,14 +471,9 @@ class Model:
                     raise LanesBusy(f"all {self.n_slots} cache lanes are in use")
                 lane_of = {}
                 states = self._prefill_wave([(lane, reqs[i]) for i, lane in held])
-                joining = [(i, lane, st) for (i, lane), st in zip(held, states) if batcher.eligible(st)]
-                for (i, lane, _), (new, finish) in zip(joining, batcher.join_many([st for _, _, st in joining])):
+                for (i, lane), (new, finish) in zip(held, batcher.join_many(states)):
                     results[i] = (new, finish)
                     lane_of[lane] = i
-                for (i, lane), st in zip(held, states):
-                    if not batcher.eligible(st):
-                        g = drain([], decode_steps(st))
-                        results[i] = (list(g), Finish(g.finish_reason, g.stats))
                 while batcher:
                     for lane, update in batcher.step().items():
                         if isinstance(update, Exception):
@@ -488,7 +483,7 @@ class Model:
                         got[0].extend(new)
                         results[lane_of[lane]] = (got[0], finish)
             finally:
-                for lane in list(batcher.states):
+                for lane in batcher.lanes:
                     batcher.leave(lane)
                 for _, lane in held:
                     self.runner.lanes.release(lane)

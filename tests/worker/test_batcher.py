@@ -1,6 +1,8 @@
 """Continuous batching (generation/batcher.py): a stream stepped with others in one runner step
 gets exactly the tokens, logits and stats it gets alone, whatever joins, leaves or idles beside
 it."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -176,11 +178,98 @@ def test_mask_form_mixed_depth_equals_prefix_form(model):
 
 
 def test_decode_on_the_full_cache_without_the_safety_check_is_batched(model):
+    """Plain streams (L scheduling included) take the pipelined batched step; the safety check
+    and a window the checked step; a decided stream handed over joins as plain decode only."""
     b = Batcher(model.runner)
-    for kw in (dict(), dict(l_warmup_tokens=2, l_warmup_L=1)):
-        assert b.eligible(model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), 1)), kw
-    for kw in (dict(safety_check=True), dict(cache_window=8)):
-        assert not b.eligible(model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), 1)), kw
+    for lane, kw in enumerate((dict(), dict(l_warmup_tokens=2, l_warmup_L=1)), start=1):
+        b.join(model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), lane))
+        assert lane in b.states and lane not in b.checked, kw
+    for lane, kw in enumerate((dict(safety_check=True, safety_norm_threshold=1e9), dict(cache_window=8)), start=3):
+        st = model.start(model.make_request([1, 2, 3], loops=2, max_tokens=4, **kw), lane)
+        assert st.checked
+        b.join(st)
+        assert lane in b.checked and lane not in b.states, kw
+    assert sorted(b.lanes) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="lane 3 already has a stream"):
+        b.join(model.start(model.make_request([1, 2], loops=2, max_tokens=4), 3))
+    st = DecodeState.decided(model.runner, 5, model.make_request([1, 2], loops=2, max_tokens=4, cache_window=8),
+                             7, 2, 1, model.runner.counters.snapshot())
+    with pytest.raises(ValueError, match="plain decode on the full cache only"):
+        b.add(st)
+
+
+def _norms(model, req, lane) -> list[float]:
+    """The residual norm the safety check reads before each token of req's stream alone: the
+    prefill's, then each decode step's (the threshold set out of reach)."""
+    req = dataclasses.replace(req, safety_threshold=1e30)
+    st = model.start(req, lane)
+    norms = [float(st.norm)]
+    advance = st.advance
+
+    def advanced(*a, **k):
+        advance(*a, **k)
+        norms.append(float(st.norm))
+    st.advance = advanced
+    for _ in decode_steps(st):
+        pass
+    return norms
+
+
+def _tripping(model, req, lane, first: int) -> "Request":
+    """req with a safety threshold its stream passes at a decode step after `first` tokens
+    (and not at the prompt): the largest norm seen up to there, which a later step exceeds."""
+    norms = _norms(model, req, lane)
+    for k in range(first, len(norms) - 1):
+        limit = max(norms[:k + 1])
+        if any(n > limit for n in norms[k + 1:]):
+            return dataclasses.replace(req, safety_threshold=limit)
+    raise AssertionError(f"no step's norm exceeds the ones before it: {norms}")
+
+
+# the safety check and sliding windows (the checked step) beside plain streams: two windows, mixed
+# depths, L scheduling, a threshold passed mid-way and one passed by the prompt itself
+CHECKED_SCHEDULE = [
+    (1, 0, None, dict(prompt=[3, 17, 42, 99, 7], loops=3, max_tokens=12, seed=1, safety_check=True,
+                      safety_norm_threshold=1e9)),
+    (2, 0, None, dict(prompt=[200], loops=5, max_tokens=16, seed=2, safety_check=True)),  # trips mid-way
+    (3, 0, None, dict(prompt=[9, 8, 7, 6, 5], loops=2, max_tokens=14, seed=3, cache_window=4)),
+    (4, 2, None, dict(prompt=[5] * 6, loops=6, max_tokens=10, seed=4, cache_window=4, safety_check=True,
+                      safety_norm_threshold=1e9)),  # joins late
+    (5, 0, None, dict(prompt=[1, 2], loops=4, max_tokens=3, seed=5, cache_window=6)),  # another window
+    (6, 1, None, dict(prompt=[77, 78, 79], loops=3, max_tokens=9, seed=6)),  # plain, beside them
+    (7, 0, None, dict(prompt=[42] * 7, loops=4, max_tokens=11, seed=7, safety_check=True, safety_norm_threshold=1e9,
+                      cache_window=5, l_warmup_tokens=3, l_warmup_L=1)),
+    (0, 0, 4, dict(prompt=[8, 6, 4, 2], loops=5, max_tokens=20, seed=8, cache_window=4)),  # cancelled
+    (5, 6, None, dict(prompt=[11, 12, 13], loops=2, max_tokens=8, seed=9, safety_check=True,
+                      safety_norm_threshold=1e-6)),  # its prompt passes the threshold: no token at all
+]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_checked_streams_in_the_batch_equal_standalone(model, sampling, monkeypatch):
+    """Streams with the safety check or a window, batched with each other (one decode per
+    window a step) beside plain streams, joining, leaving and ending in any step: each gets its
+    standalone tokens, finish (a safety stop where alone it stops, with no token), stats and
+    logits bitwise, over a poisoned cache."""
+    reqs = [_request(model, sampling, **dict(kw)) for *_, kw in CHECKED_SCHEDULE]
+    reqs[1] = _tripping(model, reqs[1], 0, first=3)
+    alone = [_alone(model, r, 0) for r in reqs]
+    assert alone[1][1].reason == "safety" and 3 <= len(alone[1][0]) < 16
+    assert alone[8][1].reason == "safety" and alone[8][0] == []
+    runner = model.runner
+    calls = []
+    decode = runner.decode
+
+    def counted(lanes, *a, **k):  # the real step; noted: which lanes shared it, under which window
+        window = a[3] if len(a) > 3 else k.get("window", 0)
+        calls.append((len(lanes), window))
+        return decode(lanes, *a, **k)
+    monkeypatch.setattr(runner, "decode", counted)
+    batched = _batched(model, reqs, [s[:3] for s in CHECKED_SCHEDULE], poison=True)
+    _assert_each_is_its_stream_alone(alone, batched, CHECKED_SCHEDULE)
+    # the checked streams shared steps: several rows under window 4, and the safety rows together
+    assert max(n for n, w in calls if w == 4) >= 3
+    assert any(n >= 2 for n, w in calls if w == 0)
 
 
 # L scheduling in the batch: a stream's first l_warmup_tokens decode steps at l_warmup_L, then the

@@ -37,6 +37,14 @@ token ended take it while that launch runs. Other rules (kl, argmax,
 recompute), a stream alone, and every exit stream elsewhere run the whole-token exit step, once
 the rows midway through a token have finished theirs.
 
+Streams with the per-iteration safety check or a sliding window (`DecodeState.checked`) batch
+too, in a step of their own beside the plain one (`_step_checked`): the safety check decides on
+the host whether a token is kept, from its step's residual norm, so such a step cannot be
+launched ahead of its token; and a pass runs one window. Each `step` therefore also runs one
+eager decode per window among them, its rows at their own depths, tokens and positions, the
+norm tracked per row where any of them checks it, and reads their tokens and norms in one host
+read: a row over its threshold ends its stream there (its token dropped), the others go on.
+
 All calls run on the worker's one step thread (never two at once).
 """
 from __future__ import annotations
@@ -48,7 +56,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tinyloop.worker.generation.decode import DecodeState, Finish
+from tinyloop.worker.generation.decode import FINISH_SAFETY, DecodeState, Finish
 from tinyloop.worker.runner.runner import DeviceTokens, Runner, StepOut
 from tinyloop.worker.runner.stages import device_tensor
 
@@ -134,6 +142,8 @@ class Batcher:
                                                      else interleave_exits)
         self._iters: dict[int, int] = {}  # lane -> iterations its stream's token in flight has run
         self.states: dict[int, DecodeState] = {}  # lane -> a stream whose decided token waits to run
+        # lane -> a stream with the safety check or a window, stepped by `_step_checked`
+        self.checked: dict[int, DecodeState] = {}
         self.steps = 0       # batched forwards whose logits streams used
         self.lane_steps = 0  # stream steps they carried (lane_steps / steps: the mean batch)
         # ([(row, lane, state)] of the rows with logits, their StepOut, whether it is a lone
@@ -149,13 +159,25 @@ class Batcher:
         self._host: torch.Tensor | None = None       # pinned buffer the sampled tokens are copied into
         self._copied: torch.cuda.Event | None = None
 
-    def eligible(self, st: DecodeState) -> bool:
-        """Plain decode (see `DecodeState.batchable`)."""
-        return st.batchable
+    @property
+    def lanes(self) -> list[int]:
+        """The lanes of every stream in the batch."""
+        return [*self.states, *self.checked]
 
     def join(self, st: DecodeState) -> Update:
         """Decide the first token of a prefilled stream at once (time to first token); the
-        stream then waits for the next `step`, unless that token already ended it."""
+        stream then waits for the next `step`, unless that token already ended it (or, with
+        the safety check, its prefill's norm did: no token then)."""
+        if st.lane in self.states or st.lane in self.checked:
+            raise ValueError(f"lane {st.lane} already has a stream in the batch")
+        if st.checked:
+            t = st.decide()
+            if t is None:
+                return [], st.finish()
+            if st.accept(t):
+                self.checked[st.lane] = st
+                return [t], None
+            return [t], st.finish()
         t = st.decide()
         if st.accept(t):
             self.states[st.lane] = st
@@ -169,9 +191,9 @@ class Batcher:
     def join_many(self, states: list[DecodeState]) -> list[Update]:
         """`join` for several prefilled streams (prompts prefilled together): their first tokens
         in one sampling call and one host read, each row on its own parameters and key, so each
-        is the token its own `join` decides. A stream with the safety check joins alone (its
-        residual norm is read with its token)."""
-        together = [st for st in states if st.req.safety_threshold is None]
+        is the token its own `join` decides. A stream with the safety check or a window joins
+        alone (`join`: its residual norm is read with its token)."""
+        together = [st for st in states if not st.checked and st.lane not in self.states]
         first: dict[int, int] = {}
         if len(together) > 1:
             toks = self._sample_states(together)
@@ -200,9 +222,9 @@ class Batcher:
         (`DecodeState.decided`: a speculative stream handed over between rounds). Like a stream
         that joined, it runs in the next launch, from its host token at its position, and
         `step` then hands it its row; it needs no logits of its own before that."""
-        if not self.eligible(st):
-            raise ValueError("the batched step takes plain decode on the full cache only")
-        if st.lane in self.states:
+        if st.checked:
+            raise ValueError("a decided stream joins as plain decode on the full cache only")
+        if st.lane in self.states or st.lane in self.checked:
             raise ValueError(f"lane {st.lane} already has a stream in the batch")
         self.states[st.lane] = st
         if st.warm_L is not None:
@@ -215,15 +237,27 @@ class Batcher:
         may still write the lane's K/V at its next position: harmless, whatever takes the lane
         next writes a position before it reads it (as with `DecodeState.discard`)."""
         self.states.pop(lane, None)
+        self.checked.pop(lane, None)
         self._members += 1
         self._iters.pop(lane, None)
 
     def __bool__(self) -> bool:
-        return bool(self.states)
+        return bool(self.states) or bool(self.checked)
 
     def step(self) -> dict[int, Update]:
         """Hand every waiting stream the logits of its decided token, sample its next token,
-        and return the new tokens: {lane: (ids, Finish or None)}; a finished stream has left.
+        and return the new tokens: {lane: (ids, Finish or None)} (or the exception that ended
+        that stream alone); a finished stream has left. The plain streams' step
+        (`_step_plain`), then the checked streams' (`_step_checked`)."""
+        updates = self._step_plain()
+        if self.checked:
+            checked = self._step_checked()
+            self.rows_stepped += len(checked)
+            updates.update(checked)
+        return updates
+
+    def _step_plain(self) -> dict[int, Update]:
+        """`step` for the plain streams (`states`).
 
         Pipelined: the forward for the tokens sampled here is launched before the host reads
         them (they feed it on the device), so on CUDA the device runs step t while the host
@@ -278,7 +312,7 @@ class Batcher:
                 out.detach()  # the rows outlive the next launch, which reuses the step's buffers
                 for row, lane in rows:
                     self.states[lane].advanced(out.row(row))
-                toks, failed = self._sample(lanes, out, [row for row, _ in rows])
+                toks, failed = self._sample([self.states[lane] for lane in lanes], out, [row for row, _ in rows])
                 self._copy_to_host(toks)
                 # each stream that goes on: its row of toks (no per-row tensor: one gather, if any)
                 go_on = {lane: i for i, lane in enumerate(lanes) if lane not in failed
@@ -307,6 +341,61 @@ class Batcher:
                 del self.states[lane]
                 self._members += 1
         return out
+
+    def _step_checked(self) -> dict[int, Update]:
+        """One step of every checked stream (the module docstring): per window, one eager
+        decode of its streams' decided tokens (each row at its own depth: L scheduling's
+        warm-up included, its extension run first), their next tokens sampled in one call and
+        read with their norms in one host read. A row whose norm passes its threshold ends its
+        stream with no token (`DecodeState.decide`'s rule); a failed decode fails its window's
+        streams, a failed sampling call its sampled streams, and the others go on."""
+        groups: dict[int, list[DecodeState]] = {}
+        for st in self.checked.values():
+            groups.setdefault(st.req.window, []).append(st)
+        updates: dict[int, Update] = {}
+        for window, sts in groups.items():
+            try:
+                for st in sts:
+                    st.extend_warmup()  # a stream whose first step at its full depth is this one
+                out = self.runner.decode([st.lane for st in sts], [st.tok_id for st in sts], [st.pos for st in sts],
+                                         [st.step_loops for st in sts], window,
+                                         any(st.req.safety_threshold is not None for st in sts))
+                out.resolve()
+            except Exception as e:  # the shared step: each of its streams ends with its error
+                for st in sts:
+                    updates[st.lane] = e
+                    del self.checked[st.lane]
+                continue
+            self.steps += 1
+            self.lane_steps += len(sts)
+            for row, st in enumerate(sts):
+                st.advanced(out.row(row))
+            rows = list(range(len(sts)))
+            toks, failed = self._sample(sts, out, rows)
+            if out.norm is not None:
+                toks_h, norms = torch.stack([toks.double(), out.norm[:len(sts)].double()]).tolist()
+            else:
+                toks_h, norms = toks.tolist(), None
+            for row, st in enumerate(sts):
+                lane = st.lane
+                if lane in failed:
+                    updates[lane] = failed[lane]
+                    self.runner.release(st.out)
+                    del self.checked[lane]
+                    continue
+                limit = st.req.safety_threshold
+                if limit is not None and norms[row] > limit:
+                    st.reason = FINISH_SAFETY  # the token of an unsafe step is dropped
+                    updates[lane] = [], st.finish()
+                    del self.checked[lane]
+                    continue
+                t = int(toks_h[row])
+                if st.accept(t):
+                    updates[lane] = [t], None
+                else:
+                    updates[lane] = [t], st.finish()
+                    del self.checked[lane]
+        return updates
 
     def _step_steady(self, steady: "_Steady") -> dict[int, Update]:
         """`step` for an exit launch of the same plain greedy streams still waiting, none at its
@@ -489,29 +578,28 @@ class Batcher:
             return DeviceTokens.of({i: on_device[lanes[i]] for i in rows})
         return DeviceTokens(rows, values, [on_device[lanes[i]] for i in rows]) if rows else None
 
-    def _sample(self, lanes: list[int], out: StepOut, step_rows: list[int]) -> tuple[torch.Tensor, dict]:
-        """Every stream's next token (len(lanes),) on the device from its logits. Greedy rows
+    def _sample(self, sts: list[DecodeState], out: StepOut, step_rows: list[int]) -> tuple[torch.Tensor, dict]:
+        """Every stream's next token (len(sts),) on the device from its logits. Greedy rows
         with no penalty take the step's own argmax (`out.greedy`, whose row step_rows[i] is
-        lanes[i]'s: a stream that left drops its row); every other row samples in one
+        sts[i]'s: a stream that left drops its row); every other row samples in one
         `Runner.sample` call, each on its own parameters and key. If that call raises, its
         streams fail ({lane: the exception}; their rows hold token 0) and the plain greedy
         streams go on."""
-        plain = [r for r, lane in enumerate(lanes) if self.states[lane].plain_greedy]
-        if len(plain) == len(lanes):
-            if step_rows == list(range(len(lanes))):
-                return out.greedy[:len(lanes)], {}
+        plain = [r for r, st in enumerate(sts) if st.plain_greedy]
+        if len(plain) == len(sts):
+            if step_rows == list(range(len(sts))):
+                return out.greedy[:len(sts)], {}
             return out.greedy.index_select(0, self._to_device(step_rows)), {}
         kept = set(plain)
-        rows = [r for r in range(len(lanes)) if r not in kept]
-        sts = [self.states[lanes[r]] for r in rows]
+        rows = [r for r in range(len(sts)) if r not in kept]
         got, failed = None, {}
         try:
-            got = self._sample_states(sts)
+            got = self._sample_states([sts[r] for r in rows])
         except Exception as e:
-            failed = {lanes[r]: e for r in rows}
+            failed = {sts[r].lane: e for r in rows}
         if not plain and got is not None:
             return got, failed
-        toks = torch.zeros(len(lanes), dtype=torch.long, device=self.runner.device)
+        toks = torch.zeros(len(sts), dtype=torch.long, device=self.runner.device)
         if plain:
             toks.index_copy_(0, self._to_device(plain),
                               out.greedy.index_select(0, self._to_device([step_rows[r] for r in plain])))

@@ -172,8 +172,8 @@ class DecodeState:
 
     A step is decide (sample the token at `pos` from the last step's logits) -> accept (record
     it; stop?) -> run the model on it at `pos` for the next logits. `advance` runs that alone on
-    the lane (L scheduling, the safety check, windows); generation/batcher.py runs it for many
-    states in one runner step and hands each its row through `advanced`. Sampling is per
+    the lane; generation/batcher.py runs it for many states in one runner step and hands each
+    its row through `advanced`. Sampling is per
     state, keyed by (seed, absolute position), so both paths draw the same tokens. Alone, a
     step may be launched ahead of the host (`speculate`, see `decode_steps`) and dropped
     (`discard`) when its token turns out to end the stream.
@@ -249,6 +249,12 @@ class DecodeState:
         the batch runs a warm-up step as a row of its depth, `advanced` keeps its residual and
         `extend_warmup` runs before the first step at the request's depth)."""
         return self.req.safety_threshold is None and self.req.window == 0
+
+    @property
+    def checked(self) -> bool:
+        """The safety check or a sliding window: batched among themselves, one eager step per
+        window, never launched ahead of the token (generation/batcher.py `_step_checked`)."""
+        return not self.batchable
 
     @property
     def step_loops(self) -> int:

@@ -17,9 +17,9 @@ Each `step`:
    The fresh prompts that fit the step whole prefill together, in one pass;
 4. hands a greedy speculative stream that steps alone over to the batcher once the worker is
    busy (`SchedulerOptions.speculative_max_running`), then runs one batched decode step
-   (`Batcher.step`) for every stream in the batcher (L scheduling included) and one step of
-   each stream that steps alone (speculative decoding, the safety check, a sliding window), and returns
-   what happened as events.
+   (`Batcher.step`) for every stream in the batcher (L scheduling, the safety check and sliding
+   windows included) and one step of each stream that steps alone (speculative decoding), and
+   returns what happened as events.
 
 A job is a `begin(lane)` callable. What it returns says what the job is: a `Prefill` (a plain
 prompt, chunked here), a `DecodeState` (already prefilled: a resume), a token iterator (a
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tinyloop.worker.generation.batcher import Batcher
-from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, decode_steps, prefill_together
+from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, prefill_together
 from tinyloop.worker.generation.speculative import SpeculativeStream
 
 
@@ -292,15 +292,13 @@ class Scheduler:
             events.append((key, Result(got)))
             return
         if isinstance(got, DecodeState):
-            if self.batcher.eligible(got):
-                ids, finish = self.batcher.join(got)
-                events.append((key, Tokens(ids, finish)))
-                if finish is None:
-                    self._batched[lane] = key
-                else:
-                    self.lanes.release(lane)
-                return
-            got = decode_steps(got)
+            ids, finish = self.batcher.join(got)
+            events.append((key, Tokens(ids, finish)))
+            if finish is None:
+                self._batched[lane] = key
+            else:
+                self.lanes.release(lane)
+            return
         self._alone[key] = (lane, got)
 
     def _hand_over(self, events: list[Event], stats: StepStats) -> None:
