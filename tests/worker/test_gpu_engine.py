@@ -380,6 +380,42 @@ def test_a_speculative_stream_handed_to_the_batcher_on_graphs(batch_pair, monkey
     assert finishes[1].stats["verify_steps"] == 2 and finishes[1].stats["completion_tokens"] == n
 
 
+def test_checked_streams_batched_on_gpu_equal_reference(batch_pair):
+    """Streams with the safety check and windows batched on the CUDA engine (one eager step per
+    window, rows at their own depths and positions, L scheduling's warm-up on one), beside a
+    plain stream on the graphs: each one's greedy tokens and finish are the torch reference's
+    generate; a threshold under the prompt's norm stops a stream with no token there too."""
+    from tinyloop.worker.generation.batcher import Batcher
+    fast, ref = batch_pair
+    jobs = {
+        0: (PROMPTS[0], dict(loops=3, max_tokens=14, safety_check=True, safety_norm_threshold=1e9)),
+        1: (PROMPTS[1], dict(loops=6, max_tokens=18, cache_window=6)),
+        2: ([9, 8, 7, 6], dict(loops=5, max_tokens=16, cache_window=6, safety_check=True, safety_norm_threshold=1e9,
+                               l_warmup_tokens=3, l_warmup_L=2)),
+        3: ([4, 4, 2], dict(loops=2, max_tokens=10, safety_check=True, safety_norm_threshold=1e-6)),
+        4: ([7, 1], dict(loops=4, max_tokens=12)),
+    }
+    b = Batcher(fast.runner)
+    got, finishes = {}, {}
+    for lane, (p, kw) in jobs.items():
+        ids, finish = b.join(fast.start(fast.make_request(p, **kw), lane))
+        got[lane] = list(ids)
+        if finish is not None:
+            finishes[lane] = finish
+    assert sorted(b.checked) == [0, 1, 2] and sorted(b.states) == [4]
+    while b:
+        for lane, (ids, finish) in b.step().items():
+            got[lane].extend(ids)
+            if finish is not None:
+                finishes[lane] = finish
+    assert b.lane_steps > b.steps  # rows shared steps
+    for lane, (p, kw) in jobs.items():
+        want = ref.generate(p, **kw)
+        assert p + got[lane] == want, lane
+        assert finishes[lane].reason == want.finish_reason, lane
+    assert finishes[3].reason == "safety" and got[3] == []
+
+
 def test_generate_batch_on_graphs_equals_reference(batch_pair):
     fast, ref = batch_pair
     prompts = [PROMPTS[1], PROMPTS[0], [4, 4, 2], [7]]
