@@ -610,6 +610,17 @@ class Model:
         self._seat(lane, req.seed)
         return resume_mod.start(self.runner, lane, handle, new_L, req)
 
+    def start_resume_chunked(self, resume_request, lane: int = 0) -> "resume_mod.Extension":
+        """`start_resume` in chunks: an `Extension` whose `run(n)` extends the next n prompt
+        positions and returns the `DecodeState` after the last (the worker's scheduler budgets
+        a resume's extension as it does a prompt's prefill)."""
+        self._check_open()
+        handle, new_L, req = resume_request
+        if handle.freed:
+            raise HandleFreed("handle has been freed")
+        self._seat(lane, req.seed)
+        return resume_mod.Extension(self.runner, lane, handle, new_L, req)
+
     def resume_generate(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
                         top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,
                         stop_token_ids=None, lane=None, kv_mode=None) -> Generation:

@@ -1,4 +1,6 @@
 """Invariant 3 (warm-start resume), scoring, trajectory, mixed-depth batches, handle memory."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,69 @@ def test_resume_with_window(tiny_model):
     h = tiny_model.build_resume_handle(p, L_used=2, max_loops=8, cache_window=5)
     assert h.nbytes() == tiny_model.handle_nbytes(len(p), 8, 5)
     assert tiny_model.resume_generate(h, 6, max_tokens=8) == tiny_model.generate(p, loops=6, max_tokens=8, cache_window=5)
+
+
+def _drain_extension(m, rr, chunk: int) -> tuple[list[int], object, int]:
+    """A resume whose extension runs `chunk` prompt positions a call (the worker's scheduler
+    cuts it so), then decodes alone: (tokens after the prompt, Finish, extension calls)."""
+    from tinyloop.worker.generation.decode import decode_steps
+    ext = m.start_resume_chunked(rr, 0)
+    calls, st = 0, None
+    while st is None:
+        st = ext.run(chunk)
+        calls += 1
+    gen, ids = decode_steps(st), []
+    while True:
+        try:
+            ids.extend(next(gen))
+        except StopIteration as stop:
+            return ids, stop.value, calls
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_k=40, seed=3), dict(cache_window=4),
+                                dict(safety_check=True, safety_norm_threshold=1e9)],
+                         ids=["greedy", "sampled", "window", "safety"])
+def test_a_chunked_extension_equals_the_whole_resume(tiny_model, kw):
+    """The extension cut into chunks of 1, 3 and 4 positions (a handle of 11): the same tokens
+    and finish as the resume extended in one call and as a fresh generate; each chunk runs the
+    missing iterations over its positions only."""
+    m, p = tiny_model, PROMPTS[1]
+    window = kw.pop("cache_window", 0)
+    safety = {k: kw.pop(k) for k in ("safety_check", "safety_norm_threshold") if k in kw}
+    h = m.build_resume_handle(p, L_used=2, max_loops=8, cache_window=window)
+    want = m.resume_generate(h, 6, max_tokens=9, cache_window=window, **kw)
+    assert want == m.generate(p, loops=6, max_tokens=9, cache_window=window, **safety, **kw)
+    for chunk in (1, 3, 4, len(p)):
+        rr = m.make_resume_request(h, 6, max_tokens=9, cache_window=window, **kw)
+        if safety:  # the resume request carries no safety check of its own: set it as generate's
+            rr = (rr[0], rr[1], dataclasses.replace(rr[2], safety_threshold=safety["safety_norm_threshold"]))
+        before = m.counters.snapshot()
+        ids, finish, calls = _drain_extension(m, rr, chunk)
+        assert p + ids == want, chunk
+        assert calls == -(-len(p) // chunk)
+        assert finish.reason == want.finish_reason
+        assert finish.stats["prompt_loop_iterations"] == calls * (6 - 2)
+        # the token-iterations are the whole resume's: the chunks split the positions, not the work
+        assert finish.stats["loop_token_iterations"] == want.stats["loop_token_iterations"]
+        assert m.counters.since(before).loop_token_iterations == want.stats["loop_token_iterations"]
+    assert h.nbytes() > 0  # the handle is untouched and alive
+
+
+def test_a_freed_handle_keeps_an_extension_under_way(tiny_model):
+    """A handle freed (evicted) after its extension started: the chunks still run from what
+    the extension holds, and the resume ends as it would have."""
+    m, p = tiny_model, PROMPTS[1]
+    h = m.build_resume_handle(p, L_used=3, max_loops=8)
+    want = m.resume_generate(h, 5, max_tokens=6)
+    ext = m.start_resume_chunked(m.make_resume_request(h, 5, max_tokens=6), 0)
+    assert ext.run(4) is None
+    h.free()
+    st = None
+    while st is None:
+        st = ext.run(4)
+    from tinyloop.worker.generation.decode import decode_steps
+    ids = [t for step in decode_steps(st) for t in step]
+    assert p + ids == want
 
 
 def test_handle_accessors_and_free(tiny_model):

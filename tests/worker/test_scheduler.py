@@ -1,6 +1,7 @@
 """The worker's scheduler on its own (no Ray, no asyncio): admission by free lanes and a bounded
 queue, deadlines while queued, chunked prefill under a token budget, every stream kind stepped
-beside the batch, fairness while a long prompt prefills, cancellation anywhere. Every stream's
+beside the batch, fairness while a long prompt (or a resume's extension) prefills, cancellation
+anywhere. Every stream's
 tokens equal its standalone `Model.generate` (fp32, CPU: exactly)."""
 from __future__ import annotations
 
@@ -113,6 +114,31 @@ def test_streams_decoding_get_a_token_every_step_while_a_long_prompt_prefills(mo
     assert len(got) == 8 and got == [1] * 8
     tokens, _, _ = run(s)
     assert s.runner.lanes.free == 3
+
+
+def test_a_resume_extension_is_chunked_under_the_step_budget(model):
+    """A resume of a 45-token handle rides along with a running stream: its extension runs in
+    chunks of the step's budget (5 positions a step), the stream gets a token every step
+    meanwhile, and the resume's tokens are `resume_generate`'s (and so a fresh generate's)."""
+    h = model.build_resume_handle(LONG, L_used=2, max_loops=8)
+    want = model.resume_generate(h, 6, max_tokens=8)[len(LONG):]
+    assert want == alone(model, LONG, loops=6, max_tokens=8)
+    s = Scheduler(model.runner, SchedulerOptions(step_tokens=5))
+    s.submit(job(model, "short", [1, 2, 3], loops=2, max_tokens=40))
+    s.step()
+    rr = model.make_resume_request(h, 6, max_tokens=8)
+    s.submit(Job("resume", lambda lane: model.start_resume_chunked(rr, lane), tokens=len(LONG)))
+    got, budgets = [], []
+    while True:
+        events = dict(s.step())
+        budgets.append(s.last.prefill_tokens)
+        if "resume" in events:
+            break
+        got.append(len(events["short"].ids))
+    assert got == [1] * 8 and budgets == [5] * 9  # 45 positions in chunks of 5, a token a step beside
+    tokens, ends, _ = run(s)
+    assert [events["resume"].ids[0], *tokens["resume"]] == want and ends["resume"].reason == "length"
+    assert model.runner.lanes.free == 3
 
 
 def test_admission_is_by_free_lanes_then_a_bounded_queue(model):

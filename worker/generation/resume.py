@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyloop.worker.generation.decode import DecodeState, Request, TokenStream, decode_steps
+from tinyloop.worker.generation.decode import DecodeState, Prefill, Request, TokenStream, decode_steps
 from tinyloop.worker.model.cache import CacheParts
 from tinyloop.worker.runner.runner import Runner
 
@@ -89,11 +89,43 @@ def resume(runner: Runner, lane: int, handle: ResumeHandle, new_L: int, req: Req
 def start(runner: Runner, lane: int, handle: ResumeHandle, new_L: int, req: Request) -> DecodeState:
     """Clone the handle into `lane` and run iterations [L_used, new_L) over the prompt: the
     state that decides the first token."""
-    cfg, cache = runner.config, runner.cache
-    used = cfg.n_prelude + handle.loops_used() * cfg.n_loop_layers
-    cache.copy_in(lane, handle.state, used)
-    out = runner.extend(lane, handle.residual, handle.loops_used(), new_L, 0, req.window,
-                        req.safety_threshold is not None)
-    st = DecodeState(runner, lane, req, out.logits, out.norm, out.work)
-    st.extra_stats["prompt_loop_iterations"] = out.work.loop_iterations
-    return st
+    return Extension(runner, lane, handle, new_L, req).run(handle.seq_len())
+
+
+class Extension(Prefill):
+    """A resume's extension in chunks, which the worker's scheduler budgets as it does a
+    prompt's prefill (a long handle then rides along with the running streams' decode steps
+    instead of stalling them): the first `run` clones the handle into the lane, and `run(n)`
+    runs iterations [L_used, new_L) and the coda over the next n prompt positions from the
+    handle's residuals. Iteration i of a position reads the positions before it at iteration i
+    only, which the earlier chunks wrote, so the chunks build the state one extension would.
+    The chunk that ends the prompt returns the `DecodeState`; its stats count every chunk."""
+
+    def __init__(self, runner: Runner, lane: int, handle: ResumeHandle, new_L: int, req: Request):
+        super().__init__(runner, lane, req)
+        self.new_L, self.loops_used = new_L, handle.loops_used()
+        # held here: the handle may be freed (evicted, released) while its chunks run
+        self._state, self._residual = handle.state, handle.residual
+
+    @property
+    def joinable(self) -> bool:
+        return False  # no fresh prompt: prefill_together cannot take it
+
+    def run(self, n: int) -> DecodeState | None:
+        runner, req, lane = self.runner, self.req, self.lane
+        if self.done == 0:
+            cfg = runner.config
+            runner.cache.copy_in(lane, self._state, cfg.n_prelude + self.loops_used * cfg.n_loop_layers)
+        a, b = self.done, min(len(req.prompt), self.done + max(1, n))
+        out = runner.extend(lane, self._residual[:, a:b], self.loops_used, self.new_L, a, req.window,
+                            req.safety_threshold is not None)
+        self.work = self.work.plus(out.work)
+        if out.norm is not None:
+            self._norm = out.norm if self._norm is None else torch.maximum(self._norm, out.norm)
+        self.done = b
+        if self.remaining:
+            return None
+        self._state = self._residual = None
+        st = DecodeState(runner, lane, req, out.logits, self._norm, self.work)
+        st.extra_stats["prompt_loop_iterations"] = self.work.loop_iterations
+        return st

@@ -498,7 +498,7 @@ class WorkerActor:
             return
         entry.active += 1
         try:
-            async for item in self._stream(key, lambda lane: self.model.start_resume(rr, lane),
+            async for item in self._stream(key, lambda lane: self.model.start_resume_chunked(rr, lane),
                                            entry.handle.seq_len(), p):
                 yield item
         finally:

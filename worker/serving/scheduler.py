@@ -11,9 +11,10 @@ Each `step`:
 2. admits queued jobs in arrival order while lanes are free;
 3. prefills under a token budget (`step_tokens`): admitted prompts in arrival order, each a
    chunk of at most what is left of the budget (the first always gets one chunk, so a step
-   always makes progress; a job that starts whole, such as a resume, waits for a step whose
-   budget it fits or that it opens). A long prompt is cut into chunks over several steps, and the
-   streams decoding meanwhile get a token every step instead of waiting for the whole prompt.
+   always makes progress; a job that starts whole, such as a speculative stream's prefill,
+   waits for a step whose budget it fits or that it opens). A long prompt, or a resume's
+   extension over its handle's positions (`resume.Extension`), is cut into chunks over several
+   steps, and the streams decoding meanwhile get a token every step instead of waiting for it.
    The fresh prompts that fit the step whole prefill together, in one pass;
 4. hands a greedy speculative stream that steps alone over to the batcher once the worker is
    busy (`SchedulerOptions.speculative_max_running`), then runs one batched decode step
@@ -22,7 +23,7 @@ Each `step`:
    returns what happened as events.
 
 A job is a `begin(lane)` callable. What it returns says what the job is: a `Prefill` (a plain
-prompt, chunked here), a `DecodeState` (already prefilled: a resume), a token iterator (a
+prompt or a resume's extension, chunked here), a `DecodeState` (already prefilled), a token iterator (a
 stream that steps alone: a generator, or a `SpeculativeStream`, which a busy worker hands over
 to the batched step) or, for a `task` job, the answer itself (handle builds, scores: the
 lane is free again at once).
