@@ -8,6 +8,7 @@ import torch
 
 from model_zoo import CONFIGS, damped_checkpoint
 from tinyloop.worker import Model
+from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.spec_batch import SpecBatch
 from tinyloop.worker.model.settings import Settings
 from tinyloop.worker.runner.engine import Counters
@@ -278,6 +279,30 @@ def test_a_sampled_draft_failing_midway_leaves_the_rows_after_it_right(m, monkey
     _drive(batch, got, finish)
     for lane in (0, 2, 3):
         assert (got[lane], finish[lane]) == want[lane], lane
+
+
+def test_a_member_taken_out_hands_over_to_plain_decoding(m):
+    """Between two steps a greedy member goes on as plain decoding at verify_loops
+    (`take`, then `handoff`): generate's tokens; the one left in the batch keeps its own."""
+    reqs = [_request(m, PROMPTS[1], 2, 6, 4, 16), _request(m, PROMPTS[0], 1, 5, 3, 12)]
+    want = _alone(m, 1, reqs[1])
+    batch, got, finish, streams = SpecBatch(m.runner), {}, {}, {}
+    for lane, req in enumerate(reqs):
+        streams[lane], got[lane] = _start(m, lane, req)
+        batch.add(streams[lane])
+    _drive(batch, got, finish, rounds=2)
+    st = batch.take(0)
+    assert st is streams[0] and batch.lanes == [1] and batch.take(0) is None
+    plain = Batcher(m.runner)
+    plain.add(st.handoff())
+    while plain:
+        for lane, (toks, fin) in plain.step().items():
+            got[lane] += toks
+            finish[lane] = fin
+    _drive(batch, got, finish)
+    assert reqs[0].prompt + got[0] == m.generate(reqs[0].prompt, loops=6, max_tokens=16)
+    assert finish[0].reason == "length" and finish[0].stats["verify_steps"] == 2
+    assert (got[1], finish[1]) == want
 
 
 # -- verify_many ----------------------------------------------------------------------------

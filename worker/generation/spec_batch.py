@@ -115,6 +115,12 @@ class SpecBatch:
         if st is not None:
             st.close()
 
+    def take(self, lane: int) -> SpeculativeStream | None:
+        """Take a member out as it stands between two steps, not closed (None: no member on
+        the lane): a greedy one goes on as plain decoding (`SpeculativeStream.handoff`), with
+        the tokens its rounds here would have decided."""
+        return self.streams.pop(lane, None)
+
     def __bool__(self) -> bool:
         return bool(self.streams)
 
