@@ -34,6 +34,11 @@ ran at verify_loops; a round's drafts wrote [0, L_d) of the accepted positions a
 on as a plain `DecodeState` whose decided token waits to run (`SpeculativeStream.handoff`),
 nothing recomputed: so the worker's scheduler moves it into its batched step once busy.
 
+Batched rounds. Several chain streams' rounds can share their runner calls (`SpecBatch`,
+spec_batch.py: each draft step index one decode over the members, their verifies one
+`Runner.verify_many` pass); each stream's decisions, stats and end are still its own
+(`round_plan`, `accept`, `round_done`), so its tokens are its standalone run's.
+
 Sampling (temperature > 0). Chain: speculative sampling (Leviathan et al. 2023; Chen et al.
 2023): d ~ q, accept with min(1, p(d) / q(d)), else draw from normalize(max(0, p - q)); the
 emitted token is distributed as p. Tree: the K first tokens are deterministic proposals (top-K
@@ -187,7 +192,12 @@ class SpeculativeStream:
     its rounds would have (greedy speculative output is generate's at verify_loops); the
     worker's scheduler does so once the worker is busy. Greedy only: a sampled chain's tokens
     are distributed as plain decoding's but are other draws (its accept / residual numbers),
-    so handing it over would change its tokens mid-stream."""
+    so handing it over would change its tokens mid-stream.
+
+    Batched (chain streams, greedy or sampled): once its first `next` has emitted the
+    prefill's token, a `SpecBatch` may run its rounds with other streams' (`check_batchable`);
+    from then on the batch alone steps it, through `round_plan`, `draft`, `accept` and
+    `round_done`, the pieces of its own chain round."""
 
     def __init__(self, runner: Runner, lane: int, req: Request, spec: SpecParams):
         self.runner, self.lane, self.req, self.spec = runner, lane, req, spec
