@@ -34,6 +34,11 @@ ran at verify_loops; a round's drafts wrote [0, L_d) of the accepted positions a
 on as a plain `DecodeState` whose decided token waits to run (`SpeculativeStream.handoff`),
 nothing recomputed: so the worker's scheduler moves it into its batched step once busy.
 
+Batched rounds. Several chain streams' rounds can share their runner calls (`SpecBatch`,
+spec_batch.py: each draft step index one decode over the members, their verifies one
+`Runner.verify_many` pass); each stream's decisions, stats and end are still its own
+(`round_plan`, `accept`, `round_done`), so its tokens are its standalone run's.
+
 Sampling (temperature > 0). Chain: speculative sampling (Leviathan et al. 2023; Chen et al.
 2023): d ~ q, accept with min(1, p(d) / q(d)), else draw from normalize(max(0, p - q)); the
 emitted token is distributed as p. Tree: the K first tokens are deterministic proposals (top-K
@@ -187,7 +192,12 @@ class SpeculativeStream:
     its rounds would have (greedy speculative output is generate's at verify_loops); the
     worker's scheduler does so once the worker is busy. Greedy only: a sampled chain's tokens
     are distributed as plain decoding's but are other draws (its accept / residual numbers),
-    so handing it over would change its tokens mid-stream."""
+    so handing it over would change its tokens mid-stream.
+
+    Batched (chain streams, greedy or sampled): once its first `next` has emitted the
+    prefill's token, a `SpecBatch` may run its rounds with other streams' (`check_batchable`);
+    from then on the batch alone steps it, through `round_plan`, `draft`, `accept` and
+    `round_done`, the pieces of its own chain round."""
 
     def __init__(self, runner: Runner, lane: int, req: Request, spec: SpecParams):
         self.runner, self.lane, self.req, self.spec = runner, lane, req, spec
@@ -208,11 +218,7 @@ class SpeculativeStream:
         if self._over:
             raise StopIteration  # as a generator after its return
         if self._emit.reason is not None:
-            self._end()
-            raise StopIteration(Finish(self._emit.reason, {
-                "prompt_tokens": len(self.req.prompt), "completion_tokens": self._emit.generated,
-                "loop_iterations": self._work.loop_iterations,
-                "loop_token_iterations": self._work.loop_token_iterations, **self.stats()}))
+            raise StopIteration(self._finish())
         try:
             return self._emit.take(self._step())
         except BaseException:
@@ -222,6 +228,14 @@ class SpeculativeStream:
     def close(self) -> None:
         """Stop here (cancelled): the stream lets go of what it holds and yields nothing more."""
         self._end()
+
+    def _finish(self) -> Finish:
+        """End the stream that reached max_tokens or a stop id: its Finish."""
+        self._end()
+        return Finish(self._emit.reason, {
+            "prompt_tokens": len(self.req.prompt), "completion_tokens": self._emit.generated,
+            "loop_iterations": self._work.loop_iterations,
+            "loop_token_iterations": self._work.loop_token_iterations, **self.stats()})
 
     def _end(self) -> None:
         self._over = True
@@ -239,15 +253,8 @@ class SpeculativeStream:
             return [self._t]
         if self._on_device():
             toks, n_acc, w = self._device_round()
-            self._work = self._work.plus(w)
-            self._rounds += 1
-            self._drafted += spec.draft_ahead
-            self._accepted += n_acc
-            self._pos += len(toks)
-            self._t = toks[-1]
-            return toks
-        # never draft past what max_tokens can still use: a round emits at most k + 1 tokens
-        k = min(spec.draft_ahead, req.max_tokens - self._emit.generated - 1)
+            return self._account(toks, spec.draft_ahead, n_acc, w)
+        k = self._round_k()
         t, pos = self._t, self._pos
         if spec.tree:  # side branches sit past the linear positions: keep every node inside the cache
             k = min(k, (runner.cache.max_seq_len - pos - 1) // spec.k_branches)
@@ -255,9 +262,19 @@ class SpeculativeStream:
         else:
             toks, n_acc, w, self._last = _chain_round(runner, self.lane, spec, self._chooser, t, pos, k,
                                                       self._last)
-        self._work = self._work.plus(w)
+        return self._account(toks, k, n_acc, w)
+
+    def _round_k(self) -> int:
+        """The drafts of the next round: never past what max_tokens can still use (a round
+        emits at most k + 1 tokens)."""
+        return min(self.spec.draft_ahead, self.req.max_tokens - self._emit.generated - 1)
+
+    def _account(self, toks: list[int], drafted: int, n_acc: int, work: Counters) -> list[int]:
+        """A round that decided `toks` from `drafted` drafts, n_acc of them accepted, with
+        `work`: the stats, and the decided token (toks[-1]) at its position. -> toks."""
+        self._work = self._work.plus(work)
         self._rounds += 1
-        self._drafted += k
+        self._drafted += drafted
         self._accepted += n_acc
         self._pos += len(toks)
         self._t = toks[-1]
@@ -301,6 +318,64 @@ class SpeculativeStream:
             "draft_loops": spec.draft_loops, "verify_loops": spec.verify_loops,
             "draft_ahead": spec.draft_ahead, "k_branches": spec.k_branches,
         }
+
+    # -- rounds run by a SpecBatch (spec_batch.py): the same decisions and stats as `next` ------
+    def check_batchable(self) -> None:
+        """ValueError (the reason) unless a SpecBatch may run this stream's rounds now: a chain
+        stream that has emitted its prefill's token, goes on, and has no device round in flight
+        (`_ahead`: one launched ahead writes positions past what was decided and would be read
+        by no one; a stream that has not run a round yet has none)."""
+        if self.spec.tree:
+            raise ValueError(f"lane {self.lane}: a tree stream (k_branches={self.spec.k_branches}) steps alone; "
+                             "a SpecBatch takes chain streams")
+        if self._over:
+            raise ValueError(f"lane {self.lane}: the stream is over (finished, failed, closed or handed over)")
+        if self._t is None:
+            raise ValueError(f"lane {self.lane}: the stream has not emitted its prefill's token yet "
+                             "(its first next() runs the prefill)")
+        if self._emit.reason is not None:
+            raise ValueError(f"lane {self.lane}: the stream has reached its end ({self._emit.reason}); "
+                             "its next() gives the Finish")
+        if self._ahead is not None:
+            raise ValueError(f"lane {self.lane}: the stream has a device round in flight; "
+                             "add it to a SpecBatch before its first round")
+
+    @property
+    def greedy(self) -> bool:
+        return self._chooser.greedy
+
+    def round_plan(self) -> tuple[int, int, int]:
+        """The next chain round run elsewhere: (t, pos, k), the decided token and its position
+        and the drafts to make, the chunk [t, d_1 .. d_k] at positions [pos, pos + k]. The
+        stream lets go of its own last draft step (the batch's steps are others). ValueError
+        when the chunk would pass the cache's end."""
+        k, pos, S = self._round_k(), self._pos, self.runner.cache.max_seq_len
+        if pos + k + 1 > S:
+            raise ValueError(f"a chunk of {k + 1} tokens at {pos} passes the cache's {S} positions")
+        self.runner.release(self._last)
+        self._last = None
+        return self._t, pos, k
+
+    def draft(self, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
+        """A sampled chain's draft at `pos` from a draft step's logits (V,) and its q."""
+        return self._chooser.draft(logits, pos)
+
+    def accept(self, pos: int, drafts: list[int], qs: list | None, logits: torch.Tensor | None,
+               targets: list[int] | None) -> tuple[list[int], int]:
+        """The round's decision (`_chain_accept`): greedy from targets, sampled from qs and logits."""
+        return _chain_accept(self._chooser, pos, drafts, qs, logits, targets)
+
+    def round_done(self, toks: list[int], k: int, n_acc: int, work: Counters) -> tuple[list[int], Finish | None]:
+        """A round run elsewhere decided `toks` from k drafts, n_acc accepted, with `work` (its
+        draft steps' and its verify's): the stats as the stream's own round counts them ->
+        (the tokens it emits, max_tokens and stop ids applied; the Finish where they end it,
+        the stream then over). An error ends the stream."""
+        try:
+            out = self._emit.take(self._account(toks, k, n_acc, work))
+        except BaseException:
+            self._end()
+            raise
+        return out, self._finish() if self._emit.reason is not None else None
 
     @property
     def can_handoff(self) -> bool:
@@ -358,21 +433,35 @@ def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser,
                 qs.append(q)
     ver = runner.verify(lane, residuals, pos, Ld, Lv)
     work = work.plus(ver.work)
-    logits = ver.logits  # (k + 1, V)
-    if chooser.greedy:
-        # the verifier's tokens and the drafts in one read: accept while they agree
-        both = torch.cat([drafts, logits.argmax(-1)]).tolist()
-        chunk, targets = [t, *both[:k]], both[k:]
-        n_acc = next((i for i in range(k) if targets[i] != chunk[i + 1]), k)
-        return targets[:n_acc + 1], n_acc, work, out  # the first mismatch, or the bonus after a full chunk
-    out_toks = []
+    if chooser.greedy:  # the verifier's tokens and the drafts in one read
+        both = torch.cat([drafts, ver.logits.argmax(-1)]).tolist()
+        toks, n_acc = _chain_accept(chooser, pos, both[:k], None, None, both[k:])
+    else:
+        toks, n_acc = _chain_accept(chooser, pos, chunk[1:], qs, ver.logits, None)
+    return toks, n_acc, work, out
+
+
+def _chain_accept(chooser: _Chooser, pos: int, drafts: list[int], qs: list | None, logits: torch.Tensor | None,
+                  targets: list[int] | None) -> tuple[list[int], int]:
+    """A verified chain's decision: drafts d_1 .. d_k after the token at pos, against the
+    verifier -> (the round's tokens, drafts accepted). Greedy: targets, the verifier's argmax
+    at every chunk position (k + 1, on the host): accept while it equals the draft. Sampled:
+    each draft by speculative sampling from its q (qs) and the verifier's logits (k + 1, V).
+    The verifier's token at the first rejection, or the bonus after a fully accepted chunk, is
+    the round's last token. Every random number is its position's: the same draws on any path
+    that ran the round (a stream alone, a SpecBatch)."""
+    k = len(drafts)
+    if targets is not None:
+        n_acc = next((i for i in range(k) if targets[i] != drafts[i]), k)
+        return targets[:n_acc + 1], n_acc
+    toks = []
     for i in range(k):
-        ok, tok = chooser.verify(logits[i], qs[i], chunk[i + 1], pos + i + 1)
-        out_toks.append(tok)
+        ok, tok = chooser.verify(logits[i], qs[i], drafts[i], pos + i + 1)
+        toks.append(tok)
         if not ok:
-            return out_toks, i, work, out
-    out_toks.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
-    return out_toks, k, work, out
+            return toks, i
+    toks.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
+    return toks, k
 
 
 def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,

@@ -8,6 +8,7 @@ stages:
     extend(lane, residual, start, stop)     iterations [start, stop) and the coda over a chunk's residual
     decode(lanes, tokens, positions, depths) one decode step of B lanes, each at its own depth
     verify(lane, residual, pos, start, stop) a draft chain's iterations [start, stop) -> every logit
+    verify_many(lanes, residuals, positions, start, stop)  the same for several lanes' chains, one pass
     chain_round(lane, Ld, Lv, k, state)     a greedy speculative round, drafts to acceptance, on the device
     tree(lane, nodes, pos)                  a draft tree's stages (drafting depth by depth, verify)
     trace(lane, tokens, loops)              every stage's last-position residual (scoring)
@@ -244,6 +245,21 @@ class ChunkOut:
     work: Counters
     residual: torch.Tensor | None = None
     norm: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class ChunksOut:
+    """A chunk stage's outputs for several rows (`verify_many`): every position's logits
+    (B, n, V), and what each row counted (`works[b]`: as its own call would count it)."""
+    logits: torch.Tensor
+    works: list[Counters]
+
+    @property
+    def work(self) -> Counters:
+        total = Counters()
+        for w in self.works:
+            total = total.plus(w)
+        return total
 
 
 class RoundOut:
@@ -1170,6 +1186,62 @@ class Runner:
         for stage in TreeStages.span(start, stop):
             tr.run(stage)
         return ChunkOut(tr.logits[:n], tr.work)
+
+    @torch.no_grad()
+    @_settles
+    def verify_many(self, lanes: list[int], residuals, positions: list[int], start: int, stop: int) -> ChunksOut:
+        """`verify` of several lanes' draft chains in one eager pass: row b's chunk of residuals
+        entering iteration `start`, its first token at positions[b] of lanes[b], through
+        iterations [start, stop) and the coda -> every position's logits (B, n, V), a tensor of
+        its own. residuals: (B, n, D), or B tensors (1, n, D); every row the same n.
+
+        The rows attend by position (a chunk token reads its lane's cache up to its own
+        position, its chunk's earlier tokens included: `Engine._attend`'s chunk read, masked by
+        position, or the batch-invariant chunk kernel by rows), so chunks at different
+        positions share the pass. Each row counts what its `verify` alone counts,
+        (stop - start, (stop - start)·n), as `prefill_many` counts its rows: a stream's work is
+        the same batched or alone. ValueError, before anything runs or counts, for rows that
+        do not match, a lane twice or outside the cache's, iterations outside [0, max_loops],
+        or a chunk past the cache's end."""
+        B = len(lanes)
+        if isinstance(residuals, (list, tuple)):
+            if len(residuals) != B or not B:
+                raise ValueError(f"verify_many needs as many lanes, positions and residual rows, at least one: "
+                                 f"{B}, {len(positions)}, {len(residuals)}")
+            if any(r.dim() != 3 or r.shape[0] != 1 for r in residuals):
+                raise ValueError(f"verify_many takes each row's residuals as (1, n, D), got "
+                                 f"{[tuple(r.shape) for r in residuals]}")
+            ns = [r.shape[1] for r in residuals]
+            if len(set(ns)) != 1:
+                raise ValueError(f"verify_many takes chunks of one length n, got {ns}")
+            residuals = torch.cat(list(residuals))
+        rows = residuals.shape[0] if residuals.dim() == 3 else None
+        if not (B == len(positions) == rows) or not B:
+            raise ValueError(f"verify_many needs as many lanes, positions and residual rows, at least one: "
+                             f"{B}, {len(positions)}, {rows if rows is not None else tuple(residuals.shape)}")
+        n, width = residuals.shape[1], self.config.residual_width
+        if n < 1 or residuals.shape[2] != width:
+            raise ValueError(f"verify_many's residuals are (B, n, D) with n >= 1 and D = {width}, "
+                             f"got {tuple(residuals.shape)}")
+        if len(set(lanes)) != B:
+            raise ValueError(f"verify_many takes each lane once, got {list(lanes)}")
+        bad = [lane for lane in lanes if not 0 <= lane < self.cache.n_slots]
+        if bad:
+            raise ValueError(f"lane {bad[0]} outside [0, {self.cache.n_slots})")
+        if not 0 <= start < stop <= self.cache.max_loops:
+            raise ValueError(f"verify_many runs iterations [start, stop) inside [0, {self.cache.max_loops}], "
+                             f"got [{start}, {stop})")
+        S = self.cache.max_seq_len
+        for lane, pos in zip(lanes, positions):
+            if pos < 0 or pos + n > S:
+                raise ValueError(f"a chunk of {n} tokens at {pos} (lane {lane}) passes the cache's {S} positions"
+                                 if pos >= 0 else f"a chunk at position {pos} (lane {lane}): positions are >= 0")
+        works = [self.counters.add(stop - start, (stop - start) * n) for _ in range(B)]
+        e = self.engine
+        pos = self._slots(list(positions))[:, None] + self._arange(0, n)  # (B, n)
+        p = e.make_pass(self._slots(list(lanes)), pos, max(positions) + n)
+        x = e.run_loops(residuals.clone(), p, start, stop)  # run_loops works in place: the caller's stays
+        return ChunksOut(e.logits(e.coda(x, p), p), works)
 
     @_settles
     def tree(self, lane: int, nodes: int, pos: int, stages: list | None = None) -> TreeRun:
