@@ -78,8 +78,12 @@ class WorkerSteps:
                                      "greedy speculative streams a worker moved from their draft-and-verify "
                                      "rounds to its batched step once it became busy (the same tokens)",
                                      labels=["worker"])
+        shared = CounterMetricFamily("tinyloop_worker_speculative_rounds_shared",
+                                     "speculative rounds a worker ran with other streams' rounds (their draft "
+                                     "steps batched, their verifies one pass)", labels=["worker"])
         for worker, s in sorted(self.latest.items()):
             together.add_metric([worker], s.get("prefilled_together", 0))
+            shared.add_metric([worker], s.get("speculative_rows", 0))
             not_spec.add_metric([worker], s.get("batched_not_speculative", 0))
             handed.add_metric([worker], s.get("handed_to_batch", 0))
             step_cpu.add_metric([worker], s.get("cpu_seconds_sum", 0.0))
@@ -91,6 +95,7 @@ class WorkerSteps:
         yield together
         yield not_spec
         yield handed
+        yield shared
 
 
 STEPS = WorkerSteps()

@@ -493,7 +493,7 @@ def test_prometheus_metrics_are_served_and_count(client):
                          after, re.M)
     assert rows and prefill and sum(map(float, prefill)) >= len(PROMPT), after
     for name in ("tinyloop_worker_prompts_prefilled_together_total", "tinyloop_worker_speculative_batched_total",
-                 "tinyloop_worker_speculative_handed_to_batch_total"):
+                 "tinyloop_worker_speculative_handed_to_batch_total", "tinyloop_worker_speculative_rounds_shared_total"):
         assert re.search(rf'^{name}\{{worker="worker-0"\}} [0-9.e+]+$', after, re.M), name
     # the worker-side time to first tokens: the stream above counted (with any of the test before
     # whose count the probe before `before` had not brought yet), within the gateway's (the

@@ -362,3 +362,89 @@ def test_a_sampled_speculative_stream_is_never_handed_over(spec_path):
         assert max(st.batch_rows for st in steps) == 2  # the two plain streams only
         assert first + tokens["spec"] == list(m.generate_speculative(prompt, **kw, **spec))[len(prompt):]
         assert ends["spec"].stats["verify_steps"] >= 1
+
+
+def _spec_alone(m, prompt, spec, **kw) -> list[int]:
+    """A speculative stream's tokens run alone (its own rounds) from its prompt."""
+    return list(m.generate_speculative(prompt, **kw, **spec))[len(prompt):]
+
+
+def test_speculative_streams_share_their_rounds(spec_path):
+    # Three chain streams on an idle worker (speculative_max_running = 0: always speculative),
+    # two greedy at different depths and draft counts and one sampled, run their rounds together
+    # (draft steps batched, verifies one pass): each one's tokens and usage are those of its run
+    # alone; a tree stream beside them steps alone. A cancelled member leaves at once.
+    specs = {"a": dict(draft_loops=1, verify_loops=4, draft_ahead=3),
+             "b": dict(draft_loops=2, verify_loops=5, draft_ahead=2),
+             "c": dict(draft_loops=1, verify_loops=4, draft_ahead=3)}
+    kws = {"a": dict(max_tokens=20), "b": dict(max_tokens=14), "c": dict(max_tokens=18, temperature=0.9, seed=5)}
+    prompts = {"a": LONG[8:15], "b": LONG[:9], "c": LONG[20:26]}
+    with Model(spec_path, max_seq_len=128, n_slots=4) as m:
+        want = {k: _spec_alone(m, prompts[k], specs[k], **kws[k]) for k in specs}
+        stats = {k: m.generate_speculative(prompts[k], **kws[k], **specs[k]).stats for k in specs}
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=0))
+        for k in specs:
+            s.submit(spec_job(m, k, prompts[k], specs[k], **kws[k]))
+        tree = dict(draft_loops=1, verify_loops=4, draft_ahead=2, k_branches=2)
+        s.submit(spec_job(m, "tree", LONG[30:36], tree, max_tokens=10))
+        members = []
+        tokens, ends, steps = run(s, on_step=lambda i, s: members.append(set(s._spec.values())))
+        assert max(st.speculative_rows for st in steps) == 3
+        assert {"a", "b", "c"} in [mm for mm in members] and all("tree" not in mm for mm in members)
+        for k in specs:
+            assert tokens[k] == want[k], k
+            got = {x: ends[k].stats[x] for x in ("completion_tokens", "verify_steps", "drafted_tokens",
+                                                  "accepted_tokens", "loop_token_iterations")}
+            assert got == {x: stats[k][x] for x in got}, k
+        assert tokens["a"] == alone(m, prompts["a"], loops=4, max_tokens=20)
+        assert tokens["tree"] == list(m.generate_tree_speculative(LONG[30:36], max_tokens=10, K_branches=2, draft_loops=1,
+                                                                  verify_loops=4, draft_ahead=2))[6:]
+        assert m.runner.lanes.free == 4 and not s.spec_batch
+
+
+def test_a_cancelled_member_of_the_shared_rounds_leaves_at_once(spec_path):
+    spec = dict(draft_loops=1, verify_loops=4, draft_ahead=3)
+    with Model(spec_path, max_seq_len=128, n_slots=3) as m:
+        want = _spec_alone(m, LONG[:9], spec, max_tokens=24)
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=0))
+        s.submit(spec_job(m, "keep", LONG[:9], spec, max_tokens=24))
+        s.submit(spec_job(m, "gone", LONG[10:17], spec, max_tokens=40))
+        got = {"keep": [], "gone": []}
+        for _ in range(3):
+            for key, ev in s.step():
+                got[key].extend(ev.ids)
+        assert set(s._spec.values()) == {"keep", "gone"}
+        s.cancel("gone")
+        tokens, ends, _ = run(s)
+        assert "gone" not in tokens and "gone" not in ends
+        assert got["keep"] + tokens["keep"] == want
+        assert got["gone"] == _spec_alone(m, LONG[10:17], spec, max_tokens=40)[:len(got["gone"])]
+        assert m.runner.lanes.free == 3
+
+
+def test_greedy_members_of_the_shared_rounds_go_into_the_batch_once_the_worker_is_busy(spec_path):
+    # Two greedy and one sampled chain stream share their rounds; a plain stream arrives and
+    # (speculative_max_running = 3) makes the worker busy: between two rounds the greedy members
+    # go on in the batched step, the sampled one goes on with its rounds. Every stream's tokens
+    # are its run's alone.
+    specs = [dict(draft_loops=1, verify_loops=4, draft_ahead=3), dict(draft_loops=2, verify_loops=4, draft_ahead=2),
+             dict(draft_loops=1, verify_loops=3, draft_ahead=3)]
+    kws = [dict(max_tokens=22), dict(max_tokens=18), dict(max_tokens=16, temperature=0.8, seed=3)]
+    prompts = [LONG[8:15], LONG[:9], LONG[20:26]]
+    with Model(spec_path, max_seq_len=128, n_slots=4) as m:
+        want = [_spec_alone(m, p, sp, **kw) for p, sp, kw in zip(prompts, specs, kws)]
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=3))
+        for i in range(3):
+            s.submit(spec_job(m, f"s{i}", prompts[i], specs[i], **kws[i]))
+        got = {f"s{i}": [] for i in range(3)}
+        for _ in range(3):
+            for key, ev in s.step():
+                got[key].extend(ev.ids)
+        assert len(s._spec) == 3
+        s.submit(job(m, "plain", LONG[:6], loops=3, max_tokens=20))
+        tokens, _, steps = run(s)
+        assert sum(st.handed_to_batch for st in steps) == 2 and set(s._spec.values()) <= {"s2"}
+        for i in range(3):
+            assert got[f"s{i}"] + tokens[f"s{i}"] == want[i], i
+        assert tokens["plain"] == alone(m, LONG[:6], loops=3, max_tokens=20)
+        assert m.runner.lanes.free == 4

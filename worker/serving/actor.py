@@ -768,6 +768,7 @@ class _StepMetrics:
         self.batch_sum = self.prefill_sum = self.steps = 0
         self.seconds_sum = self.cpu_seconds_sum = 0.0
         self.prefilled_together = self.batched_not_speculative = self.handed_to_batch = 0
+        self.speculative_rows = 0
         self.ttft = [0] * (len(self.TTFT) + 1)
         self.ttft_sum = 0.0
 
@@ -789,6 +790,7 @@ class _StepMetrics:
             self.prefilled_together += st.prefilled_together
             self.batched_not_speculative += st.batched_not_speculative
             self.handed_to_batch += st.handed_to_batch
+            self.speculative_rows += st.speculative_rows
 
     def observe_ttft(self, seconds: float) -> None:
         """A stream's first tokens handed to its caller, `seconds` after it reached the worker
@@ -814,6 +816,7 @@ class _StepMetrics:
                     "prefilled_together": self.prefilled_together,
                     "batched_not_speculative": self.batched_not_speculative,
                     "handed_to_batch": self.handed_to_batch,
+                    "speculative_rows": self.speculative_rows,
                     "iterations_bounds": list(self.ITERATIONS), "iterations_counts": list(self.iterations),
                     "iterations_sum": self.iterations_sum,
                     "ttft_bounds": list(self.TTFT), "ttft_counts": list(self.ttft), "ttft_sum": self.ttft_sum,

@@ -16,11 +16,15 @@ Each `step`:
    extension over its handle's positions (`resume.Extension`), is cut into chunks over several
    steps, and the streams decoding meanwhile get a token every step instead of waiting for it.
    The fresh prompts that fit the step whole prefill together, in one pass;
-4. hands a greedy speculative stream that steps alone over to the batcher once the worker is
-   busy (`SchedulerOptions.speculative_max_running`), then runs one batched decode step
+4. hands a greedy speculative stream over to the batcher once the worker is busy
+   (`SchedulerOptions.speculative_max_running`), then runs one batched decode step
    (`Batcher.step`) for every stream in the batcher (L scheduling, the safety check and sliding
-   windows included) and one step of each stream that steps alone (speculative decoding), and
-   returns what happened as events.
+   windows included), one round of every chain speculative stream that shares its rounds
+   (`SpecBatch.step`: their draft steps batched, their verifies one pass), and one step of each
+   stream that steps alone, and returns what happened as events. Chain speculative streams
+   share their rounds once two or more would: each joins the shared rounds between two of its
+   own, where nothing of it is in flight (on CUDA that is after its prefill's token: a lone
+   stream's device rounds each launch the next ahead, so it stays alone once they began).
 
 A job is a `begin(lane)` callable. What it returns says what the job is: a `Prefill` (a plain
 prompt or a resume's extension, chunked here), a `DecodeState` (already prefilled), a token iterator (a
@@ -38,6 +42,7 @@ from typing import Callable
 
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, prefill_together
+from tinyloop.worker.generation.spec_batch import SpecBatch
 from tinyloop.worker.generation.speculative import SpeculativeStream
 
 
@@ -125,6 +130,7 @@ class StepStats:
     prefilled_together: int = 0  # prompts of the step's shared prefill pass (0: none ran)
     batched_not_speculative: int = 0  # speculative jobs started in the batch instead (busy worker)
     handed_to_batch: int = 0  # greedy speculative streams moved from their rounds to the batch (busy worker)
+    speculative_rows: int = 0  # speculative streams whose round ran in the shared rounds (SpecBatch)
     batch_rows: int = 0
     seconds: float = 0.0      # the step's wall time on the step thread
     cpu_seconds: float = 0.0  # the CPU time the step thread spent in it (the rest it waited: GPU, GIL)
@@ -137,6 +143,7 @@ class Scheduler:
         self.o = options
         self.clock = clock
         self.batcher = Batcher(runner)
+        self.spec_batch = SpecBatch(runner)
         self._lock = threading.Lock()
         self._inbox: list[Job] = []
         self._cancels: set[str] = set()
@@ -144,6 +151,7 @@ class Scheduler:
         self._prefilling: dict[str, tuple[int, Job, Prefill | None]] = {}  # arrival order (dicts keep it)
         self._batched: dict[int, str] = {}        # lane -> key of a stream in the batcher
         self._alone: dict[str, tuple[int, object]] = {}  # key -> (lane, token iterator)
+        self._spec: dict[int, str] = {}           # lane -> key of a speculative stream in spec_batch
         self.last = StepStats()
 
     # -- from any thread ---------------------------------------------------------------------
@@ -170,12 +178,12 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Jobs holding a lane."""
-        return len(self._prefilling) + len(self._batched) + len(self._alone)
+        return len(self._prefilling) + len(self._batched) + len(self._alone) + len(self._spec)
 
     def has_work(self) -> bool:
         with self._lock:
             return bool(self._inbox or self._cancels or self._waiting or self._prefilling or self._batched
-                        or self._alone)
+                        or self._alone or self._spec)
 
     # -- on the step thread ------------------------------------------------------------------
     def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
@@ -303,15 +311,21 @@ class Scheduler:
         self._alone[key] = (lane, got)
 
     def _hand_over(self, events: list[Event], stats: StepStats) -> None:
-        """On a busy worker, every greedy speculative stream stepping alone between two rounds
-        goes on in the batched step (`SpeculativeStream.handoff`); it runs there from this
-        step's launch on. Its tokens are those its rounds would have decided."""
-        if not self._alone or not self._busy():
+        """On a busy worker, every greedy speculative stream between two rounds (stepping alone
+        or in the shared rounds) goes on in the batched step (`SpeculativeStream.handoff`); it
+        runs there from this step's launch on. Its tokens are those its rounds would have decided."""
+        if not (self._alone or self._spec) or not self._busy():
             return
-        for key, (lane, gen) in list(self._alone.items()):
+        streams = [(key, lane, gen) for key, (lane, gen) in self._alone.items()]
+        streams += [(key, lane, self.spec_batch.streams[lane]) for lane, key in self._spec.items()]
+        for key, lane, gen in streams:
             if not (isinstance(gen, SpeculativeStream) and gen.can_handoff):
                 continue  # not speculative, sampled, or not started (its prefill runs below)
-            del self._alone[key]
+            if lane in self._spec:
+                self.spec_batch.take(lane)
+                del self._spec[lane]
+            else:
+                del self._alone[key]
             try:
                 self.batcher.add(gen.handoff())
             except Exception as e:  # this stream alone: the others go on
@@ -349,10 +363,28 @@ class Scheduler:
                 if done:
                     del self._batched[lane]
                     self.lanes.release(lane)
+        if self.spec_batch:
+            updates = self.spec_batch.step()  # a failure ends its own streams (their updates)
+            stats.speculative_rows = len(updates)
+            for lane, update in updates.items():
+                key = self._spec[lane]
+                if isinstance(update, Exception):
+                    events.append((key, Failed(update)))
+                    done = True
+                else:
+                    ids, finish = update
+                    events.append((key, Tokens(ids, finish)))
+                    done = finish is not None
+                if done:
+                    del self._spec[lane]
+                    self.lanes.release(lane)
+        ready = []  # speculative streams between two rounds with nothing in flight
         for key, (lane, gen) in list(self._alone.items()):
             try:
                 ids = next(gen)
                 events.append((key, Tokens(ids)))
+                if isinstance(gen, SpeculativeStream) and self.spec_batch.eligible(gen):
+                    ready.append((key, lane, gen))
                 continue
             except StopIteration as stop:
                 events.append((key, Tokens([], stop.value)))
@@ -360,6 +392,11 @@ class Scheduler:
                 events.append((key, Failed(e)))
             del self._alone[key]
             self.lanes.release(lane)
+        if ready and len(self.spec_batch) + len(ready) >= 2:  # their next rounds run together
+            for key, lane, gen in ready:
+                del self._alone[key]
+                self.spec_batch.add(gen)
+                self._spec[lane] = key
 
     def _drop(self, key: str) -> None:
         for job in self._waiting:
@@ -375,6 +412,12 @@ class Scheduler:
             gen.close()
             self.lanes.release(lane)
             return
+        for lane, k in list(self._spec.items()):
+            if k == key:
+                self.spec_batch.leave(lane)
+                del self._spec[lane]
+                self.lanes.release(lane)
+                return
         for lane, k in list(self._batched.items()):
             if k == key:
                 self.batcher.leave(lane)
