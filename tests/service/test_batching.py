@@ -37,7 +37,7 @@ def test_concurrent_streams_are_batched_and_equal_in_process(one_worker, local_m
             ([9, 8, 7], dict(loops=5, max_tokens=25, repetition_penalty=1.2, temperature=0.7, seed=3)),
             ([5] * 10, dict(loops=3, max_tokens=40, stop_token_ids=[7, 8, 9])),
             ([77, 78], dict(loops=1, max_tokens=1)),
-            ([1, 2, 3, 4], dict(loops=6, max_tokens=30, cache_window=4)),   # windowed: steps alone
+            ([1, 2, 3, 4], dict(loops=6, max_tokens=30, cache_window=4)),   # windowed: the checked step
             ([6, 6, 6], dict(loops=4, max_tokens=30, temperature=1.0, top_p=0.8, seed=5)),
             ([11, 12], dict(loops=7, max_tokens=20))]                        # waits for a lane
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
@@ -49,6 +49,28 @@ def test_concurrent_streams_are_batched_and_equal_in_process(one_worker, local_m
     steps = after["batched_steps"] - before["batched_steps"]
     lane_steps = after["batched_lane_steps"] - before["batched_lane_steps"]
     assert steps > 0 and lane_steps / steps > 2, (steps, lane_steps)  # streams did share steps
+    assert after["active_lanes"] == 0 and after["streams"] == 0
+
+
+def test_speculative_streams_share_their_rounds_through_the_service(one_worker, local_model):
+    """Chain speculative streams at once on an idle worker (greedy and sampled, other depths
+    and draft counts) run their rounds together: each gets its in-process speculative tokens
+    and finish reason over real gRPC, and the worker counts the shared rounds."""
+    actors, gw = one_worker
+    before = worker_stats(actors)[0]["steps"]["speculative_rows"]
+    jobs = [([3, 1, 4, 1, 5], dict(max_tokens=24, speculative=dict(draft_loops=2, verify_loops=5))),
+            ([2, 7, 1, 8], dict(max_tokens=20, temperature=0.9, seed=4,
+                                speculative=dict(draft_loops=1, verify_loops=4, draft_ahead=3))),
+            ([9, 9, 8], dict(max_tokens=22, temperature=0.7, seed=9,
+                             speculative=dict(draft_loops=2, verify_loops=5, draft_ahead=2)))]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: _collect(gw.address, *j), jobs))
+    for (prompt, kw), (ids, reason) in zip(jobs, got):
+        local = dict(kw)
+        want = local_model.generate_speculative(prompt, **local.pop("speculative"), **local)
+        assert (ids, reason) == (want[len(prompt):], want.finish_reason), kw
+    after = wait_idle(actors)[0]
+    assert after["steps"]["speculative_rows"] - before >= 2  # rounds of two streams or more, together
     assert after["active_lanes"] == 0 and after["streams"] == 0
 
 
@@ -86,8 +108,9 @@ def chunking_worker(ray_cluster, model_path):
 
 def test_every_kind_of_stream_together_equals_its_standalone_run(chunking_worker, local_model):
     """Plain, mixed depths, sampled, L scheduling, the safety check (one stopped by it), a
-    sliding window, self-speculative decoding, a resume and a long chunked prompt, all at once
-    on one worker: each gets its in-process tokens and finish reason, over real gRPC."""
+    sliding window, self-speculative decoding (greedy, and two sampled chains that share their
+    rounds), a resume and a long chunked prompt, all at once on one worker: each gets its
+    in-process tokens and finish reason, over real gRPC."""
     actors, gw = chunking_worker
     long_prompt = [(7 * i + 3) % 256 for i in range(70)]
     jobs = [("plain", [5, 17, 99, 3, 42], dict(loops=2, max_tokens=30)),
@@ -98,7 +121,12 @@ def test_every_kind_of_stream_together_equals_its_standalone_run(chunking_worker
             ("stopped", [1, 2, 3, 4], dict(loops=3, max_tokens=20, safety_check=True, safety_norm_threshold=1e-3)),
             ("window", [4] * 12, dict(loops=3, max_tokens=25, cache_window=5)),
             ("long", long_prompt, dict(loops=4, max_tokens=15)),
-            ("speculative", [3, 1, 4, 1, 5], dict(max_tokens=18, speculative=dict(draft_loops=2, verify_loops=5)))]
+            ("speculative", [3, 1, 4, 1, 5], dict(max_tokens=18, speculative=dict(draft_loops=2, verify_loops=5))),
+            # sampled chains always speculate: two of them share their rounds
+            ("spec-sampled", [2, 7, 1, 8], dict(max_tokens=16, temperature=0.9, seed=4,
+                                                speculative=dict(draft_loops=1, verify_loops=4, draft_ahead=3))),
+            ("spec-sampled-2", [2, 7, 1, 8, 2], dict(max_tokens=14, temperature=0.7, seed=9,
+                                                     speculative=dict(draft_loops=2, verify_loops=5, draft_ahead=2)))]
 
     def run(job):
         name, prompt, kw = job
@@ -122,6 +150,9 @@ def test_every_kind_of_stream_together_equals_its_standalone_run(chunking_worker
             local["l_warmup_L"] = local.pop("l_warmup_loops")
         if name == "speculative":
             want = local_model.generate(prompt, loops=5, max_tokens=kw["max_tokens"])
+        elif name.startswith("spec-sampled"):
+            spec = local.pop("speculative")
+            want = local_model.generate_speculative(prompt, **local, **spec)
         elif name == "resume":
             want = local_model.generate(prompt, loops=5, max_tokens=kw["max_tokens"])
         else:

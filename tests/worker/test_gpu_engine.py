@@ -416,6 +416,36 @@ def test_checked_streams_batched_on_gpu_equal_reference(batch_pair):
     assert finishes[3].reason == "safety" and got[3] == []
 
 
+def test_speculative_rounds_shared_on_gpu_equal_reference(batch_pair):
+    """Three chain speculative streams (other draft and verify depths, one sampled) stepped
+    together in a SpecBatch on the CUDA engine (draft steps on the batched graphs, verifies in
+    one eager pass): each one's tokens are the torch reference's run alone (greedy: generate at
+    verify_loops), its usage its own."""
+    from tinyloop.worker.generation.spec_batch import SpecBatch
+    fast, ref = batch_pair
+    jobs = {1: (PROMPTS[0], dict(max_tokens=20), dict(draft_loops=2, verify_loops=6, draft_ahead=3)),
+            2: (PROMPTS[1], dict(max_tokens=16), dict(draft_loops=1, verify_loops=4, draft_ahead=2)),
+            4: ([9, 8, 7, 6], dict(max_tokens=18, temperature=0.8, seed=7),
+                dict(draft_loops=2, verify_loops=5, draft_ahead=3))}
+    sb, got, finishes = SpecBatch(fast.runner), {}, {}
+    for lane, (p, kw, spec) in jobs.items():
+        gen = fast.stream(fast.make_request(p, speculative=spec, **kw), lane)
+        got[lane] = next(gen)
+        sb.add(gen)
+    while sb:
+        for lane, update in sb.step().items():
+            assert not isinstance(update, Exception), update
+            ids, finish = update
+            got[lane].extend(ids)
+            if finish is not None:
+                finishes[lane] = finish
+    for lane, (p, kw, spec) in jobs.items():
+        want = ref.generate_speculative(p, **kw, **spec)
+        assert p + got[lane] == want, lane
+        assert finishes[lane].stats["verify_steps"] == want.stats["verify_steps"], lane
+    assert PROMPTS[0] + got[1] == ref.generate(PROMPTS[0], loops=6, max_tokens=20)
+
+
 def test_generate_batch_on_graphs_equals_reference(batch_pair):
     fast, ref = batch_pair
     prompts = [PROMPTS[1], PROMPTS[0], [4, 4, 2], [7]]
