@@ -593,33 +593,28 @@ class Model:
 
     def stream_resume(self, resume_request, lane: int = 0):
         """Generator protocol of `stream`, for a validated `make_resume_request` result."""
-        self._check_open()
-        handle, new_L, req = resume_request
-        if handle.freed:
-            raise HandleFreed("handle has been freed")
-        self._seat(lane, req.seed)
-        return resume_mod.resume(self.runner, lane, handle, new_L, req)
+        return resume_mod.resume(self.runner, lane, *self._resume_on(resume_request, lane))
 
     def start_resume(self, resume_request, lane: int = 0) -> DecodeState:
         """`start` for a validated `make_resume_request` result: the handle cloned into the lane
         and extended to new_L."""
-        self._check_open()
-        handle, new_L, req = resume_request
-        if handle.freed:
-            raise HandleFreed("handle has been freed")
-        self._seat(lane, req.seed)
-        return resume_mod.start(self.runner, lane, handle, new_L, req)
+        return resume_mod.start(self.runner, lane, *self._resume_on(resume_request, lane))
 
     def start_resume_chunked(self, resume_request, lane: int = 0) -> "resume_mod.Extension":
         """`start_resume` in chunks: an `Extension` whose `run(n)` extends the next n prompt
         positions and returns the `DecodeState` after the last (the worker's scheduler budgets
         a resume's extension as it does a prompt's prefill)."""
+        return resume_mod.Extension(self.runner, lane, *self._resume_on(resume_request, lane))
+
+    def _resume_on(self, resume_request, lane: int) -> tuple[ResumeHandle, int, Request]:
+        """A validated resume request seated on `lane`: (handle, new_L, request); HandleFreed
+        when its handle was freed since."""
         self._check_open()
         handle, new_L, req = resume_request
         if handle.freed:
             raise HandleFreed("handle has been freed")
         self._seat(lane, req.seed)
-        return resume_mod.Extension(self.runner, lane, handle, new_L, req)
+        return handle, new_L, req
 
     def resume_generate(self, handle: ResumeHandle, new_L, max_tokens=128, temperature=0.0, top_k=50,
                         top_p=1.0, cache_window=0, repetition_penalty=1.0, seed=None,

@@ -98,16 +98,24 @@ class Prefill:
         return len(self.req.prompt) - self.done
 
     def run(self, n: int) -> "DecodeState | None":
-        req = self.req
-        a, b = self.done, min(len(req.prompt), self.done + max(1, n))
-        out = self.runner.chunk(self.lane, req.prompt[a:b], a, req.loops, req.window, req.safety_threshold is not None)
+        a, b = self.done, min(len(self.req.prompt), self.done + max(1, n))
+        out = self._chunk(a, b)
         self.work = self.work.plus(out.work)
         if out.norm is not None:
             self._norm = out.norm if self._norm is None else torch.maximum(self._norm, out.norm)
         self.done = b
         if self.remaining:
             return None
-        return DecodeState(self.runner, self.lane, req, out.logits, self._norm, self.work)
+        return self._decode_state(out)
+
+    def _chunk(self, a: int, b: int):
+        """Prompt positions [a, b) into the lane: the chunk's outputs (its last logits)."""
+        req = self.req
+        return self.runner.chunk(self.lane, req.prompt[a:b], a, req.loops, req.window, req.safety_threshold is not None)
+
+    def _decode_state(self, out) -> "DecodeState":
+        """The decode state after the last chunk (`out`)."""
+        return DecodeState(self.runner, self.lane, self.req, out.logits, self._norm, self.work)
 
 
     @property

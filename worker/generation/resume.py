@@ -105,27 +105,22 @@ class Extension(Prefill):
         super().__init__(runner, lane, req)
         self.new_L, self.loops_used = new_L, handle.loops_used()
         # held here: the handle may be freed (evicted, released) while its chunks run
-        self._state, self._residual = handle.state, handle.residual
+        self._handle_state, self._residual = handle.state, handle.residual
 
     @property
     def joinable(self) -> bool:
         return False  # no fresh prompt: prefill_together cannot take it
 
-    def run(self, n: int) -> DecodeState | None:
+    def _chunk(self, a: int, b: int):
         runner, req, lane = self.runner, self.req, self.lane
-        if self.done == 0:
+        if a == 0:
             cfg = runner.config
-            runner.cache.copy_in(lane, self._state, cfg.n_prelude + self.loops_used * cfg.n_loop_layers)
-        a, b = self.done, min(len(req.prompt), self.done + max(1, n))
-        out = runner.extend(lane, self._residual[:, a:b], self.loops_used, self.new_L, a, req.window,
-                            req.safety_threshold is not None)
-        self.work = self.work.plus(out.work)
-        if out.norm is not None:
-            self._norm = out.norm if self._norm is None else torch.maximum(self._norm, out.norm)
-        self.done = b
-        if self.remaining:
-            return None
-        self._state = self._residual = None
-        st = DecodeState(runner, lane, req, out.logits, self._norm, self.work)
+            runner.cache.copy_in(lane, self._handle_state, cfg.n_prelude + self.loops_used * cfg.n_loop_layers)
+        return runner.extend(lane, self._residual[:, a:b], self.loops_used, self.new_L, a, req.window,
+                             req.safety_threshold is not None)
+
+    def _decode_state(self, out) -> DecodeState:
+        self._handle_state = self._residual = None
+        st = super()._decode_state(out)
         st.extra_stats["prompt_loop_iterations"] = self.work.loop_iterations
         return st

@@ -349,35 +349,11 @@ class Scheduler:
                 self._batched.clear()
                 updates = {}
             stats.batch_rows = self.batcher.rows_stepped if updates else 0
-            for lane, update in updates.items():
-                key = self._batched.get(lane)
-                if key is None:
-                    continue
-                if isinstance(update, Exception):
-                    events.append((key, Failed(update)))
-                    done = True
-                else:
-                    ids, finish = update
-                    events.append((key, Tokens(ids, finish)))
-                    done = finish is not None
-                if done:
-                    del self._batched[lane]
-                    self.lanes.release(lane)
+            self._deliver(updates, self._batched, events)
         if self.spec_batch:
             updates = self.spec_batch.step()  # a failure ends its own streams (their updates)
             stats.speculative_rows = len(updates)
-            for lane, update in updates.items():
-                key = self._spec[lane]
-                if isinstance(update, Exception):
-                    events.append((key, Failed(update)))
-                    done = True
-                else:
-                    ids, finish = update
-                    events.append((key, Tokens(ids, finish)))
-                    done = finish is not None
-                if done:
-                    del self._spec[lane]
-                    self.lanes.release(lane)
+            self._deliver(updates, self._spec, events)
         ready = []  # speculative streams between two rounds with nothing in flight
         for key, (lane, gen) in list(self._alone.items()):
             try:
@@ -397,6 +373,24 @@ class Scheduler:
                 del self._alone[key]
                 self.spec_batch.add(gen)
                 self._spec[lane] = key
+
+    def _deliver(self, updates: dict, owners: dict[int, str], events: list[Event]) -> None:
+        """A shared step's updates {lane: (ids, Finish or None) or exception} as events of the
+        streams `owners` ({lane: key}) holds; a stream that ended leaves it and frees its lane."""
+        for lane, update in updates.items():
+            key = owners.get(lane)
+            if key is None:
+                continue
+            if isinstance(update, Exception):
+                events.append((key, Failed(update)))
+                done = True
+            else:
+                ids, finish = update
+                events.append((key, Tokens(ids, finish)))
+                done = finish is not None
+            if done:
+                del owners[lane]
+                self.lanes.release(lane)
 
     def _drop(self, key: str) -> None:
         for job in self._waiting:
