@@ -9,7 +9,8 @@
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
 #                                          #   exit: early exit's sweep, bench/early_exit.py; profile-exit: where an exit step's time goes;
 #                                          #   profile-exit-batch: where a batch of exit streams' time goes; sampling: sampled against greedy
-#                                          #   decoding (bench/sampling.py); invariant: the
+#                                          #   decoding (bench/sampling.py); spec-batch: speculative streams' rounds shared
+#                                          #   against their own rounds in turn (bench/spec_batch.py); invariant: the
 #                                          #   batch-invariant kernels' GPU tests and benches; load-ab: load over the worker
 #                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms)
 #
@@ -59,6 +60,7 @@ for s in "${steps[@]}"; do
         warmstart) run warmstart 120 python -m bench.warmstart --preset bench-285m --device cuda --prefix 128 1024 3072 4000 --out-dir "$OUT" ;;
         speculative) run speculative 120 python -m bench.speculative --device cuda --repeat 3 --out-dir "$OUT" ;;
         sampling) run sampling 240 python -m bench.sampling --out-dir "$OUT" ;;
+        spec-batch) run spec-batch "${SPECB_S:-240}" python -m bench.spec_batch --out-dir "$OUT" ${SPECB_ARGS:-} ;;
         load) run load "${LOAD_S:-480}" python -m bench.load --out-dir "$OUT" ${LOAD_ARGS:-} ;;
         load-ab)  # the service under load over the worker channel (load-cuda.json) and, same run, over
                   # Ray streaming calls (ray/load-cuda.json): the channel's A/B. About 5 minutes.

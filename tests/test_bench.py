@@ -433,6 +433,18 @@ def test_speculative_bench_cpu(tmp_path):
         assert row["greedy_parity"] and row["tokens_per_s"] > 0 and 0 <= row["acceptance_rate"] <= 1
 
 
+def test_spec_batch_bench_cpu(tmp_path):
+    """bench/spec_batch.py on the embedded model: shared rounds, rounds in turn and plain
+    batched decoding of the same streams give the same tokens."""
+    from bench import spec_batch
+    spec_batch.main(["--device", "cpu", "--streams", "2", "--max-tokens", "6", "--repeat", "1",
+                     "--verify-loops", "4", "--draft-loops", "2", "--out-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "spec-batch-cpu.json").read_text())
+    row, = r["rows"]
+    assert row["streams"] == 2 and row["same_tokens"] and row["shared_vs_in_turn"] > 0
+    assert all(row[mode]["tokens_per_s"] > 0 for mode in ("in turn", "shared", "plain batched"))
+
+
 def test_families_runs_parse_and_refuse_what_does_not_exist():
     from bench.families import parse_runs
     assert parse_runs(["ouro-1.4b:4,8", "huginn-3.5b"]) == [("ouro-1.4b", (4, 8)), ("huginn-3.5b", (32,))]
