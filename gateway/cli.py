@@ -51,6 +51,9 @@ def register(sub) -> None:
                    help="a greedy speculative request decodes in the batched step instead (the same tokens) "
                         "when this many other streams run or wait on its worker, and one already speculating "
                         "moves into the batched step between two rounds (0: always speculative)")
+    s.add_argument("--speculative-share-from", type=int, default=2,
+                   help="chain speculative streams on a worker share their rounds (draft steps batched, "
+                        "verifies one pass) once this many run; fewer step alone (0: never shared)")
     s.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
                    help="stream tokens from each worker to the gateway over gRPC (the worker channel) "
                         "instead of Ray streaming calls; Ray keeps placement and the unary calls")
@@ -131,6 +134,8 @@ def _serve(args) -> int:
         raise ValueError(f"--first-token-wait-ms must be >= 0, got {args.first_token_wait_ms}")
     if args.speculative_max_running < 0:
         raise ValueError(f"--speculative-max-running must be >= 0, got {args.speculative_max_running}")
+    if args.speculative_share_from < 0:
+        raise ValueError(f"--speculative-share-from must be >= 0, got {args.speculative_share_from}")
     if not 0 <= args.worker_channel_port < 65536:
         raise ValueError(f"--worker-channel-port must be in [0, 65535], got {args.worker_channel_port}")
     if args.step_tokens < 1:
@@ -153,6 +158,7 @@ def _serve(args) -> int:
                                  kv_mode=args.kv_mode, batch_invariant=args.batch_invariant,
                                  prefill_together=args.prefill_together,
                                  speculative_max_running=args.speculative_max_running,
+                                 speculative_share_from=args.speculative_share_from,
                                  channel=ChannelOptions(
                                      args.worker_channel,
                                      args.worker_channel_host or ("127.0.0.1" if args.ray_address is None

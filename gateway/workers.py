@@ -36,6 +36,7 @@ class WorkerOptions:
     step_tokens: int = 1024       # prompt tokens prefilled per scheduler step (= worker.serving.actor's default)
     prefill_together: bool = True  # a step's fresh prompts prefill together (SchedulerOptions)
     speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
+    speculative_share_from: int = 2  # chain speculative streams share their rounds from this many (SchedulerOptions)
     kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings
     batch_invariant: bool | None = None  # batch-invariant kernels (Settings.batch_invariant); None: the worker's settings
     # the token channel (worker/serving/channel.py): streams over gRPC into the worker, not Ray
@@ -82,6 +83,7 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  batch_invariant=opts.batch_invariant,
                  prefill_together=opts.prefill_together,
                  speculative_max_running=opts.speculative_max_running,
+                 speculative_share_from=opts.speculative_share_from,
                  channel=opts.channel))
     return actors
 

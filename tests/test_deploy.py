@@ -81,6 +81,7 @@ def test_gateway_probes_wait_for_the_workers_start_up():
     ("--first-token-wait-ms", "-0.5", "--first-token-wait-ms must be >= 0"),
     ("--gil-switch-ms", "0", "--gil-switch-ms must be > 0"),
     ("--step-tokens", "0", "--step-tokens must be >= 1"),
+    ("--speculative-share-from", "-1", "--speculative-share-from must be >= 0"),
 ])
 def test_serve_rejects_bad_worker_settings(capsys, flag, value, message):
     """Checked before Ray starts: the error names the flag."""

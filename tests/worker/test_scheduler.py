@@ -204,6 +204,8 @@ def test_options_are_checked():
         SchedulerOptions(step_tokens=0)
     with pytest.raises(ValueError, match="max_queue must be >= 0"):
         SchedulerOptions(max_queue=-1)
+    with pytest.raises(ValueError, match="speculative_share_from must be >= 0"):
+        SchedulerOptions(speculative_share_from=-1)
 
 
 @pytest.mark.parametrize("together", [True, False])
@@ -400,6 +402,22 @@ def test_speculative_streams_share_their_rounds(spec_path):
         assert tokens["tree"] == list(m.generate_tree_speculative(LONG[30:36], max_tokens=10, K_branches=2, draft_loops=1,
                                                                   verify_loops=4, draft_ahead=2))[6:]
         assert m.runner.lanes.free == 4 and not s.spec_batch
+
+
+@pytest.mark.parametrize("share_from", [0, 3, 4])
+def test_rounds_are_shared_from_the_configured_count(spec_path, share_from):
+    # speculative_share_from: three chain streams share their rounds from 3 (not from 4, nor
+    # with 0); their tokens are their runs alone either way
+    spec = dict(draft_loops=1, verify_loops=4, draft_ahead=3)
+    prompts = [LONG[:9], LONG[10:17], LONG[20:26]]
+    with Model(spec_path, max_seq_len=128, n_slots=3) as m:
+        want = [_spec_alone(m, p, spec, max_tokens=12) for p in prompts]
+        s = Scheduler(m.runner, SchedulerOptions(speculative_max_running=0, speculative_share_from=share_from))
+        for i, p in enumerate(prompts):
+            s.submit(spec_job(m, f"s{i}", p, spec, max_tokens=12))
+        tokens, _, steps = run(s)
+        assert max(st.speculative_rows for st in steps) == (3 if share_from == 3 else 0)
+        assert [tokens[f"s{i}"] for i in range(3)] == want
 
 
 def test_a_cancelled_member_of_the_shared_rounds_leaves_at_once(spec_path):

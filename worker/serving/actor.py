@@ -221,7 +221,7 @@ class WorkerActor:
                  max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
                  batch_invariant: bool | None = None,
                  prefill_together: bool = True, speculative_max_running: int = 4,
-                 channel: "ChannelOptions | None" = None):
+                 speculative_share_from: int = 2, channel: "ChannelOptions | None" = None):
         import sys
 
         import torch
@@ -246,7 +246,8 @@ class WorkerActor:
         self.lanes = self.model.n_slots
         self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens,
                                                                        prefill_together=prefill_together,
-                                                                       speculative_max_running=speculative_max_running))
+                                                                       speculative_max_running=speculative_max_running,
+                                                                       speculative_share_from=speculative_share_from))
         self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
         self.coalesce_s = coalesce_s
         self.max_hops_per_s = max_hops_per_s

@@ -22,7 +22,7 @@ Each `step`:
    windows included), one round of every chain speculative stream that shares its rounds
    (`SpecBatch.step`: their draft steps batched, their verifies one pass), and one step of each
    stream that steps alone, and returns what happened as events. Chain speculative streams
-   share their rounds once two or more would: each joins the shared rounds between two of its
+   share their rounds once `SchedulerOptions.speculative_share_from` (2) would: each joins the shared rounds between two of its
    own, where nothing of it is in flight (on CUDA that is after its prefill's token: a lone
    stream's device rounds each launch the next ahead, so it stays alone once they began).
 
@@ -63,11 +63,15 @@ class SchedulerOptions:
     it, the same tokens, nothing recomputed) and stays there. A speculative stream steps alone,
     one draft-and-verify after the other, each stalling the batched step, and under load the
     shared step serves its tokens for less (the policy of vLLM's
-    speculative_disable_by_batch_size). 0: always speculative."""
+    speculative_disable_by_batch_size). 0: always speculative.
+    speculative_share_from: chain speculative streams share their rounds (`SpecBatch`: their
+    draft steps batched, their verifies one pass) once this many would; fewer step alone. 0:
+    never shared (bench/spec_batch.py measures shared rounds against rounds in turn)."""
     max_queue: int = 256
     step_tokens: int = 1024
     prefill_together: bool = True
     speculative_max_running: int = 4
+    speculative_share_from: int = 2
 
     def __post_init__(self):
         if self.max_queue < 0:
@@ -76,6 +80,8 @@ class SchedulerOptions:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
         if self.speculative_max_running < 0:
             raise ValueError(f"speculative_max_running must be >= 0, got {self.speculative_max_running}")
+        if self.speculative_share_from < 0:
+            raise ValueError(f"speculative_share_from must be >= 0, got {self.speculative_share_from}")
 
 
 class QueueFull(Exception):
@@ -368,7 +374,8 @@ class Scheduler:
                 events.append((key, Failed(e)))
             del self._alone[key]
             self.lanes.release(lane)
-        if ready and len(self.spec_batch) + len(ready) >= 2:  # their next rounds run together
+        share = self.o.speculative_share_from
+        if ready and share and len(self.spec_batch) + len(ready) >= share:  # their next rounds run together
             for key, lane, gen in ready:
                 del self._alone[key]
                 self.spec_batch.add(gen)
