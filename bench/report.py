@@ -117,6 +117,7 @@ CURRENT = [
     ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
     ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"), ("rows-tiles", "cuda"),
     ("batch-fused", "cuda"), ("batch-interleave", "cuda"), ("generate-ab", "cuda"),
+    ("spec-batch", "cuda"), ("spec-batch", "cpu"),
 ]
 
 
@@ -1218,6 +1219,32 @@ TRANSPORT_INTRO = ("`bench/transport.py`: a round trip between two processes on 
                    "sends its frames.")
 EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exit.md) on the embedded default model, "
                     "a sweep of rules and thresholds against full depth.")
+SPEC_BATCH_INTRO = ("`bench/spec_batch.py`: N greedy chain speculative streams of the embedded default model, their "
+                    "rounds shared (`SpecBatch`: draft step i of every stream one decode, their verifies one "
+                    "eager pass, as the worker runs them from `--speculative-share-from` streams) against "
+                    "each stream's own rounds taken in turn (what the worker does for fewer streams) and "
+                    "against the same streams decoding plainly in the batcher at the verify depth, same run; "
+                    "tokens/s over every stream's tokens, prefills included.")
+
+
+def spec_batch_body(r: Result) -> str:
+    d = r.data
+    head = (f"Draft L {text(d.get('draft_loops'))}, verify L {text(d.get('verify_loops'))}, draft ahead "
+            f"{text(d.get('draft_ahead'))}, {text(d.get('max_tokens'))} tokens a stream, median of "
+            f"{text(d.get('repeat'))}; batch-invariant kernels {yesno(d.get('batch_invariant'))}, device rounds "
+            f"{yesno(d.get('device_rounds'))}.\n\n")
+    rows = []
+    for row in d.get("rows") or []:
+        if not isinstance(row, dict):
+            continue
+        tps = lambda mode: (row.get(mode) or {}).get("tokens_per_s")  # noqa: E731
+        rows.append([count(row.get("streams")), count(tps("in turn")), count(tps("shared")),
+                     times(row.get("shared_vs_in_turn")), count(tps("plain batched")),
+                     times(row.get("shared_vs_plain_batched")), yesno(row.get("same_tokens"))])
+    return head + table(["streams", "rounds in turn: tokens/s", "rounds shared: tokens/s", "shared over in turn",
+                         "plain batched: tokens/s", "shared over plain batched", "same tokens"], rows)
+
+
 EARLY_EXIT_OURO_INTRO = ("`bench/early_exit.py --preset ouro-2.6b --criteria gate --tag ouro`: the gate rule's cost on a "
                          "random model of Ouro's shape (its width, heads and early-exit gate), against full depth in the "
                          "same run; at threshold 1.0 the gate is read at every iteration and no token leaves before the "
@@ -1317,6 +1344,8 @@ def render(results: Path = RESULTS) -> str:
                 speculative_extra),
         section("A speculative round's parts", PROFILE_SPEC_INTRO, n(("profile-speculative", "cuda")),
                 profile_speculative_body),
+        section("Speculative streams' rounds shared, on the GPU", SPEC_BATCH_INTRO, n(("spec-batch", "cuda")),
+                spec_batch_body),
         section("Batch-invariant projections", GEMV_INV_INTRO, n(("gemv-invariant", "cuda")), gemv_invariant_body),
         section("Sampled decoding", SAMPLING_INTRO, n(("sampling", "cuda")), sampling_body),
         section("The service on the GPU", SERVICE_INTRO, n(("service", "gpu")), service_body, service_extra),
@@ -1325,6 +1354,8 @@ def render(results: Path = RESULTS) -> str:
         section("The service on a CPU", SERVICE_INTRO, n(("service", "cpu")), service_body, service_extra),
         section("Self-speculative decoding on a CPU", SPEC_INTRO, n(("speculative", "cpu")), speculative_body,
                 speculative_extra),
+        section("Speculative streams' rounds shared, on a CPU", SPEC_BATCH_INTRO, n(("spec-batch", "cpu")),
+                spec_batch_body),
         section("Warm-start resume vs fresh on a CPU", WARM_INTRO, n(("warmstart", "cpu")), warmstart_body,
                 warmstart_extra),
         section("The service under load on a CPU", LOAD_INTRO, n(("load", "cpu")), load_body, load_extra),
