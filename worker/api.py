@@ -595,15 +595,11 @@ class Model:
         """Generator protocol of `stream`, for a validated `make_resume_request` result."""
         return resume_mod.resume(self.runner, lane, *self._resume_on(resume_request, lane))
 
-    def start_resume(self, resume_request, lane: int = 0) -> DecodeState:
-        """`start` for a validated `make_resume_request` result: the handle cloned into the lane
-        and extended to new_L."""
-        return resume_mod.start(self.runner, lane, *self._resume_on(resume_request, lane))
-
     def start_resume_chunked(self, resume_request, lane: int = 0) -> "resume_mod.Extension":
-        """`start_resume` in chunks: an `Extension` whose `run(n)` extends the next n prompt
-        positions and returns the `DecodeState` after the last (the worker's scheduler budgets
-        a resume's extension as it does a prompt's prefill)."""
+        """`start_chunked` for a validated `make_resume_request` result: an `Extension` whose
+        `run(n)` clones the handle into the lane (first) and extends its next n prompt positions
+        to new_L, returning the `DecodeState` after the last (the worker's scheduler budgets a
+        resume's extension as it does a prompt's prefill)."""
         return resume_mod.Extension(self.runner, lane, *self._resume_on(resume_request, lane))
 
     def _resume_on(self, resume_request, lane: int) -> tuple[ResumeHandle, int, Request]:

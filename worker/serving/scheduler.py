@@ -413,15 +413,10 @@ class Scheduler:
             gen.close()
             self.lanes.release(lane)
             return
-        for lane, k in list(self._spec.items()):
-            if k == key:
-                self.spec_batch.leave(lane)
-                del self._spec[lane]
-                self.lanes.release(lane)
-                return
-        for lane, k in list(self._batched.items()):
-            if k == key:
-                self.batcher.leave(lane)
-                del self._batched[lane]
-                self.lanes.release(lane)
-                return
+        for owners, leave in ((self._spec, self.spec_batch.leave), (self._batched, self.batcher.leave)):
+            for lane, k in list(owners.items()):
+                if k == key:
+                    leave(lane)
+                    del owners[lane]
+                    self.lanes.release(lane)
+                    return
