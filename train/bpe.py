@@ -1,5 +1,7 @@
 """BPE for the larger benchmark model: a byte-level BPE trained by `tokenizers` on the train
-split. Id 0 is the document separator `<|doc|>` (the byte path's DOC_SEP is 0 too)."""
+split. Id 0 is the document separator `<|doc|>` (the byte path's DOC_SEP is 0 too). `encode`
+also takes a Hugging Face model's own tokenizer, which joins documents with the model's
+end-of-text token."""
 from __future__ import annotations
 
 import hashlib
@@ -39,15 +41,35 @@ def train_tokenizer(corpus: Corpus, vocab_size: int, sample_bytes: int | None = 
     return tok.to_str()
 
 
-def encode(tokenizer_json: str, data: np.ndarray) -> np.ndarray:
-    """Byte corpus (documents joined by DOC_SEP) -> token ids (documents joined by id 0)."""
+def separator(config) -> int | None:
+    """The token a model of `config` was trained to see between documents when its tokenizer
+    has no DOC_TOKEN (a Hugging Face model's own tokenizer): its end-of-text token, else its
+    beginning-of-text token; None: neither is known."""
+    for t in (config.eos_id, config.bos_id):
+        if t is not None and t >= 0:
+            return t
+    return None
+
+
+def encode(tokenizer_json: str, data: np.ndarray, sep_id: int | None = None) -> np.ndarray:
+    """Byte corpus (documents joined by DOC_SEP) -> token ids, documents joined by the
+    tokenizer's DOC_TOKEN (id 0 in this project's tokenizers) or, for a tokenizer without one,
+    by sep_id (`separator` of the model's config). ValueError: neither."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_str(tokenizer_json)
-    assert tok.token_to_id(DOC_TOKEN) == 0, "the document token must be id 0"
+    sep = tok.token_to_id(DOC_TOKEN)
+    if sep is None:
+        if sep_id is None:
+            raise ValueError(f"the tokenizer has no {DOC_TOKEN} token and the model names no EOS or BOS token: "
+                             f"nothing to join documents with")
+        if not 0 <= sep_id < tok.get_vocab_size(with_added_tokens=True):
+            raise ValueError(f"document separator {sep_id} outside the tokenizer's "
+                             f"{tok.get_vocab_size(with_added_tokens=True)} ids")
+        sep = sep_id
     out: list[int] = []
     for enc in tok.encode_batch(_docs(data), add_special_tokens=False):
         out.extend(enc.ids)
-        out.append(0)
+        out.append(sep)
     dtype = np.uint16 if tok.get_vocab_size() <= 2 ** 16 else np.int32
     return np.asarray(out, dtype=dtype)
 

@@ -58,7 +58,7 @@ def register(sub) -> None:
     t.set_defaults(handler=_train)
 
     e = sub.add_parser("eval-bpb", help="held-out bits per byte of a checkpoint at several depths")
-    e.add_argument("--model", required=True, help="path to a .tinyloop checkpoint")
+    e.add_argument("--model", required=True, help="a .tinyloop checkpoint or a Hugging Face model directory (Ouro, Huginn)")
     e.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     e.add_argument("--windows", type=int, default=256)
     e.add_argument("--seq-len", type=int, default=512)
@@ -138,8 +138,9 @@ def _train(args) -> int:
                              f"not --tokenizer {args.tokenizer}")
     if init_tok is not None:
         from tinyloop.train import bpe
-        train_tok, held_tok, tokenizer_json = (bpe.encode(init_tok, corp.train), bpe.encode(init_tok, corp.heldout),
-                                               init_tok)
+        sep = bpe.separator(init_cfg)
+        train_tok, held_tok, tokenizer_json = (bpe.encode(init_tok, corp.train, sep),
+                                               bpe.encode(init_tok, corp.heldout, sep), init_tok)
         bytes_per_token = corp.heldout.size / held_tok.size
     elif args.tokenizer == "bpe":
         from tinyloop.train import bpe

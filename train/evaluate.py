@@ -43,13 +43,15 @@ def bpb_table(model, win: torch.Tensor, loops_list: list[int], bytes_per_token: 
     return {L: mean_loss(model, win, L, batch_size) / math.log(2) / bytes_per_token for L in loops_list}
 
 
-def heldout_for(meta: dict, heldout_bytes: np.ndarray) -> tuple[np.ndarray, float]:
-    """The held-out split in the checkpoint's tokens -> (tokens, bytes per token)."""
+def heldout_for(meta: dict, heldout_bytes: np.ndarray, config) -> tuple[np.ndarray, float]:
+    """The held-out split in the tokens of a checkpoint with metadata `meta` and config
+    `config` -> (tokens, bytes per token). A tokenizer without the project's document token
+    (a Hugging Face model's) joins documents with the model's end-of-text token (`bpe.separator`)."""
     tj = meta.get("tinyloop.tokenizer")
     if not tj:
         return heldout_bytes, 1.0
     from tinyloop.train import bpe
-    ids = bpe.encode(tj, heldout_bytes)
+    ids = bpe.encode(tj, heldout_bytes, bpe.separator(config))
     return ids, heldout_bytes.size / ids.size
 
 
@@ -70,7 +72,7 @@ def eval_checkpoint(path: str, loops_list: list[int], n_windows: int = 256, seq_
         held = corpus.heldout_package_bytes(heldout_packages, site, package_max_bytes or corpus.DEFAULT_MAX_BYTES)
     else:
         held = corpus.heldout_bytes(root, max_bytes=max_bytes or corpus.DEFAULT_MAX_BYTES)
-    tokens, bpt = heldout_for(meta, held)
+    tokens, bpt = heldout_for(meta, held, model.config)
     win = windows(tokens, n_windows, seq_len)
     table = bpb_table(model, win, loops_list, bpt, batch_size)
     return {"bpb": {str(L): round(v, 4) for L, v in table.items()}, "n_windows": n_windows,

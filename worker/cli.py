@@ -43,7 +43,7 @@ def register(sub) -> None:
     c.set_defaults(handler=_convert)
 
     q = sub.add_parser("quantize", help="write a .tinyloop file's projections as INT4 (docs/checkpoint.md)")
-    q.add_argument("input", help="a float .tinyloop file")
+    q.add_argument("input", help="a float .tinyloop file or a Hugging Face model directory (Ouro, Huginn)")
     q.add_argument("output", help="the quantized .tinyloop file to write")
     q.add_argument("--bits", type=int, default=4, help="bits a weight (4)")
     q.add_argument("--group-size", type=int, default=128, help="columns sharing a scale and zero; divides every "

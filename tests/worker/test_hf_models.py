@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from hf_dirs import EOS, huginn_config, huginn_tensors, ouro_config, ouro_tensors, write_dir
+from hf_dirs import EOS, VOCAB, huginn_config, huginn_tensors, ouro_config, ouro_tensors, tokenizer_json, write_dir
 from hf_reference import greedy, huginn_logits, ouro_logits
 from safetensors.torch import load_file, save_file
 
@@ -155,6 +155,75 @@ def test_bf16_directory_loads_in_its_dtype_and_converts(dirs, tmp_path):
     with Model(bf, **kw) as a, Model(out, **kw) as b:
         assert a._module.tok_embeddings.weight.dtype == torch.bfloat16
         assert torch.equal(next_logits(a, PROMPT, 4), next_logits(b, PROMPT, 4))
+
+
+# -- quantized weights and held-out bits per byte --------------------------------------------
+def small_stdlib(root):
+    """A stdlib-shaped source tree for the corpus (train/corpus.py): tempfile.py is held out."""
+    for rel in ("os.py", "tempfile.py", "json/__init__.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("".join(f"def f{i}(n):\n    return fibonacci(n - {i}) + {i}\n" for i in range(120)))
+    return root
+
+
+def test_documents_join_with_the_models_end_of_text_token():
+    """A model's own tokenizer has no <|doc|> token: the corpus's documents are joined with the
+    model's EOS (its BOS where it names no EOS), as such a model was pretrained; neither is an
+    error, and a separator outside the vocabulary too."""
+    import re
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from tinyloop.train import bpe
+    from tinyloop.worker.model.config import LoopedConfig
+    tj = tokenizer_json()
+    tok = Tokenizer.from_str(tj)
+    data = np.frombuffer(b"def f(n):\x00print('x')\x00", dtype=np.uint8)
+    ids = bpe.encode(tj, data, sep_id=7)
+    assert ids.tolist() == tok.encode("def f(n):").ids + [7] + tok.encode("print('x')").ids + [7]
+    assert bpe.separator(LoopedConfig(vocab_size=VOCAB, eos_id=3, bos_id=2)) == 3
+    assert bpe.separator(LoopedConfig(vocab_size=VOCAB, bos_id=2)) == 2
+    assert bpe.separator(LoopedConfig(vocab_size=VOCAB)) is None
+    with pytest.raises(ValueError, match=re.escape("no <|doc|> token and the model names no EOS or BOS")):
+        bpe.encode(tj, data)
+    with pytest.raises(ValueError, match="outside the tokenizer's"):
+        bpe.encode(tj, data, sep_id=10_000)
+
+
+@pytest.mark.parametrize("name", ["ouro-gqa", "huginn"])
+def test_a_directory_quantizes_and_evaluates_as_its_conversion(dirs, tmp_path, name, capsys):
+    """`tinyloop quantize` and `tinyloop eval-bpb` take a Hugging Face directory: RTN and GPTQ
+    (calibrated on corpus text in the model's own tokens) write the very file they write from
+    the directory's `.tinyloop` conversion, and that file serves the tokens of the float model
+    built from its dequantized weights; eval-bpb gives the conversion's figures."""
+    from tinyloop.worker.model import checkpoint, quant_checkpoint
+    path, _ = dirs[name]
+    root = small_stdlib(tmp_path / "stdlib")
+    conv = tmp_path / "conv.tinyloop"
+    assert cli_main(["convert", str(path), str(conv)]) == 0
+    for method in ("rtn", "gptq"):
+        q_dir, q_conv = tmp_path / f"dir-{method}.tinyloop", tmp_path / f"conv-{method}.tinyloop"
+        args = ["--group-size", "16", "--method", method, "--calib-tokens", "1024", "--corpus-root", str(root)]
+        assert cli_main(["quantize", str(path), str(q_dir), *args]) == 0
+        assert cli_main(["quantize", str(conv), str(q_conv), *args]) == 0
+        a, b = load_file(q_dir), load_file(q_conv)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert f"int4-g16-{method}" in capsys.readouterr().out
+    model, _ = checkpoint.load(q_dir)
+    deq = tmp_path / "deq.tinyloop"
+    checkpoint.save(quant_checkpoint.dequantized(model), deq, dtype=torch.float32)
+    with open_model(q_dir) as q, open_model(deq) as f:
+        assert q.weight_format.startswith("int4-g16") and f.weight_format == "float32"
+        assert list(q.generate(PROMPT, loops=3, max_tokens=6, seed=5)) == list(f.generate(PROMPT, loops=3,
+                                                                                           max_tokens=6, seed=5))
+    tables = []
+    for src in (path, conv):
+        out = tmp_path / f"bpb-{len(tables)}.json"
+        assert cli_main(["eval-bpb", "--model", str(src), "--loops", "1", "3", "--windows", "4", "--seq-len", "32",
+                         "--corpus-root", str(root), "--device", "cpu", "--json", str(out)]) == 0
+        tables.append(json.loads(out.read_text())["bpb"])
+    assert tables[0] == tables[1] and set(tables[0]) == {"1", "3"}
 
 
 # -- what the modules keep ---------------------------------------------------------------------

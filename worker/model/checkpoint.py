@@ -37,7 +37,14 @@ def save(model: LoopedTransformer, path: str | os.PathLike, dtype: torch.dtype =
 
 
 def read_config(path: str | os.PathLike) -> tuple[LoopedConfig, dict]:
+    """-> (config, metadata) of a `.tinyloop` file, or of a Hugging Face model directory (its
+    config, tensor names, shapes and dtypes checked, no weight read: hf.inspect), without loading
+    the weights."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        from tinyloop.worker.model import hf
+        plan = hf.inspect(path)
+        return plan.config, hf.metadata(plan)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
     meta = read_header(path).get("__metadata__") or {}

@@ -406,11 +406,17 @@ def load(path: str | os.PathLike, device="cpu", dtype=None, max_loops: int | Non
     if left:  # a family's table forgot a weight: a bug here, not in the directory
         raise RuntimeError(f"{path}: no source tensor for {left[:3]}")
     model.materialize_rope(device)
+    return model.eval(), metadata(plan)
+
+
+def metadata(plan: Plan) -> dict:
+    """The directory's metadata as a `.tinyloop` file holds it: format version, config, where
+    it came from and the tokenizer."""
     meta = {"tinyloop.format_version": plan.config.format_version, "tinyloop.config": plan.config.to_json(),
             "tinyloop.source": f"{plan.family}:{os.path.abspath(plan.path)}"}
     if plan.tokenizer_json is not None:
         meta["tinyloop.tokenizer"] = plan.tokenizer_json
-    return model.eval(), meta
+    return meta
 
 
 def _assign(model, name: str, tensor) -> None:

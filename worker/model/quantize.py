@@ -1,5 +1,6 @@
-"""`tinyloop quantize`: a float `.tinyloop` file -> a quantized one (quant_checkpoint.py's
-format), by round-to-nearest or GPTQ calibrated on the training corpus."""
+"""`tinyloop quantize`: a float `.tinyloop` file or a Hugging Face model directory (Ouro, Huginn)
+-> a quantized `.tinyloop` file (quant_checkpoint.py's format), by round-to-nearest or GPTQ
+calibrated on the training corpus."""
 from __future__ import annotations
 
 import os
@@ -13,17 +14,18 @@ from tinyloop.worker.model.errors import CheckpointError
 CALIB_SEQ_LEN = 512
 
 
-def calibration_windows(meta: dict, n_tokens: int, seq_len: int = CALIB_SEQ_LEN,
+def calibration_windows(meta: dict, config, n_tokens: int, seq_len: int = CALIB_SEQ_LEN,
                         corpus_root: str | None = None, cache_dir: str | None = None) -> torch.Tensor:
     """(n, seq_len) token windows, n = ceil(n_tokens / seq_len), evenly spaced over the training
-    split of the corpus (train/corpus.py), in the checkpoint's tokens."""
+    split of the corpus (train/corpus.py), in the checkpoint's tokens (documents joined as
+    `heldout_for` joins them for this model's `config`)."""
     from tinyloop.train import corpus
     from tinyloop.train.evaluate import heldout_for, windows
     data = corpus.build(cache_dir, root=corpus_root).train
     n = -(-n_tokens // seq_len)
     # encode only what the windows need (a BPE model's whole corpus would take minutes)
     span = min(len(data), max(8 * n * seq_len, 1 << 20))
-    tokens, _ = heldout_for(meta, data[:span])
+    tokens, _ = heldout_for(meta, data[:span], config)
     return windows(tokens, n, seq_len - 1)
 
 
@@ -47,7 +49,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, spec: quant.Qu
         raise ValueError(f"calib_loops={L} outside [1, max_loops={cfg.max_loops}]")
     H = {}
     if spec.method == "gptq":
-        win = calibration_windows(meta, spec.calib_tokens, corpus_root=corpus_root, cache_dir=cache_dir)
+        win = calibration_windows(meta, cfg, spec.calib_tokens, corpus_root=corpus_root, cache_dir=cache_dir)
         H = gptq.hessians(model, win, L, prefixes, lambda it: progress(it, "calibrating"))
     dtype = file_dtype(src)
     tensors = {k: v.to(dtype) for k, v in state.items() if k.removesuffix(".weight") not in prefixes}
@@ -59,7 +61,15 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, spec: quant.Qu
     extra = {k: v for k, v in meta.items() if k in ("tinyloop.tokenizer", "tinyloop.source")}
     quant_checkpoint.save(cfg, tensors, spec, dst, extra)
     return {"format": spec.describe(), "projections": len(prefixes), "bytes": os.path.getsize(dst),
-            "source_bytes": os.path.getsize(src), "calib_loops": L if H else 0}
+            "source_bytes": source_bytes(src), "calib_loops": L if H else 0}
+
+
+def source_bytes(path: str) -> int:
+    """The bytes of a `.tinyloop` file, or of a Hugging Face directory's weight files."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    from tinyloop.worker.model import hf
+    return sum(os.path.getsize(f) for f in set(hf.inspect(path).files.values()))
 
 
 
@@ -67,6 +77,10 @@ FILE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float3
 
 
 def file_dtype(path: str) -> torch.dtype:
-    """The float dtype of the source's embedding (the quantized file keeps it for its float tensors)."""
+    """The float dtype of the source's embedding (the quantized file keeps it for its float
+    tensors); a Hugging Face directory's: the dtype it stores its embedding in."""
+    if os.path.isdir(path):
+        from tinyloop.worker.model import hf
+        return hf.storage_dtype(hf.inspect(path))
     from tinyloop.worker.model.safetensors_header import read_header
     return FILE_DTYPES.get(read_header(path)["tok_embeddings.weight"]["dtype"], torch.float32)
