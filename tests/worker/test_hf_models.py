@@ -157,6 +157,27 @@ def test_bf16_directory_loads_in_its_dtype_and_converts(dirs, tmp_path):
         assert torch.equal(next_logits(a, PROMPT, 4), next_logits(b, PROMPT, 4))
 
 
+@pytest.mark.parametrize("name", ["ouro-gqa", "huginn"])
+def test_cache_modes_serve_the_published_families(dirs, name):
+    """Every KV cache mode serves these models: store-h gives the K/V cache's tokens exactly, and
+    in every mode a resume handle built at a shallower depth continues as a fresh generate in that
+    mode and a batch's lanes equal their runs alone."""
+    path, _ = dirs[name]
+    with open_model(path) as kv:
+        ref = list(kv.generate(PROMPT, loops=4, max_tokens=8, seed=3))
+    for mode in ("h", "h-int8", "h-int4", "delta-int8"):
+        with open_model(path, kv_mode=mode) as m:
+            assert m.kv_mode == mode
+            alone = list(m.generate(PROMPT, loops=4, max_tokens=8, seed=3))
+            if mode == "h":
+                assert alone == ref
+            h = m.build_resume_handle(PROMPT, L_used=2, max_loops=8, seed=3)
+            assert list(m.resume_generate(h, new_L=4, max_tokens=8, seed=3)) == alone, mode
+            batch = m.generate_batch([PROMPT, PROMPT[:4]], per_lane_loops=[4, 2], max_tokens=8, seed=3)
+            assert [list(g) for g in batch] == [alone, list(m.generate(PROMPT[:4], loops=2, max_tokens=8,
+                                                                       seed=3))], mode
+
+
 # -- quantized weights and held-out bits per byte --------------------------------------------
 def small_stdlib(root):
     """A stdlib-shaped source tree for the corpus (train/corpus.py): tempfile.py is held out."""
