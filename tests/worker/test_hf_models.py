@@ -330,6 +330,23 @@ def test_huginn_resume_speculative_and_batch_equal_generate(dirs):
         assert u.shape[1] == 64  # the state, not the state beside the prelude's output
 
 
+def test_ouro_scores_match_the_reference(dirs):
+    """Depth-consistency and uncertainty scoring on Ouro against the independent reference: the
+    answers at two depths are the reference's greedy continuations at each, and the uncertainty
+    score is the reference's next-token logits at L_hi with KL(p_hi || p_lo) of its two depths."""
+    path, cfg = dirs["ouro-gqa"]
+    w = weights(path)
+    with open_model(path) as m:
+        s = m.score_with_consistency(PROMPT, 2, 5, max_tokens=6)
+        for L, answer in ((2, s["answer_a"]), (5, s["answer_b"])):
+            assert answer == until_stop(_ref_greedy("ouro-gqa", dirs, L, 6), len(PROMPT), 1)[len(PROMPT):]
+        logits, kl = m.score_with_uncertainty(PROMPT, 2, 5)
+    lo, hi = (ouro_logits(w, cfg, PROMPT, L)[-1].double() for L in (2, 5))
+    assert rel_err(torch.from_numpy(logits), hi) < RTOL
+    ref_kl = float((hi.softmax(-1) * (hi.log_softmax(-1) - lo.log_softmax(-1))).sum())
+    assert kl == pytest.approx(ref_kl, rel=1e-3, abs=1e-7)
+
+
 # -- bad directories ---------------------------------------------------------------------------
 def _broken(dirs, tmp_path, name="ouro-gqa", shards=1, cfg_over=None, drop=(), rename=None, reshape=None):
     path, cfg = dirs[name]
