@@ -215,6 +215,7 @@ def serve_args(path: str, args, port, mport) -> list[str]:
             "--gil-switch-ms", str(args.gil_switch_ms), "--first-token-wait-ms", str(args.first_token_wait_ms), "--max-hops-per-s", str(args.max_hops_per_s),
             "--speculative-max-running", str(args.speculative_max_running),
             "--prefill-together" if args.prefill_together else "--no-prefill-together",
+            "--prefill-order", args.prefill_order,
             "--worker-channel" if args.worker_channel else "--no-worker-channel"]
 
 
@@ -290,7 +291,8 @@ def _scheduler(m, args):
     """The worker's scheduler over the model's runner, with the worker's options from args,
     and a function that makes one prompt's job as the worker makes it."""
     from tinyloop.worker.serving.scheduler import Job, Scheduler, SchedulerOptions
-    s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together))
+    s = Scheduler(m.runner, SchedulerOptions(step_tokens=args.step_tokens, prefill_together=args.prefill_together,
+                                             prefill_order=args.prefill_order))
 
     def job(key: str, p: list[int]) -> Job:
         req = m.make_request(p, loops=args.loops, max_tokens=args.max_tokens, stop_token_ids=[])
@@ -381,6 +383,8 @@ def main() -> int:
     ap.add_argument("--step-tokens", type=int, default=1024)
     ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
                     help="tinyloop serve's --prefill-together")
+    ap.add_argument("--prefill-order", default="arrival", choices=["arrival", "longest"],
+                    help="tinyloop serve's --prefill-order")
     ap.add_argument("--speculative-max-running", type=int, default=4,
                     help="tinyloop serve's --speculative-max-running")
     ap.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
@@ -535,7 +539,7 @@ def main() -> int:
                      "weights": "trained" if args.model == "default" else "random bf16",
                      "loops": args.loops, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "lanes": args.lanes, "max_seq_len": args.max_seq_len, "step_tokens": args.step_tokens,
-                     "prefill_together": args.prefill_together,
+                     "prefill_together": args.prefill_together, "prefill_order": args.prefill_order,
                      "speculative_max_running": args.speculative_max_running,
                      "coalesce_ms": args.coalesce_ms, "gil_switch_ms": args.gil_switch_ms,
                      "first_token_wait_ms": args.first_token_wait_ms,

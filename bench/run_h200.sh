@@ -12,7 +12,8 @@
 #                                          #   decoding (bench/sampling.py); spec-batch: speculative streams' rounds shared
 #                                          #   against their own rounds in turn (bench/spec_batch.py); invariant: the
 #                                          #   batch-invariant kernels' GPU tests and benches; load-ab: load over the worker
-#                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms)
+#                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms;
+#                                          #   load-order: the mixed burst with --prefill-order arrival and longest, same run)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -67,6 +68,13 @@ for s in "${steps[@]}"; do
             mkdir -p "$OUT/ray"
             run load "${LOAD_S:-300}" python -m bench.load --out-dir "$OUT" ${LOAD_ARGS:-}
             run load-ray "${LOAD_S:-300}" python -m bench.load --out-dir "$OUT/ray" --no-worker-channel ${LOAD_ARGS:-} ;;
+        load-order)  # the mixed burst with prompts prefilled in arrival order and, same run, with the
+                     # most decode work first (--prefill-order longest): the prefill order's A/B
+            for o in arrival longest; do
+                mkdir -p "$OUT/order-$o"
+                run "load-order-$o" "${LOAD_S:-240}" python -m bench.load --out-dir "$OUT/order-$o" --concurrency 64 \
+                    --sustained-s 0 --prefill-order "$o" ${LOAD_ARGS:-}
+            done ;;
         load-gil)  # the time to first token against the interpreter switch interval of the serve and
                    # worker processes (--gil-switch-ms: 5 is Python's default), one-token probes
             for g in ${GIL_VALUES:-5 0.05}; do

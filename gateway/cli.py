@@ -54,6 +54,10 @@ def register(sub) -> None:
     s.add_argument("--speculative-share-from", type=int, default=2,
                    help="chain speculative streams on a worker share their rounds (draft steps batched, "
                         "verifies one pass) once this many run; fewer step alone (0: never shared)")
+    s.add_argument("--prefill-order", default="arrival", choices=["arrival", "longest"],
+                   help="which admitted prompts take a step's prefill budget first: in arrival order, or "
+                        "(longest) among the prompts admitted in one step the one with the most decode work "
+                        "(depth x max_tokens) first, so that a burst at mixed depths finishes sooner")
     s.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
                    help="stream tokens from each worker to the gateway over gRPC (the worker channel) "
                         "instead of Ray streaming calls; Ray keeps placement and the unary calls")
@@ -159,6 +163,7 @@ def _serve(args) -> int:
                                  prefill_together=args.prefill_together,
                                  speculative_max_running=args.speculative_max_running,
                                  speculative_share_from=args.speculative_share_from,
+                                 prefill_order=args.prefill_order,
                                  channel=ChannelOptions(
                                      args.worker_channel,
                                      args.worker_channel_host or ("127.0.0.1" if args.ray_address is None

@@ -37,6 +37,7 @@ class WorkerOptions:
     prefill_together: bool = True  # a step's fresh prompts prefill together (SchedulerOptions)
     speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
     speculative_share_from: int = 2  # chain speculative streams share their rounds from this many (SchedulerOptions)
+    prefill_order: str = "arrival"  # which admitted prompts prefill first (SchedulerOptions.prefill_order)
     kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings
     batch_invariant: bool | None = None  # batch-invariant kernels (Settings.batch_invariant); None: the worker's settings
     # the token channel (worker/serving/channel.py): streams over gRPC into the worker, not Ray
@@ -84,6 +85,7 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
                  prefill_together=opts.prefill_together,
                  speculative_max_running=opts.speculative_max_running,
                  speculative_share_from=opts.speculative_share_from,
+                 prefill_order=opts.prefill_order,
                  channel=opts.channel))
     return actors
 

@@ -90,6 +90,13 @@ def test_serve_rejects_bad_worker_settings(capsys, flag, value, message):
     assert message in capsys.readouterr().err
 
 
+def test_serve_rejects_an_unknown_prefill_order(capsys):
+    from tinyloop.cli import main
+    with pytest.raises(SystemExit):
+        main(["serve", "--prefill-order", "shortest"])
+    assert "--prefill-order: invalid choice: 'shortest'" in capsys.readouterr().err
+
+
 def test_serve_rejects_batch_invariance_on_cpu_workers(capsys):
     from tinyloop.cli import main
     assert main(["serve", "--device", "cpu", "--batch-invariant"]) == 2

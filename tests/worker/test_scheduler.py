@@ -206,6 +206,42 @@ def test_options_are_checked():
         SchedulerOptions(max_queue=-1)
     with pytest.raises(ValueError, match="speculative_share_from must be >= 0"):
         SchedulerOptions(speculative_share_from=-1)
+    with pytest.raises(ValueError, match="prefill_order must be one of"):
+        SchedulerOptions(prefill_order="shortest")
+
+
+@pytest.mark.parametrize("order", ["arrival", "longest"])
+def test_prefill_order_longest_takes_the_most_decode_work_first_within_an_admission(tiny_path, order):
+    # One prompt a step (an 8-token budget). a, b and c are admitted in the first step; d, the
+    # deepest, in the second. "longest" prefills b (depth 8), then c (4), then a (2), and d only
+    # after them: a prompt is never passed by one admitted later. Every stream's tokens are its
+    # standalone run's whatever the order.
+    streams = {"a": (LONG[:8], 2), "b": (LONG[8:16], 8), "c": (LONG[16:24], 4), "d": (LONG[24:32], 8)}
+    with Model(tiny_path, max_seq_len=128, n_slots=4) as m:
+        s = Scheduler(m.runner, SchedulerOptions(step_tokens=8, prefill_together=False, prefill_order=order))
+
+        def submit(key):
+            prompt, loops = streams[key]
+            j = job(m, key, prompt, loops=loops, max_tokens=6)
+            j.work = loops * 6
+            s.submit(j)
+        for key in "abc":
+            submit(key)
+        first: dict[str, int] = {}
+        tokens, steps = {}, 0
+        while s.has_work():
+            if steps == 1:
+                submit("d")
+            for key, ev in s.step():
+                assert isinstance(ev, Tokens)
+                if ev.ids:
+                    first.setdefault(key, steps)
+                tokens.setdefault(key, []).extend(ev.ids)
+            steps += 1
+        assert sorted(first, key=first.get) == (["a", "b", "c", "d"] if order == "arrival" else ["b", "c", "a", "d"])
+        assert sorted(first.values()) == [0, 1, 2, 3]  # one prompt a step
+        for key, (prompt, loops) in streams.items():
+            assert tokens[key] == alone(m, prompt, loops=loops, max_tokens=6), key
 
 
 @pytest.mark.parametrize("together", [True, False])

@@ -221,7 +221,8 @@ class WorkerActor:
                  max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
                  batch_invariant: bool | None = None,
                  prefill_together: bool = True, speculative_max_running: int = 4,
-                 speculative_share_from: int = 2, channel: "ChannelOptions | None" = None):
+                 speculative_share_from: int = 2, prefill_order: str = "arrival",
+                 channel: "ChannelOptions | None" = None):
         import sys
 
         import torch
@@ -247,7 +248,8 @@ class WorkerActor:
         self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens,
                                                                        prefill_together=prefill_together,
                                                                        speculative_max_running=speculative_max_running,
-                                                                       speculative_share_from=speculative_share_from))
+                                                                       speculative_share_from=speculative_share_from,
+                                                                       prefill_order=prefill_order))
         self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
         self.coalesce_s = coalesce_s
         self.max_hops_per_s = max_hops_per_s
@@ -391,7 +393,7 @@ class WorkerActor:
             self._loop.call_soon(passed.set)
 
     def _submit(self, begin, tokens: int = 0, task: bool = False, timeout_s: float | None = None,
-                key: str | None = None, batched=None):
+                key: str | None = None, batched=None, work: int = 0):
         """Queue a job on the scheduler under `key` (the gateway's stream key, or a new one):
         (key, its event queue); _Refused when the queue is full."""
         from tinyloop.worker.serving.scheduler import Job, QueueFull
@@ -400,7 +402,8 @@ class WorkerActor:
         sink = self._sinks[key] = _Pipe(self._hop_interval)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         try:
-            self.scheduler.submit(Job(key, begin, tokens=tokens, deadline=deadline, task=task, batched=batched))
+            self.scheduler.submit(Job(key, begin, tokens=tokens, deadline=deadline, task=task, batched=batched,
+                                      work=work))
         except QueueFull as e:
             del self._sinks[key]
             raise _Refused(error("RESOURCE_EXHAUSTED", "QUEUE_FULL", f"{self.worker_id}: {e}")) from None
@@ -481,7 +484,8 @@ class WorkerActor:
                 batched = lambda lane: self.model.start_chunked(plain, lane)  # noqa: E731
         else:
             begin = lambda lane: self.model.start_chunked(req, lane)  # noqa: E731
-        async for item in self._stream(key, begin, len(ids), p, after, batched=batched):
+        async for item in self._stream(key, begin, len(ids), p, after, batched=batched,
+                                       work=req.loops * req.max_tokens):
             yield item
 
     async def resume(self, key: str, caller: str, token: bytes, epoch: int, p: "cpb.ResumeParams"):
@@ -500,7 +504,7 @@ class WorkerActor:
         entry.active += 1
         try:
             async for item in self._stream(key, lambda lane: self.model.start_resume_chunked(rr, lane),
-                                           entry.handle.seq_len(), p):
+                                           entry.handle.seq_len(), p, work=rr[2].loops * rr[2].max_tokens):
                 yield item
         finally:
             entry.active -= 1
@@ -515,14 +519,14 @@ class WorkerActor:
         sink.push([], _CANCELLED, time.monotonic())
         return True
 
-    async def _stream(self, key: str, begin, tokens: int, p, after=None, batched=None):
+    async def _stream(self, key: str, begin, tokens: int, p, after=None, batched=None, work: int = 0):
         """Run a stream job: begin(lane) -> a Prefill, a DecodeState or a token generator
-        (batched: Job.batched)."""
+        (batched: Job.batched; work: Job.work)."""
         from tinyloop.worker.serving.scheduler import Failed
         t0 = time.monotonic()
         try:
             key, sink = self._submit(begin, tokens, timeout_s=p.timeout_s if p.HasField("timeout_s") else None,
-                                     key=key, batched=batched)
+                                     key=key, batched=batched, work=work)
         except _Refused as e:
             yield e.args[0]
             return

@@ -9,7 +9,9 @@ Each `step`:
 1. takes in new jobs and cancellations; a job still queued past its deadline ends with
    `DeadlineExceeded`;
 2. admits queued jobs in arrival order while lanes are free;
-3. prefills under a token budget (`step_tokens`): admitted prompts in arrival order, each a
+3. prefills under a token budget (`step_tokens`): admitted prompts in arrival order (or, with
+   `SchedulerOptions.prefill_order` "longest", the prompts already midway first and then the
+   fresh ones with the most decode work first: `Job.work`), each a
    chunk of at most what is left of the budget (the first always gets one chunk, so a step
    always makes progress; a job that starts whole, such as a speculative stream's prefill,
    waits for a step whose budget it fits or that it opens). A long prompt, or a resume's
@@ -46,6 +48,9 @@ from tinyloop.worker.generation.spec_batch import SpecBatch
 from tinyloop.worker.generation.speculative import SpeculativeStream
 
 
+PREFILL_ORDERS = ("arrival", "longest")
+
+
 @dataclass(frozen=True)
 class SchedulerOptions:
     """max_queue: jobs that may wait for a lane (more are refused, `QueueFull`). step_tokens:
@@ -66,12 +71,21 @@ class SchedulerOptions:
     speculative_disable_by_batch_size). 0: always speculative.
     speculative_share_from: chain speculative streams share their rounds (`SpecBatch`: their
     draft steps batched, their verifies one pass) once this many would; fewer step alone. 0:
-    never shared (bench/spec_batch.py measures shared rounds against rounds in turn)."""
+    never shared (bench/spec_batch.py measures shared rounds against rounds in turn).
+    prefill_order: which admitted prompts take a step's budget first. "arrival": in arrival
+    order. "longest": the prompts midway through their chunks first, then the fresh ones step
+    of admission by step of admission, and among those admitted in one step the one with the
+    most decode work (`Job.work`: depth x max_tokens) first, ties in arrival order. Requests
+    that arrive together at mixed depths then all finish sooner: the deepest streams, whose
+    iterations no batching shortens, start decoding first, and the shallow ones fill the batch
+    beside them (the longest-processing-time-first rule for the makespan). A prompt is never
+    passed by one admitted in a later step, so none waits on later arrivals."""
     max_queue: int = 256
     step_tokens: int = 1024
     prefill_together: bool = True
     speculative_max_running: int = 4
     speculative_share_from: int = 2
+    prefill_order: str = "arrival"
 
     def __post_init__(self):
         if self.max_queue < 0:
@@ -82,6 +96,8 @@ class SchedulerOptions:
             raise ValueError(f"speculative_max_running must be >= 0, got {self.speculative_max_running}")
         if self.speculative_share_from < 0:
             raise ValueError(f"speculative_share_from must be >= 0, got {self.speculative_share_from}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
 
 
 class QueueFull(Exception):
@@ -103,7 +119,9 @@ class Job:
     # speculative stream: its tokens are generate's at verify_loops); taken when the worker is
     # busy (SchedulerOptions.speculative_max_running)
     batched: Callable[[int], object] | None = None
+    work: int = 0  # the decode iterations its stream may run (depth x max_tokens), for prefill_order "longest"
     submitted: float = field(default_factory=time.monotonic)
+    admitted: int = -1  # the scheduler step that gave it a lane (set by the scheduler)
 
 
 # What `step` reports, per job key:
@@ -158,6 +176,7 @@ class Scheduler:
         self._batched: dict[int, str] = {}        # lane -> key of a stream in the batcher
         self._alone: dict[str, tuple[int, object]] = {}  # key -> (lane, token iterator)
         self._spec: dict[int, str] = {}           # lane -> key of a speculative stream in spec_batch
+        self._step_no = 0                         # steps run (a job's `admitted`)
         self.last = StepStats()
 
     # -- from any thread ---------------------------------------------------------------------
@@ -210,8 +229,10 @@ class Scheduler:
             self._waiting.remove(job)
             events.append((job.key, Failed(DeadlineExceeded(
                 f"the deadline passed after {now - job.submitted:.3f} s waiting for a lane"))))
+        self._step_no += 1
         while self._waiting and self.lanes.free:
             job = self._waiting.popleft()
+            job.admitted = self._step_no
             self._prefilling[job.key] = (self.lanes.acquire(), job, None)
         self._prefill(events, stats)
         if early is not None and events:
@@ -225,9 +246,9 @@ class Scheduler:
     def _prefill(self, events: list[Event], stats: StepStats) -> None:
         budget = self.o.step_tokens
         together: list[tuple[str, int, Job, Prefill]] = []
-        for key, (lane, job, pre) in list(self._prefilling.items()):
+        for key, (lane, job, pre) in self._prefill_order():
             if budget <= 0 or (pre is None and budget < self.o.step_tokens and job.tokens > budget):
-                break  # in arrival order: a job that starts whole waits for a step it fits (or opens)
+                break  # in order: a job that starts whole waits for a step it fits (or opens)
             try:
                 if pre is None:
                     got = self._begin(job, lane, stats)
@@ -260,6 +281,15 @@ class Scheduler:
                 self._started(key, lane, job, st, events)
         if together:
             self._prefill_together(together, events)
+
+    def _prefill_order(self) -> list[tuple[str, tuple[int, Job, Prefill | None]]]:
+        """The admitted prompts in the order they take the step's budget (prefill_order)."""
+        items = list(self._prefilling.items())  # arrival order
+        if self.o.prefill_order == "longest":
+            # midway prompts first (their chunks hold a lane and a partial cache), then by step
+            # of admission and work (a stable sort: ties keep arrival order)
+            items.sort(key=lambda it: (0, 0, 0) if it[1][2] is not None else (1, it[1][1].admitted, -it[1][1].work))
+        return items
 
     def _busy(self) -> bool:
         """Whether speculative decoding gives way to the batched step (speculative_max_running):
