@@ -66,11 +66,6 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * D + offs, y, mask=mask)
 
 
-# False: rms_norm(x, ..., skip=) runs as rms_norm(x) and a torch add, two launches and no PDL
-# (the baseline of bench/ab.py's A/B of the fused call).
-FUSED_SKIP = True
-
-
 def _rows(t, D):
     """t (..., D) as (N, D) rows with a unit stride along D (reshape keeps a view when it can)."""
     t2 = t.reshape(-1, D)
@@ -104,8 +99,6 @@ def rms_norm(x, weight, eps, residual=None, skip=None):
         if skip.dtype != x.dtype:
             raise ValueError(f"{op}: skip dtype {skip.dtype} must equal x dtype {x.dtype}")
 
-    if skip is not None and not FUSED_SKIP:
-        return skip + rms_norm(x, weight, eps)
     x2 = _rows(x, D)
     weight = weight.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
