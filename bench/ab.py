@@ -1,7 +1,7 @@
 """Same-host A/B of the decode step: variants interleaved round by round in one process.
 
     source bench/gpu_env.sh && python -m bench.ab --rounds 3 --configs 8x128 8x3072 \
-        --variant base --variant "stages1:tinyloop.kernels.decode_attention.SPLIT_STAGES=1"
+        --variant base --variant "keep0:settings.l2_keep_fraction=0.0"
 
 A GPU's step time drifts between hosts and, on one host, between minutes, by more than most
 changes move it, so two commits' full runs do not compare them. This runs every variant on one model,
@@ -11,20 +11,15 @@ min of `--best-of` runs) at L loops with CTX tokens in the cache. `--warmup-roun
 default) run first and are not recorded: the first round reads slower than the next ones for
 the first variants (clocks and caches settling).
 
-A variant is `NAME` or `NAME:target=value[;target=value...]` (values are Python literals),
-each target either
-  module.attr      a module-level setting it runs with (e.g.
-                   tinyloop.kernels.decode_attention.SPLIT_STAGES), restored after it, or
-  settings.FIELD   a field of the model's `Settings` (worker/model/settings.py: backend,
-                   fused_rows, l2_keep_fraction, l2_stream, ...): the variant runs on a model of
-                   its own, built with those settings (over Settings.from_env(), as every
-                   variant's model), e.g. settings.l2_keep_fraction=0.0.
-Variants with the same settings share one model (one cache lane, no graphs of its own). For
-each variant in each round the step's graphs are captured anew (`bench.decode.decode_runner`:
-a runner of the benchmark's own with the decode graph of each config's depth) and dropped
-after, so each variant's module settings reach its kernels' launches; a module setting read
-only when a kernel is first compiled does not change between variants of one process. On CPU
-(a smoke run) the steps run eagerly.
+A variant is `NAME` or `NAME:settings.FIELD=value[;settings.FIELD=value...]` (values are Python
+literals), each FIELD a field of the model's `Settings` (worker/model/settings.py: fused_rows,
+l2_keep_fraction, l2_stream, int4_tiles, ...): the variant runs on a model of its own,
+built with those settings over Settings.from_env() (as every variant's model), e.g.
+settings.l2_keep_fraction=0.0. What a variant changes is an explicit option its model carries to
+the kernels' launches, never a module global. Variants with the same settings share one model
+(one cache lane, no graphs of its own). For each variant in each round the step's graphs are
+captured anew (`bench.decode.decode_runner`: a runner of the benchmark's own with the decode
+graph of each config's depth) and dropped after. On CPU (a smoke run) the steps run eagerly.
 """
 from __future__ import annotations
 
@@ -42,76 +37,50 @@ from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
 from tinyloop.worker.model.settings import Settings
 
-SETTINGS = "settings"  # the target prefix of a Settings field
+SETTINGS = "settings"  # the one target prefix: a Settings field
 OWN_FIELDS = ("cuda_graphs",)  # the benchmark's to set: it captures its own decode graphs
+VARIANT_FORM = "NAME or NAME:settings.FIELD=value[;settings.FIELD=value...]"
 
 
-def parse_variant(spec: str) -> tuple[str, list[tuple[str, str, object]]]:
-    """'name:pkg.mod.attr=1;settings.fused_rows=2' -> ('name', [(module, attr, value), ...])
-    (module "settings": a Settings field)."""
+def parse_variant(spec: str) -> tuple[str, list[tuple[str, object]]]:
+    """'name:settings.fused_rows=2;settings.l2_stream=""' -> ('name', [('fused_rows', 2),
+    ('l2_stream', '')]). Anything but VARIANT_FORM (a module attribute among them) -> ValueError
+    naming the form."""
     name, _, sets = spec.partition(":")
     if not name:
-        raise ValueError(f"variant {spec!r}: no name before ':'")
+        raise ValueError(f"variant {spec!r}: no name before ':' (a variant is {VARIANT_FORM})")
     out = []
     for item in filter(None, (s.strip() for s in sets.split(";"))):
         target, eq, literal = item.partition("=")
-        module, _, attr = target.strip().rpartition(".")
-        if not eq or not module or not attr:
-            raise ValueError(f"variant {spec!r}: {item!r} is not module.attr=value")
+        prefix, dot, field = target.strip().partition(".")
+        if not eq or prefix != SETTINGS or not dot or not field.isidentifier():
+            raise ValueError(f"variant {spec!r}: {item!r} is not settings.FIELD=value (a variant is "
+                             f"{VARIANT_FORM}, FIELD a field of worker/model/settings.py's Settings)")
         try:
             value = ast.literal_eval(literal.strip())
         except (ValueError, SyntaxError) as e:
             raise ValueError(f"variant {spec!r}: {literal.strip()!r} is not a Python literal") from e
-        out.append((module, attr, value))
+        out.append((field, value))
     return name, out
 
 
-def check_settings(sets: list[tuple[str, str, object]]) -> None:
-    """Each setting names an existing module attribute or Settings field (a typo would measure
-    the base twice), and a variant's Settings fields make valid Settings."""
+def check_settings(sets: list[tuple[str, object]]) -> None:
+    """Each setting names a Settings field a variant may set (a typo would measure the base twice)."""
     fields = {f.name for f in dataclasses.fields(Settings)}
-    for module, attr, _ in sets:
-        if module == SETTINGS:
-            if attr not in fields or attr in OWN_FIELDS:
-                raise ValueError(f"Settings has no field {attr!r} a variant may set "
-                                 f"(one of {sorted(fields - set(OWN_FIELDS))})")
-            continue
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            raise ValueError(f"no module {module!r}") from e
-        if not hasattr(mod, attr):
-            raise ValueError(f"module {module} has no attribute {attr!r}")
+    for field, _ in sets:
+        if field not in fields or field in OWN_FIELDS:
+            raise ValueError(f"Settings has no field {field!r} a variant may set "
+                             f"(one of {sorted(fields - set(OWN_FIELDS))})")
 
 
-def model_settings(sets: list[tuple[str, str, object]], base: Settings) -> Settings:
-    """The Settings of a variant's model: `base` with the variant's settings.FIELD values, never
-    capturing at load (the benchmark captures its own step). ValueError: an invalid value."""
-    fields = {attr: value for module, attr, value in sets if module == SETTINGS}
+def model_settings(sets: list[tuple[str, object]], base: Settings) -> Settings:
+    """The Settings of a variant's model: `base` with the variant's values, never capturing at
+    load (the benchmark captures its own step). ValueError: an invalid value."""
+    fields = dict(sets)
     try:
         return dataclasses.replace(base, **fields, cuda_graphs=False)
     except TypeError as e:  # a value of the wrong type (Settings checks the ranges: ValueError)
         raise ValueError(f"settings {fields}: {e}") from None
-
-
-class ModuleSettings:
-    """Apply a variant's module settings (checked by check_settings); restore them on exit.
-    Its settings.FIELD entries are its model's (model_settings), not applied here."""
-
-    def __init__(self, sets: list[tuple[str, str, object]]):
-        self.sets, self.saved = [s for s in sets if s[0] != SETTINGS], []
-
-    def __enter__(self):
-        for module, attr, value in self.sets:
-            mod = importlib.import_module(module)
-            self.saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, value)
-        return self
-
-    def __exit__(self, *exc):
-        for mod, attr, value in reversed(self.saved):
-            setattr(mod, attr, value)
-        self.saved = []
 
 
 def parse_config(text: str) -> tuple[int, int]:
@@ -124,7 +93,7 @@ def parse_config(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", required=True,
-                    help="NAME or NAME:module.attr=value|settings.FIELD=value[;...] (repeat; two or more)")
+                    help=f"{VARIANT_FORM} (repeat; two or more)")
     ap.add_argument("--configs", nargs="+", default=["8x128"], help="LOOPSxCONTEXT, e.g. 8x128 8x3072")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds first")
@@ -155,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     result = {"hardware": hardware(dev), "model": f"{args.preset} (random init)",
-              "variants": {n: [f"{m}.{a}={v!r}" for m, a, v in s] for n, s in variants},
+              "variants": {n: [f"{SETTINGS}.{f}={v!r}" for f, v in s] for n, s in variants},
               "settings": {n: dataclasses.asdict(settings[n]) for n, _ in variants},
               "configs": [f"{L}x{ctx}" for L, ctx in configs], "warmup_rounds": args.warmup_rounds,
               "rounds": [], "ceilings": ceilings(dev)}
@@ -170,19 +139,18 @@ def main(argv: list[str] | None = None) -> None:
         bar = tqdm(total=(args.warmup_rounds + args.rounds) * len(variants) * len(configs), desc="a/b",
                    unit="figure")
         for r in range(-args.warmup_rounds, args.rounds):  # r < 0: warm-up, not recorded
-            for name, sets in variants:
+            for name, _ in variants:
                 row = {"round": r, "variant": name, "ms": {}}
                 m = models[settings[name]]
-                with ModuleSettings(sets):
-                    runner = decode_runner(m, [L for L, _ in configs]) if cuda else m.runner
-                    for L, ctx in configs:
-                        row["ms"][f"{L}x{ctx}"] = min(decode_rate(runner, L, ctx, args.steps, repeat=3)
-                                                      for _ in range(args.best_of))
-                        bar.update()
-                    del runner
-                    if cuda:
-                        torch.cuda.synchronize(dev)
-                        torch.cuda.empty_cache()
+                runner = decode_runner(m, [L for L, _ in configs]) if cuda else m.runner
+                for L, ctx in configs:
+                    row["ms"][f"{L}x{ctx}"] = min(decode_rate(runner, L, ctx, args.steps, repeat=3)
+                                                  for _ in range(args.best_of))
+                    bar.update()
+                del runner
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                    torch.cuda.empty_cache()
                 gemv = importlib.import_module("tinyloop.kernels.gemv")
                 if cuda and gemv.autotuning():  # the autotuned tiles (TINYLOOP_AUTOTUNE=1: per process)
                     result["gemv_tiles"] = {repr(k[:7]): str(v) for k, v in gemv._gemv_tuned.cache.items()}

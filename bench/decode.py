@@ -147,9 +147,8 @@ def graph_seconds(model: Model) -> float:
 def decode_runner(model: Model, loops) -> Runner:
     """A runner of the benchmark's own over the model's weights, ops and cache, with the batch-1
     decode graphs of the depths in `loops` alone (no prefill or verify graphs; no batch graphs
-    on a model of one cache lane), captured now: so module settings changed since the model
-    was built (kernel tiles, split stages) reach the step's launches. CUDA only; it writes the
-    first positions of lane 0, as any capture does."""
+    on a model of one cache lane), captured now, so a figure times a graph captured for it and
+    dropped after. CUDA only; it writes the first positions of lane 0, as any capture does."""
     r = model.runner
     runner = Runner(r.model, r.cache, r.ops, RunnerSettings(cuda_graphs=True, prefill_graph_len=0, verify_buckets=()))
     runner.capture(sorted(set(loops)))

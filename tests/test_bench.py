@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -284,12 +285,9 @@ def test_replay_per_layer():
 
 
 def test_ab_bench_cpu(tmp_path, monkeypatch):
-    """bench/ab.py: variants interleaved round by round, each with its module settings applied
-    while it runs and restored after, and a variant with Settings fields on a model of its own
-    built with them (over the environment's); the JSON has every round's figures and each
-    variant's best against the first."""
-    import importlib
-
+    """bench/ab.py: variants interleaved round by round, a variant's Settings fields on a model
+    built with them (over the environment's), variants of equal Settings on one model; the JSON
+    has every round's figures and each variant's best against the first."""
     from bench import ab
     from tinyloop.worker.api import Model as ApiModel
     from tinyloop.worker.model.settings import Settings
@@ -297,41 +295,50 @@ def test_ab_bench_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(ab, "Model", lambda *a, settings, **kw: built.append(settings) or ApiModel(
         *a, settings=settings, **kw))
     monkeypatch.setenv("TINYLOOP_L2_STREAM", "")
-    da = importlib.import_module("tinyloop.kernels.decode_attention")
-    stages = da.SPLIT_STAGES
+    default = Settings()
     ab.main(["--device", "cpu", "--preset", "tiny", "--configs", "2x8", "1x4", "--rounds", "2", "--steps", "2",
              "--best-of", "1", "--max-seq-len", "32", "--out-dir", str(tmp_path), "--variant", "base",
-             "--variant", "one_stage:tinyloop.kernels.decode_attention.SPLIT_STAGES=1;"
-                          "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=(128)",
+             "--variant", f"rows_default:settings.fused_rows={default.fused_rows}",
              "--variant", "rows2:settings.fused_rows=2;settings.l2_keep_fraction=0.5"])
     r = json.loads((tmp_path / "decode-ab-cpu.json").read_text())
     assert r["warmup_rounds"] == 1  # the default: one round of each variant first, not recorded
     assert [(row["round"], row["variant"]) for row in r["rounds"]] == [
-        (0, "base"), (0, "one_stage"), (0, "rows2"), (1, "base"), (1, "one_stage"), (1, "rows2")]
-    assert r["variants"]["one_stage"] == ["tinyloop.kernels.decode_attention.SPLIT_STAGES=1",
-                                          "tinyloop.kernels.decode_attention.MIN_SPLIT_LEN=128"]
-    assert r["variants"]["rows2"] == ["settings.fused_rows=2", "settings.l2_keep_fraction=0.5"]
-    # base and one_stage share a model; rows2 has its own, each with the environment's l2_stream
-    default = Settings()
+        (0, "base"), (0, "rows_default"), (0, "rows2"), (1, "base"), (1, "rows_default"), (1, "rows2")]
+    assert r["variants"] == {"base": [], "rows_default": [f"settings.fused_rows={default.fused_rows}"],
+                             "rows2": ["settings.fused_rows=2", "settings.l2_keep_fraction=0.5"]}
+    # base and rows_default (the default's value) share a model; rows2 has its own, each with the
+    # environment's l2_stream
     assert len(built) == 2 and built[0] == built[1].replace(fused_rows=default.fused_rows,
                                                             l2_keep_fraction=default.l2_keep_fraction)
     assert (built[1].fused_rows, built[1].l2_keep_fraction, built[1].l2_stream, built[1].cuda_graphs) == (
         2, 0.5, "", False)
-    assert r["settings"]["rows2"]["fused_rows"] == 2 and r["settings"]["base"] == r["settings"]["one_stage"]
+    assert r["settings"]["rows2"]["fused_rows"] == 2 and r["settings"]["base"] == r["settings"]["rows_default"]
     for row in r["rounds"]:
         assert sorted(row["ms"]) == ["1x4", "2x8"] and all(v > 0 for v in row["ms"].values())
     assert r["best_ms"]["base"]["2x8"] == min(row["ms"]["2x8"] for row in r["rounds"] if row["variant"] == "base")
-    assert set(r["vs_first_pct"]) == {"one_stage", "rows2"}
-    assert da.SPLIT_STAGES == stages and da.MIN_SPLIT_LEN == 256  # restored
+    assert set(r["vs_first_pct"]) == {"rows_default", "rows2"}
+
+
+@pytest.mark.parametrize("spec", ["tinyloop.kernels.decode_attention.SPLIT_STAGES=1", "SPLIT_STAGES=1",
+                                  "settings.fused_rows=2;tinyloop.kernels.gemv.TILES={}", "settings=1",
+                                  "settings.fused_rows"])
+def test_ab_bench_refuses_what_is_not_a_settings_field(spec):
+    """A variant sets Settings fields alone: a module attribute (or anything but
+    settings.FIELD=value) is refused with the form a variant takes."""
+    from bench import ab
+    form = "a variant is NAME or NAME:settings.FIELD=value[;settings.FIELD=value...]"
+    with pytest.raises(ValueError, match=re.escape(form)):
+        ab.parse_variant(f"b:{spec}")
+    with pytest.raises(ValueError, match="no name before ':'"):
+        ab.parse_variant(":settings.fused_rows=2")
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--variant", "a", "--variant", "a"], "distinct names"),
     (["--variant", "a"], "two or more"),
-    (["--variant", "a", "--variant", "b:tinyloop.kernels.decode_attention.NO_SUCH=1"], "decode_attention has no attribute 'NO_SUCH'"),
-    (["--variant", "a", "--variant", "b:tinyloop.no_such.X=1"], "no module 'tinyloop.no_such'"),
-    (["--variant", "a", "--variant", "b:SPLIT_STAGES=1"], "is not module.attr=value"),
-    (["--variant", "a", "--variant", "b:tinyloop.kernels.decode_attention.SPLIT_STAGES=one"], "not a Python literal"),
+    (["--variant", "a", "--variant", "b:tinyloop.kernels.decode_attention.SPLIT_STAGES=1"],
+     "is not settings.FIELD=value"),
+    (["--variant", "a", "--variant", "b:settings.fused_rows=one"], "not a Python literal"),
     (["--variant", "a", "--variant", "b:settings.no_such=1"], "Settings has no field 'no_such'"),
     (["--variant", "a", "--variant", "b:settings.cuda_graphs=True"], "Settings has no field 'cuda_graphs' a variant"),
     (["--variant", "a", "--variant", "b:settings.fused_rows=99"], "fused_rows must be in"),
