@@ -13,7 +13,7 @@ the first variants (clocks and caches settling).
 
 A variant is `NAME` or `NAME:settings.FIELD=value[;settings.FIELD=value...]` (values are Python
 literals), each FIELD a field of the model's `Settings` (worker/model/settings.py: fused_rows,
-l2_keep_fraction, l2_stream, int4_tiles, ...): the variant runs on a model of its own,
+l2_keep_fraction, l2_stream, pdl, gemv_tiles, ...): the variant runs on a model of its own,
 built with those settings over Settings.from_env() (as every variant's model), e.g.
 settings.l2_keep_fraction=0.0. What a variant changes is an explicit option its model carries to
 the kernels' launches, never a module global. Variants with the same settings share one model
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                 if cuda:
                     torch.cuda.synchronize(dev)
                     torch.cuda.empty_cache()
-                gemv = importlib.import_module("tinyloop.kernels.gemv")
-                if cuda and gemv.autotuning():  # the autotuned tiles (TINYLOOP_AUTOTUNE=1: per process)
+                if cuda and settings[name].autotune:  # the autotuned tiles (per process: every autotuning variant's)
+                    gemv = importlib.import_module("tinyloop.kernels.gemv")
                     result["gemv_tiles"] = {repr(k[:7]): str(v) for k, v in gemv._gemv_tuned.cache.items()}
                 label = f"round {r}" if r >= 0 else "warm-up"
                 tqdm.write(f"{label} {name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in row["ms"].items()))

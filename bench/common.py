@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from tinyloop.worker.model.settings import Settings
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -21,12 +23,22 @@ def hardware(device: torch.device) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
         import triton
         info["triton"] = triton.__version__
-        info["TINYLOOP_PDL"] = os.environ.get("TINYLOOP_PDL", "1")  # programmatic dependent launch (kernels/gemv.py)
+        # programmatic dependent launch as Settings.from_env() has it (kernels/_launch.py)
+        info["TINYLOOP_PDL"] = "1" if Settings.from_env().pdl else "0"
     else:
         info["cpu"] = platform.processor() or platform.machine()
         info["cores"] = os.cpu_count()
         info["torch_threads"] = torch.get_num_threads()
     return info
+
+
+def gemv_tuning(settings: Settings | None = None) -> dict:
+    """kernels.gemv's tile arguments (tables, autotune) as a model built with `settings`
+    (default: Settings.from_env(), which reads TINYLOOP_GEMV_TILES and TINYLOOP_AUTOTUNE) passes
+    them: for benchmarks that launch the projection directly."""
+    from tinyloop.kernels.gemv import load_tables
+    s = Settings.from_env() if settings is None else settings
+    return {"tables": load_tables(s.gemv_tiles) if s.gemv_tiles else None, "autotune": s.autotune}
 
 
 def run_timed(fn, device: torch.device, repeat: int, warmup: int = 0):

@@ -8,15 +8,17 @@ A decode step is these projections plus a few small kernels, so this is where it
 the bandwidth floor is decided. Each row: weight MB, ms and GB/s of the weight read for
 torch.nn.functional.linear and for kernels/gemv.py with each fusion the layer uses there.
 Back-to-back calls in one graph, as in a decode step; the +pdl column
-launches each call with programmatic dependent launch (TINYLOOP_PDL), so a call's weight
-loads overlap the previous call's tail.
+launches each call with programmatic dependent launch (the `pdl` the engine passes with
+Settings.pdl on), so a call's weight loads overlap the previous call's tail.
 
 "batched_rows" (beside "rows", whose fields are unchanged): per projection and M, the same
 weight read by F.linear on the (M, 1, K) input, by the model's unfused ops for that fusion
 (kernels.rms_norm before F.linear, F.silu(gate) * up after it, + residual), and by gemv's
 M-row kernel plain, fused, and fused with PDL; GB/s count the weight read alone (x and y are
-a few KB). "tiles" holds the tile of each call; with TINYLOOP_AUTOTUNE=1 "autotuned" and
-"autotuned_batched" hold the autotuners' picks per key."""
+a few KB). The calls take their tiles as a model built with Settings.from_env() does (its
+gemv_tiles before the code's tables, its autotune: TINYLOOP_GEMV_TILES, TINYLOOP_AUTOTUNE).
+"tiles" holds the tile of each call; with autotune on, "autotuned" and "autotuned_batched" hold
+the autotuners' picks per key."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +27,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from bench.common import hardware, write
+from bench.common import gemv_tuning, hardware, write
 from bench.decode import ceilings, device_ms
 from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
@@ -54,6 +56,7 @@ def main() -> None:
         ap.error(f"--rows: each M must be in 2..16, got {ms}")
     dev = torch.device("cuda")
     c = ceilings(dev)
+    tuning = gemv_tuning()  # the tables and autotune a model built from the environment passes
 
     def cuda_ms(fn, ws, repeat, calls=24):
         """GPU time of one call: a graph of `calls` back-to-back calls, replayed (a single
@@ -98,10 +101,10 @@ def main() -> None:
 
         torch_ms = cuda_ms(lambda w: F.linear(x, w), ws, repeat=30)
         unfused_ms = cuda_ms(unfused, ws, repeat=30)
-        plain_ms = cuda_ms(lambda w: gemv(x, w, pdl=False), ws, repeat=30)
-        fused_ms = cuda_ms(lambda w: gemv(x, w, pdl=False, **kw), ws, repeat=30)
+        plain_ms = cuda_ms(lambda w: gemv(x, w, pdl=False, **tuning), ws, repeat=30)
+        fused_ms = cuda_ms(lambda w: gemv(x, w, pdl=False, **tuning, **kw), ws, repeat=30)
         try:
-            pdl_ms, pdl_error = cuda_ms(lambda w: gemv(x, w, pdl=True, **kw), ws, repeat=30), None
+            pdl_ms, pdl_error = cuda_ms(lambda w: gemv(x, w, pdl=True, **tuning, **kw), ws, repeat=30), None
         except Exception as e:  # noqa: BLE001 -- recorded, not fatal
             pdl_ms, pdl_error = None, repr(e)
         best = min(t for t in (fused_ms, pdl_ms) if t is not None)
@@ -120,10 +123,10 @@ def main() -> None:
         for name, N, K, fusion in SHAPES:  # the fixed tiles the calls ran (or null: autotuned)
             n, flags = (N // 2 if "swiglu" in fusion else N), [f in fusion for f in ("norm", "swiglu", "residual")]
             for pdl in (False, True):
-                payload["tiles"][f"{name} pdl={pdl}"] = gemv_mod.tile(dev, n, K, *flags, pdl)
+                payload["tiles"][f"{name} pdl={pdl}"] = gemv_mod.tile(dev, n, K, *flags, pdl, **tuning)
             if ms:  # one tile for every M = 2..16 (its PDL mode in it)
-                payload["tiles"][f"{name} M=2..16"] = gemv_mod.rows_tile(dev, n, K, *flags)
-        if gemv_mod.autotuning():
+                payload["tiles"][f"{name} M=2..16"] = gemv_mod.rows_tile(dev, n, K, *flags, **tuning)
+        if tuning["autotune"]:
             payload["autotuned"] = {str(k): str(v) for k, v in gemv_mod._gemv_tuned.cache.items()}
             payload["autotuned_batched"] = {str(k): str(v) for k, v in gemv_mod._gemv_rows_tuned.cache.items()}
         if ms:
@@ -144,10 +147,10 @@ def main() -> None:
             kw["residual"] = torch.randn(1, 1, out_n, device=dev, dtype=torch.bfloat16)
         mb = N * K * 2 / 1e6
         torch_ms = cuda_ms(lambda w: F.linear(x, w), ws, repeat=30)
-        plain_ms = cuda_ms(lambda w: gemv(x, w, pdl=False), ws, repeat=30)
-        fused_ms = cuda_ms(lambda w: gemv(x, w, pdl=False, **kw), ws, repeat=30)
+        plain_ms = cuda_ms(lambda w: gemv(x, w, pdl=False, **tuning), ws, repeat=30)
+        fused_ms = cuda_ms(lambda w: gemv(x, w, pdl=False, **tuning, **kw), ws, repeat=30)
         try:
-            pdl_ms = cuda_ms(lambda w: gemv(x, w, pdl=True, **kw), ws, repeat=30)
+            pdl_ms = cuda_ms(lambda w: gemv(x, w, pdl=True, **tuning, **kw), ws, repeat=30)
         except Exception as e:  # noqa: BLE001 -- recorded, not fatal: PDL is opt-in
             pdl_ms, pdl_error = None, repr(e)
         else:

@@ -12,8 +12,9 @@ kernel at M = 1, the batched kernel for 2..16, nothing past 16) and of torch.nn.
 for each; "rows_bitwise" says whether every row of the invariant call equals its M = 1 call
 (it must), "today_rows_bitwise" whether today's batched kernel's rows do (they need not). Each
 time is a graph of back-to-back calls cycling through copies of the weight that overflow the
-L2 (as bench/gemv.py times them), so every call reads its weight from HBM, with PDL as the
-decode step launches it (TINYLOOP_PDL), on the fixed tiles (`tiles` in the JSON).
+L2 (as bench/gemv.py times them), so every call reads its weight from HBM, with PDL and tiles as
+a model built with Settings.from_env() launches them (pdl, gemv_tiles, autotune: TINYLOOP_PDL,
+TINYLOOP_GEMV_TILES, TINYLOOP_AUTOTUNE; `tiles` in the JSON).
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from bench.common import hardware, write
+from bench.common import gemv_tuning, hardware, write
 from bench.decode import ceilings, device_ms
 from bench.gemv import SHAPES as GEMV_SHAPES
 from tinyloop.kernels.gemv import MAX_ROWS, gemv
+from tinyloop.worker.model.settings import Settings
 
 gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 
@@ -46,6 +48,9 @@ def main() -> None:
         ap.error(f"--rows: each M must be >= 1, got {ms}")
     dev = torch.device("cuda")
     c = ceilings(dev)
+    settings = Settings.from_env()
+    tuning = gemv_tuning(settings)
+    pdl = gemv_mod.use_pdl(dev, settings.launch_pdl)  # as the model's projections launch
 
     def cuda_ms(fn, ws):
         """GPU ms of one call: a graph of args.calls back-to-back calls, replayed, cycling through
@@ -72,11 +77,10 @@ def main() -> None:
         swiglu = "swiglu" in fusion
         out_n = N // 2 if swiglu else N
         nw = (1 + 0.1 * torch.randn(K, device=dev)).to(torch.bfloat16)
-        pdl = gemv_mod.use_pdl(dev)
-        tiles[name] = gemv_mod.tile(dev, out_n, K, "norm" in fusion, swiglu, "residual" in fusion, pdl)
+        tiles[name] = gemv_mod.tile(dev, out_n, K, "norm" in fusion, swiglu, "residual" in fusion, pdl, **tuning)
         for M in ms:
             x = torch.randn(M, 1, K, device=dev, dtype=torch.bfloat16)
-            kw = {"swiglu": swiglu}
+            kw = {"swiglu": swiglu, "pdl": pdl, **tuning}
             if "norm" in fusion:
                 kw["norm_weight"] = nw
             if "residual" in fusion:
@@ -107,7 +111,7 @@ def main() -> None:
                   f"{inv_ms / linear_ms:10.2f} | {mb / inv_ms:8.0f} | {rows_bitwise}"
                   + ("" if today_bitwise is None or M == 1 else f" (today {today_bitwise})"))
         del ws
-    write("gemv-invariant-cuda", {"hardware": hardware(dev), "ceilings": c, "pdl": gemv_mod.use_pdl(dev),
+    write("gemv-invariant-cuda", {"hardware": hardware(dev), "ceilings": c, "pdl": pdl,
                                   "tiles": tiles, "rows": results}, args.out_dir)
     if not all(r["rows_bitwise"] for r in results):
         raise SystemExit("invariant rows differ from their M = 1 calls (see rows_bitwise)")

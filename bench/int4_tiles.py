@@ -5,8 +5,9 @@ kernels/int4_gemv.py `TILES` (M = 1, the decode step) and `MATMUL_TILES` (M > 1)
 
 The shapes are one layer's four fused projections of --preset (bench-285m: q|k|v with the input
 norm, wo with the residual, gate|up with the norm and SwiGLU, w2 with the residual), random
-codes with group size --group-size, each option as the decode step passes it (PDL as the device
-runs it, the loop block's "evict_last"). Every candidate (`gemv_candidates`: the bytes and the
+codes with group size --group-size, each option as the decode step passes it (PDL as a model
+built with Settings.from_env() runs it: on where the device allows it unless TINYLOOP_PDL=0; the
+loop block's "evict_last"). Every candidate (`gemv_candidates`: the bytes and the
 mma kernel over BLOCK_N, BLOCK_G, warps and stages; `matmul_candidates` for M = --rows) is first
 checked against the torch reference (the kernel tests' tolerance; a failing or uncompilable tile
 is recorded and skipped), then timed two ways:
@@ -37,6 +38,8 @@ import torch
 import triton
 
 from bench.common import hardware, write
+from tinyloop.kernels._launch import use_pdl
+from tinyloop.worker.model.settings import Settings
 
 q4 = importlib.import_module("tinyloop.kernels.int4_gemv")
 
@@ -125,10 +128,10 @@ def make_weight(shape: dict, G: int, bits: int, device, seed: int = 0):
             nw.to(device, torch.bfloat16), res.to(device, torch.bfloat16))
 
 
-def call(shape, w, x, nw, res, G, bits, tile, M=1):
-    """The projection as the decode step calls it, with tile."""
+def call(shape, w, x, nw, res, G, bits, tile, M=1, pdl=None):
+    """The projection as the decode step calls it, with tile (pdl: int4_gemv's)."""
     xs = x if M == 1 else x.expand(M, -1).contiguous()
-    kw = dict(bits=bits, swiglu=shape["swiglu"], eviction_policy="evict_last", tile=tile)
+    kw = dict(bits=bits, swiglu=shape["swiglu"], eviction_policy="evict_last", tile=tile, pdl=pdl)
     if shape["norm"]:
         kw["norm_weight"] = nw
     if shape["residual"]:
@@ -184,17 +187,17 @@ def cold_us(fn) -> float:
 
 
 def _compile(jobs: list) -> list:
-    """Worker: launch each (shape, G, bits, tile, M) once, so that its kernel is compiled into
-    Triton's on-disk cache; -> the jobs that failed, with why."""
+    """Worker: launch each (shape, G, bits, tile, M, pdl) once, so that its kernel is compiled
+    into Triton's on-disk cache; -> the jobs that failed, with why."""
     failed = []
     dev = torch.device("cuda")
     made = {}
-    for shape, G, bits, tile, M in jobs:
+    for shape, G, bits, tile, M, pdl in jobs:
         k = (shape["name"], G, bits)
         if k not in made:
             made[k] = make_weight(shape, G, bits, dev)
         try:
-            call(shape, *made[k], G, bits, tile, M)()
+            call(shape, *made[k], G, bits, tile, M, pdl)()
         except Exception as e:  # noqa: BLE001 - a tile that does not compile is a sweep result
             failed.append((shape["name"], bits, tile, M, f"{type(e).__name__}: {e}"[:300]))
     torch.cuda.synchronize()
@@ -209,7 +212,7 @@ def precompile(jobs: list, n: int) -> dict:
     # to one worker, so that it compiles once and the others find it in the cache
     groups: dict[tuple, list] = {}
     for j in jobs:
-        s, G, bits, tile, M = j
+        s, G, bits, tile, M, _ = j
         groups.setdefault((s["norm"], s["swiglu"], s["residual"], G, bits, tuple(tile), M > 1), []).append(j)
     chunks = [[] for _ in range(n)]
     for i, g in enumerate(sorted(groups.values(), key=len, reverse=True)):
@@ -245,8 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--bits: each of {q4.BITS}, got {args.bits}")
     t_start = time.monotonic()
     dev = torch.device("cuda")
-    name = q4._device_name(dev)
-    pdl = q4.use_pdl(dev)
+    name = torch.cuda.get_device_name(dev)
+    pdl = use_pdl(dev, Settings.from_env().launch_pdl)  # as the model's INT4 launches take it
     G = args.group_size
     result = {"hardware": hardware(dev), "device_name": name, "preset": args.preset, "group_size": G, "pdl": pdl,
               "calls": args.calls, "gemv": [], "matmul": [], "skipped": [], "failed": []}
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     work.append((s, bits, M, matmul_candidates(M, N) + rows_candidates(s, G, bits, pdl, name),
                                  (q4._m_bucket(M), N, s["K"], G, bits, *flags)))
-    jobs = [(s, G, bits, t, M) for s, bits, M, cands, _ in work for t in cands]
+    jobs = [(s, G, bits, t, M, pdl) for s, bits, M, cands, _ in work for t in cands]
     t0 = time.monotonic()
     try:
         failed = precompile(jobs, args.jobs)
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
                 result["skipped"].append({"name": s["name"], "bits": bits, "M": M, "tile": list(t)})
                 continue
             if why is None:
-                fn = call(s, w, x, nw, res, G, bits, t, M)
+                fn = call(s, w, x, nw, res, G, bits, t, M, pdl)
                 try:
                     why = check(fn, s, w, x, nw, res, G, bits, M)
                 except Exception as e:  # noqa: BLE001

@@ -5,7 +5,8 @@ per projection of bench-285m (its fusion on), against cuBLAS and the unfused ops
 
 Per projection and M (--rows): torch.nn.functional.linear alone ("cublas"), the unfused ops of a
 batched step without the fused projections ("unfused": kernels.rms_norm, F.linear, SiLU·up, the
-residual add), gemv as the tables launch it ("table": ROWS_TILES or the default tile of M's BLOCK_M), and
+residual add), gemv as a model built with Settings.from_env() launches it ("table": its pdl, and
+its gemv_tiles' entry, else ROWS_TILES', else the default tile of M's BLOCK_M), and
 each tile of TILES launched plain; the three best plain tiles also with PDL ("wait": the wait first;
 "prefetch": the first weight tile loaded before it). Weights are read from HBM (calls cycle
 through copies that overflow the L2), back to back in one captured graph, as in a decode step.
@@ -20,10 +21,11 @@ import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
-from bench.common import hardware, write
+from bench.common import gemv_tuning, hardware, write
 from bench.decode import ceilings, device_ms
 from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
+from tinyloop.worker.model.settings import Settings
 
 gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 
@@ -47,6 +49,9 @@ def main() -> None:
         ap.error(f"--rows: each M must be in 2..{gemv_mod.MAX_FUSED_ROWS}, got {Ms}")
     dev = torch.device("cuda")
     c = ceilings(dev)
+    settings = Settings.from_env()
+    tuning = gemv_tuning(settings)  # the model's tiles (its tables, autotune) and its pdl
+    model_launch = dict(tuning, pdl=settings.launch_pdl)
     out = {"hardware": hardware(dev), "ceilings": c, "tolerance": TOLERANCE, "shapes": {}}
 
     def cuda_us(fn, ws, calls=24):
@@ -71,7 +76,7 @@ def main() -> None:
         for M in Ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             resid = torch.randn(M, n, device=dev, dtype=torch.bfloat16)
-            kw = {"norm_weight": nw} if flags["NORM"] else {}
+            kw = dict(model_launch, **({"norm_weight": nw} if flags["NORM"] else {}))
             if flags["SWIGLU"]:
                 kw["swiglu"] = True
             if flags["RESIDUAL"]:
@@ -86,7 +91,8 @@ def main() -> None:
                 return resid + y if flags["RESIDUAL"] else y
             ref = unfused(ws[0]).float()
             bm = gemv_mod.rows_block(M)
-            row = {"block_m": bm, "table_tile": list(gemv_mod.rows_tile(dev, n, K, *flags.values(), bm) or []),
+            table_tile = gemv_mod.rows_tile(dev, n, K, *flags.values(), bm, **tuning)
+            row = {"block_m": bm, "table_tile": list(table_tile or []),
                    "cublas_us": cuda_us(lambda w: F.linear(x, w), ws), "unfused_us": cuda_us(unfused, ws),
                    "table_us": cuda_us(lambda w: gemv(x, w, **kw), ws)}
             row["table_err"] = (gemv(x, ws[0], **kw).float() - ref).abs().max().item()

@@ -104,7 +104,9 @@ for s in "${steps[@]}"; do
             fi
             run quant-decode "${DECODE_S:-150}" python -m bench.quant_decode --out-dir "$OUT" --loops 1 2 4 8 16 \
                 --formats "${formats[@]}" "${tiles[@]}" ;;
-        tiles) run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
+        tiles)  # the bf16 projections' tiles swept in the decode step: tiles-<model>-cuda.json is a tiles file
+                # that TINYLOOP_GEMV_TILES runs (Settings.gemv_tiles), with the TILES entries to paste
+            run tiles 300 python -m bench.tiles --model "${TILES_MODEL:-default}" --out-dir "$OUT" ;;
         profile-exit) run profile-exit "${PROFILE_S:-120}" python -m bench.profile_exit --out-dir "$OUT" ${PROFILE_EXIT_ARGS:-} ;;
         profile-exit-batch) run profile-exit-batch "${PROFILE_S:-120}" python -m bench.profile_exit_batch --out-dir "$OUT" \
             ${PROFILE_EXIT_BATCH_ARGS:---cprofile 40} ;;

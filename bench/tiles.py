@@ -1,30 +1,37 @@
-"""Sweep a model's batch-1 projection tiles in its captured decode step: the entries to add to
+"""Sweep a model's batch-1 projection tiles in its captured decode step: a tiles file the fused
+projections take with Settings.gemv_tiles (TINYLOOP_GEMV_TILES), and the entries to add to
 kernels/gemv.py `TILES` for this device.
 
     source bench/gpu_env.sh && python -m bench.tiles --model default --loops 8 --out-dir $OUT
     source bench/gpu_env.sh && python -m bench.tiles --model ouro-1.4b --loops 4 --out-dir $OUT
 
 --model: `default` (the embedded default model) or a preset of worker/model/config.py (random
-weights). The step's projections are found by recording the tiles its launches ask for
-(`gemv.tile`: shape and options). Each starts from the tile it runs with now (TILES', else
+weights), built with Settings.from_env() (its pdl and gemv_tiles; TINYLOOP_AUTOTUNE is refused:
+the sweep compares fixed tiles and times autotuning itself). Every tile the sweep tries reaches
+the step's launches as gemv's explicit `tables` argument: the model's fused projections are
+handed gemv bound to a table of the sweep's own (`use_tiles`); nothing in kernels/gemv.py
+changes. The step's projections are the (N, K, norm, swiglu, residual, pdl) keys its M = 1
+launches look up in that table (`projections`: one step on a table that records them). Each
+starts from the tile it runs with now (the model's gemv_tiles entry, else TILES', else
 `default_tile`'s). One projection at a time, every candidate (`candidates`: `_CONFIGS`, the
 default tile and one-chunk tiles, K tile no wider than the padded K) takes its place in a
 freshly captured step (`bench.decode.decode_runner`: a runner of the sweep's own over the
 model's weights and cache, with that depth's decode graph alone, captured anew for each
-figure), and the step's ms per token (`bench.decode.decode_rate`, min of
---best-of runs at --context tokens) decides; the winner stays for the projections after it.
-Then three sets run interleaved for --rounds rounds: the tiles before the sweep, the swept
-tiles, and per-process autotuning (TINYLOOP_AUTOTUNE=1, what untabled shapes ran with before
-fixed tiles). The JSON holds every candidate's time, the chosen tiles, and each set's step time
-per round; the swept tiles are printed as TILES entries. A tile fixed in TILES is what makes
-every worker process sum each row the same way (kernels/gemv.py), so the sweep runs offline,
-once per device and model.
+figure), and the step's ms per token (`bench.decode.decode_rate`, min of --best-of runs at
+--context tokens) decides; the winner stays for the projections after it. Then three sets run
+interleaved for --rounds rounds: the tiles before the sweep, the swept tiles, and per-process
+autotuning of the shapes no table holds (gemv's `autotune`, Settings.autotune: what untabled
+shapes ran with before fixed tiles). The JSON holds every candidate's time, each set's step time
+per round, and the chosen tiles as "tiles" in kernels/gemv.py `load_tables`' format, so the JSON
+itself runs as TINYLOOP_GEMV_TILES; the swept tiles are printed as TILES entries too. A tile
+fixed in a table is what makes every worker process sum each row the same way
+(kernels/gemv.py), so the sweep runs offline, once per device and model.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
-import os
 
 import torch
 import triton
@@ -34,13 +41,39 @@ from bench.common import hardware, write
 from bench.decode import ceilings, decode_rate, decode_runner, random_checkpoint
 from tinyloop.worker import Model
 from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.model.quant import route_gemv
+from tinyloop.worker.model.settings import Settings
 
 gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 
 
+class Lookups(dict):
+    """An M = 1 tiles table (key -> tile) that records, in order, every key a launch asks it
+    for (`kernels.gemv.table_entry` asks `key in` first)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.asked: list[tuple] = []
+
+    def __contains__(self, key) -> bool:
+        if key not in self.asked:
+            self.asked.append(key)
+        return super().__contains__(key)
+
+
+def use_tiles(m: Model, tables, autotune: bool = False) -> None:
+    """The model's fused projections on gemv with these `tables` ((M = 1 entries, M > 1
+    entries), taken before the code's tables; None: the code's alone) and autotune, with the
+    pdl and batch-invariant form of the model's own ops."""
+    ops = m.runner.ops
+    launch = functools.partial(gemv_mod.gemv, pdl=ops.pdl, tables=tables, autotune=autotune,
+                               **({"invariant": True} if ops.invariant else {}))
+    m._module.use_gemv(route_gemv(launch))
+
+
 def step_ms(m: Model, loops: int, context: int, steps: int, best_of: int) -> float:
-    """The step captured afresh (so the current tiles reach its launches), min of best_of runs;
-    its graph is dropped after."""
+    """The step captured afresh (so the projections' current tables reach its launches), min of
+    best_of runs; its graph is dropped after."""
     runner = decode_runner(m, [loops])
     try:
         return min(decode_rate(runner, loops, context, steps, repeat=3) for _ in range(best_of))
@@ -50,19 +83,12 @@ def step_ms(m: Model, loops: int, context: int, steps: int, best_of: int) -> flo
 
 
 def projections(m: Model, loops: int, context: int) -> list[tuple]:
-    """The (N, K, norm, swiglu, residual, pdl) keys the step's M = 1 launches look up."""
-    keys, real = [], gemv_mod.tile
-
-    def record(device, N, K, norm, swiglu, residual, pdl):
-        if (N, K, norm, swiglu, residual, pdl) not in keys:
-            keys.append((N, K, norm, swiglu, residual, pdl))
-        return real(device, N, K, norm, swiglu, residual, pdl)
-    gemv_mod.tile = record
-    try:
-        step_ms(m, loops, context, 2, 1)
-    finally:
-        gemv_mod.tile = real
-    return keys
+    """The (N, K, norm, swiglu, residual, pdl) keys the step's M = 1 launches look up, in launch
+    order (the model's projections are left on the recording table: `use_tiles` them after)."""
+    asked = Lookups()
+    use_tiles(m, (asked, {}))
+    step_ms(m, loops, context, 2, 1)
+    return list(asked.asked)
 
 
 # One-chunk tiles (BLOCK_K = the padded K, every weight of a program loaded before its PDL wait):
@@ -84,6 +110,11 @@ def candidates(K: int) -> list[tuple[int, int, int, int]]:
     return sorted({t for t in tiles + [gemv_mod.default_tile(K)] if t[1] <= padded})
 
 
+def tiles_file(chosen: dict[tuple, tuple]) -> list[list]:
+    """The chosen tiles as a tiles file's "tiles" entries (kernels/gemv.py `load_tables`)."""
+    return [[list(k), list(t)] for k, t in chosen.items()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="`default` or a preset of worker/model/config.py")
@@ -98,28 +129,29 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--model: `default` or one of {sorted(PRESETS)}, got {args.model!r}")
     if not torch.cuda.is_available():
         ap.error("the sweep times the captured step: it needs a CUDA device")
-    if gemv_mod.autotuning():
+    settings = Settings.from_env()
+    if settings.autotune:
         ap.error("unset TINYLOOP_AUTOTUNE: the sweep compares fixed tiles (and times autotuning itself)")
     dev = torch.device("cuda")
-    name = gemv_mod._device_name(dev)
+    name = torch.cuda.get_device_name(dev)
     path = None if args.model == "default" else random_checkpoint(args.model, PRESETS[args.model])
-    table = gemv_mod.TILES.setdefault(name, {})
-    before = dict(table)
+    # the tables the model runs with now (Settings.gemv_tiles), before the code's
+    base = gemv_mod.load_tables(settings.gemv_tiles) if settings.gemv_tiles else None
     result = {"hardware": hardware(dev), "ceilings": ceilings(dev), "device_name": name, "model": args.model,
-              "loops": args.loops, "context": args.context, "sweep": [], "rounds": []}
+              "loops": args.loops, "context": args.context, "gemv_tiles": settings.gemv_tiles, "sweep": [],
+              "rounds": []}
     out_name = f"tiles-{args.model}-cuda"
     # no graphs of the model's own: each figure captures its step afresh (one lane: no batch graphs)
     with Model(path, max_seq_len=args.context + args.steps + 8, device=dev, dtype="bfloat16", n_slots=1,
-               cuda_graphs=False) as m:
+               cuda_graphs=False, settings=settings) as m:
         keys = projections(m, args.loops, args.context)
-        start = {k: table.get(k) or gemv_mod.default_tile(k[1]) for k in keys}
+        start = {k: gemv_mod.tile(dev, *k, tables=base) for k in keys}
         chosen = dict(start)
         bar = tqdm(total=sum(len(candidates(k[1])) for k in keys), desc="tiles", unit="step")
         for key in keys:
             times = {}
             for t in candidates(key[1]):
-                table.update(chosen)
-                table[key] = t
+                use_tiles(m, ({**chosen, key: t}, {}))
                 times[t] = step_ms(m, args.loops, args.context, args.steps, args.best_of)
                 bar.update()
             chosen[key] = min(times, key=times.get)
@@ -130,28 +162,18 @@ def main(argv: list[str] | None = None) -> None:
             write(out_name, result, args.out_dir)
         bar.close()
 
-        sets = {"before": start, "swept": chosen, "autotuned": None}
+        # (tables, autotune) of each set: "before" is the model as built
+        sets = {"before": (base, False), "swept": ((chosen, {}), False), "autotuned": (base, True)}
         for r in range(args.rounds):
             row = {"round": r, "ms": {}}
-            for set_name, tiles in sets.items():
-                table.clear()
-                table.update(before)
-                if tiles is None:
-                    os.environ["TINYLOOP_AUTOTUNE"] = "1"
-                    gemv_mod.autotuning.cache_clear()
-                else:
-                    table.update(tiles)
-                try:
-                    row["ms"][set_name] = step_ms(m, args.loops, args.context, args.steps, args.best_of)
-                finally:
-                    os.environ.pop("TINYLOOP_AUTOTUNE", None)
-                    gemv_mod.autotuning.cache_clear()
+            for set_name, (tables, autotune) in sets.items():
+                use_tiles(m, tables, autotune)
+                row["ms"][set_name] = step_ms(m, args.loops, args.context, args.steps, args.best_of)
             tqdm.write(f"round {r}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in row["ms"].items()))
             result["rounds"].append(row)
-        table.clear()
-        table.update(before)
     result["best_ms"] = {k: min(row["ms"][k] for row in result["rounds"]) for k in sets}
     result["autotuned_tiles"] = {repr(k[:7]): str(v) for k, v in gemv_mod._gemv_tuned.cache.items()}
+    result["tiles"] = tiles_file(chosen)  # the JSON runs as TINYLOOP_GEMV_TILES
     result["tiles_entries"] = [f"{tuple(k)!r}: {tuple(v)!r}," for k, v in chosen.items()]
     write(out_name, result, args.out_dir)
     print(f'TILES["{name}"] entries ({args.model}):')

@@ -9,21 +9,28 @@ kernels: its split kernel loads positions, its cos / sin rows and its lane's cac
 `slots`) first (and its programs holding no slot of their lane exit there), its merge kernel the
 positions. Batch-1 decode launches many short kernels back to back, so each one's launch and
 ramp-up, hidden behind the previous kernel's tail, would otherwise be a visible part of the step.
+Every launcher that can launch this way takes ``pdl=`` (`use_pdl`); the engine's ops pass
+Settings.pdl (worker/model/settings.py, TINYLOOP_PDL) to each of them.
 """
 import functools
-import os
 
 import torch
 
+from ._checks import interpreting
 
-def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: on for Hopper and later unless TINYLOOP_PDL=0 (read once
-    per process and device, not per launch)."""
-    if device.type != "cuda":
+
+def use_pdl(device: torch.device, pdl: bool | None = None) -> bool:
+    """Whether a launch on `device` uses programmatic dependent launch: `pdl` where the caller
+    gives it (the engine's ops pass Settings.pdl: None while it is on, False when off); None:
+    where the hardware allows it, a CUDA device of capability 9 or more, not under the
+    interpreter. The launchers take it as an argument, so no launch reads the environment."""
+    if pdl is not None:
+        return bool(pdl)
+    if device.type != "cuda" or interpreting():
         return False
-    return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_on(index: int) -> bool:
-    return os.environ.get("TINYLOOP_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9

@@ -112,7 +112,8 @@ values stay inside the tensors; the ancestor slots themselves are the caller's t
 on CPU).
 
 Both ops launch their split and merge kernels with programmatic dependent launch where the
-GEMV does (Hopper and later, `_launch.use_pdl`). Each kernel lets the next one launch at once,
+GEMV does (``pdl``: `_launch.use_pdl`'s, None where the hardware allows it, Hopper and later;
+never under the interpreter). Each kernel lets the next one launch at once,
 then waits for the previous kernel's writes: the merge kernel launches while the split kernel
 runs (and waits for its partials), and the projection after the merge starts loading its
 weights while the merge drains. decode_attention's split and merge kernels read nothing
@@ -645,7 +646,8 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk
 
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
-                     max_active=None, lane_split_len=None, has_slots=False, write_only=False, tree=None):
+                     max_active=None, lane_split_len=None, has_slots=False, write_only=False, tree=None,
+                     pdl=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd). has_slots: the SLOTS constexpr (inputs and strides then carry the
@@ -657,6 +659,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     no partials, no o, no merge (returns None).
     tree: rope_tree_attention's (write_slots, depth, ancestor_slots, base) rows (`_tree_rows`),
     the TREE constexpr of both kernels; None: stand-ins the kernels never read.
+    pdl: both launches' programmatic dependent launch (`use_pdl`).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     # the write-only kernel stores no o and no partials: one-row stand-ins for its pointers
@@ -671,7 +674,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     m = torch.empty((parts, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty((parts, H, num_splits, hd), dtype=torch.float32, device=q.device)
-    pdl = use_pdl(q.device) and not interpreting()
+    pdl = use_pdl(q.device, pdl) and not interpreting()
     rope = positions is not None
     if rope:
         tree_args = _tree_args(tree, positions)
@@ -726,30 +729,31 @@ def _tree_args(tree, stand_in):
             anc.stride(1), base.stride(0), T, D)
 
 
-def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len, slots=None):
+def _decode_attention(q, k_cache, v_cache, seq_lens, scale, split_len, slots=None, pdl=None):
     """decode_attention with an explicit split length (slots per split); tests use it to
     force many splits on short caches."""
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     slots_t, stride_slots = slots_arg(slots, seq_lens)
     return _split_and_merge(_decode_attention_split_kernel, (q, k_cache, v_cache, seq_lens, slots_t),
                             (*q.stride(), *k_cache.stride(), *v_cache.stride(), stride_slots),
-                            q, Hkv, S, scale, split_len, has_slots=slots is not None)
+                            q, Hkv, S, scale, split_len, has_slots=slots is not None, pdl=pdl)
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None):
+def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None, *, pdl=None):
     """q (B, H, hd), caches (B, Hkv, S, hd), seq_lens (B,) -> o (B, H, hd) in q.dtype.
 
     slots (B,) int32 / int64 on the caches' device: the caches are whole layers (n_slots, Hkv,
-    S, hd) and row b attends over cache slot slots[b] (read only: rows may share a slot)."""
+    S, hd) and row b attends over cache slot slots[b] (read only: rows may share a slot).
+    pdl: programmatic dependent launch (module docstring; None: where the hardware allows it)."""
     _check("decode_attention", q, k_cache, v_cache, seq_lens, slots)
     B, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _decode_attention(q, k_cache, v_cache, seq_lens, scale,
-                             _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))), slots)
+                             _split_len(B, Hkv, S, q.device, _block_n(_block_d(hd))), slots, pdl)
 
 
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
-                          lane_split_len=None, slots=None, write_only=False, tree=None):
+                          lane_split_len=None, slots=None, write_only=False, tree=None, pdl=None):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
     and longer ones than split_len. write_only: the WRITE_ONLY launch (the cache write alone,
@@ -763,7 +767,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), stride_slots, *k_cache.stride(), *v_cache.stride()),
                             q, Hkv, S, scale, split_len, positions, max_active, lane_split_len,
-                            has_slots=slots is not None, write_only=write_only, tree=tree)
+                            has_slots=slots is not None, write_only=write_only, tree=tree, pdl=pdl)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
@@ -784,7 +788,8 @@ def _rope_splits(B: int, Hkv: int, S: int, hd: int, device: torch.device, invari
     return split_len, _one_wave(rows, Hkv, device), min(split_len, LANE_SPLIT_LEN)
 
 
-def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, invariant=False):
+def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, invariant=False, *,
+                          pdl=None):
     """RoPE + cache write of one new token per lane + decode attention, in one split launch and
     the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered
     at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype.
@@ -795,16 +800,17 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
 
     invariant: launch with B = 1's split parameters (module docstring, "Batch invariance"), so
     a row's output is bit for bit the same at any B (and as a row of rope_chunk_attention);
-    otherwise they follow B, which fills the GPU better but groups a row's partials by B."""
+    otherwise they follow B, which fills the GPU better but groups a row's partials by B.
+    pdl: programmatic dependent launch (module docstring; None: where the hardware allows it)."""
     _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
-                                  *_rope_splits(B, Hkv, S, hd, q.device, invariant), slots)
+                                  *_rope_splits(B, Hkv, S, hd, q.device, invariant), slots, pdl=pdl)
 
 
 def _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots, split_len,
-                          max_active=None, lane_split_len=None, tree=None):
+                          max_active=None, lane_split_len=None, tree=None, pdl=None):
     """rope_chunk_attention with explicit split parameters (as _rope_decode_attention's): the
     write-only launch over the B * T rows, then the attention launch over them. q, k, v become
     (B * T, 1, ., hd) rows: views where the strides allow it (the engine's projections), copies
@@ -817,12 +823,12 @@ def _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
     pos = positions.reshape(rows)
     row_slots = slots[:, None].expand(B, T).reshape(rows)  # a copy on the device: no host sync
     args = (q, k, v, cos, sin, pos, k_cache, v_cache, scale, split_len, max_active, lane_split_len)
-    _rope_decode_attention(*args, slots=row_slots, write_only=True, tree=tree)
-    o = _rope_decode_attention(*args, slots=row_slots, tree=tree)  # (B * T, H, hd)
+    _rope_decode_attention(*args, slots=row_slots, write_only=True, tree=tree, pdl=pdl)
+    o = _rope_decode_attention(*args, slots=row_slots, tree=tree, pdl=pdl)  # (B * T, H, hd)
     return o.view(B, T, H, hd).permute(0, 2, 1, 3)
 
 
-def rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots):
+def rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots, *, pdl=None):
     """RoPE + cache write + causal attention of a chunk of T tokens a sequence (a speculative
     verify, a prefill chunk): q (B, T, H, hd), k, v (B, T, Hkv, hd), positions (B, T) int64,
     slots (B,) (required: sequence b's cache row), tables and caches as rope_decode_attention's
@@ -832,12 +838,12 @@ def rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, 
     positions[b, t] once the sequence's other chunk tokens are in the cache (module docstring,
     "Chunks"). A live position of a sequence must be no other row's of it (the caller's error
     otherwise, not checked: the rows run concurrently); an idle one (outside [0, S)) writes and
-    reads nothing and outputs its own v."""
+    reads nothing and outputs its own v. pdl: as rope_decode_attention's."""
     _check_rope("rope_chunk_attention", q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk=True)
     B, T, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots,
-                                 *_rope_splits(B * T, Hkv, S, hd, q.device, invariant=True))
+                                 *_rope_splits(B * T, Hkv, S, hd, q.device, invariant=True), pdl=pdl)
 
 
 def _tree_rows(write_slots, depth, ancestor_slots, base):
@@ -849,16 +855,16 @@ def _tree_rows(write_slots, depth, ancestor_slots, base):
 
 
 def _rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache,
-                         v_cache, scale, slots, split_len, max_active=None, lane_split_len=None):
+                         v_cache, scale, slots, split_len, max_active=None, lane_split_len=None, pdl=None):
     """rope_tree_attention with explicit split parameters (as _rope_chunk_attention's): the
     write-only launch over the B * T rows (each stores at its write slot), then the attention
     launch over them, both with TREE."""
     return _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots, split_len, max_active,
-                                 lane_split_len, tree=_tree_rows(write_slots, depth, ancestor_slots, base))
+                                 lane_split_len, tree=_tree_rows(write_slots, depth, ancestor_slots, base), pdl=pdl)
 
 
 def rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache, v_cache,
-                        scale, slots):
+                        scale, slots, *, pdl=None):
     """RoPE + cache write + attention of a draft tree's nodes (a speculative tree verify): q (B,
     T, H, hd), k, v (B, T, Hkv, hd), positions (B, T) int64 (each row's RoPE position),
     write_slots (B, T) int64 (the cache slot its rotated k / v go to), depth (B, T) int64 >= 0,
@@ -875,7 +881,7 @@ def rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancest
     A row at another position (a pad) computes the same over its virtual sequence, rotated at
     its position. A live write slot must be no other live row's of its sequence (the caller's
     error otherwise, not checked: the rows run concurrently); an idle row (position outside
-    [0, S)) writes and reads nothing and outputs its own v."""
+    [0, S)) writes and reads nothing and outputs its own v. pdl: as rope_decode_attention's."""
     op = "rope_tree_attention"
     _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk=True)
     check_device(op, q=q, write_slots=write_slots, depth=depth, ancestor_slots=ancestor_slots, base=base)
@@ -883,7 +889,8 @@ def rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancest
     B, T, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _rope_tree_attention(q, k, v, cos, sin, positions, write_slots, depth, ancestor_slots, base, k_cache,
-                                v_cache, scale, slots, *_rope_splits(B * T, Hkv, S, hd, q.device, invariant=True))
+                                v_cache, scale, slots, *_rope_splits(B * T, Hkv, S, hd, q.device, invariant=True),
+                                pdl=pdl)
 
 
 def _check_tree(op, positions, write_slots, depth, ancestor_slots, base, S):

@@ -33,13 +33,13 @@ end; a tile with BLOCK_K >= K takes a one-chunk path instead, every weight of th
 loaded at once (before the PDL wait) and each row reduced straight from the products. No
 split-K: a program owns its rows, which keeps the epilogues (silu, the residual) free of
 atomics; the row block is small enough that even the 2048-row projections launch a few hundred
-programs. The tiles are fixed per device and shape (`TILES`, else `default_tile`); under the
-interpreter one tile runs.
+programs. The tiles are fixed per device and shape (``tables``' entry, then `TILES`', else
+`default_tile`); under the interpreter one tile runs.
 
 Layout, any M, batch-invariant (``invariant=True``): ``_gemv_kernel`` itself -- the M = 1
 kernel, the same compiled function (M is not specialized), constexprs and tile as the M = 1
-call of that shape (TILES / default_tile; the interpreter's 8 x 64; with TINYLOOP_AUTOTUNE the
-tile tuned for the M = 1 plain call) -- over M * cdiv(N, BLOCK_N) programs, program pid
+call of that shape (`tile`'s; the interpreter's 8 x 64; with ``autotune`` the tile tuned for the
+M = 1 plain call) -- over M * cdiv(N, BLOCK_N) programs, program pid
 computing row pid % M of y on row block pid // M. Row m of y is then bit for bit what the
 M = 1 call computes for row m alone: a row's value depends only on its own inputs and the
 shape's fixed tile, never on M, on which rows ride with it, or on which captured batch size
@@ -61,20 +61,25 @@ masked to zero; fp32 accumulation on the tensor cores, operands in x's dtype, fp
 dot's row side: BLOCK_N >= 16 rows fill the tensor cores' 16-row operand, where x's few rows
 would leave most of it padding, so the weights are read once per call whatever M and a batched
 decode step's projections cost about a batch-1 step's. Fixed tiles per device, shape and
-BLOCK_M (`ROWS_TILES`, else `default_rows_tile`): a row's value does not depend on how many
-rows of one BLOCK_M ride with it.
+BLOCK_M (``tables``' entry, then `ROWS_TILES`', else `default_rows_tile`): a row's value does
+not depend on how many rows of one BLOCK_M ride with it.
 
-``pdl`` (on by default on Hopper and later; TINYLOOP_PDL=0 turns it off): programmatic
-dependent launch, so a projection starts while the previous kernel drains, with its first
-weight chunk loaded before it waits (the weight read, nearly all of a projection's cost, then
-overlaps the previous kernel's tail; bench/gemv.py times both launches). The GEMV kernel then
-loads each next chunk one step ahead in registers; the batched kernel leaves the loop over the
-other chunks to Triton's software pipeliner and applies the first chunk after it, or (its tile's
-PDL mode) waits first, or launches plain.
+Tiles: ``tables`` is (M = 1 entries, M > 1 entries), keyed as TILES' and ROWS_TILES' per-device
+dicts, taken before the code's tables (`table_entry`): a sweep's tiles (bench/tiles.py, read by
+`load_tables`; Settings.gemv_tiles) run without editing the code. ``autotune``: a shape that no
+table holds runs the autotuner's tile (per process) instead of the default one.
+
+``pdl`` (None: where the hardware allows it, Hopper and later; the engine passes False with
+Settings.pdl off): programmatic dependent launch, so a projection starts while the previous
+kernel drains, with its first weight chunk loaded before it waits (the weight read, nearly all
+of a projection's cost, then overlaps the previous kernel's tail; bench/gemv.py times both
+launches). The GEMV kernel then loads each next chunk one step ahead in registers; the batched
+kernel leaves the loop over the other chunks to Triton's software pipeliner and applies the
+first chunk after it, or (its tile's PDL mode) waits first, or launches plain.
 """
 import functools
+import json
 import math
-import os
 
 import torch
 import triton
@@ -263,18 +268,19 @@ MAX_ROWS = 16  # the INT4 kernels' rows of x a call (kernels/int4_gemv.py)
 MAX_FUSED_ROWS = 64  # rows of x a call takes without invariant: one BLOCK_M tile of the batched kernel
 
 # Fixed M = 1 tiles, by device name, then (N, K, NORM, SWIGLU, RESIDUAL, PDL): (BLOCK_N, BLOCK_K,
-# num_warps, num_stages). Every launch takes a fixed tile: this table's, else `default_tile`'s.
-# A tile sets the order each row is summed in, so fixed tiles make every worker process (every
-# replica of a deployment) round the same logits the same way, near ties included. The
-# autotuner picks a tile per process from standalone timings, where close races go either way,
-# and a standalone winner need not be the best inside the decode step (its neighbours share the
-# L2 and overlap it through PDL). It runs only with TINYLOOP_AUTOTUNE=1, for shapes this table
-# does not hold; `bench/tiles.py` sweeps a model's tiles in its decode step instead and prints
-# the entries to add here. bench-285m's projections with PDL: q|k|v and gate|up the best tiles
-# of such a sweep in the step; wo, w2 and the head one-chunk tiles (BLOCK_K >= K: every weight
-# of a program loaded before its PDL wait, so the whole weight read overlaps the previous
-# kernel's tail). q|k|v and gate|up keep multi-chunk tiles: one chunk did not pay for them in
-# the step.
+# num_warps, num_stages). Every launch takes a fixed tile: gemv's `tables` entry (a sweep's,
+# Settings.gemv_tiles), else this table's, else `default_tile`'s. A tile sets the order each row
+# is summed in, so fixed tiles make every worker process (every replica of a deployment) round
+# the same logits the same way, near ties included. The autotuner picks a tile per process from
+# standalone timings, where close races go either way, and a standalone winner need not be the
+# best inside the decode step (its neighbours share the L2 and overlap it through PDL). It runs
+# only with gemv's `autotune` (Settings.autotune), for shapes no table holds; `bench/tiles.py`
+# sweeps a model's tiles in its decode step instead, writes them as a tiles file (`load_tables`)
+# and prints the entries to add here. bench-285m's projections with PDL: q|k|v and gate|up the
+# best tiles of such a sweep in the step; wo, w2 and the head one-chunk tiles (BLOCK_K >= K:
+# every weight of a program loaded before its PDL wait, so the whole weight read overlaps the
+# previous kernel's tail). q|k|v and gate|up keep multi-chunk tiles: one chunk did not pay for
+# them in the step.
 TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
     "NVIDIA H200": {
         (6144, 2048, True, False, False, True): (16, 512, 4, 1),    # q|k|v (+norm)
@@ -302,7 +308,7 @@ def default_tile(K: int) -> tuple[int, int, int, int]:
 # BLOCK_M (N, K, norm, swiglu, residual, `rows_block(M)`), one tile for every M of a BLOCK_M, so a
 # row's value does not depend on how many rows ride with it there. The PDL mode: "prefetch" (the
 # first weight tile loaded before the wait), "wait" (the wait first), "off" (a plain launch, which
-# waits for the previous kernel to finish); with PDL off (TINYLOOP_PDL=0) every launch is plain.
+# waits for the previous kernel to finish); with PDL off (Settings.pdl) every launch is plain.
 # Measured on the H200 by bench/rows_tiles.py (rows-tiles-cuda.json: weights read from HBM,
 # back-to-back calls in a graph; the best mode of each of a sweep's three best plain tiles; at
 # M = 4 and 16 for BLOCK_M 16, M = 32 and 64 for the others).
@@ -339,31 +345,95 @@ def default_rows_tile(N: int, block_m: int = 16) -> tuple[int, int, int, int, st
     return (64, 128, 8, 4, "wait")
 
 
-@functools.lru_cache(maxsize=None)
-def autotuning() -> bool:
-    """TINYLOOP_AUTOTUNE=1: shapes without a fixed tile autotune, per process (read once)."""
-    return os.environ.get("TINYLOOP_AUTOTUNE", "0") == "1"
+def table_entry(code_table: dict, which: int, tables, device: torch.device, key: tuple):
+    """The tile of `key`: tables[which] (a sweep's entries, `load_tables`; any mapping, asked
+    `key in` first) before the code's table for the device; None where neither holds it.
+    (kernels/int4_gemv.py looks its tiles up the same way.)"""
+    if tables is not None and key in tables[which]:
+        return tables[which][key]
+    if device.type != "cuda":
+        return None  # (the code's tables are per GPU name)
+    return code_table.get(_device_name(device), {}).get(key)
 
 
 def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
-         pdl: bool) -> tuple[int, int, int, int] | None:
-    """The M = 1 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages) on a CUDA device: TILES',
-    else the default; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a shape TILES lacks)."""
-    t = TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, pdl))
-    return t or (None if autotuning() else default_tile(K))
+         pdl: bool, tables=None, autotune: bool = False) -> tuple[int, int, int, int] | None:
+    """The M = 1 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages) on a CUDA device: tables'
+    (`table_entry`), else TILES', else the default; None: the autotuner picks (autotune, a shape
+    no table holds)."""
+    t = table_entry(TILES, 0, tables, device, (N, K, norm, swiglu, residual, pdl))
+    return t or (None if autotune else default_tile(K))
 
 
 def rows_tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
-              block_m: int = 16, elem_bytes: int = 2) -> tuple[int, int, int, int, str] | None:
+              block_m: int = 16, elem_bytes: int = 2, tables=None,
+              autotune: bool = False) -> tuple[int, int, int, int, str] | None:
     """`tile` for M = 2..MAX_FUSED_ROWS rows of elem_bytes-byte elements (the same for every M of
-    one `rows_block`): ROWS_TILES' (measured, for 2-byte x and weights), else the default,
-    fitted to the shared memory its stages take; None: the autotuner picks (TINYLOOP_AUTOTUNE=1, a
-    shape ROWS_TILES lacks)."""
-    t = ROWS_TILES.get(_device_name(device), {}).get((N, K, norm, swiglu, residual, block_m)) \
+    one `rows_block`): tables', else ROWS_TILES' (either for 2-byte x and weights alone: measured
+    so), else the default, fitted to the shared memory its stages take; None: the autotuner picks (autotune, a
+    shape no table holds)."""
+    t = table_entry(ROWS_TILES, 1, tables, device, (N, K, norm, swiglu, residual, block_m)) \
         if elem_bytes == 2 else None
-    if t is not None or autotuning():
+    if t is not None or autotune:
         return t
     return fit_rows_tile(default_rows_tile(N, block_m), block_m, swiglu, elem_bytes)
+
+
+TILES_FORMAT = ('{"tiles": [[[N, K, norm, swiglu, residual, pdl], [BLOCK_N, BLOCK_K, num_warps, num_stages]], ...], '
+                '"rows_tiles": [[[N, K, norm, swiglu, residual, BLOCK_M], [BLOCK_N, BLOCK_K, num_warps, '
+                'num_stages, PDL mode]], ...]}')
+
+
+def load_tables(path: str) -> tuple[dict, dict]:
+    """(M = 1 entries, M > 1 entries) of a gemv tiles JSON (bench/tiles.py writes one), keyed as
+    TILES' and ROWS_TILES' per-device dicts: an object with "tiles" and / or "rows_tiles", each a
+    list of [key, tile] pairs (`TILES_FORMAT`; other fields, such as a sweep's timings, are
+    ignored). A file that is not one, or an entry no launch could take -> ValueError naming the
+    file, the entry and the form."""
+    where = f"gemv tiles {path!r}"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a readable JSON file ({type(e).__name__}: {e}); expected {TILES_FORMAT}") \
+            from None
+    if not isinstance(data, dict) or not ("tiles" in data or "rows_tiles" in data):
+        raise ValueError(f"{where}: expected an object with \"tiles\" and / or \"rows_tiles\": {TILES_FORMAT}")
+    out = ({}, {})
+    for which, name in enumerate(("tiles", "rows_tiles")):
+        entries = data.get(name, [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{where}: \"{name}\" must be a list of [key, tile] pairs ({TILES_FORMAT})")
+        for i, entry in enumerate(entries):
+            problem = _entry_problem(entry, rows=which == 1)
+            if problem:
+                raise ValueError(f"{where}: {name}[{i}] = {entry!r}: {problem} ({TILES_FORMAT})")
+            key, t = entry
+            out[which][tuple(key)] = tuple(t)
+    return out
+
+
+def _entry_problem(entry, rows: bool) -> str | None:
+    """What makes entry no [key, tile] pair of a tiles file (None: it is one)."""
+    if not isinstance(entry, list) or len(entry) != 2 or not all(isinstance(v, list) for v in entry):
+        return "not a [key, tile] pair of lists"
+    key, t = entry
+    ints = lambda vs: all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in vs)  # noqa: E731
+    pow2 = lambda vs: all(v & (v - 1) == 0 for v in vs)  # noqa: E731
+    last = "BLOCK_M" if rows else "pdl"
+    if len(key) != 6 or not ints(key[:2]) or not all(isinstance(v, bool) for v in key[2:5]):
+        return f"a key is [N, K, norm, swiglu, residual, {last}]: N, K positive ints, the flags booleans"
+    if rows and key[5] not in (16, 32, 64):
+        return f"a rows key's BLOCK_M is 16, 32 or 64 (`rows_block`), got {key[5]!r}"
+    if not rows and not isinstance(key[5], bool):
+        return f"an M = 1 key's pdl is a boolean, got {key[5]!r}"
+    size = 5 if rows else 4
+    if len(t) != size or not ints(t[:4]) or not pow2(t[:3]):
+        return (f"a tile is [BLOCK_N, BLOCK_K, num_warps, num_stages{', PDL mode' if rows else ''}]: "
+                f"positive ints, the first three powers of two")
+    if rows and (t[4] not in ROWS_PDL_MODES or t[0] < 16):
+        return f"a rows tile's PDL mode is one of {ROWS_PDL_MODES} and its BLOCK_N >= 16 (tl.dot)"
+    return None
 
 
 ROWS_SMEM_BYTES = 160 * 1024  # the stages a rows tile may stage in shared memory (Hopper: 227 KB a block)
@@ -496,8 +566,8 @@ def _gemv_rows_kernel(
     tl.store(y_ptr + out_offs, y.to(dtype).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# The autotuner's (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..64 (TINYLOOP_AUTOTUNE=1,
-# a shape ROWS_TILES lacks): the best of the H200 sweep (bench/rows_tiles.py) across bench-285m's
+# The autotuner's (BLOCK_N, BLOCK_K, num_warps, num_stages) for M = 2..64 (gemv's `autotune`, a
+# shape no table holds): the best of the H200 sweep (bench/rows_tiles.py) across bench-285m's
 # projections. Even at M = 64 a call does 64 FLOPs per weight byte, below the tensor cores'
 # ridge: a tile's job is to keep enough of the weight read in flight on every SM.
 _ROWS_CONFIGS = [
@@ -546,7 +616,7 @@ def check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, evi
 
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
-         argmax_key=None, eviction_policy="", invariant=False):
+         argmax_key=None, eviction_policy="", invariant=False, tables=None, autotune=False):
     """x (..., K) holding 1 <= M <= 64 rows (any M >= 1 with invariant), weight (N, K) (with
     swiglu: (2F, K)) -> y (..., N or F).
 
@@ -558,8 +628,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     docstring, "batch-invariant"), so row m of y is bit for bit the M = 1 call's y for row m
     of x (and of residual) alone, whatever M and the other rows; M = 1 is the same launch
     either way.
-    pdl: launch with programmatic dependent launch and weight prefetch (default: `use_pdl`);
-    under the interpreter it selects the prefetching loop alone.
+    pdl: launch with programmatic dependent launch and weight prefetch (None: where the hardware
+    allows it, `use_pdl`); under the interpreter it selects the prefetching loop alone.
     out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
     all the same (with the plain call's tile: `_launch_tuned`), so a float32 y is exactly the
     default y's .float(), with no kernel to convert it (the decode step's logits).
@@ -571,7 +641,11 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     eviction_policy: the L2 eviction policy of the weight loads, as tl.load's: "" (the
     default), "evict_first" (a weight read once and streamed past) or "evict_last" (a weight
     read again soon: a looped model's shared block, read L times a token). y does not depend
-    on it."""
+    on it.
+    tables: (M = 1 entries, M > 1 entries) whose tiles the launch takes before the code's
+    TILES / ROWS_TILES (`tile`, `rows_tile`; a sweep's, `load_tables`); autotune: a shape no
+    table holds runs the autotuner's tile instead of the default one. Neither applies under
+    the interpreter, whose tile is fixed."""
     op = "gemv"
     tensors = {"x": x, "weight": weight}
     if argmax_key is not None:
@@ -608,7 +682,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                  EVICT=eviction_policy)
     xm = x.reshape(M, K).contiguous()
     if M > 1 and not invariant:
-        return _gemv_rows(xm, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags)
+        return _gemv_rows(xm, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags, tables, autotune)
 
     def args(out, key=argmax_key, rows=M):  # rows = 1: row 0 alone (the plain call `_launch_tuned` tunes)
         return (xm, weight, xm if norm_weight is None else norm_weight.contiguous(),
@@ -619,8 +693,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     if interpreting():
         _gemv[(M * triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
         return y
-    pdl = use_pdl(x.device) if pdl is None else pdl
-    t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl)
+    pdl = use_pdl(x.device, pdl)
+    t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, tables, autotune)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
                       rows=M, **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
@@ -666,7 +740,7 @@ def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, **meta):
     tuned.fn[grid(config.kwargs)](*args(y), **meta, **config.all_kwargs())  # as the autotuner launches it
 
 
-def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
+def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags, tables=None, autotune=False):
     """gemv's launch for 2 <= M <= MAX_FUSED_ROWS rows: x (M, K) contiguous, y and residual (..., N)
     contiguous, so (M, N) in memory."""
     bm = rows_block(M)
@@ -683,8 +757,9 @@ def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags):
         _gemv_rows_kernel[(triton.cdiv(N, 16),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False,
                                                  BLOCK_N=16, BLOCK_K=64)
         return y
-    pdl = use_pdl(x.device) if pdl is None else pdl
-    t = rows_tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], bm, x.element_size())
+    pdl = use_pdl(x.device, pdl)
+    t = rows_tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], bm, x.element_size(), tables,
+                  autotune)
     if t is None:
         _launch_tuned(_gemv_rows_tuned, N, args, y, x.dtype,
                       (N, K, weight.stride(0), x.device, pdl, bm, *flags.values()),
@@ -711,11 +786,11 @@ def argmax_key_ref(y):
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
-             out_dtype=None, argmax_key=None, eviction_policy="", invariant=False):
+             out_dtype=None, argmax_key=None, eviction_policy="", invariant=False, tables=None, autotune=False):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
     row by row over x's leading dims (the norm statistics are per row). (pdl and
-    eviction_policy change how the kernel reads, not what it computes; invariant, which
-    kernel's summation order a row gets, and this spec has one of its own.)"""
+    eviction_policy change how the kernel reads, not what it computes; invariant, tables and
+    autotune, which summation order a row gets, and this spec has one of its own.)"""
     y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

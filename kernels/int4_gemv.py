@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
 from ._launch import use_pdl
-from .gemv import MAX_ROWS, _argmax_key_max, _device_name, _dot_wt, check_options
+from .gemv import MAX_ROWS, _argmax_key_max, _dot_wt, check_options, table_entry
 
 
 @triton.jit
@@ -831,16 +831,6 @@ def default_matmul_tile(M: int, N: int) -> tuple[int, int, int, int, int]:
     return 64, 64, 128, 4, 3
 
 
-def table_entry(code_table: dict, which: int, tables, device, key):
-    """The tile of `key`: tables[which] (a sweep's entries, `load_tables`) first, then the code's
-    table for the device; None where neither holds it."""
-    if tables is not None and key in tables[which]:
-        return tables[which][key]
-    if device.type != "cuda":
-        return None  # (the code's tables are per GPU name)
-    return code_table.get(_device_name(device), {}).get(key)
-
-
 def load_tables(path: str) -> tuple[dict, dict]:
     """(M = 1 entries, M > 1 entries) of a bench/int4_tiles.py JSON, keyed as TILES' and
     MATMUL_TILES' per-device dicts; a file that is not such a sweep -> ValueError."""
@@ -944,7 +934,7 @@ def int4_gemv(x, qweight, scales, zeros, group_size, *, bits=4, norm_weight=None
     flags = dict(NORM=norm_weight is not None, SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
                  EVICT=eviction_policy, BITS=bits)
     nw = None if norm_weight is None else norm_weight.contiguous()
-    pdl = (use_pdl(x.device) if pdl is None else pdl) if not interpreting() else bool(pdl)
+    pdl = use_pdl(x.device, pdl) if not interpreting() else bool(pdl)
     x1 = x.reshape(M, K).contiguous()
     if M > 1:
         t = _rows_tile(op, x, qweight, group_size, bits, flags, N, K, M, tile, tables)

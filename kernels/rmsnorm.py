@@ -9,8 +9,9 @@ be, so the residual stream is bit-identical to the unfused path) and y = rmsnorm
 With ``skip`` (the post-norm of a sandwich-norm layer, then its residual add): returns
 skip + rmsnorm(x), rmsnorm(x) rounded to x.dtype first and the sum rounded once more, exactly
 as the unfused ``skip + rms_norm(x)``. This call launches with programmatic dependent launch
-where the GEMV does (`_launch.use_pdl`): it loads the norm weight, lets the next kernel launch,
-then waits for the previous kernel's writes (x, the projection just before it in a decode step).
+where the GEMV does (``pdl``, `_launch.use_pdl`): it loads the norm weight, lets the next kernel
+launch, then waits for the previous kernel's writes (x, the projection just before it in a
+decode step).
 
 Layout: x (..., D) with any leading dims, viewed as N = prod(leading) rows of D; weight (D,).
 Dtypes: x / residual fp16, bf16 or fp32; weight any of those; math in fp32; y and h in x.dtype.
@@ -72,9 +73,11 @@ def _rows(t, D):
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def rms_norm(x, weight, eps, residual=None, skip=None):
+def rms_norm(x, weight, eps, residual=None, skip=None, *, pdl=None):
     """x (..., D), weight (D,) -> y (..., D); with residual (..., D) -> (y, h); with skip (..., D)
-    -> skip + y (one of residual and skip at most)."""
+    -> skip + y (one of residual and skip at most). pdl: the skip launch's programmatic
+    dependent launch (`_launch.use_pdl`: None, where the hardware allows it; never under the
+    interpreter); the other launches wait for the previous kernel as usual."""
     op = "rms_norm"
     tensors = {"x": x, "weight": weight}
     if residual is not None and skip is not None:
@@ -111,7 +114,7 @@ def rms_norm(x, weight, eps, residual=None, skip=None):
     N = x2.shape[0]
     if N > 0:
         BLOCK_D = triton.next_power_of_2(D)
-        pdl = skip is not None and use_pdl(x.device) and not interpreting()
+        pdl = skip is not None and use_pdl(x.device, pdl) and not interpreting()
         _rms_norm_kernel[(N,)](
             x2, r2, weight, y, h, s2,
             x2.stride(0), r2.stride(0), s2.stride(0), D, float(eps),
@@ -125,8 +128,8 @@ def rms_norm(x, weight, eps, residual=None, skip=None):
     return y if residual is None else (y, h)
 
 
-def rms_norm_ref(x, weight, eps, residual=None, skip=None):
-    """The spec, in plain torch."""
+def rms_norm_ref(x, weight, eps, residual=None, skip=None, *, pdl=None):
+    """The spec, in plain torch (pdl: how the kernel launches, not what it computes)."""
     if skip is not None:
         return skip + rms_norm_ref(x, weight, eps)
     h = None

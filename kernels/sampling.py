@@ -167,7 +167,7 @@ def argmax(logits):
     return out
 
 
-def greedy_feed(key, tokens, positions, host, table, x):
+def greedy_feed(key, tokens, positions, host, table, x, *, pdl=None):
     """A batch-1 decode step's greedy token from the argmax key its head projection left
     (`gemv(..., argmax_key=key)`), fed forward in one kernel: greedy (1,) int64 =
     (V - 1) - (key & 0xFFFFFFFF); then tokens (1, 1) = greedy, positions += 1,
@@ -180,7 +180,8 @@ def greedy_feed(key, tokens, positions, host, table, x):
     the next step (launched ahead) runs. No kernel reads the logits back: an argmax pass over
     the vocabulary would be one more serial kernel on the step's critical path, which the key the
     head leaves makes unnecessary, and the embedding gather rides in this one. With PDL
-    (`use_pdl`) it launches while the head runs and waits for it."""
+    (pdl: `use_pdl`'s; None, where the hardware allows it, never under the interpreter) it
+    launches while the head runs and waits for it."""
     op = "greedy_feed"
     check_device(op, key=key, tokens=tokens, positions=positions, table=table, x=x)
     check_shape(op, "key", key, (1,))
@@ -197,7 +198,7 @@ def greedy_feed(key, tokens, positions, host, table, x):
     if key.is_cuda and not torch.cuda.is_current_stream_capturing() and not host.is_pinned():
         raise ValueError(f"{op}: host must be pinned host memory (the kernel writes it from the GPU)")
     out = torch.empty((1,), dtype=torch.int64, device=key.device)
-    pdl = use_pdl(key.device) and not interpreting()
+    pdl = use_pdl(key.device, pdl) and not interpreting()
     _greedy_feed_kernel[(1,)](key, out, tokens, positions, host, table, x, *table.stride(), V, D,
                               BLOCK_D=min(triton.next_power_of_2(D), 4096), PDL=pdl, num_warps=4,
                               launch_pdl=pdl)
@@ -247,8 +248,9 @@ def argmax_ref(logits):
     return logits.argmax(dim=-1)
 
 
-def greedy_feed_ref(key, tokens, positions, host, table, x):
-    """The spec, in plain torch (CPU: the host ring is written like any tensor)."""
+def greedy_feed_ref(key, tokens, positions, host, table, x, *, pdl=None):
+    """The spec, in plain torch (CPU: the host ring is written like any tensor; pdl: how the
+    kernel launches, not what it computes)."""
     V = table.shape[0]
     out = (V - 1) - (key & 0xFFFFFFFF)
     key.fill_(ARGMAX_KEY_NONE)

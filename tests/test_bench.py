@@ -376,6 +376,38 @@ def test_tiles_sweep_candidates_and_refusals():
             tiles.main(["--model", "tiny"])
 
 
+def test_tiles_sweep_hands_its_tiles_to_the_launches(tmp_path, tiny_path, monkeypatch):
+    """bench/tiles.py tries tiles through gemv's explicit `tables` argument: `use_tiles` points
+    the model's fused projections at gemv bound to the sweep's table (and autotune), with the
+    model's own pdl; `Lookups` records the keys a launch asks for; the chosen tiles are written
+    as a tiles file that kernels/gemv.py `load_tables` (Settings.gemv_tiles) reads back. The
+    module's TILES are never touched."""
+    import copy
+    import importlib
+
+    from bench import tiles
+    from tinyloop.worker import Model
+    from tinyloop.worker.model.settings import Settings
+    gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
+    code_tables = copy.deepcopy(gemv_mod.TILES)
+    seen = []
+    real = gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    key = (448, 320, True, False, False, True)
+    table = tiles.Lookups({key: (8, 64, 4, 1)})
+    assert key in table and (1, 2) not in table and table.asked == [key, (1, 2)]
+    with Model(tiny_path, max_seq_len=32, n_slots=1, dtype="float32", backend="triton", cuda_graphs=False,
+               settings=Settings(pdl=False)) as m:
+        tables = (table, {})
+        tiles.use_tiles(m, tables, autotune=True)
+        m.generate([3, 17, 42], loops=2, max_tokens=2)
+    assert seen and all(kw["tables"] is tables and kw["autotune"] and kw["pdl"] is False for kw in seen)
+    assert gemv_mod.TILES == code_tables
+    path = tmp_path / "tiles-tiny-cuda.json"
+    path.write_text(json.dumps({"sweep": [], "tiles": tiles.tiles_file({key: (8, 64, 4, 1)})}))
+    assert gemv_mod.load_tables(str(path)) == ({key: (8, 64, 4, 1)}, {})
+
+
 def test_startup_bench_cpu(tmp_path):
     """bench/startup.py on CPU (a smoke run: nothing is captured there): one record per lane
     count (the model's cache lanes) with the model's start-up parts, and its refusals."""

@@ -144,7 +144,8 @@ class Model:
             if quant_checkpoint.spec_of(meta, self.path) is not None:
                 raise ValueError(f"batch_invariant has no INT4 kernels; {self.path} holds quantized weights "
                                  f"({self.weight_format})")
-        ops = select_ops(self.device, settings.backend, settings.batch_invariant, settings.int4_tiles)
+        ops = select_ops(self.device, settings.backend, settings.batch_invariant, settings.int4_tiles,
+                         settings.gemv_tiles, settings.pdl, settings.autotune)
         if ops.name == "triton":
             model.use_fast_path(ops.rms_norm, ops.gemv, settings.fused_rows, ops.swiglu,
                                 settings.l2_keep_fraction, settings.l2_stream, ops.invariant)

@@ -192,12 +192,11 @@ def test_fixed_tiles_are_launchable():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_untabled_shapes_take_a_fixed_tile_not_the_autotuner():
-    """Without TINYLOOP_AUTOTUNE a shape no table holds runs its default tile, never the
-    autotuner (whose pick is per process): the autotuners' caches stay empty, and the result is
-    the reference's."""
+    """Without autotune (gemv's default; Settings.autotune off) a shape no table holds runs its
+    default tile, never the autotuner (whose pick is per process): the autotuners' caches stay
+    empty, and the result is the reference's."""
     import importlib
     gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
-    assert not gemv_mod.autotuning()
     torch.manual_seed(0)
     for M, invariant in ((1, False), (3, False), (12, False), (3, True), (33, True)):
         x = torch.randn(M, 1, 320, device="cuda", dtype=torch.bfloat16)
@@ -205,6 +204,74 @@ def test_untabled_shapes_take_a_fixed_tile_not_the_autotuner():
         nw = (1 + 0.1 * torch.randn(320, device="cuda")).to(torch.bfloat16)
         assert_close(gemv(x, w, norm_weight=nw, invariant=invariant), gemv_ref(x, w, norm_weight=nw), "projection")
     assert not gemv_mod._gemv_tuned.cache and not gemv_mod._gemv_rows_tuned.cache
+
+
+def test_tiles_tables_come_before_the_code_tables(monkeypatch):
+    """A tiles table handed to the launch (gemv's `tables`: Settings.gemv_tiles) wins over the
+    code's TILES / ROWS_TILES entry for its key; a key it lacks takes the code's, then the
+    default tile (or, with autotune, the autotuner: None). (The device name is stubbed: the code's
+    tables are per GPU name, and this runs without one.)"""
+    import importlib
+    gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
+    monkeypatch.setattr(gemv_mod, "_device_name", lambda device: "NVIDIA H200")
+    gpu = torch.device("cuda", 0)
+    key, code = next(iter(gemv_mod.TILES["NVIDIA H200"].items()))
+    rows_key, rows_code = next(iter(gemv_mod.ROWS_TILES["NVIDIA H200"].items()))
+    mine, rows_mine = (1, 64, 2, 1), (16, 64, 4, 2, "off")
+    assert mine != code and rows_mine != rows_code
+    tables = ({key: mine}, {rows_key: rows_mine})
+    assert gemv_mod.table_entry(gemv_mod.TILES, 0, tables, gpu, key) == mine
+    assert gemv_mod.table_entry(gemv_mod.TILES, 0, None, gpu, key) == code
+    assert gemv_mod.tile(gpu, *key, tables=tables) == mine and gemv_mod.tile(gpu, *key) == code
+    assert gemv_mod.rows_tile(gpu, *rows_key, tables=tables) == rows_mine
+    assert gemv_mod.rows_tile(gpu, *rows_key) == rows_code
+    untabled = (448, 320, True, False, False, True)
+    assert gemv_mod.tile(gpu, *untabled, tables=tables) == gemv_mod.default_tile(320)
+    assert gemv_mod.tile(gpu, *untabled, tables=tables, autotune=True) is None
+    assert gemv_mod.tile(gpu, *untabled, tables=({untabled: mine}, {}), autotune=True) == mine
+    # off CUDA the code's tables hold nothing: the handed table alone
+    assert gemv_mod.table_entry(gemv_mod.TILES, 0, tables, torch.device("cpu"), key) == mine
+    assert gemv_mod.table_entry(gemv_mod.TILES, 0, None, torch.device("cpu"), key) is None
+
+
+def test_tiles_file_is_read_and_a_bad_one_refused(tmp_path):
+    """load_tables reads a tiles JSON (what bench/tiles.py writes, its other fields ignored) into
+    (M = 1 entries, M > 1 entries) keyed as TILES / ROWS_TILES; anything else is a ValueError
+    that names the file, the entry and the form."""
+    import json
+
+    from tinyloop.kernels.gemv import load_tables
+    path = tmp_path / "tiles-default-cuda.json"
+    path.write_text(json.dumps({"device_name": "X", "sweep": [],
+                                "tiles": [[[6144, 2048, True, False, False, True], [16, 512, 4, 1]]],
+                                "rows_tiles": [[[2048, 2048, False, False, True, 32], [16, 256, 4, 6, "wait"]]]}))
+    assert load_tables(str(path)) == ({(6144, 2048, True, False, False, True): (16, 512, 4, 1)},
+                                      {(2048, 2048, False, False, True, 32): (16, 256, 4, 6, "wait")})
+    path.write_text(json.dumps({"tiles": []}))
+    assert load_tables(str(path)) == ({}, {})
+    for text, match in [
+        ("not json", "not a readable JSON file"),
+        ("[1, 2]", 'expected an object with "tiles" and / or "rows_tiles"'),
+        ('{"tiles_entries": []}', 'expected an object with "tiles" and / or "rows_tiles"'),
+        ('{"tiles": {"a": 1}}', '"tiles" must be a list of \\[key, tile\\] pairs'),
+        ('{"tiles": [[1, 2]]}', r"tiles\[0\] = \[1, 2\]: not a \[key, tile\] pair of lists"),
+        # an int4 sweep's key (N, K, G, bits, norm, swiglu, residual, pdl)
+        ('{"tiles": [[[6144, 2048, 128, 4, true, false, false, true], ["pairs", 64, 1, 4, 1, 8]]]}',
+         r"a key is \[N, K, norm, swiglu, residual, pdl\]"),
+        ('{"tiles": [[[64, 64, true, false, false, 1], [2, 64, 4, 1]]]}', "an M = 1 key's pdl is a boolean"),
+        ('{"tiles": [[[64, 64, true, false, false, true], [3, 64, 4, 1]]]}', "the first three powers of two"),
+        ('{"tiles": [[[64, 64, true, false, false, true], [2, 64, 4]]]}', "a tile is \\[BLOCK_N, BLOCK_K"),
+        ('{"rows_tiles": [[[64, 64, true, false, false, 8], [16, 64, 4, 1, "off"]]]}',
+         "a rows key's BLOCK_M is 16, 32 or 64"),
+        ('{"rows_tiles": [[[64, 64, true, false, false, 16], [16, 64, 4, 1, "soon"]]]}',
+         r"rows_tiles\[0\].*PDL mode is one of"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match) as e:
+            load_tables(str(path))
+        assert str(e.value).startswith(f"gemv tiles {str(path)!r}: "), e.value
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        load_tables(str(tmp_path / "missing.json"))
 
 
 def test_gemv_argmax_key_rejects_bad_inputs():
@@ -551,14 +618,12 @@ def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pd
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fusion", ["norm", "residual"])
-def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion, monkeypatch):
-    """TINYLOOP_AUTOTUNE=1, a shape no table holds, the invariant call first: it runs the tile
-    tuned for the plain M = 1 call (tuned on row 0 alone), so its rows are the M = 1 calls' bits,
+def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion):
+    """autotune=True, a shape no table holds, the invariant call first: it runs the tile tuned
+    for the plain M = 1 call (tuned on row 0 alone), so its rows are the M = 1 calls' bits,
     float32 y included. (The autotuner's caches are emptied after: the other tests run fixed tiles.)"""
     import importlib
     gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
-    monkeypatch.setenv("TINYLOOP_AUTOTUNE", "1")
-    gemv_mod.autotuning.cache_clear()
     try:
         torch.manual_seed(4)
         M, N, K = 7, 400, 336  # in no table
@@ -567,14 +632,14 @@ def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion, monkeyp
         kw = ({"norm_weight": (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)} if fusion == "norm"
               else {"residual": torch.randn(M, 1, N, device="cuda", dtype=torch.bfloat16)})
         for out_dtype in (torch.float32, None):
-            y = gemv(x, w, invariant=True, out_dtype=out_dtype, **kw)
+            y = gemv(x, w, invariant=True, out_dtype=out_dtype, autotune=True, **kw)
             for m in range(M):
                 one = first_rows(kw, slice(m, m + 1))
-                assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, **one)), (out_dtype, m)
+                assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, autotune=True,
+                                                    **one)), (out_dtype, m)
         assert gemv_mod._gemv_tuned.cache and gemv_mod._PLAIN_CONFIG
         assert_matches_ref(y, x, w, kw)
-    finally:  # (autotuning() reads the environment again at its next call, after monkeypatch's undo)
-        gemv_mod.autotuning.cache_clear()
+    finally:
         gemv_mod._gemv_tuned.cache.clear()
         gemv_mod._PLAIN_CONFIG.clear()
 

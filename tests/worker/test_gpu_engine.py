@@ -569,7 +569,7 @@ def test_close_frees_the_graphs_without_a_collection(tiny_path):
 
 def test_two_processes_give_bitwise_equal_logits(tmp_path):
     """Every projection runs a fixed tile (kernels/gemv.py TILES, else its default; the
-    autotuner only with TINYLOOP_AUTOTUNE=1), so two worker processes of the embedded default
+    autotuner only with Settings.autotune, TINYLOOP_AUTOTUNE=1), so two worker processes of the embedded default
     model (bf16) give bitwise-equal logits and tokens: replicas round near ties alike."""
     import subprocess
     import sys

@@ -6,6 +6,7 @@ import pathlib
 import pytest
 
 WORKER = pathlib.Path(__file__).resolve().parents[2] / "worker"
+KERNELS = WORKER.parent / "kernels"
 ORDER = ["model", "runner", "generation", "api", "serving"]  # low to high
 
 
@@ -52,3 +53,14 @@ def test_the_worker_reads_the_environment_in_settings_only():
             continue
         text = f.read_text()
         assert "os.environ" not in text and "getenv" not in text, f"{f.relative_to(WORKER)} reads the environment"
+
+
+def test_the_kernels_read_the_environment_for_triton_alone():
+    """How a launch runs (pdl, autotune, tiles) is an argument the ops pass from Settings: the
+    one variable the kernels read is Triton's own TRITON_INTERPRET (kernels/_checks.py)."""
+    triton_own = 'os.environ.get("TRITON_INTERPRET", "0")'
+    for f in sorted(KERNELS.glob("*.py")):
+        reads = [line.strip() for line in f.read_text().splitlines()
+                 if ("os.environ" in line or "getenv" in line) and triton_own not in line]
+        assert not reads, f"kernels/{f.name} reads the environment: {reads}"
+    assert triton_own in (KERNELS / "_checks.py").read_text()

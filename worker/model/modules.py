@@ -353,6 +353,17 @@ class LoopedTransformer(nn.Module):
                 m.gemv, m.gemv_rows, m.invariant = self.gemv, self.gemv_rows, invariant
                 m.l2_keep_fraction, m.l2_stream, m._l2_kept = l2_keep_fraction, l2_stream, None
 
+    def use_gemv(self, gemv) -> None:
+        """The fast path's fused projections (every block's and the head's) on another launcher,
+        rows and options as they are: bench/tiles.py hands the model gemv bound to the tiles it
+        tries (an explicit argument of each launch)."""
+        if self.gemv is None:
+            raise ValueError("use_gemv replaces the fast path's projection launcher: call use_fast_path first")
+        self.gemv = gemv
+        for m in [*self.modules(), *(m for variant in self.loop_variants for m in variant.modules())]:
+            if isinstance(m, Block):
+                m.gemv = gemv
+
     @property
     def inv_freq(self) -> torch.Tensor:
         """(hd/2,) fp32 rotation frequencies."""

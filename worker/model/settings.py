@@ -55,7 +55,16 @@ class Settings:
     through a token) runs its rows each at its own iteration, every pass over all of them
     (`Runner.interleave`, generation/batcher.py): a shallow stream decodes its next token while
     a deep one is still iterating, instead of every row waiting for the deepest. Off: each
-    step runs every row's whole token, each iteration over the rows that still need it."""
+    step runs every row's whole token, each iteration over the rows that still need it.
+    gemv_tiles: a bf16 tiles JSON (kernels/gemv.py `load_tables`; bench/tiles.py writes one)
+    whose tiles the fused projections (kernels/gemv.py) take before the code's tables (TILES,
+    ROWS_TILES): a sweep tried on a model without editing the code; None: the code's tables.
+    pdl: the Triton launches that can (the projections, decode attention, the sandwich
+    post-norm, greedy_feed) use programmatic dependent launch where the hardware allows it
+    (CUDA capability 9 and later; kernels/_launch.py); off, every launch waits for the kernel
+    before it. autotune: a projection shape that no tile table holds runs the autotuner's tile
+    (picked per process, so two workers may sum its rows in different orders) instead of the
+    default tile."""
     backend: str | None = None
     cuda_graphs: bool | None = None
     prefill_graph_len: int = 2048
@@ -72,6 +81,9 @@ class Settings:
     sampler_graphs: bool = True
     int4_tiles: str | None = None
     interleave: bool = True
+    gemv_tiles: str | None = None
+    pdl: bool = True
+    autotune: bool = False
 
     def __post_init__(self):
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
@@ -92,6 +104,12 @@ class Settings:
             raise ValueError(f"dual_bit_switch must be >= 0, got {self.dual_bit_switch}")
 
     @property
+    def launch_pdl(self) -> bool | None:
+        """The `pdl=` every Triton launcher takes from these settings: None (on where the
+        hardware allows it) or False."""
+        return None if self.pdl else False
+
+    @property
     def rounding(self) -> str:
         """The shared block's quantized rounding across iterations (quant_checkpoint.ROUNDINGS)."""
         return "cancel" if self.cancel_round else "stochastic" if self.cross_iter_round else "nearest"
@@ -106,16 +124,18 @@ class Settings:
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
         TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_BATCH_INVARIANT (0/1),
-        TINYLOOP_DEVICE_ROUNDS (0/1), TINYLOOP_SAMPLER_GRAPHS (0/1), TINYLOOP_INT4_TILES (a path)
-        and TINYLOOP_INTERLEAVE (0/1); kv_mode by the reference runtime's switches
-        (`kv_mode_from_env`)."""
+        TINYLOOP_DEVICE_ROUNDS (0/1), TINYLOOP_SAMPLER_GRAPHS (0/1), TINYLOOP_INT4_TILES (a path),
+        TINYLOOP_INTERLEAVE (0/1), TINYLOOP_GEMV_TILES (a path), TINYLOOP_PDL (0/1) and
+        TINYLOOP_AUTOTUNE (0/1); kv_mode by the reference runtime's switches
+        (`kv_mode_from_env`). A 0/1 switch reads "0", "false", "no" and "" as off, anything
+        else as on."""
         env = os.environ if environ is None else environ
         flag = lambda v: v not in ("0", "false", "no", "")  # noqa: E731
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
                  "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
                  "batch_invariant": flag, "device_rounds": flag, "sampler_graphs": flag, "int4_tiles": str,
-                 "interleave": flag}
+                 "interleave": flag, "gemv_tiles": str, "pdl": flag, "autotune": flag}
         values = {}
         for name, parse in kinds.items():
             raw = env.get(f"TINYLOOP_{name.upper()}")

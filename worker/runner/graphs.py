@@ -84,7 +84,7 @@ def decode_step(engine: Engine, slot: torch.Tensor, loops: int, tokens: torch.Te
     p = e.make_pass(slot, positions, e.cache.max_seq_len)
     h = e.run_loops(e.prelude(x, p), p, 0, loops)
     logits = e.logits(e.coda(h, p), p, argmax_key=key)[:, -1]
-    return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x), h
+    return logits, greedy_feed(key, tokens, positions, host, e.model.tok_embeddings.weight, x, pdl=e.ops.pdl), h
 
 
 FUSE_AFTER = 8     # a sequence of stages runs as one graph from its 8th launch on (a capture costs ms: rare ones never)

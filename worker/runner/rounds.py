@@ -28,6 +28,8 @@ builds and runs rounds.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
@@ -60,7 +62,8 @@ class ChainRound:
         self.offsets = torch.arange(k + 1, device=dev)[None]
         self.chunk_positions = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
-        self._feed = greedy_feed if dev.type == "cuda" else greedy_feed_ref
+        # (pdl: Settings.pdl, which the engine's ops carry on either backend)
+        self._feed = functools.partial(greedy_feed if dev.type == "cuda" else greedy_feed_ref, pdl=engine.ops.pdl)
 
     @property
     def work(self) -> tuple[int, int]:
