@@ -169,12 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     longest = max(args.steps, args.sustained if args.mixed_depths else 0)
     kw = dict(max_seq_len=args.context + longest + 64, device=dev, dtype=dtype, n_slots=lanes,
               prefill_graph_len=args.context)
-    base = Settings(fused_rows=args.base_fused_rows)
+    base = Settings.from_env().replace(fused_rows=args.base_fused_rows)
     graphs = Model(path, cuda_graphs=cuda, settings=base, **kw)
     eager = Model(path, cuda_graphs=False, settings=base, **kw)
     fused = Model(path, cuda_graphs=True, settings=base.replace(fused_rows=args.fused_rows), **kw) \
         if cuda and args.fused_rows else None
-    invariant = Model(path, cuda_graphs=True, settings=Settings(batch_invariant=True), **kw) \
+    invariant = Model(path, cuda_graphs=True, settings=Settings.from_env().replace(batch_invariant=True), **kw) \
         if cuda and args.invariant else None
     result: dict = {"hardware": hardware(dev), "model": f"{args.preset} (random init, {str(dtype)[6:]})",
                     "loops": args.loops, "context": args.context, "steps": args.steps, "lanes": lanes,

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     Ld, Lv, k = args.draft_loops, args.verify_loops, args.draft_ahead
     with Model(args.model, max_seq_len=512, device="cuda", n_slots=1,
-               settings=Settings(batch_invariant=args.batch_invariant)) as m:
+               settings=Settings.from_env().replace(batch_invariant=args.batch_invariant)) as m:
         dev, r = m.device, m.runner
         prompt = m.tokenizer.encode(PROMPTS[0])
         m.generate(prompt, loops=Lv, max_tokens=4)

@@ -140,12 +140,13 @@ def main(argv: list[str] | None = None) -> None:
         tuned = q4.load_tables(args.tiles)
         result["tiles"] = {"file": args.tiles, "gemv": [[list(k), list(t)] for k, t in tuned[0].items()],
                            "matmul": [[list(k), list(t)] for k, t in tuned[1].items()]}
-    formats = [("bf16", src, Settings()), ("int4", qpath, Settings()),
-               ("int4-dual-bit", qpath, Settings(dual_bit=True))]
+    env = Settings.from_env()  # every row's model: the environment's settings (TINYLOOP_PDL, ...) and its own
+    formats = [("bf16", src, env), ("int4", qpath, env),
+               ("int4-dual-bit", qpath, env.replace(dual_bit=True))]
     if args.tiles:
         # the sweep's tiles before the code's tables (Settings.int4_tiles), the same file
-        formats += [("int4-tuned", qpath, Settings(int4_tiles=args.tiles)),
-                    ("int4-dual-bit-tuned", qpath, Settings(dual_bit=True, int4_tiles=args.tiles))]
+        formats += [("int4-tuned", qpath, env.replace(int4_tiles=args.tiles)),
+                    ("int4-dual-bit-tuned", qpath, env.replace(dual_bit=True, int4_tiles=args.tiles))]
     formats = [f for f in formats if f[0] in chosen]
     for fmt, path, settings in formats:
         # no prefill graphs: the benchmark times decode only (bench/decode.py's decode_runner)

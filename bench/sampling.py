@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     kw = dict(max_seq_len=args.context + args.tokens + 64, device=dev, n_slots=args.batch)
-    models = {"sampler_graphs": Model(args.model, settings=Settings(sampler_graphs=True), **kw),
-              "sampler_eager": Model(args.model, settings=Settings(sampler_graphs=False), **kw)}
+    models = {"sampler_graphs": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=True), **kw),
+              "sampler_eager": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=False), **kw)}
     first = models["sampler_graphs"]
     ps = prompts(args.batch, args.context, first.config.vocab_size)
     result: dict = {"hardware": hardware(dev), "model": first.path, "loops": args.loops, "context": args.context,

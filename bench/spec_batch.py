@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     invariant = device.type == "cuda" if args.batch_invariant is None else args.batch_invariant
     rows = []
     with Model(args.model, max_seq_len=512, device=device, n_slots=max(args.streams),
-               settings=Settings(batch_invariant=invariant)) as m:
+               settings=Settings.from_env().replace(batch_invariant=invariant)) as m:
         modes = {"in turn": _in_turn, "shared": _shared, "plain batched": _plain}
         for n in tqdm(args.streams, desc="streams"):
             reqs = _requests(m, n, args)

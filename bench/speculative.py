@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     invariant = device.type == "cuda" if args.batch_invariant is None else args.batch_invariant
     with Model(args.model, max_seq_len=512, device=device, n_slots=1,
-               settings=Settings(batch_invariant=invariant)) as m:
+               settings=Settings.from_env().replace(batch_invariant=invariant)) as m:
         dev = m.device
         Lv = min(args.verify_loops, m.config.max_loops)
         prompts = [m.tokenizer.encode(p) for p in PROMPTS[:args.prompts]]
