@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -163,6 +164,8 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         self.on_health = None  # async callback(serving: bool), set by Gateway: some worker can take work or none
         self.streams: set[asyncio.Task] = set()  # the handler tasks of the streams in flight
         self.cut: set[asyncio.Task] = set()      # those the drain cut at the end of its grace
+        # handler task -> ends its stream at its next wait for an item (a worker channel stream's)
+        self.interrupts: dict[asyncio.Task, Callable[[], bool]] = {}
 
     # -- plumbing -----------------------------------------------------------------------
     def _caller(self, context) -> str:
@@ -402,7 +405,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                 raise ServiceError("INTERNAL", "INTERNAL", f"{w.label} ended the stream without a Complete")
         except ServiceError as e:
             await self._fail(method, context, e)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, worker_channel.Interrupted):
             if task not in self.cut:
                 raise
             # the drain's grace ran out with this stream still going: it ends with the reason
@@ -456,12 +459,15 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         except (OSError, asyncio.TimeoutError) as e:
             raise _ChannelDown(f"{w.label}'s channel cannot be reached: {type(e).__name__}: {e}") from None
         events = link.stream(key, call)
+        task = asyncio.current_task()  # the handler's: it iterates this generator
+        self.interrupts[task] = lambda: link.interrupt(key)
         try:
             async for ev in events:
                 yield worker_channel.item(ev)
         except worker_channel.ChannelClosed as e:
             raise _ChannelDown(str(e)) from None
         finally:
+            self.interrupts.pop(task, None)
             await events.aclose()
 
     def _complete(self, w: _Worker, c: dict) -> pb.Complete:
@@ -755,13 +761,20 @@ class Gateway:
             # streams still going at the end of the grace end with UNAVAILABLE / DRAINING, not
             # with grpc's reason-less "Cancelling all calls"
             cut = self.servicer.cut = set(self.servicer.streams)
+            # a worker channel stream ends where it next waits for an item (Link.interrupt); a
+            # cancel could land while the handler hands grpc a message, outside the handler's
+            # own code, which then never sends its status. Streams over Ray calls are cancelled.
             for task in cut:
-                task.cancel()
+                interrupt = self.servicer.interrupts.get(task)
+                if interrupt is None or not interrupt():
+                    task.cancel()
             # each cut stream's handler sends its status before the server stops, and the stop
             # leaves the connections open a moment for it to reach the client: a stop right after
             # the cancel can close a connection with the status unsent (the client then reads a
             # bare UNAVAILABLE)
-            await asyncio.wait(cut, timeout=1.0)
+            _, stuck = await asyncio.wait(cut, timeout=1.0)
+            for task in stuck:  # a handler that never came back to wait for an item
+                task.cancel()
             floor = 0.5
         await self.server.stop(max(floor, deadline - time.monotonic()))
         for w in self.servicer.workers:

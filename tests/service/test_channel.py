@@ -150,6 +150,29 @@ def test_a_direct_caller_leaving_mid_stream_frees_the_lane(actors, how):
     assert time.monotonic() - t0 < 2.0
 
 
+def test_an_interrupted_stream_ends_at_its_next_wait_and_frees_the_lane(actors):
+    # Link.interrupt (the gateway's drain): the stream's iterator raises Interrupted where it next
+    # waits for an event, and the worker's stream is cancelled; a key with no stream: False
+    info = _info(actors)
+    call = cpb.StreamCall(key="k-interrupt", caller="anonymous", generate=_params(loops=8, max_tokens=2000))
+
+    async def interrupted():
+        link = await channel.Link.open(info["address"], info["token"])
+        events = link.stream(call.key, call)
+        first = await events.__anext__()
+        assert link.interrupt(call.key) and not link.interrupt("no-such-stream")
+        with pytest.raises(channel.Interrupted):
+            while True:
+                await events.__anext__()
+        assert call.key not in link.queues
+        await asyncio.sleep(0.2)  # the cancel frame goes out before the connection closes
+        await link.close()
+        return first
+    assert asyncio.run(interrupted()).chunk.ids
+    stats = wait_idle(actors)
+    assert all(s["active_lanes"] == 0 and s["streams"] == 0 for s in stats), stats
+
+
 def test_a_link_that_ended_is_opened_again_by_the_next_stream(gateway, local_model):
     """The connection to a live worker ends (a network cut, a proxy's idle timeout): the next
     stream opens a new one and streams there, and the worker stays in placement."""

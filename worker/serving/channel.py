@@ -100,6 +100,13 @@ class ChannelClosed(Exception):
     the token)."""
 
 
+class Interrupted(Exception):
+    """The gateway ended the stream on its side (`Link.interrupt`: its drain ran out)."""
+
+
+_INTERRUPT = object()  # a stream queue's item: `Link.interrupt`
+
+
 def frame(f: cpb.LinkFrame) -> bytes:
     data = f.SerializeToString()
     return _LENGTH.pack(len(data)) + data
@@ -242,6 +249,8 @@ class Link:
                 ev = await q.get()
                 if ev is None:
                     raise ChannelClosed("the connection to the worker's channel ended mid-stream")
+                if ev is _INTERRUPT:
+                    raise Interrupted(f"stream {key} interrupted by the gateway")
                 done = ev.WhichOneof("event") != "chunk"
                 yield ev
                 if done:
@@ -250,6 +259,17 @@ class Link:
             del self.queues[key]
             if not done and not self.closed:
                 self.writer.write(frame(cpb.LinkFrame(key=key, cancel=True)))
+
+    def interrupt(self, key: str) -> bool:
+        """End the stream `key` where its consumer next waits for an event: its iterator raises
+        Interrupted there (and cancels the stream on the worker). A consumer busy elsewhere,
+        sending the last event on, finishes that first, unlike a task cancel, which can land in
+        the middle of it. False: no such stream (it has ended)."""
+        q = self.queues.get(key)
+        if q is None:
+            return False
+        q.put_nowait(_INTERRUPT)
+        return True
 
     async def close(self) -> None:
         self.closed = True
