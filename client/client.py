@@ -28,6 +28,30 @@ FINISH_NAMES = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
                    ("grpc.keepalive_permit_without_calls", 1)]
+SERVICE = "tinyloop.v1.TinyLoop"
+MAX_ATTEMPTS = 4  # gRPC caps a retry policy at 5
+
+
+def channel_options(max_attempts: int = MAX_ATTEMPTS) -> list[tuple[str, object]]:
+    """CHANNEL_OPTIONS with gRPC's own retry policy: a call answered UNAVAILABLE before any
+    response message (a gateway draining for a rolling update, a worker lost before the call's
+    first token, a gateway not reachable yet) is tried again, up to `max_attempts` attempts in
+    all, after a randomized exponential backoff (0.1 s doubling to 1 s), so that the channel's
+    load balancing (several gateway addresses behind one name) can take it elsewhere. A stream
+    that has sent a message is committed and never replayed: its tokens are not duplicated.
+    Retries are throttled per channel (gRPC's retryThrottling) so that a failing service sees
+    no storm of them. max_attempts 1: no retry."""
+    import json
+    if not 1 <= max_attempts <= 5:
+        raise ValueError(f"max_attempts must be in [1, 5] (gRPC's retry policy caps it at 5), got {max_attempts}")
+    if max_attempts == 1:
+        return [*CHANNEL_OPTIONS, ("grpc.enable_retries", 0)]
+    config = {"methodConfig": [{"name": [{"service": SERVICE}],
+                                "retryPolicy": {"maxAttempts": max_attempts, "initialBackoff": "0.1s",
+                                                "maxBackoff": "1s", "backoffMultiplier": 2,
+                                                "retryableStatusCodes": ["UNAVAILABLE"]}}],
+              "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}}
+    return [*CHANNEL_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
 
 
 class TinyLoopError(RuntimeError):
@@ -233,15 +257,19 @@ def tls_credentials(root_certificates: bytes | None = None, private_key: bytes |
 class TinyLoopClient:
     """Blocking client. `caller` is the identity that owns the handles you build; `token` a
     bearer token when the gateway enforces auth. `root_certificates` (PEM bytes) connects over
-    TLS; with `private_key` and `certificate_chain` too, mutual TLS."""
+    TLS; with `private_key` and `certificate_chain` too, mutual TLS. `max_attempts`: a call
+    answered UNAVAILABLE before any response is tried up to this many times (`channel_options`;
+    1: never again); a `channel` of your own keeps its own options."""
 
     def __init__(self, address: str = "127.0.0.1:50051", caller: str | None = None, token: str | None = None,
                  channel: grpc.Channel | None = None, root_certificates: bytes | None = None,
-                 private_key: bytes | None = None, certificate_chain: bytes | None = None):
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
+                 max_attempts: int = MAX_ATTEMPTS):
         creds = tls_credentials(root_certificates, private_key, certificate_chain)
+        options = channel_options(max_attempts)
         if channel is None:
-            channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if creds is None
-                       else grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS))
+            channel = (grpc.insecure_channel(address, options=options) if creds is None
+                       else grpc.secure_channel(address, creds, options=options))
         self.channel = channel
         self.stub = pb_grpc.TinyLoopStub(self.channel)
         self.metadata = _metadata(caller, token)
@@ -319,10 +347,11 @@ class AsyncTinyLoopClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", caller: str | None = None, token: str | None = None,
                  root_certificates: bytes | None = None, private_key: bytes | None = None,
-                 certificate_chain: bytes | None = None):
+                 certificate_chain: bytes | None = None, max_attempts: int = MAX_ATTEMPTS):
         creds = tls_credentials(root_certificates, private_key, certificate_chain)
-        self.channel = (grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if creds is None
-                        else grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS))
+        options = channel_options(max_attempts)
+        self.channel = (grpc.aio.insecure_channel(address, options=options) if creds is None
+                        else grpc.aio.secure_channel(address, creds, options=options))
         self.stub = pb_grpc.TinyLoopStub(self.channel)
         self.metadata = _metadata(caller, token)
 

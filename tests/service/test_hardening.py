@@ -214,9 +214,11 @@ def test_a_handle_built_after_its_caller_left_is_freed(service, client):
 
 
 def test_a_stream_cut_by_the_drain_says_why(ray_cluster, model_path):
+    from tinyloop.gateway import metrics
     actors, gw = start_service(model_path, "w-drain", n=1, lanes=1)
     try:
         c = TinyLoopClient(gw.address, caller="alice")
+        before = metrics.REQUESTS.labels("Generate")._value.get()
         it = iter(c.generate(PROMPT, loops=8, max_tokens=2000, timeout=60))
         assert next(it).ids
         stopper = threading.Thread(target=gw.stop, args=(0.2,))
@@ -224,6 +226,8 @@ def test_a_stream_cut_by_the_drain_says_why(ray_cluster, model_path):
         err = _error(lambda: list(it))
         stopper.join(10)
         assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "DRAINING")
+        # the stream had sent a chunk: the client's retry policy does not replay it
+        assert metrics.REQUESTS.labels("Generate")._value.get() - before == 1
         c.close()
     finally:
         for a in actors:

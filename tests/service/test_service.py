@@ -328,6 +328,34 @@ def test_bearer_auth(ray_cluster, actors):
         gw.stop(0.5)
 
 
+def test_the_client_retries_a_call_refused_unavailable_and_never_a_started_stream(gateway):
+    """The clients' retry policy (client.channel_options): a call answered UNAVAILABLE before any
+    response (a draining gateway) is tried max_attempts times in all, and succeeds once the
+    gateway takes calls again; a stream cut after its first chunk is committed, never replayed."""
+    from tinyloop.gateway import metrics
+    servicer = gateway.gateway.servicer
+
+    def count(method):
+        return metrics.REQUESTS.labels(method)._value.get()
+    servicer.draining = True
+    try:
+        for attempts in (1, 3):
+            with TinyLoopClient(gateway.address, max_attempts=attempts) as c:
+                before = count("ModelInfo")
+                expect(grpc.StatusCode.UNAVAILABLE, "DRAINING", c.model_info)
+                assert count("ModelInfo") - before == attempts
+        with TinyLoopClient(gateway.address, max_attempts=5) as c:
+            before = count("ModelInfo")
+            reopen = threading.Timer(0.05, setattr, (servicer, "draining", False))
+            reopen.start()
+            assert c.model_info(timeout=30)["vocab_size"] > 0
+            assert count("ModelInfo") - before >= 2  # refused at least once, then served
+    finally:
+        servicer.draining = False
+    with pytest.raises(ValueError, match="max_attempts must be in"):
+        TinyLoopClient(gateway.address, max_attempts=6)
+
+
 def test_graceful_shutdown_drains(ray_cluster, actors):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from tinyloop.gateway.server import GatewayOptions, GatewayThread
