@@ -5,6 +5,9 @@ import argparse
 import os
 
 from tinyloop.worker.model.settings import KV_MODES  # torch-free: the mode names only
+from tinyloop.worker.serving.options import PREFILL_ORDERS, ChannelOptions, SchedulerOptions, WorkerOptions
+
+W, S = WorkerOptions, SchedulerOptions  # the flags' defaults are the options' own
 
 
 def register(sub) -> None:
@@ -15,7 +18,7 @@ def register(sub) -> None:
                                                  "(Ouro, Huginn; default: the embedded model)")
     s.add_argument("--max-loops", type=int, default=None,
                    help="the deepest loops a request may ask (default: the checkpoint's; a directory: 2x its default)")
-    s.add_argument("--init-scale", type=float, default=1.0,
+    s.add_argument("--init-scale", type=float, default=W.init_scale,
                    help="scale of Huginn's random initial latent state (0: the zero state)")
     s.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     s.add_argument("--workers", type=int, default=None, help="worker actors (default: one per GPU, else 1)")
@@ -24,7 +27,7 @@ def register(sub) -> None:
     s.add_argument("--lanes", type=int, default=None,
                    help="cache lanes (concurrent streams) per worker; default: 64 on a GPU, 8 on the CPU, "
                         "within half the free device memory")
-    s.add_argument("--max-seq-len", type=int, default=2048)
+    s.add_argument("--max-seq-len", type=int, default=W.max_seq_len)
     s.add_argument("--kv-mode", default=None, choices=KV_MODES,
                    help="what the KV cache stores (docs/kv-cache.md): kv (K and V), h (the layer input, K/V "
                         "rebuilt at read), h-int8 / h-int4 (h quantized per head), delta-int8 (h0 + int8 deltas "
@@ -38,46 +41,46 @@ def register(sub) -> None:
                    help="cpu | cuda: every worker takes a GPU, waiting for one if the cluster has none free yet "
                         "(default: cuda when the cluster has a GPU for every worker, else cpu)")
     s.add_argument("--dtype", default=None)
-    s.add_argument("--handle-budget-mb", type=float, default=1024.0, help="resume-handle bytes per worker")
-    s.add_argument("--handle-ttl-s", type=float, default=600.0, help="idle time before a handle expires")
-    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a lane, per worker")
-    s.add_argument("--step-tokens", type=int, default=1024,
+    s.add_argument("--handle-budget-mb", type=float, default=W.handle_budget_bytes / (1 << 20), help="resume-handle bytes per worker")
+    s.add_argument("--handle-ttl-s", type=float, default=W.handle_ttl_s, help="idle time before a handle expires")
+    s.add_argument("--max-queue", type=int, default=S.max_queue, help="requests waiting for a lane, per worker")
+    s.add_argument("--step-tokens", type=int, default=S.step_tokens,
                    help="prompt tokens prefilled per scheduler step beside the decode step: longer prompts "
                         "are prefilled in chunks of this many, so running streams keep a token per step")
-    s.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
+    s.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=S.prefill_together,
                    help="a step's fresh prompts that fit its budget whole prefill together: one padded pass "
                         "(on CUDA, multi-row prefill graphs) instead of one each")
-    s.add_argument("--speculative-max-running", type=int, default=4,
+    s.add_argument("--speculative-max-running", type=int, default=S.speculative_max_running,
                    help="a greedy speculative request decodes in the batched step instead (the same tokens) "
                         "when this many other streams run or wait on its worker, and one already speculating "
                         "moves into the batched step between two rounds (0: always speculative)")
-    s.add_argument("--speculative-share-from", type=int, default=2,
+    s.add_argument("--speculative-share-from", type=int, default=S.speculative_share_from,
                    help="chain speculative streams on a worker share their rounds (draft steps batched, "
                         "verifies one pass) once this many run; fewer step alone (0: never shared)")
-    s.add_argument("--prefill-order", default="arrival", choices=["arrival", "longest"],
+    s.add_argument("--prefill-order", default=S.prefill_order, choices=PREFILL_ORDERS,
                    help="which admitted prompts take a step's prefill budget first: in arrival order, or "
                         "(longest) among the prompts admitted in one step the one with the most decode work "
                         "(depth x max_tokens) first, so that a burst at mixed depths finishes sooner")
-    s.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
+    s.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=ChannelOptions.enabled,
                    help="stream tokens from each worker to the gateway over gRPC (the worker channel) "
                         "instead of Ray streaming calls; Ray keeps placement and the unary calls")
     s.add_argument("--worker-channel-host", default=None,
                    help="where workers listen for the channel (default: 127.0.0.1 with a local Ray, "
                         "0.0.0.0 when joining a cluster, each worker advertising its node's IP)")
-    s.add_argument("--worker-channel-port", type=int, default=0,
+    s.add_argument("--worker-channel-port", type=int, default=ChannelOptions.port,
                    help="the channel's port on each worker (0: a free one; fix it where a network policy "
                         "must name it, one worker per node or pod)")
-    s.add_argument("--coalesce-ms", type=float, default=50.0,
+    s.add_argument("--coalesce-ms", type=float, default=round(W.coalesce_s * 1e3, 6),
                    help="after a stream's first token, tokens are sent per hop (a channel message or a Ray "
                         "item) at most this often")
-    s.add_argument("--max-hops-per-s", type=float, default=640.0,
+    s.add_argument("--max-hops-per-s", type=float, default=W.max_hops_per_s,
                    help="hops per second a worker's streams share after their first tokens: with more "
                         "streams than this allows at --coalesce-ms, each stream's chunks come less often")
-    s.add_argument("--gil-switch-ms", type=float, default=0.5,
+    s.add_argument("--gil-switch-ms", type=float, default=round(W.gil_switch_s * 1e3, 6),
                    help="the interpreter switch interval of this process and of each worker's: how long "
                         "a thread that has work (a worker's torch thread, an event loop with a token to "
                         "pass on, gRPC's poller) may wait for the GIL while another runs Python")
-    s.add_argument("--first-token-wait-ms", type=float, default=2.0,
+    s.add_argument("--first-token-wait-ms", type=float, default=round(W.first_token_wait_s * 1e3, 6),
                    help="how long at most a worker's torch thread waits for its event loop to pass a step's "
                         "first tokens on before it launches the decode step, when the new streams are at least "
                         "a quarter of the running ones (0: it never waits)")
@@ -121,54 +124,36 @@ def _serve(args) -> int:
 
     from tinyloop.gateway import workers
     from tinyloop.gateway.server import Gateway, GatewayOptions
-    from tinyloop.worker.serving.channel import ChannelOptions
 
     if args.model is not None:
         # a bad checkpoint is refused now, with the loader's message, before Ray or a worker starts
         from tinyloop.worker.model.hf import check
         check(args.model, args.max_loops)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.coalesce_ms < 0:
-        raise ValueError(f"--coalesce-ms must be >= 0, got {args.coalesce_ms}")
-    if not args.max_hops_per_s > 0:
-        raise ValueError(f"--max-hops-per-s must be > 0, got {args.max_hops_per_s}")
-    if not args.gil_switch_ms > 0:
-        raise ValueError(f"--gil-switch-ms must be > 0, got {args.gil_switch_ms}")
-    if args.first_token_wait_ms < 0:
-        raise ValueError(f"--first-token-wait-ms must be >= 0, got {args.first_token_wait_ms}")
-    if args.speculative_max_running < 0:
-        raise ValueError(f"--speculative-max-running must be >= 0, got {args.speculative_max_running}")
-    if args.speculative_share_from < 0:
-        raise ValueError(f"--speculative-share-from must be >= 0, got {args.speculative_share_from}")
-    if not 0 <= args.worker_channel_port < 65536:
-        raise ValueError(f"--worker-channel-port must be in [0, 65535], got {args.worker_channel_port}")
-    if args.step_tokens < 1:
-        raise ValueError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     if args.batch_invariant and args.device == "cpu":
         raise ValueError("--batch-invariant runs the Triton kernels: it needs the workers on a CUDA device, "
                          "not --device cpu")
+    # every worker option checked here, before Ray starts (WorkerOptions: their defaults and checks)
+    opts = WorkerOptions(model_path=args.model, lanes=args.lanes, max_seq_len=args.max_seq_len,
+                         device=args.device, dtype=args.dtype,
+                         handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
+                         handle_ttl_s=args.handle_ttl_s, coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
+                         init_scale=args.init_scale, max_hops_per_s=args.max_hops_per_s,
+                         gil_switch_s=args.gil_switch_ms / 1e3, first_token_wait_s=args.first_token_wait_ms / 1e3,
+                         kv_mode=args.kv_mode, batch_invariant=args.batch_invariant,
+                         channel=ChannelOptions(args.worker_channel,
+                                                args.worker_channel_host or ("127.0.0.1" if args.ray_address is None
+                                                                             else "0.0.0.0"),
+                                                args.worker_channel_port),
+                         scheduler=SchedulerOptions(max_queue=args.max_queue, step_tokens=args.step_tokens,
+                                                    prefill_together=args.prefill_together,
+                                                    speculative_max_running=args.speculative_max_running,
+                                                    speculative_share_from=args.speculative_share_from,
+                                                    prefill_order=args.prefill_order))
     tokens = parse_tokens(args.auth_tokens)
     sys.setswitchinterval(args.gil_switch_ms / 1e3)
     ray.init(address=args.ray_address, include_dashboard=False, namespace=workers.NAMESPACE,
              log_to_driver=True)
-    opts = workers.WorkerOptions(model_path=args.model, lanes=args.lanes, max_seq_len=args.max_seq_len,
-                                 device=args.device, dtype=args.dtype,
-                                 handle_budget_bytes=int(args.handle_budget_mb * (1 << 20)),
-                                 handle_ttl_s=args.handle_ttl_s, max_queue=args.max_queue,
-                                 coalesce_s=args.coalesce_ms / 1e3, max_loops=args.max_loops,
-                                 init_scale=args.init_scale, step_tokens=args.step_tokens,
-                                 max_hops_per_s=args.max_hops_per_s, gil_switch_s=args.gil_switch_ms / 1e3,
-                                 first_token_wait_s=args.first_token_wait_ms / 1e3,
-                                 kv_mode=args.kv_mode, batch_invariant=args.batch_invariant,
-                                 prefill_together=args.prefill_together,
-                                 speculative_max_running=args.speculative_max_running,
-                                 speculative_share_from=args.speculative_share_from,
-                                 prefill_order=args.prefill_order,
-                                 channel=ChannelOptions(
-                                     args.worker_channel,
-                                     args.worker_channel_host or ("127.0.0.1" if args.ray_address is None
-                                                                  else "0.0.0.0"),
-                                     args.worker_channel_port))
     if args.attach:
         actors = workers.attach(args.workers or 1)
     else:

@@ -4,44 +4,14 @@
 so); `max_task_retries` stays 0, because replaying a generation would duplicate tokens."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 
 import ray
 
 from tinyloop.worker.serving.actor import WorkerActor  # imports no torch at module level
-from tinyloop.worker.serving.channel import ChannelOptions
+from tinyloop.worker.serving.options import SchedulerOptions, WorkerOptions  # noqa: F401 (the spawner's options)
 
 NAMESPACE = "tinyloop"
-
-
-@dataclass
-class WorkerOptions:
-    model_path: str | None = None
-    lanes: int | None = None  # None: the worker's default (Model: 64 on a GPU, 8 on the CPU)
-    max_seq_len: int = 2048
-    device: str | None = None
-    dtype: str | None = None
-    handle_budget_bytes: int = 1 << 30
-    handle_ttl_s: float = 600.0
-    max_queue: int = 256
-    coalesce_s: float = 0.05  # = worker.actor.DEFAULT_COALESCE_S
-    max_hops_per_s: float = 640.0  # = worker.actor.DEFAULT_MAX_HOPS_PER_S
-    gil_switch_s: float = 0.0005   # = worker.actor.DEFAULT_GIL_SWITCH_S
-    first_token_wait_s: float = 0.002  # = worker.actor.DEFAULT_FIRST_TOKEN_WAIT_S
-    num_cpus: float = 1.0
-    torch_threads: int | None = None
-    max_restarts: int = -1
-    max_loops: int | None = None  # None: the checkpoint's
-    init_scale: float = 1.0       # Huginn's initial latent state scale (0: zero state)
-    step_tokens: int = 1024       # prompt tokens prefilled per scheduler step (= worker.serving.actor's default)
-    prefill_together: bool = True  # a step's fresh prompts prefill together (SchedulerOptions)
-    speculative_max_running: int = 4  # greedy speculative streams decode batched from this many (SchedulerOptions)
-    speculative_share_from: int = 2  # chain speculative streams share their rounds from this many (SchedulerOptions)
-    prefill_order: str = "arrival"  # which admitted prompts prefill first (SchedulerOptions.prefill_order)
-    kv_mode: str | None = None    # the cache mode (worker.model.settings.KV_MODES); None: the worker's settings
-    batch_invariant: bool | None = None  # batch-invariant kernels (Settings.batch_invariant); None: the worker's settings
-    # the token channel (worker/serving/channel.py): streams over gRPC into the worker, not Ray
-    channel: ChannelOptions = field(default_factory=ChannelOptions)
 
 
 def cluster_gpus() -> int:
@@ -74,19 +44,7 @@ def spawn(n: int | None, opts: WorkerOptions, name_prefix: str = "tinyloop-worke
             get_if_exists=detached,
             num_gpus=1 if use_gpu else 0, num_cpus=opts.num_cpus,
             max_restarts=opts.max_restarts, max_task_retries=0, max_concurrency=1000,
-        ).remote(i, model_path=opts.model_path, lanes=opts.lanes, max_seq_len=opts.max_seq_len,
-                 device=opts.device or ("cuda" if use_gpu else "cpu"), dtype=opts.dtype,
-                 handle_budget_bytes=opts.handle_budget_bytes, handle_ttl_s=opts.handle_ttl_s,
-                 max_queue=opts.max_queue, coalesce_s=opts.coalesce_s, torch_threads=opts.torch_threads,
-                 max_loops=opts.max_loops, init_scale=opts.init_scale, step_tokens=opts.step_tokens,
-                 max_hops_per_s=opts.max_hops_per_s, gil_switch_s=opts.gil_switch_s,
-                 first_token_wait_s=opts.first_token_wait_s, kv_mode=opts.kv_mode,
-                 batch_invariant=opts.batch_invariant,
-                 prefill_together=opts.prefill_together,
-                 speculative_max_running=opts.speculative_max_running,
-                 speculative_share_from=opts.speculative_share_from,
-                 prefill_order=opts.prefill_order,
-                 channel=opts.channel))
+        ).remote(i, dataclasses.replace(opts, device=opts.device or ("cuda" if use_gpu else "cpu"))))
     return actors
 
 

@@ -77,14 +77,18 @@ def test_gateway_probes_wait_for_the_workers_start_up():
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--coalesce-ms", "-1", "--coalesce-ms must be >= 0"),
-    ("--first-token-wait-ms", "-0.5", "--first-token-wait-ms must be >= 0"),
-    ("--gil-switch-ms", "0", "--gil-switch-ms must be > 0"),
-    ("--step-tokens", "0", "--step-tokens must be >= 1"),
-    ("--speculative-share-from", "-1", "--speculative-share-from must be >= 0"),
+    ("--coalesce-ms", "-1", "coalesce_s must be >= 0 (tinyloop serve --coalesce-ms)"),
+    ("--first-token-wait-ms", "-0.5", "first_token_wait_s must be >= 0 (tinyloop serve --first-token-wait-ms)"),
+    ("--gil-switch-ms", "0", "gil_switch_s must be > 0 (tinyloop serve --gil-switch-ms)"),
+    ("--max-hops-per-s", "0", "max_hops_per_s must be > 0 (tinyloop serve --max-hops-per-s)"),
+    ("--step-tokens", "0", "step_tokens must be >= 1 (tinyloop serve --step-tokens)"),
+    ("--max-queue", "-1", "max_queue must be >= 0 (tinyloop serve --max-queue)"),
+    ("--speculative-max-running", "-1", "(tinyloop serve --speculative-max-running)"),
+    ("--speculative-share-from", "-1", "speculative_share_from must be >= 0 (tinyloop serve --speculative-share-from)"),
+    ("--worker-channel-port", "70000", "(tinyloop serve --worker-channel-port), got 70000"),
 ])
 def test_serve_rejects_bad_worker_settings(capsys, flag, value, message):
-    """Checked before Ray starts: the error names the flag."""
+    """Checked before Ray starts (WorkerOptions' checks): the error names the option and its flag."""
     from tinyloop.cli import main
     assert main(["serve", flag, value]) == 2
     assert message in capsys.readouterr().err
@@ -95,6 +99,23 @@ def test_serve_rejects_an_unknown_prefill_order(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--prefill-order", "shortest"])
     assert "--prefill-order: invalid choice: 'shortest'" in capsys.readouterr().err
+
+
+def test_the_flags_defaults_are_the_worker_options(capsys):
+    """One place for every default: `tinyloop serve`'s flags parse to WorkerOptions' and
+    SchedulerOptions' own defaults."""
+    from tinyloop.cli import build_parser
+    from tinyloop.worker.serving.options import ChannelOptions, SchedulerOptions, WorkerOptions
+    a = build_parser().parse_args(["serve"])
+    w, s, c = WorkerOptions(), SchedulerOptions(), ChannelOptions()
+    assert (a.max_seq_len, a.init_scale, a.handle_ttl_s, int(a.handle_budget_mb * (1 << 20)), a.max_hops_per_s) == \
+        (w.max_seq_len, w.init_scale, w.handle_ttl_s, w.handle_budget_bytes, w.max_hops_per_s)
+    assert (a.coalesce_ms / 1e3, a.gil_switch_ms / 1e3, a.first_token_wait_ms / 1e3) == pytest.approx(
+        (w.coalesce_s, w.gil_switch_s, w.first_token_wait_s))
+    assert (a.max_queue, a.step_tokens, a.prefill_together, a.speculative_max_running, a.speculative_share_from,
+            a.prefill_order) == (s.max_queue, s.step_tokens, s.prefill_together, s.speculative_max_running,
+                                 s.speculative_share_from, s.prefill_order)
+    assert (a.worker_channel, a.worker_channel_port) == (c.enabled, c.port)
 
 
 def test_serve_rejects_batch_invariance_on_cpu_workers(capsys):

@@ -10,6 +10,7 @@ import pytest
 
 from tinyloop.client import TinyLoopClient, TinyLoopError
 from tinyloop.worker.serving.actor import waits_for_first_tokens
+from tinyloop.worker.serving.options import SchedulerOptions
 
 from service_helpers import running_service, wait_idle, worker_stats
 
@@ -102,7 +103,7 @@ def chunking_worker(ray_cluster, model_path):
     thread waits for each stream's first tokens to leave before the next decode step
     (first_token_wait_s), so the streams below run that path too."""
     with running_service(model_path, "w-chunking", n=1, lanes=LANES,
-                         worker_kw={"step_tokens": 8, "first_token_wait_s": 0.002}) as service:
+                         worker_kw={"scheduler": SchedulerOptions(step_tokens=8), "first_token_wait_s": 0.002}) as service:
         yield service
 
 

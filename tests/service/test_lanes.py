@@ -9,13 +9,14 @@ import pytest
 
 from tinyloop.worker.serving import channel_pb2 as cpb
 from tinyloop.worker.serving.actor import WorkerActor
+from tinyloop.worker.serving.options import WorkerOptions
 
 IDS = [5, 17, 99, 3, 42]
 
 
 @pytest.fixture(scope="module")
 def worker(model_path):
-    w = WorkerActor(0, model_path, lanes=1, max_seq_len=64, device="cpu", dtype="float32")
+    w = WorkerActor(0, WorkerOptions(model_path=model_path, lanes=1, max_seq_len=64, device="cpu", dtype="float32"))
     yield w
     w._steps.stop()
     w.model.close()

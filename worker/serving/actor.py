@@ -43,26 +43,16 @@ import time
 
 from tinyloop.worker.model.errors import HandleFreed, OutOfMemory, OutOfRange, TooLong
 from tinyloop.worker.serving import channel_pb2 as cpb  # the typed requests: imports no torch
-from tinyloop.worker.serving.channel import ChannelOptions, error_message
+from tinyloop.worker.serving.channel import error_message
 from tinyloop.worker.serving.handles import BudgetExhausted, HandleGone, HandleTable, NotOwner
+from tinyloop.worker.serving.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HANDLE_BUDGET_BYTES = 1 << 30
-DEFAULT_HANDLE_TTL_S = 600.0
-DEFAULT_MAX_HANDLES = 4096
-DEFAULT_MAX_QUEUE = 256
-DEFAULT_STEP_TOKENS = 1024
-# Ray hops per second a worker's streams share after their first tokens: each hop costs the
-# worker's one interpreter (and so its step thread) about as much as a stream's step does
-DEFAULT_MAX_HOPS_PER_S = 640.0
-# how long at most the step thread waits for the event loop to pass a step's first tokens on
-# before it launches the decode step (_post); the wait holds that step's other streams back, so
-# it is made only where the new streams are at least FIRST_TOKEN_WAIT_SHARE of those running
-DEFAULT_FIRST_TOKEN_WAIT_S = 0.002
+# the step thread waits for a step's first tokens to be passed on (WorkerOptions.first_token_wait_s)
+# only where the new streams are at least this share of those running: the wait holds the
+# step's other streams back
 FIRST_TOKEN_WAIT_SHARE = 0.25
-DEFAULT_GIL_SWITCH_S = 0.0005  # sys.setswitchinterval in a worker process (see WorkerActor.__init__)
-DEFAULT_COALESCE_S = 0.05  # per Ray hop after the first token: one object per token costs ~3 ms of step time on CPU
 
 
 def error(code: str, reason: str, message: str) -> dict:
@@ -210,49 +200,30 @@ class _StepThread:
 class WorkerActor:
     """Create with `ray.remote(WorkerActor).options(...)` (see tinyloop.gateway.workers)."""
 
-    def __init__(self, index: int, model_path: str | None = None, lanes: int | None = None,
-                 max_seq_len: int = 2048, device: str | None = None, dtype: str | None = None,
-                 handle_budget_bytes: int = DEFAULT_HANDLE_BUDGET_BYTES,
-                 handle_ttl_s: float = DEFAULT_HANDLE_TTL_S, max_handles: int = DEFAULT_MAX_HANDLES,
-                 max_queue: int = DEFAULT_MAX_QUEUE, coalesce_s: float = DEFAULT_COALESCE_S,
-                 torch_threads: int | None = None, max_loops: int | None = None, init_scale: float = 1.0,
-                 step_tokens: int = DEFAULT_STEP_TOKENS, gil_switch_s: float = DEFAULT_GIL_SWITCH_S,
-                 first_token_wait_s: float = DEFAULT_FIRST_TOKEN_WAIT_S,
-                 max_hops_per_s: float = DEFAULT_MAX_HOPS_PER_S, kv_mode: str | None = None,
-                 batch_invariant: bool | None = None,
-                 prefill_together: bool = True, speculative_max_running: int = 4,
-                 speculative_share_from: int = 2, prefill_order: str = "arrival",
-                 channel: "ChannelOptions | None" = None):
+    def __init__(self, index: int, opts: WorkerOptions | None = None):
         import sys
 
         import torch
-        # The step thread waits on the GPU every step (the GIL released) and then needs the GIL
-        # back, while the event loop thread streams tokens through Ray. At the interpreter's
-        # 5 ms switch interval every such hand-back can cost the step thread up to 5 ms.
-        sys.setswitchinterval(gil_switch_s)
-        if first_token_wait_s < 0:
-            raise ValueError(f"first_token_wait_s must be >= 0, got {first_token_wait_s}")
-        self.first_token_wait_s = first_token_wait_s
+        o = opts if opts is not None else WorkerOptions()
+        sys.setswitchinterval(o.gil_switch_s)  # WorkerOptions.gil_switch_s says why
+        self.first_token_wait_s = o.first_token_wait_s
 
         from tinyloop.worker.api import Model
-        from tinyloop.worker.serving.scheduler import Scheduler, SchedulerOptions
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        from tinyloop.worker.serving.scheduler import Scheduler
+        if o.torch_threads:
+            torch.set_num_threads(o.torch_threads)
         self.index = index
         self.worker_id = f"worker-{index}"
         self.epoch = _next_epoch(index)
-        self.model = Model(model_path, max_seq_len=max_seq_len, device=device, dtype=dtype, n_slots=lanes,
-                           max_loops=max_loops, init_scale=init_scale, kv_mode=kv_mode,
-                           batch_invariant=batch_invariant)
+        self.model = Model(o.model_path, max_seq_len=o.max_seq_len, device=o.device, dtype=o.dtype, n_slots=o.lanes,
+                           max_loops=o.max_loops, init_scale=o.init_scale, kv_mode=o.kv_mode,
+                           batch_invariant=o.batch_invariant)
         self.lanes = self.model.n_slots
-        self.scheduler = Scheduler(self.model.runner, SchedulerOptions(max_queue=max_queue, step_tokens=step_tokens,
-                                                                       prefill_together=prefill_together,
-                                                                       speculative_max_running=speculative_max_running,
-                                                                       speculative_share_from=speculative_share_from,
-                                                                       prefill_order=prefill_order))
-        self.handles = HandleTable(self.model.free_resume_handle, handle_budget_bytes, handle_ttl_s, max_handles)
-        self.coalesce_s = coalesce_s
-        self.max_hops_per_s = max_hops_per_s
+        self.scheduler = Scheduler(self.model.runner, o.scheduler)
+        self.handles = HandleTable(self.model.free_resume_handle, o.handle_budget_bytes, o.handle_ttl_s,
+                                   o.max_handles)
+        self.coalesce_s = o.coalesce_s
+        self.max_hops_per_s = o.max_hops_per_s
         self._keys = itertools.count()
         self._sinks: dict[str, _Pipe] = {}  # job key -> where its events go (on the event loop)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -260,12 +231,12 @@ class WorkerActor:
         self._pending: dict[str, list] = {}
         self._started: set[str] = set()  # jobs whose first tokens went out, until their end
         self._flushed = 0.0
-        self._flush_s = min(0.01, coalesce_s / 2)
+        self._flush_s = min(0.01, o.coalesce_s / 2)
         self._steps = _StepThread(self.scheduler, self._post)
         self._sweeper: asyncio.Task | None = None
         self._device = str(self.model.device)
         self._metrics = _StepMetrics(self.model.config.max_loops)
-        self._channel_options = channel if channel is not None else ChannelOptions()
+        self._channel_options = o.channel
         self._channel: asyncio.Future | None = None  # -> (asyncio server, {"address", "token"})
         s = self.model.startup
         log.info("%s: model loaded in %.1f s; %d CUDA graphs captured in %.1f s", self.worker_id, s["load_s"],

@@ -30,25 +30,15 @@ import asyncio
 import logging
 import secrets
 import struct
-from dataclasses import dataclass
 
 from tinyloop.worker.serving import channel_pb2 as cpb
+from tinyloop.worker.serving.options import ChannelOptions  # noqa: F401 (where a worker listens)
 
 log = logging.getLogger(__name__)
 
 USAGE = tuple(cpb.Usage.DESCRIPTOR.fields_by_name)  # the usage figures a Complete carries
 MAX_FRAME_BYTES = 64 << 20  # a frame's largest body (a long prompt of ids): the gateway's own limit is far below
 _LENGTH = struct.Struct(">I")
-
-
-@dataclass
-class ChannelOptions:
-    """Where a worker listens for its gateways' streams. `host` "0.0.0.0" listens on every
-    interface and advertises the node's IP (as Ray sees it), for gateways on other nodes or pods;
-    port 0 picks a free port. `enabled=False`: no channel, the streams go through Ray."""
-    enabled: bool = True
-    host: str = "0.0.0.0"
-    port: int = 0
 
 
 def error_message(item: dict) -> cpb.Error:

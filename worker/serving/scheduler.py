@@ -46,58 +46,7 @@ from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, Finish, Prefill, prefill_together
 from tinyloop.worker.generation.spec_batch import SpecBatch
 from tinyloop.worker.generation.speculative import SpeculativeStream
-
-
-PREFILL_ORDERS = ("arrival", "longest")
-
-
-@dataclass(frozen=True)
-class SchedulerOptions:
-    """max_queue: jobs that may wait for a lane (more are refused, `QueueFull`). step_tokens:
-    prompt tokens prefilled per step beside the decode step (the chunk size of a long prompt).
-    prefill_together: the fresh prompts of a step that fit it whole prefill in one pass
-    (`Runner.prefill_many`, right-padded to the longest, at most 2·step_tokens padded tokens)
-    instead of one pass each (on CUDA, the runner's multi-row prefill graphs: one eager pass
-    for all loses to a captured graph per prompt there, bench/results/load-policies-ab-cuda.json).
-    speculative_max_running: the worker is busy while this many streams other than a given
-    one hold lanes or wait for one. A job with a batched alternative (`Job.batched`: a greedy
-    speculative stream) starts speculative only while the worker is not busy, and otherwise
-    decodes in the batched step; a greedy speculative stream already stepping alone is handed
-    over to the batched step between two rounds once the worker becomes busy
-    (`SpeculativeStream.handoff`: plain decoding at verify_loops from where its rounds left
-    it, the same tokens, nothing recomputed) and stays there. A speculative stream steps alone,
-    one draft-and-verify after the other, each stalling the batched step, and under load the
-    shared step serves its tokens for less (the policy of vLLM's
-    speculative_disable_by_batch_size). 0: always speculative.
-    speculative_share_from: chain speculative streams share their rounds (`SpecBatch`: their
-    draft steps batched, their verifies one pass) once this many would; fewer step alone. 0:
-    never shared (bench/spec_batch.py measures shared rounds against rounds in turn).
-    prefill_order: which admitted prompts take a step's budget first. "arrival": in arrival
-    order. "longest": the prompts midway through their chunks first, then the fresh ones step
-    of admission by step of admission, and among those admitted in one step the one with the
-    most decode work (`Job.work`: depth x max_tokens) first, ties in arrival order. Requests
-    that arrive together at mixed depths then all finish sooner: the deepest streams, whose
-    iterations no batching shortens, start decoding first, and the shallow ones fill the batch
-    beside them (the longest-processing-time-first rule for the makespan). A prompt is never
-    passed by one admitted in a later step, so none waits on later arrivals."""
-    max_queue: int = 256
-    step_tokens: int = 1024
-    prefill_together: bool = True
-    speculative_max_running: int = 4
-    speculative_share_from: int = 2
-    prefill_order: str = "arrival"
-
-    def __post_init__(self):
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.step_tokens < 1:
-            raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
-        if self.speculative_max_running < 0:
-            raise ValueError(f"speculative_max_running must be >= 0, got {self.speculative_max_running}")
-        if self.speculative_share_from < 0:
-            raise ValueError(f"speculative_share_from must be >= 0, got {self.speculative_share_from}")
-        if self.prefill_order not in PREFILL_ORDERS:
-            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
+from tinyloop.worker.serving.options import PREFILL_ORDERS, SchedulerOptions  # noqa: F401 (the scheduler's options)
 
 
 class QueueFull(Exception):
