@@ -3,6 +3,7 @@ steps, and each still gets exactly the tokens it gets in process."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import grpc
@@ -24,8 +25,14 @@ def one_worker(ray_cluster, model_path):
         yield service
 
 
-def _collect(address, prompt, kw):
+def _collect(address, prompt, kw, together: threading.Barrier | None = None):
+    """A stream's ids and finish reason; with `together`, its call starts once every caller of
+    the barrier has its channel connected, so that the streams really arrive at once (a
+    loaded host would otherwise spread their starts over the connections' set-up)."""
     with TinyLoopClient(address) as c:
+        if together is not None:
+            grpc.channel_ready_future(c.channel).result(timeout=30)
+            together.wait(timeout=60)
         ids, complete = c.generate(prompt, **kw).collect()
         return ids, complete.finish_reason
 
@@ -41,8 +48,9 @@ def test_concurrent_streams_are_batched_and_equal_in_process(one_worker, local_m
             ([1, 2, 3, 4], dict(loops=6, max_tokens=30, cache_window=4)),   # windowed: the checked step
             ([6, 6, 6], dict(loops=4, max_tokens=30, temperature=1.0, top_p=0.8, seed=5)),
             ([11, 12], dict(loops=7, max_tokens=20))]                        # waits for a lane
+    together = threading.Barrier(len(jobs))
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        got = list(pool.map(lambda j: _collect(gw.address, *j), jobs))
+        got = list(pool.map(lambda j: _collect(gw.address, *j, together), jobs))
     for (prompt, kw), (ids, reason) in zip(jobs, got):
         want = local_model.generate(prompt, **kw)
         assert (ids, reason) == (want[len(prompt):], want.finish_reason), kw
