@@ -114,9 +114,9 @@ CURRENT = [
     ("recover", "cpu"), ("kv-decode", "cuda"), ("kv-quality", "cpu"), ("quant-decode", "cuda"),
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("early-exit-ouro", "cuda"), ("early-exit-ouro", "cpu"),
-    ("ray-hop", "cpu"), ("transport", "cuda"), ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
-    ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"), ("rows-tiles", "cuda"),
-    ("batch-fused", "cuda"), ("batch-interleave", "cuda"), ("generate-ab", "cuda"),
+    ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
+    ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"),
+    ("batch-fused", "cuda"), ("batch-interleave", "cuda"),
     ("spec-batch", "cuda"), ("spec-batch", "cpu"),
 ]
 
@@ -562,61 +562,6 @@ def profile_exit_batch_body(r: Result) -> str:
     return body
 
 
-def generate_ab_body(r: Result) -> str:
-    w = r.data.get("workload") if isinstance(r.data.get("workload"), dict) else {}
-    med = r.data.get("median_tok_s") if isinstance(r.data.get("median_tok_s"), dict) else {}
-    over = r.data.get("over_base") if isinstance(r.data.get("over_base"), dict) else {}
-    trees = list(med)
-    loops = [str(L) for L in (w.get("loops") or [])]
-    rows = [[code(t) + (f" (`{r.data['base_commit']}`)" if t == "base" and r.data.get("base_commit") else "")]
-            + [f"{num(get(med, t, L), ',.0f')} ({times(get(over, t, L), 3)})" for L in loops] for t in trees]
-    body = (f"Model {text(w.get('model'))}, {text(w.get('tokens'))} greedy tokens a generate, the best of "
-            f"{text(w.get('repeat'))} a round, {text(w.get('rounds'))} rounds alternating the trees in the order "
-            f"given (the first the reference); median tokens/s over the rounds (over the first tree's).\n\n"
-            + table(["tree"] + [f"L = {L}" for L in loops], rows or [[DASH]]) + "\n")
-    first = r.data.get("median_first_ms") if isinstance(r.data.get("median_first_ms"), dict) else {}
-    dec = r.data.get("median_decode_us_per_token") if isinstance(r.data.get("median_decode_us_per_token"), dict) else {}
-    graph = r.data.get("median_graph_us_per_token")
-    graph = graph if isinstance(graph, dict) else {}
-    if first and dec:
-        def cell(t, L):
-            step = f" (step {num(get(graph, t, L), ',.1f')})" if graph else ""
-            return f"{ms(get(first, t, L), 3)}, {num(get(dec, t, L), ',.1f')} µs{step}"
-        body += ("\nThe same runs split: a one-token generate (the prefill, the first token and what a call costs "
-                 "around them), and what each token after the first adds (µs)"
-                 + ("; in brackets, the step's device time alone (its decode graph replayed back to back, µs)"
-                    if graph else "") + "; medians over the rounds.\n\n"
-                 + table(["tree"] + [f"L = {L}: one token, each next" for L in loops],
-                         [[code(t)] + [cell(t, L) for L in loops] for t in trees]) + "\n")
-    if r.data.get("finding"):
-        body += f"\n{text(r.data['finding'])}.\n"
-    return body
-
-
-def ray_hop_body(r: Result) -> str:
-    x = r.data.get("results") if isinstance(r.data.get("results"), dict) else {}
-    return (table(["path", "first item", "each next item"],
-                  [["Ray streaming call", ms(x.get("stream_first_item_ms")), ms(x.get("stream_next_item_ms"))],
-                   ["worker token channel", ms(x.get("channel_first_item_ms")),
-                    ms(x.get("channel_next_item_ms"))]])
-            + f"\n\nA plain Ray actor call's round trip: {ms(x.get('plain_call_ms'))}."
-            + f"\n\nMedians over {text(x.get('calls'))} calls, {text(x.get('items_per_stream'))} items a stream; "
-            f"Ray {text(r.data.get('ray'))}.\n")
-
-
-def transport_body(r: Result) -> str:
-    x = r.data.get("results") if isinstance(r.data.get("results"), dict) else {}
-    g, a = x.get("grpc_aio", {}), x.get("asyncio_streams", {})
-    rows = [["gRPC, a new call", ms(g.get("new_call", {}).get("p50_ms"), 3), ms(g.get("new_call", {}).get("p99_ms"), 3)],
-            ["gRPC, one open call", ms(g.get("ping_pong_one_call", {}).get("p50_ms"), 3),
-             ms(g.get("ping_pong_one_call", {}).get("p99_ms"), 3)],
-            ["asyncio stream, one connection", ms(a.get("ping_pong_one_connection", {}).get("p50_ms"), 3),
-             ms(a.get("ping_pong_one_connection", {}).get("p99_ms"), 3)]]
-    return (table(["round trip", "p50", "p99"], rows)
-            + f"\n\nOver {text(r.data.get('calls'))} round trips; grpcio {text(r.data.get('grpcio'))}, "
-            f"{text(r.data.get('hardware', {}).get('cores'))} cores.\n")
-
-
 def decode_plot(results: list[Result]) -> str:
     """The plot of ms/token vs L, where docs/ has it (bench/plot_decode.py draws it)."""
     if not PLOT.exists():
@@ -755,20 +700,6 @@ def batch_interleave_body(r: Result) -> str:
                   "sustained, whole-token: depth-weighted tok/s", "× plain",
                   "sustained, interleaved: depth-weighted tok/s", "× plain", "interleaved over whole-token",
                   "interleaved: tokens by depth", "whole-token: tokens by depth"], rows or [[DASH] * 10]) + note
-
-
-def rows_tiles_body(r: Result) -> str:
-    rows = []
-    for name, shape in (r.data.get("shapes") or {}).items():
-        for M, row in (shape.get("M") or {}).items():
-            best = row.get("best") or {}
-            rows.append([code(name), f"{text(shape.get('N'))} × {text(shape.get('K'))}", text(shape.get("fusion")),
-                         text(M), num(shape.get("floor_us"), ".1f"), num(row.get("cublas_us"), ".1f"),
-                         num(row.get("unfused_us"), ".1f"), num(row.get("table_us"), ".1f"),
-                         code(row.get("table_tile")), num(best.get("us"), ".1f"),
-                         code(f"{best.get('tile')} {best.get('mode')}") if best else DASH])
-    return table(["projection", "N × K", "fused", "M", "floor", "cuBLAS alone", "unfused ops",
-                  "fused, the table's tile", "tile", "best of the sweep", "its tile"], rows or [[DASH] * 11]) + "\n"
 
 
 def prefill_extra(r: Result) -> list[str]:
@@ -1210,13 +1141,6 @@ QUANT_DECODE_INTRO = ("`bench/quant_decode.py`: bench-285m (random weights) in b
                       "dual-bit), batch-1 decode from the captured graphs, same run; floors from each format's bytes.")
 QUANT_ERROR_INTRO = ("`bench/quant_error.py`: the shared block quantized, the rest float; the error of the residual "
                      "against the float model by depth, for each rounding across iterations (docs/quantization.md).")
-RAY_HOP_INTRO = ("`bench/ray_hop.py`: the gateway's paths to a worker with no model behind it (a Ray streaming "
-                 "call, the worker's token channel), a local Ray cluster and an asyncio driver: the floor under "
-                 "the service's time to first token.")
-TRANSPORT_INTRO = ("`bench/transport.py`: a round trip between two processes on one host, before any of the "
-                   "service's code: gRPC from Python (grpc.aio; a new unary-stream call, and a ping-pong on one "
-                   "open call) against a length-prefixed frame on an asyncio stream, as the worker token channel "
-                   "sends its frames.")
 EARLY_EXIT_INTRO = ("`bench/early_exit.py`: per-token early exit (docs/early-exit.md) on the embedded default model, "
                     "a sweep of rules and thresholds against full depth.")
 SPEC_BATCH_INTRO = ("`bench/spec_batch.py`: N greedy chain speculative streams of the embedded default model, their "
@@ -1252,8 +1176,6 @@ EARLY_EXIT_OURO_INTRO = ("`bench/early_exit.py --preset ouro-2.6b --criteria gat
                          "nothing but equality.")
 PROFILE_EXIT_INTRO = ("`bench/profile_exit.py`: one stream with and without an exit rule, and the GPU time of each "
                       "captured graph an exit step replays (CUDA events around back-to-back replays).")
-GENERATE_AB_INTRO = ("`bench/generate_ab.py`: `Model.generate` of two or more source trees on one host, each in a process "
-                     "of its own, alternated round by round.")
 PROFILE_EXIT_BATCH_INTRO = ("`bench/profile_exit_batch.py`: a batch of streams with an exit rule (interleaved "
                             "launches) and the same batch at full depth (batched whole-token steps): tokens/s, and the "
                             "share of a profiled run's wall time in which the GPU ran anything.")
@@ -1280,10 +1202,6 @@ BATCH_INTERLEAVE_INTRO = ("`bench/batch.py --mixed-depths ... --sustained N`: st
                           "row of a pass at its own iteration, so a shallow stream decodes its next token while "
                           "a deep one still iterates) and through whole-token steps (every row's step lasts the "
                           "deepest row's iterations), same run, same graphs.")
-ROWS_TILES_INTRO = ("`bench/rows_tiles.py`: the fused projection of M = 2..64 rows (`kernels/gemv.py`'s batched "
-                    "kernel, the fusion of a batched decode step on) per bench-285m projection, µs a call with "
-                    "weights read from HBM, against cuBLAS alone and the unfused ops it replaces (the norm kernel, "
-                    "cuBLAS, SiLU·up, the residual add); the table's tile (`ROWS_TILES`) and the sweep's best.")
 PREFILL_INTRO = ("`bench/prefill.py`: a prompt's prefill through captured stage graphs, against the eager "
                  "`PlainDecoder`.")
 WARM_INTRO = ("`bench/warmstart.py`: greedy; `build_resume_handle` runs the prompt to L_mid, `resume_generate` goes on "
@@ -1337,7 +1255,6 @@ def render(results: Path = RESULTS) -> str:
                 batch_fused_body, batch_extra),
         section("Interleaved decode of mixed depths", BATCH_INTERLEAVE_INTRO, n(("batch-interleave", "cuda")),
                 batch_interleave_body, batch_extra),
-        section("The batched projections' tiles", ROWS_TILES_INTRO, n(("rows-tiles", "cuda")), rows_tiles_body),
         section("Prefill", PREFILL_INTRO, n(("prefill", "cuda")), prefill_body, prefill_extra),
         section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),
         section("Self-speculative decoding", SPEC_INTRO, n(("speculative", "cuda")), speculative_body,
@@ -1377,11 +1294,6 @@ def render(results: Path = RESULTS) -> str:
                 profile_exit_body),
         section("Where a batch of early-exit streams' time goes, on the GPU", PROFILE_EXIT_BATCH_INTRO,
                 n(("profile-exit-batch", "cuda")), profile_exit_batch_body),
-        section("Generate, one tree against another, on the GPU", GENERATE_AB_INTRO, n(("generate-ab", "cuda")),
-                generate_ab_body),
-        section("The hop to a worker on a CPU", RAY_HOP_INTRO, n(("ray-hop", "cpu")), ray_hop_body),
-        section("A round trip between two processes on the H200's host", TRANSPORT_INTRO, n(("transport", "cuda")),
-                transport_body),
         section("Losing a worker under load on a CPU", RECOVER_INTRO, n(("recover", "cpu")), recover_body,
                 recover_extra),
         section("Decode cost against the allocated cache length on a CPU", CONTEXT_INTRO, n(("context", "cpu")),

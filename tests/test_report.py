@@ -94,17 +94,3 @@ def test_without_a_date_the_git_commit_time_decides(tmp_path):
     assert ("File `service-cpu-zzz.json`, commit —, run — (not recorded; committed to git 2026-01-02T00:00:00Z)"
             in cpu)
     assert "| in-process (`Model.stream`) | — | 5.000 ms | — |" in cpu
-
-
-def test_a_generate_ab_shows_the_one_token_and_each_next_token_split():
-    data = {"workload": {"model": "default", "loops": [8], "tokens": 128, "repeat": 3, "rounds": 4},
-            "median_tok_s": {"base": {"8": 6400.0}, "head": {"8": 6336.0}},
-            "over_base": {"base": {"8": 1.0}, "head": {"8": 0.99}},
-            "median_first_ms": {"base": {"8": 1.25}, "head": {"8": 1.5}},
-            "median_decode_us_per_token": {"base": {"8": 146.1}, "head": {"8": 146.3}}}
-    body = report.generate_ab_body(report.Result(Path("generate-ab-cuda.json"), data, None, None))
-    assert "| `head` | 6,336 (0.990×) |" in body
-    assert "| `base` | 1.250 ms, 146.1 µs |" in body and "| `head` | 1.500 ms, 146.3 µs |" in body
-    # a file from before the split shows its tokens/s alone
-    old = {k: v for k, v in data.items() if not k.startswith("median_first") and not k.startswith("median_decode")}
-    assert "one token" not in report.generate_ab_body(report.Result(Path("generate-ab-cuda.json"), old, None, None))
