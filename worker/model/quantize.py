@@ -51,7 +51,7 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, spec: quant.Qu
     if spec.method == "gptq":
         win = calibration_windows(meta, cfg, spec.calib_tokens, corpus_root=corpus_root, cache_dir=cache_dir)
         H = gptq.hessians(model, win, L, prefixes, lambda it: progress(it, "calibrating"))
-    dtype = file_dtype(src)
+    dtype, src_bytes = source_facts(src)
     tensors = {k: v.to(dtype) for k, v in state.items() if k.removesuffix(".weight") not in prefixes}
     for p in progress(prefixes, "quantizing"):
         cancel = spec.cancel_round and p.startswith("loop.")
@@ -61,26 +61,20 @@ def quantize_file(src: str | os.PathLike, dst: str | os.PathLike, spec: quant.Qu
     extra = {k: v for k, v in meta.items() if k in ("tinyloop.tokenizer", "tinyloop.source")}
     quant_checkpoint.save(cfg, tensors, spec, dst, extra)
     return {"format": spec.describe(), "projections": len(prefixes), "bytes": os.path.getsize(dst),
-            "source_bytes": source_bytes(src), "calib_loops": L if H else 0}
-
-
-def source_bytes(path: str) -> int:
-    """The bytes of a `.tinyloop` file, or of a Hugging Face directory's weight files."""
-    if not os.path.isdir(path):
-        return os.path.getsize(path)
-    from tinyloop.worker.model import hf
-    return sum(os.path.getsize(f) for f in set(hf.inspect(path).files.values()))
-
+            "source_bytes": src_bytes, "calib_loops": L if H else 0}
 
 
 FILE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def file_dtype(path: str) -> torch.dtype:
-    """The float dtype of the source's embedding (the quantized file keeps it for its float
-    tensors); a Hugging Face directory's: the dtype it stores its embedding in."""
+def source_facts(path: str) -> tuple[torch.dtype, int]:
+    """(the float dtype of the source's embedding, which the quantized file keeps for its float
+    tensors; the source's bytes) of a `.tinyloop` file, or of a Hugging Face directory (the dtype
+    it stores its embedding in, its weight files' bytes: one look at its headers)."""
     if os.path.isdir(path):
         from tinyloop.worker.model import hf
-        return hf.storage_dtype(hf.inspect(path))
+        plan = hf.inspect(path)
+        return hf.storage_dtype(plan), sum(os.path.getsize(f) for f in set(plan.files.values()))
     from tinyloop.worker.model.safetensors_header import read_header
-    return FILE_DTYPES.get(read_header(path)["tok_embeddings.weight"]["dtype"], torch.float32)
+    dtype = FILE_DTYPES.get(read_header(path)["tok_embeddings.weight"]["dtype"], torch.float32)
+    return dtype, os.path.getsize(path)
