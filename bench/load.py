@@ -54,6 +54,10 @@ from bench.batch import batched
 from bench.common import hardware, write
 from bench.decode import random_checkpoint, sync
 from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.serving.options import PREFILL_ORDERS, WorkerOptions
+
+# the served worker's options default to tinyloop serve's own (one place for them)
+SERVE = WorkerOptions()
 
 
 # what the workers log when a step fails (its traceback follows) or a capture while serving fails
@@ -380,19 +384,19 @@ def main() -> int:
                     help="the closed-loop runs' counted window, seconds (0: none): --mixed callers, each "
                          "sending its next request when its last ends, plain and mixed")
     ap.add_argument("--sustained-warm-s", type=float, default=1.0, help="the closed-loop runs' uncounted start")
-    ap.add_argument("--step-tokens", type=int, default=1024)
-    ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--step-tokens", type=int, default=SERVE.scheduler.step_tokens)
+    ap.add_argument("--prefill-together", action=argparse.BooleanOptionalAction, default=SERVE.scheduler.prefill_together,
                     help="tinyloop serve's --prefill-together")
-    ap.add_argument("--prefill-order", default="arrival", choices=["arrival", "longest"],
+    ap.add_argument("--prefill-order", default=SERVE.scheduler.prefill_order, choices=PREFILL_ORDERS,
                     help="tinyloop serve's --prefill-order")
-    ap.add_argument("--speculative-max-running", type=int, default=4,
+    ap.add_argument("--speculative-max-running", type=int, default=SERVE.scheduler.speculative_max_running,
                     help="tinyloop serve's --speculative-max-running")
-    ap.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=SERVE.channel.enabled,
                     help="tinyloop serve's --worker-channel: tokens over the worker's gRPC channel, else Ray")
-    ap.add_argument("--coalesce-ms", type=float, default=50.0, help="tinyloop serve's --coalesce-ms")
-    ap.add_argument("--gil-switch-ms", type=float, default=0.5, help="tinyloop serve's --gil-switch-ms")
-    ap.add_argument("--first-token-wait-ms", type=float, default=2.0, help="tinyloop serve's --first-token-wait-ms")
-    ap.add_argument("--max-hops-per-s", type=float, default=640.0, help="tinyloop serve's --max-hops-per-s")
+    ap.add_argument("--coalesce-ms", type=float, default=SERVE.coalesce_s * 1e3, help="tinyloop serve's --coalesce-ms")
+    ap.add_argument("--gil-switch-ms", type=float, default=SERVE.gil_switch_s * 1e3, help="tinyloop serve's --gil-switch-ms")
+    ap.add_argument("--first-token-wait-ms", type=float, default=SERVE.first_token_wait_s * 1e3, help="tinyloop serve's --first-token-wait-ms")
+    ap.add_argument("--max-hops-per-s", type=float, default=SERVE.max_hops_per_s, help="tinyloop serve's --max-hops-per-s")
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each load (a 64-stream run lasts well under a second): the median's row")
