@@ -1,5 +1,6 @@
 """Bit-exact in bf16 on the GPU with batch-invariant kernels (Settings.batch_invariant): greedy
-speculative chains equal generate(loops=verify_loops), every lane of a mixed-depth batch its
+speculative chains equal generate(loops=verify_loops), sampled chains' rounds on the device
+decide as their host-driven rounds, every lane of a mixed-depth batch its
 stream alone, greedy resume from every L_used a fresh generate, and a stream that joins or
 leaves a running batch keeps its tokens, over 128 generated tokens, on the embedded default
 model and on a random bench-285m (whose logits have many near ties).
@@ -71,6 +72,23 @@ def test_chain_speculative_on_the_host_path_equals_generate(model):
                 model.generate(p, loops=8, max_tokens=N)
     finally:
         r.settings = dataclasses.replace(r.settings, device_rounds=True)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.8, top_k=50, top_p=0.95), dict(temperature=1.0, top_k=0)])
+def test_sampled_rounds_on_the_device_decide_as_the_host_driven_rounds(model, sampling):
+    """A sampled chain's round captured whole (drafts, acceptance and residual draws on the
+    device) emits the host-driven rounds' tokens, bit for bit."""
+    r = model.runner
+    for i, p in enumerate(model.prompts[:2]):
+        kw = dict(max_tokens=N, draft_loops=2, verify_loops=8, draft_ahead=4, seed=17 + i, **sampling)
+        got = model.generate_speculative(p, **kw)
+        r.settings = dataclasses.replace(r.settings, device_rounds=False)
+        try:
+            want = model.generate_speculative(p, **kw)
+        finally:
+            r.settings = dataclasses.replace(r.settings, device_rounds=True)
+        assert got == want and got.stats["accepted_tokens"] == want.stats["accepted_tokens"]
+    assert any(key[3] is not None for key in r._rounds)
 
 
 @pytest.mark.parametrize("B", [2, 4, 8, 16, 64])

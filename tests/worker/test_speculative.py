@@ -12,6 +12,7 @@ from tinyloop.worker import Model
 from tinyloop.worker.generation import speculative as spec_mod
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
+from tinyloop.worker.runner import sampler as sampler_mod
 from tinyloop.worker.runner.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, draw, uniform
 from tinyloop.worker.runner.engine import Counters, Tree
 from tinyloop.worker.runner.stages import TreeStages, ancestor_table, tree_layout
@@ -367,8 +368,8 @@ def test_accept_or_resample_emits_p(case):
     n = 120_000
     seed, pos = torch.full((n,), 1234), torch.arange(n)
     draft = draw(q.expand(n, -1), uniform(seed, pos, STREAM_TOKEN))
-    accepted, tok = spec_mod.accept_or_resample(p.expand(n, -1), q.expand(n, -1), draft,
-                                                uniform(seed, pos, STREAM_ACCEPT), uniform(seed, pos, STREAM_RESIDUAL))
+    accepted, tok = sampler_mod.accept_or_resample(p.expand(n, -1), q.expand(n, -1), draft,
+                                                   uniform(seed, pos, STREAM_ACCEPT), uniform(seed, pos, STREAM_RESIDUAL))
     counts = torch.bincount(tok, minlength=6).double()
     chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
     assert chi2 < 20.5, (counts / n, chi2)

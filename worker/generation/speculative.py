@@ -59,7 +59,7 @@ import torch
 from tinyloop.kernels.tree_attention import MAX_NODES
 from tinyloop.worker.generation.decode import FINISH_LENGTH, FINISH_STOP, DecodeState, Finish, Request
 from tinyloop.worker.runner.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
-                                                 draw, probs, uniform)
+                                             accept_or_resample, draw, probs, uniform)
 from tinyloop.worker.runner.engine import Counters
 from tinyloop.worker.runner.runner import RoundOut, Runner, StepOut
 from tinyloop.worker.runner.stages import TreeStages
@@ -98,23 +98,6 @@ class SpecParams:
             raise ValueError(f"a tree of 1 + K_branches·draft_ahead = {1 + self.k_branches * self.draft_ahead} "
                              f"nodes exceeds the {MAX_NODES} the tree mask holds")
         return self
-
-
-# -- accept / resample -------------------------------------------------------------------
-def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
-                       u_accept: torch.Tensor, u_residual: torch.Tensor):
-    """Speculative sampling's decision at one position, batched over rows.
-
-    p, q (B, V) target and draft distributions, draft (B,) tokens drawn from q, uniforms (B,).
-    -> (accepted (B,) bool, token (B,)): the draft where accepted (probability
-    min(1, p / q)), else a draw from normalize(max(0, p - q)). The token is distributed as p."""
-    p, q = p.double(), q.double()
-    pd, qd = p.gather(1, draft[:, None])[:, 0], q.gather(1, draft[:, None])[:, 0]
-    accepted = u_accept * qd < pd  # u < p / q without dividing; always true where p >= q
-    residual = (p - q).clamp_min(0)
-    # p == q leaves no residual mass (and then every draft is accepted): fall back to p
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    return accepted, torch.where(accepted, draft, draw(residual, u_residual))
 
 
 class _Chooser:
@@ -252,8 +235,8 @@ class SpeculativeStream:
             self._t = self._chooser.target(first.logits[0], self._pos)
             return [self._t]
         if self._on_device():
-            toks, n_acc, w = self._device_round()
-            return self._account(toks, spec.draft_ahead, n_acc, w)
+            toks, n_acc, w, k = self._device_round()
+            return self._account(toks, k, n_acc, w)
         k = self._round_k()
         t, pos = self._t, self._pos
         if spec.tree:  # side branches sit past the linear positions: keep every node inside the cache
@@ -281,31 +264,43 @@ class SpeculativeStream:
         return toks
 
     def _on_device(self) -> bool:
-        """Whether the next round runs whole on the device: a greedy chain (no repetition
-        penalty) on a runner with device rounds, whose round stays inside the cache."""
+        """Whether the next round runs whole on the device: a chain, greedy or sampled, with no
+        repetition penalty (it reads the tokens so far), on a runner with device rounds, whose
+        round stays inside the cache. A sampled round drafts what the host-driven round would
+        (`_round_k`: its tokens depend on where the drafts stop), so one with nothing left to
+        draft runs on the host."""
         spec, sp = self.spec, self.req.sampling
-        return (self.runner.settings.device_rounds and not spec.tree and sp.greedy
-                and sp.repetition_penalty == 1.0 and (self._ahead is not None
-                                                      or self.runner.round_fits(self._pos, spec.draft_ahead)))
+        if not self.runner.settings.device_rounds or spec.tree or sp.repetition_penalty != 1.0:
+            return False
+        if self._ahead is not None:
+            return True
+        k = spec.draft_ahead if sp.greedy else self._round_k()
+        return k >= 1 and self.runner.round_fits(self._pos, k)
 
-    def _device_round(self) -> tuple[list[int], int, Counters]:
+    def _device_round(self) -> tuple[list[int], int, Counters, int]:
         """One round on the device (runner.chain_round), its tokens read while the next round,
         launched first, runs: the next one starts where this one leaves the lane, so the GPU
         does not wait for the host between rounds. It is launched only where it can be needed
         (this round cannot reach max_tokens) and fits the cache; a stream that ends leaves it
         running unread (it writes only positions past what was decided).
-        -> (the round's tokens, drafts accepted, its work). Drafts always k = draft_ahead
-        tokens: the emitter cuts what max_tokens does not take."""
-        runner, spec = self.runner, self.spec
-        k = spec.draft_ahead
+        -> (the round's tokens, drafts accepted, its work, its drafts). A greedy round always drafts
+        k = draft_ahead tokens (the emitter cuts what max_tokens does not take: the verifier's
+        argmax decides the same tokens whatever k is). A sampled round drafts `_round_k`, as the
+        host-driven round does, since a position's token depends on whether it is a draft's
+        acceptance or the bonus draw; its next round is launched ahead only where that one too
+        drafts draft_ahead whatever this one accepts."""
+        runner, spec, sp = self.runner, self.spec, self.req.sampling
+        D = spec.draft_ahead
+        k = D if sp.greedy or self._ahead is not None else self._round_k()
         cur = self._ahead or runner.chain_round(self.lane, spec.draft_loops, spec.verify_loops, k,
-                                                state=(self._t, self._pos))
+                                                state=(self._t, self._pos), sampling=sp, seed=self.req.seed)
         self._ahead = None
         # the next round starts at most k + 1 positions on and writes k + 1 more
-        if self._emit.generated + k + 1 < self.req.max_tokens and runner.round_fits(self._pos, k, rounds=2):
-            self._ahead = runner.chain_round(self.lane, spec.draft_loops, spec.verify_loops, k)
+        left = self.req.max_tokens - self._emit.generated - (k + 1)   # tokens left after this round, at least
+        if (left > 0 if sp.greedy else k == D and left - 1 >= D) and runner.round_fits(self._pos, k, rounds=2):
+            self._ahead = runner.chain_round(self.lane, spec.draft_loops, spec.verify_loops, D, sampling=sp)
         n, toks = cur.result()
-        return toks, n, cur.work
+        return toks, n, cur.work, cur.k
 
     def stats(self) -> dict:
         """The speculative figures so far (the Finish's stats beside the token and work counts)."""

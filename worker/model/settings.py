@@ -41,7 +41,7 @@ class Settings:
     equals plain decoding, a chunked prompt its unchunked prefill, bit for bit in bf16. It costs
     nothing at batch 1 and more the more rows a pass has (docs/performance.md); greedy
     speculative decoding replays a whole round as one graph only with it.
-    device_rounds: greedy speculative chains run each round, drafts to acceptance, on the
+    device_rounds: speculative chains, greedy or sampled, run each round, drafts to acceptance, on the
     device with no host value inside (one graph per round with CUDA graphs), the host reading
     a round's tokens while the next runs; None: on with batch_invariant and CUDA graphs (without
     batch-invariant kernels a round's verify attends over the whole cache).

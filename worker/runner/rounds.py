@@ -21,6 +21,17 @@ Because the state lives in device memory per lane, a round of one lane may be la
 rounds of other lanes run or wait, and a lane's next round may be launched before the host
 has read this one: it starts where this one leaves the state.
 
+A sampled round (`sampling`: the host flags of the lane's parameters, `RowSampling.flags`)
+runs the same passes and decides as the host-driven sampled chain does (Leviathan et al. 2023,
+Chen et al. 2023), every random number its position's counter-based draw (runner/sampler.py):
+draft i is the STREAM_TOKEN draw from q_i = probs(draft logits) at p + i + 1; the verify's
+distributions p_i accept draft i with probability min(1, p_i / q_i) (STREAM_ACCEPT), the first
+rejection emits a STREAM_RESIDUAL draw from max(0, p_i - q_i), and a fully accepted chunk the
+STREAM_TOKEN draw from p_k. The lane's temperature, top-k, top-p and seed are read from
+`params[lane]` (device memory, written when its stream starts rounds), so one graph serves
+every stream whose parameters share the flags. A repetition penalty depends on the tokens
+emitted so far: such streams take the host-driven rounds.
+
 With batch-invariant kernels (Settings.batch_invariant) every row of the verify is computed as
 the plain decode step computes it, so the tokens equal generate(loops=Lv)'s bit for bit;
 without them they do in fp32 (the CPU tests) and up to near ties in bf16. Only `runner.Runner`
@@ -35,12 +46,18 @@ import torch
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
 from tinyloop.kernels.sampling import greedy_feed, greedy_feed_ref
 from tinyloop.worker.runner.engine import Engine
+from tinyloop.worker.runner.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, RowSampling,
+                                            accept_or_resample, draw, probs, uniform)
 
 
 class ChainRound:
     """The static buffers and the eager run of one (Ld, Lv, k) round (what a graph captures)."""
 
-    def __init__(self, engine: Engine, state: torch.Tensor, draft_loops: int, verify_loops: int, k: int):
+    def __init__(self, engine: Engine, state: torch.Tensor, draft_loops: int, verify_loops: int, k: int,
+                 sampling: tuple[int, bool] | None = None, params: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """sampling: None (greedy) or the (k_max, top_p_any) flags of the lanes it serves;
+        params: then the per-lane tables (lanes, 2) fp32 [temperature, top_p] and (lanes, 2)
+        int64 [top_k, seed]."""
         if not 1 <= draft_loops < verify_loops:
             raise ValueError(f"a round drafts at 1 <= draft_loops < verify_loops, got {draft_loops}, {verify_loops}")
         if k < 1:
@@ -62,6 +79,11 @@ class ChainRound:
         self.offsets = torch.arange(k + 1, device=dev)[None]
         self.chunk_positions = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
+        self.sampling, self.params = sampling, params
+        if sampling is not None:
+            if params is None:
+                raise ValueError("a sampled round reads its lane's parameters: pass the params tables")
+            self.qs = torch.zeros(k, cfg.vocab_size, dtype=torch.float32, device=dev)  # the drafts' q
         # (pdl: Settings.pdl, which the engine's ops carry on either backend)
         self._feed = functools.partial(greedy_feed if dev.type == "cuda" else greedy_feed_ref, pdl=engine.ops.pdl)
 
@@ -72,6 +94,8 @@ class ChainRound:
 
     @torch.no_grad()
     def run(self) -> None:
+        if self.sampling is not None:
+            return self._run_sampled()
         e, k, S = self.engine, self.k, self.engine.cache.max_seq_len
         lane_state = self.state.index_select(0, self.slot)          # (1, 2): token, position
         self.tokens.copy_(lane_state[:, :1])
@@ -90,6 +114,52 @@ class ChainRound:
         h = e.run_loops(self.residuals, pc, self.Ld, self.Lv)
         targets = e.logits(e.coda(h, pc))[0].argmax(-1)             # (k + 1,): tokens at p + 1 .. p + k + 1
         n = (targets[:k] == self.drafts).long().cumprod(0).sum()    # leading drafts the verifier agrees with
+        self.out[0] = n
+        self.out[1:].copy_(targets)
+        nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])
+        self.state.index_copy_(0, self.slot, nxt.view(1, 2))
+
+    def _lane_sampling(self, rows: int) -> tuple[RowSampling, torch.Tensor]:
+        """The lane's parameters as `rows` rows of RowSampling, and its seed (rows,)."""
+        f = self.params[0].index_select(0, self.slot)[0]   # temperature, top_p
+        i = self.params[1].index_select(0, self.slot)[0]   # top_k, seed
+        k_max, top_p_any = self.sampling
+        rs = RowSampling(f[0].expand(rows), i[0].expand(rows), f[1].expand(rows),
+                         torch.ones(rows, dtype=torch.float32, device=f.device), k_max, top_p_any, False, True)
+        return rs, i[1].expand(rows)
+
+    def _run_sampled(self) -> None:
+        """run() of a sampled round: the host-driven sampled chain's decisions (module docstring)."""
+        e, k, S = self.engine, self.k, self.engine.cache.max_seq_len
+        V = self.qs.shape[1]
+        lane_state = self.state.index_select(0, self.slot)          # (1, 2): token, position
+        self.tokens.copy_(lane_state[:, :1])
+        self.positions.copy_(lane_state[:, 1:])
+        torch.add(self.offsets, self.positions, out=self.chunk_positions)
+        torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
+        one, seed = self._lane_sampling(1)
+        for i in range(k + 1):
+            p = e.make_pass(self.slot, self.positions, S)
+            h = e.run_loops(e.prelude(self.x, p), p, 0, self.Ld)
+            self.residuals[:, i].copy_(h[:, 0])
+            if i < k:
+                q = probs(e.logits(e.coda(h, p), p).view(1, V), one)
+                self.qs[i].copy_(q[0])
+                self.positions += 1
+                d = draw(q, uniform(seed, self.positions.view(1), STREAM_TOKEN))
+                self.drafts[i:i + 1].copy_(d)
+                self.tokens.copy_(d.view(1, 1))
+                torch.index_select(self.table, 0, d, out=self.x.view(1, -1))
+        pc = e.make_pass(self.slot, self.chunk_positions, S)
+        h = e.run_loops(self.residuals, pc, self.Ld, self.Lv)
+        rows, seeds = self._lane_sampling(k + 1)
+        pv = probs(e.logits(e.coda(h, pc))[0], rows)                 # (k + 1, V): p at p + 1 .. p + k + 1
+        at = self.chunk_positions[0] + 1                             # each row's token position
+        accepted, toks = accept_or_resample(pv[:k], self.qs, self.drafts, uniform(seeds[:k], at[:k], STREAM_ACCEPT),
+                                            uniform(seeds[:k], at[:k], STREAM_RESIDUAL))
+        bonus = draw(pv[k:], uniform(seeds[k:], at[k:], STREAM_TOKEN))   # the token after a whole chunk
+        targets = torch.cat([toks, bonus])
+        n = accepted.long().cumprod(0).sum()                         # leading drafts accepted
         self.out[0] = n
         self.out[1:].copy_(targets)
         nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])

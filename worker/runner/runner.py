@@ -9,7 +9,7 @@ stages:
     decode(lanes, tokens, positions, depths) one decode step of B lanes, each at its own depth
     verify(lane, residual, pos, start, stop) a draft chain's iterations [start, stop) -> every logit
     verify_many(lanes, residuals, positions, start, stop)  the same for several lanes' chains, one pass
-    chain_round(lane, Ld, Lv, k, state)     a greedy speculative round, drafts to acceptance, on the device
+    chain_round(lane, Ld, Lv, k, state)     a speculative chain round (greedy or sampled), drafts to acceptance, on the device
     tree(lane, nodes, pos)                  a draft tree's stages (drafting depth by depth, verify)
     trace(lane, tokens, loops)              every stage's last-position residual (scoring)
 
@@ -61,7 +61,7 @@ class RunnerSettings:
     stage, not 16 (their stage sets share one set of buffers, so the row counts cost graphs and
     start-up time, not memory beyond the largest; a longer prompt fills a pass well alone).
     device_rounds:
-    greedy speculative chains run whole rounds on the device (`chain_round`), one graph per
+    speculative chains (greedy or sampled) run whole rounds on the device (`chain_round`), one graph per
     round where graphs are captured (eager elsewhere: the CPU tests). sampler_graphs: with
     graphs, `sample` replays a captured sampler per row bucket. interleave: batched steps of
     streams at different depths run their rows each at its own iteration (`interleave`), where
@@ -263,11 +263,11 @@ class ChunksOut:
 
 
 class RoundOut:
-    """A launched chain round's result: its copy to the host is queued behind it; `result()`
-    waits for that copy alone -> (drafts accepted n, the round's n + 1 tokens)."""
+    """A launched chain round's result (of k drafts): its copy to the host is queued behind it;
+    `result()` waits for that copy alone -> (drafts accepted n, the round's n + 1 tokens)."""
 
-    def __init__(self, out: torch.Tensor, work: Counters):
-        self.work = work
+    def __init__(self, out: torch.Tensor, work: Counters, k: int):
+        self.work, self.k = work, k
         if out.is_cuda:
             self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             self._host.copy_(out, non_blocking=True)
@@ -365,9 +365,12 @@ class Runner:
         self._prefill_shared = None
         self._rows_shared = None  # the multi-row prefills' buffers, flat (`_rows_stages`)
         self._batch_shared = None
-        self._rounds: dict[tuple[int, int, int], ChainRound] = {}
+        self._rounds: dict[tuple, ChainRound] = {}
         # each lane's speculative round state, (token, position), read and left by its rounds
         self._round_state = torch.zeros(cache.n_slots, 2, dtype=torch.long, device=self.device)
+        # each lane's sampling parameters for sampled rounds: [temperature, top_p], [top_k, seed]
+        self._round_params = (torch.ones(cache.n_slots, 2, dtype=torch.float32, device=self.device),
+                              torch.zeros(cache.n_slots, 2, dtype=torch.long, device=self.device))
         self._sampler: SamplerGraphs | None = None  # the sampling graphs, made on first use
         self.startup = {"graphs": 0, "graph_bytes": 0}
         if settings.cuda_graphs:
@@ -1149,21 +1152,35 @@ class Runner:
     @torch.no_grad()
     @_settles
     def chain_round(self, lane: int, draft_loops: int, verify_loops: int, k: int,
-                    state: tuple[int, int] | None = None) -> "RoundOut":
-        """One greedy chain round on `lane` (rounds.ChainRound): state (t, pos), the decided
-        token and its position, or None: where the lane's last round left it. Launched, not
-        waited for: `RoundOut.result()` reads it. The graph of the (Ld, Lv, k) round is
-        captured on its first use where graphs are; a round that would pass the cache's end is
-        the caller's to avoid (`round_fits`)."""
-        key = (draft_loops, verify_loops, k)
+                    state: tuple[int, int] | None = None, sampling: SamplingParams | None = None,
+                    seed: int = 0) -> "RoundOut":
+        """One chain round on `lane` (rounds.ChainRound): state (t, pos), the decided token and
+        its position, or None: where the lane's last round left it. sampling: None or greedy
+        params (the verifier's argmax decides), else the sampled round's parameters with the
+        request's `seed`, stored for the lane with `state` (a sampled stream's first round
+        gives both; a repetition penalty is refused: it needs the tokens so far). Launched, not
+        waited for: `RoundOut.result()` reads it. The graph of the (Ld, Lv, k, sampling flags)
+        round is captured on its first use where graphs are; a round that would pass the
+        cache's end is the caller's to avoid (`round_fits`)."""
+        flags = None
+        if sampling is not None and not sampling.greedy:
+            if sampling.repetition_penalty != 1.0:
+                raise ValueError("a round on the device takes no repetition penalty (it depends on the tokens so far)")
+            flags = RowSampling.flags([sampling], self.config.vocab_size)[:2]
+        key = (draft_loops, verify_loops, k, flags)
         rnd = self._rounds.get(key)
         if rnd is None:
-            rnd = self._rounds[key] = ChainRound(self.engine, self._round_state, draft_loops, verify_loops, k)
+            rnd = self._rounds[key] = ChainRound(self.engine, self._round_state, draft_loops, verify_loops, k,
+                                                 flags, self._round_params)
         if state is not None:
             t, pos = state
             if not self.round_fits(pos, k):
                 raise ValueError(f"a round of {k} drafts at {pos} passes the cache's {self.cache.max_seq_len} positions")
             self._round_state[lane].copy_(device_tensor([t, pos], self.device))
+            if flags is not None:
+                self._round_params[0][lane].copy_(device_tensor([sampling.temperature, sampling.top_p], self.device,
+                                                                torch.float32))
+                self._round_params[1][lane].copy_(device_tensor([sampling.top_k, seed], self.device))
         rnd.slot.fill_(lane)
         if self.graphs is not None:
             self.graphs.capture_round(key, rnd).replay()
@@ -1171,7 +1188,7 @@ class Runner:
             rnd.run()
         iterations, token_iterations = rnd.work
         work = self.counters.add(iterations, token_iterations)
-        return RoundOut(rnd.out, work)
+        return RoundOut(rnd.out, work, k)
 
     # -- speculative verify ------------------------------------------------------------------
     @torch.no_grad()

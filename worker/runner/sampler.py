@@ -141,6 +141,22 @@ def draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.gather(-1, pick).squeeze(-1)
 
 
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
+                       u_accept: torch.Tensor, u_residual: torch.Tensor):
+    """Speculative sampling's decision at one position, batched over rows.
+
+    p, q (B, V) target and draft distributions, draft (B,) tokens drawn from q, uniforms (B,).
+    -> (accepted (B,) bool, token (B,)): the draft where accepted (probability
+    min(1, p / q)), else a draw from normalize(max(0, p - q)). The token is distributed as p."""
+    p, q = p.double(), q.double()
+    pd, qd = p.gather(1, draft[:, None])[:, 0], q.gather(1, draft[:, None])[:, 0]
+    accepted = u_accept * qd < pd  # u < p / q without dividing; always true where p >= q
+    residual = (p - q).clamp_min(0)
+    # p == q leaves no residual mass (and then every draft is accepted): fall back to p
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    return accepted, torch.where(accepted, draft, draw(residual, u_residual))
+
+
 def sample_rows(logits: torch.Tensor, seen: torch.Tensor | None, p: RowSampling, seed: torch.Tensor,
                 position: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,) int64, row b for the token at absolute position[b]
