@@ -18,6 +18,22 @@ PROMPTS = [[3, 17, 42, 99, 7], [200, 1, 1, 5, 9, 31, 64, 128], [250, 11]]
 ON = Settings(device_rounds=True)
 
 
+def interleaved(m: Model, reqs: list) -> list[list[int]]:
+    """The requests' streams on lanes 0, 1, ... stepped in turn, one item each: every stream's
+    prompt and tokens."""
+    streams = [m.stream(req, lane) for lane, req in enumerate(reqs)]
+    got = [list(req.prompt) for req in reqs]
+    live = [True] * len(reqs)
+    while any(live):
+        for i, s in enumerate(streams):
+            if live[i]:
+                try:
+                    got[i] += next(s)
+                except StopIteration:
+                    live[i] = False
+    return got
+
+
 @pytest.fixture(scope="module")
 def rounds_model(ckpt_dir):
     path = damped_checkpoint(ckpt_dir / "damped-rounds.tinyloop", CONFIGS["gqa-prelude-coda"], 3, 0.03)
@@ -75,16 +91,7 @@ def test_lanes_keep_their_own_round_state(rounds_model):
     m = rounds_model
     spec = {"draft_loops": 2, "verify_loops": 6, "draft_ahead": 3}
     reqs = [m.make_request(p, max_tokens=16, speculative=spec) for p in PROMPTS[:2]]
-    streams = [m.stream(req, lane) for lane, req in enumerate(reqs)]
-    got = [list(p) for p in PROMPTS[:2]]
-    live = [True, True]
-    while any(live):
-        for i, s in enumerate(streams):
-            if live[i]:
-                try:
-                    got[i] += next(s)
-                except StopIteration:
-                    live[i] = False
+    got = interleaved(m, reqs)
     for p, g in zip(PROMPTS[:2], got):
         assert g == m.generate(p, loops=6, max_tokens=16)
 
@@ -156,16 +163,7 @@ def test_sampled_lanes_keep_their_own_parameters(rounds_model):
     assert len(flags) == 1, "the two streams must share one round (and its graph)"
     spec = {"draft_loops": 2, "verify_loops": 6, "draft_ahead": 3}
     reqs = [m.make_request(p, max_tokens=16, speculative=spec, **kw) for p, kw in zip(PROMPTS[:2], params)]
-    streams = [m.stream(req, lane) for lane, req in enumerate(reqs)]
-    got = [list(p) for p in PROMPTS[:2]]
-    live = [True, True]
-    while any(live):
-        for i, s in enumerate(streams):
-            if live[i]:
-                try:
-                    got[i] += next(s)
-                except StopIteration:
-                    live[i] = False
+    got = interleaved(m, reqs)
     for p, kw, g in zip(PROMPTS[:2], params, got):
         assert g == host_rounds(m, m.generate_speculative, p, max_tokens=16, **spec, **kw)
 

@@ -92,16 +92,20 @@ class ChainRound:
         """(loop iterations, token iterations) one round runs: every chunk token Lv in all."""
         return (self.k + 1) * self.Ld + (self.Lv - self.Ld), (self.k + 1) * self.Lv
 
-    @torch.no_grad()
-    def run(self) -> None:
-        if self.sampling is not None:
-            return self._run_sampled()
-        e, k, S = self.engine, self.k, self.engine.cache.max_seq_len
+    def _load(self) -> None:
+        """The lane's token and position (state[lane]) into the round's inputs."""
         lane_state = self.state.index_select(0, self.slot)          # (1, 2): token, position
         self.tokens.copy_(lane_state[:, :1])
         self.positions.copy_(lane_state[:, 1:])
         torch.add(self.offsets, self.positions, out=self.chunk_positions)
         torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
+
+    @torch.no_grad()
+    def run(self) -> None:
+        if self.sampling is not None:
+            return self._run_sampled()
+        e, k, S = self.engine, self.k, self.engine.cache.max_seq_len
+        self._load()
         for i in range(k + 1):
             p = e.make_pass(self.slot, self.positions, S)
             h = e.run_loops(e.prelude(self.x, p), p, 0, self.Ld)
@@ -132,11 +136,7 @@ class ChainRound:
         """run() of a sampled round: the host-driven sampled chain's decisions (module docstring)."""
         e, k, S = self.engine, self.k, self.engine.cache.max_seq_len
         V = self.qs.shape[1]
-        lane_state = self.state.index_select(0, self.slot)          # (1, 2): token, position
-        self.tokens.copy_(lane_state[:, :1])
-        self.positions.copy_(lane_state[:, 1:])
-        torch.add(self.offsets, self.positions, out=self.chunk_positions)
-        torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
+        self._load()
         one, seed = self._lane_sampling(1)
         for i in range(k + 1):
             p = e.make_pass(self.slot, self.positions, S)
