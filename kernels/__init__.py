@@ -6,6 +6,7 @@ reference take the same arguments and return the same thing.
 Without a CUDA device the launchers run only under the Triton interpreter (CPU tensors), which
 triton reads from TRITON_INTERPRET=1 at its first import: the test suite sets it.
 """
+from .counter_hash import uniform, uniform_ref
 from .decode_attention import (
     decode_attention,
     decode_attention_ref,
@@ -52,4 +53,6 @@ __all__ = [
     "swiglu_ref",
     "tree_attention",
     "tree_attention_ref",
+    "uniform",
+    "uniform_ref",
 ]

@@ -1,7 +1,8 @@
 """Sampling on the GPU (runner/sampler.py): the captured sampler graph draws exactly the tokens
 of the same ops launched one by one, for every row count and parameter mix, and a batched
 step's streams on samplers that differ per stream each get their stream alone's tokens
-(batch-invariant kernels: the lanes' logits are their streams alone's, bit for bit).
+(batch-invariant kernels: the lanes' logits are their streams alone's, bit for bit); the
+uniforms come from the one-launch kernel, the torch spec's numbers.
 Run on a GPU host: `pytest -m gpu tests/worker/test_gpu_sampling.py`."""
 import pytest
 import torch
@@ -10,7 +11,8 @@ from tinyloop.worker import Model
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import decode_steps
 from tinyloop.worker.model.settings import Settings
-from tinyloop.worker.runner.sampler import RowSampling, SamplingParams, sample_rows
+from tinyloop.kernels.counter_hash import uniform_ref
+from tinyloop.worker.runner.sampler import RowSampling, SamplingParams, sample_rows, uniform
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -70,3 +72,11 @@ def test_streams_on_their_own_samplers_batched_equal_alone(models):
         for lane, (ids, _) in b.step().items():
             out[lane].extend(ids)
     assert out == alone
+
+
+def test_the_uniforms_are_the_launch_and_the_spec_s_numbers():
+    g = torch.Generator().manual_seed(3)
+    seed, pos = (torch.randint(-(1 << 62), 1 << 62, (4096,), generator=g) for _ in range(2))
+    for stream in (0, 1, 2):
+        got = uniform(seed.cuda(), pos.cuda(), stream)
+        assert got.is_cuda and torch.equal(got.cpu(), uniform_ref(seed, pos, stream))

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tinyloop.worker.model.counter_hash import shr, splitmix64
+from tinyloop.kernels.counter_hash import shr, splitmix64
 
 _STREAM = 0x4C41  # keeps these draws apart from the sampler's streams at the same (seed, position)
 _LO, _HI = (1 + math.erf(-3 / math.sqrt(2))) / 2, (1 + math.erf(3 / math.sqrt(2))) / 2  # CDF at -3, 3

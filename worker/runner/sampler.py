@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyloop.worker.model.counter_hash import shr, splitmix64
+from tinyloop.kernels import counter_hash
 from tinyloop.worker.runner.stages import device_tensor
 
 # Independent streams at one position.
@@ -30,10 +30,11 @@ STREAM_RESIDUAL = 2     # speculative resample from the residual distribution
 
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int = STREAM_TOKEN) -> torch.Tensor:
-    """seed, position (B,) int64 -> (B,) float64 uniforms in [0, 1)."""
-    x = splitmix64(seed.to(torch.int64) * 4 + stream)
-    x = splitmix64(x ^ position.to(torch.int64))
-    return shr(x, 11).to(torch.float64) * (1.0 / (1 << 53))
+    """seed, position (B,) int64 -> (B,) float64 uniforms in [0, 1) (kernels/counter_hash.py:
+    one launch on CUDA, the same numbers as its torch reference elsewhere)."""
+    if seed.is_cuda and seed.dim() == position.dim() == 1 and seed.dtype == position.dtype == torch.int64:
+        return counter_hash.uniform(seed, position, stream)
+    return counter_hash.uniform_ref(seed, position, stream)
 
 
 @dataclass(frozen=True)
