@@ -20,10 +20,10 @@ import triton.language as tl
 
 from ._checks import check_device, check_dtype
 
-# splitmix64's constants (unsigned 64-bit)
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+# splitmix64's constants (unsigned 64-bit), as ints and as the kernel's constexprs (a jitted
+# function reads no other globals)
+GOLDEN, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_GOLDEN, _M1, _M2 = tl.constexpr(GOLDEN), tl.constexpr(M1), tl.constexpr(M2)
 BLOCK = 128
 
 
@@ -39,9 +39,9 @@ def shr(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def splitmix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 of int64 tensors, elementwise (wrapping, as the unsigned hash)."""
-    x = x + i64(_GOLDEN)
-    x = (x ^ shr(x, 30)) * i64(_M1)
-    x = (x ^ shr(x, 27)) * i64(_M2)
+    x = x + i64(GOLDEN)
+    x = (x ^ shr(x, 30)) * i64(M1)
+    x = (x ^ shr(x, 27)) * i64(M2)
     return x ^ shr(x, 31)
 
 
