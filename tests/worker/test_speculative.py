@@ -388,6 +388,24 @@ def test_sampled_speculative_is_reproducible_and_tree_matches_plain(tiny_spec):
     assert m.generate_tree_speculative(prompt, K_branches=3, **kw) == plain
 
 
+def test_a_sampled_tree_round_decides_on_the_device(tiny_spec, monkeypatch):
+    """Every node's sampled verdict is drawn on the device and read with the tree's tokens in
+    one transfer: after the prefill's token no single-position draw runs on the host, and the
+    tokens are still the plain sampler's."""
+    m, prompt = tiny_spec, PROMPTS[1]
+    kw = dict(max_tokens=N_TOKENS, draft_loops=2, verify_loops=6, draft_ahead=3, temperature=0.8, top_p=0.9, seed=3)
+    real, calls = spec_mod._Chooser.target, []
+
+    def counted(self, logits, pos):
+        calls.append(pos)
+        return real(self, logits, pos)
+    monkeypatch.setattr(spec_mod._Chooser, "target", counted)
+    out = m.generate_tree_speculative(prompt, K_branches=2, **kw)
+    assert calls == [len(prompt)], "only the prefill's token is drawn on the host"
+    assert out.stats["verify_steps"] > 1
+    assert out == m.generate(prompt, loops=6, max_tokens=N_TOKENS, temperature=0.8, top_p=0.9, seed=3)
+
+
 # -- API -------------------------------------------------------------------------------------
 def test_stream_protocol_and_stats(tiny_spec):
     m, prompt = tiny_spec, PROMPTS[1]

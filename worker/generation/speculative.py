@@ -112,6 +112,13 @@ class _Chooser:
     def _u(self, pos: int, stream: int) -> torch.Tensor:
         return uniform(self.seed, torch.tensor([pos], device=self.device), stream)
 
+    def targets(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`target` of every row at once, on the device: logits (N, V), positions (N,) ->
+        (N,) tokens (the argmax, or row n's STREAM_TOKEN draw at positions[n] from its p)."""
+        if self.greedy:
+            return logits.argmax(-1)
+        return draw(probs(logits, self.sp), uniform(self.seed.expand(len(positions)), positions, STREAM_TOKEN))
+
     def target(self, logits: torch.Tensor, pos: int) -> int:
         """The plain sampler's token at `pos` (argmax, or the STREAM_TOKEN draw from p)."""
         if self.greedy:
@@ -469,7 +476,8 @@ def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, 
     depth's residuals with iterations [L_d, L_v) and the coda. A node not drafted yet holds
     token 0 and writes K / V that nothing reads (a node attends to its ancestors only, all
     drafted at shallower depths) and the next depth rewrites. The tokens move on the device
-    only; a greedy round reads them and the verifier's argmax in one transfer. An iteration
+    only; a round reads them and every node's verdict (the verifier's argmax, or its sampled
+    token) in one transfer. An iteration
     counts the nodes it drafts (each depth's), then every node for the verify."""
     K = min(spec.k_branches, runner.config.vocab_size) if k else 1
     Ld, Lv = spec.draft_loops, spec.verify_loops
@@ -486,15 +494,14 @@ def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, 
             _draft_depth(tr.logits[first:first + fresh], tr.tokens[0], i, K)
     for stage in (*range(Ld, Lv), "coda"):
         tr.run(stage)
-    logits = tr.logits[:N]
-    if chooser.greedy:
-        both = torch.cat([tr.tokens[0, :N], logits.argmax(-1)]).tolist()
-        tokens, targets = both[:N], both[N:]
-    else:
-        tokens, targets = tr.tokens[0, :N].tolist(), None
+    # every node's verdict on the device, each at the position after its own (a sampled one
+    # the draw its walk would make there), read with the tokens in one transfer
+    depth = torch.arange(N, device=tr.tokens.device).sub_(1).div_(K, rounding_mode="floor").add_(1)
+    both = torch.cat([tr.tokens[0, :N], chooser.targets(tr.logits[:N], depth + (pos + 1))]).tolist()
+    tokens, targets = both[:N], both[N:]
     out, path, cur = [], [], 0
     for i in range(1, k + 1):
-        y = targets[cur] if targets is not None else chooser.target(logits[cur], pos + i)
+        y = targets[cur]
         out.append(y)
         children = range(1, 1 + K) if i == 1 else [cur + K]
         nxt = next((c for c in children if tokens[c] == y), None)
@@ -503,7 +510,7 @@ def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, 
         path.append(nxt)
         cur = nxt
     else:  # bonus after a full branch
-        out.append(targets[cur] if targets is not None else chooser.target(logits[cur], pos + k + 1))
+        out.append(targets[cur])
     _move_path(runner, lane, pos, path, Lv)
     return out, len(path), tr.work
 
