@@ -377,6 +377,35 @@ def test_accept_or_resample_emits_p(case):
     assert abs(accepted.double().mean() - expected_accept) < 0.01
 
 
+@pytest.mark.parametrize("k", [0, 1, 4, 7])
+def test_chain_verdict_is_the_position_by_position_rule(k):
+    """The round's decision in one device call equals speculative sampling taken one position
+    at a time (accept draft i with its STREAM_ACCEPT number, else emit its STREAM_RESIDUAL draw
+    and stop; the bonus STREAM_TOKEN draw from p_k after a whole chunk), over many chunks."""
+    g = torch.Generator().manual_seed(k)
+    V, stops = 11, set()
+    for trial in range(60):
+        p = torch.softmax(torch.randn(k + 1, V, generator=g) * 2, -1)
+        q = torch.softmax(p[:k].log() + torch.randn(k, V, generator=g) * (trial % 3) * 0.7, -1)
+        seed, pos = torch.tensor([trial * 7919]), 100 + trial
+        positions = torch.arange(pos + 1, pos + k + 2)
+        drafts = draw(q, uniform(seed.expand(k), positions[:k], STREAM_TOKEN)) if k else torch.zeros(0, dtype=torch.long)
+        want = []
+        for i in range(k):
+            ok, tok = sampler_mod.accept_or_resample(p[i:i + 1], q[i:i + 1], drafts[i:i + 1],
+                                                     uniform(seed, positions[i:i + 1], STREAM_ACCEPT),
+                                                     uniform(seed, positions[i:i + 1], STREAM_RESIDUAL))
+            want.append(int(tok))
+            if not ok:
+                break
+        else:
+            want.append(int(draw(p[k:], uniform(seed, positions[k:], STREAM_TOKEN))))
+        n, targets = sampler_mod.chain_verdict(p, q, drafts, seed, positions)
+        assert int(n) == len(want) - 1 and targets[:int(n) + 1].tolist() == want
+        stops.add(int(n))
+    assert len(stops) > 1 or k == 0, "the chunks must stop at different drafts"
+
+
 def test_sampled_speculative_is_reproducible_and_tree_matches_plain(tiny_spec):
     m, prompt = tiny_spec, PROMPTS[0]
     kw = dict(max_tokens=N_TOKENS, draft_loops=2, verify_loops=6, draft_ahead=4, temperature=0.9, seed=7)

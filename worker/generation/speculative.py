@@ -58,8 +58,7 @@ import torch
 
 from tinyloop.kernels.tree_attention import MAX_NODES
 from tinyloop.worker.generation.decode import FINISH_LENGTH, FINISH_STOP, DecodeState, Finish, Request
-from tinyloop.worker.runner.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, SamplingParams,
-                                             accept_or_resample, draw, probs, uniform)
+from tinyloop.worker.runner.sampler import STREAM_TOKEN, SamplingParams, chain_verdict, draw, probs, uniform
 from tinyloop.worker.runner.engine import Counters
 from tinyloop.worker.runner.runner import RoundOut, Runner, StepOut
 from tinyloop.worker.runner.stages import TreeStages
@@ -125,6 +124,12 @@ class _Chooser:
             return int(logits.argmax(-1))
         return int(draw(probs(logits.view(1, -1), self.sp), self._u(pos, STREAM_TOKEN)))
 
+    def draft_on_device(self, logits: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled chain draft at `pos` from a draft step's logits (V,), left on the device:
+        (its token (1,), its distribution q (V,))."""
+        q = probs(logits.view(1, -1), self.sp)
+        return draw(q, self._u(pos, STREAM_TOKEN)), q[0]
+
     def draft(self, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
         """A chain draft token at `pos` and its distribution q (None under greedy)."""
         if self.greedy:
@@ -132,15 +137,15 @@ class _Chooser:
         q = probs(logits.view(1, -1), self.sp)
         return int(draw(q, self._u(pos, STREAM_TOKEN))), q
 
-    def verify(self, logits: torch.Tensor, q: torch.Tensor | None, d: int, pos: int) -> tuple[bool, int]:
-        """Chain verification of draft d at `pos` -> (accepted, emitted token)."""
-        if self.greedy:
-            t = int(logits.argmax(-1))
-            return t == d, t
-        p = probs(logits.view(1, -1), self.sp)
-        acc, tok = accept_or_resample(p, q, torch.tensor([d], device=self.device),
-                                      self._u(pos, STREAM_ACCEPT), self._u(pos, STREAM_RESIDUAL))
-        return bool(acc), int(tok)
+    def verdict(self, logits: torch.Tensor, qs: torch.Tensor, drafts: torch.Tensor, pos: int) -> tuple[list[int], int]:
+        """A sampled chain's decision (`sampler.chain_verdict`) on the device, read in one
+        transfer: the verifier's logits (k + 1, V) over the chunk whose first token sits at pos,
+        the drafts' q (k, V) and tokens (k,) -> (the round's tokens, drafts accepted)."""
+        k = len(drafts)
+        n, targets = chain_verdict(probs(logits, self.sp), qs, drafts, self.seed,
+                                   torch.arange(pos + 1, pos + k + 2, device=self.device))
+        both = torch.cat([n.view(1), targets]).tolist()
+        return both[1:both[0] + 2], both[0]
 
 
 class _Emitter:
@@ -409,14 +414,14 @@ def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser,
     prev: the last round's last draft step, let go. -> (tokens decided this round, number of
     drafts accepted, the round's work, its last draft step's outputs).
 
-    Greedy drafts stay on the device (each step's own argmax is the next step's token) until
-    the round's one read, with the verifier's tokens. The last step's coda and head are not
-    needed (only its residual is), and the verify overwrites its coda layers' K / V."""
+    The drafts stay on the device (a greedy step's own argmax, or a sampled step's draw from
+    its q, is the next step's token) until the round's one read, with the verifier's verdict.
+    The last step's coda and head are not needed (only its residual is), and the verify
+    overwrites its coda layers' K / V."""
     Ld, Lv = spec.draft_loops, spec.verify_loops
     work = Counters()
     out = prev
-    residuals = drafts = None
-    chunk, qs = [t], []
+    residuals = drafts = qs = None
     tok = t
     for i in range(k + 1):
         out = runner.decode([lane], [tok], [pos + i], [Ld], prev=out)
@@ -424,22 +429,21 @@ def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser,
         if residuals is None:
             residuals = out.residual.new_empty(1, k + 1, out.residual.shape[-1])
             drafts = out.greedy.new_empty(k)
+            qs = None if chooser.greedy else out.logits.new_empty(k, out.logits.shape[-1])
         residuals[:, i] = out.residual[:, 0]
         if i < k:
             if chooser.greedy:
                 drafts[i:i + 1] = out.greedy
-                tok = out.greedy
             else:
-                tok, q = chooser.draft(out.logits[0], pos + i + 1)
-                chunk.append(tok)
-                qs.append(q)
+                drafts[i:i + 1], qs[i] = chooser.draft_on_device(out.logits[0], pos + i + 1)
+            tok = drafts[i:i + 1]
     ver = runner.verify(lane, residuals, pos, Ld, Lv)
     work = work.plus(ver.work)
     if chooser.greedy:  # the verifier's tokens and the drafts in one read
         both = torch.cat([drafts, ver.logits.argmax(-1)]).tolist()
         toks, n_acc = _chain_accept(chooser, pos, both[:k], None, None, both[k:])
     else:
-        toks, n_acc = _chain_accept(chooser, pos, chunk[1:], qs, ver.logits, None)
+        toks, n_acc = chooser.verdict(ver.logits, qs, drafts, pos)
     return toks, n_acc, work, out
 
 
@@ -456,14 +460,8 @@ def _chain_accept(chooser: _Chooser, pos: int, drafts: list[int], qs: list | Non
     if targets is not None:
         n_acc = next((i for i in range(k) if targets[i] != drafts[i]), k)
         return targets[:n_acc + 1], n_acc
-    toks = []
-    for i in range(k):
-        ok, tok = chooser.verify(logits[i], qs[i], drafts[i], pos + i + 1)
-        toks.append(tok)
-        if not ok:
-            return toks, i
-    toks.append(chooser.target(logits[k], pos + k + 1))  # bonus: the whole chunk was accepted
-    return toks, k
+    q = torch.cat(qs) if k else logits.new_empty(0, logits.shape[-1])
+    return chooser.verdict(logits, q, torch.tensor(drafts, dtype=torch.long, device=logits.device), pos)
 
 
 def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,

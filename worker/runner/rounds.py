@@ -46,8 +46,7 @@ import torch
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
 from tinyloop.kernels.sampling import greedy_feed, greedy_feed_ref
 from tinyloop.worker.runner.engine import Engine
-from tinyloop.worker.runner.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, RowSampling,
-                                            accept_or_resample, draw, probs, uniform)
+from tinyloop.worker.runner.sampler import STREAM_TOKEN, RowSampling, chain_verdict, draw, probs, uniform
 
 
 class ChainRound:
@@ -152,14 +151,9 @@ class ChainRound:
                 torch.index_select(self.table, 0, d, out=self.x.view(1, -1))
         pc = e.make_pass(self.slot, self.chunk_positions, S)
         h = e.run_loops(self.residuals, pc, self.Ld, self.Lv)
-        rows, seeds = self._lane_sampling(k + 1)
+        rows, _ = self._lane_sampling(k + 1)
         pv = probs(e.logits(e.coda(h, pc))[0], rows)                 # (k + 1, V): p at p + 1 .. p + k + 1
-        at = self.chunk_positions[0] + 1                             # each row's token position
-        accepted, toks = accept_or_resample(pv[:k], self.qs, self.drafts, uniform(seeds[:k], at[:k], STREAM_ACCEPT),
-                                            uniform(seeds[:k], at[:k], STREAM_RESIDUAL))
-        bonus = draw(pv[k:], uniform(seeds[k:], at[k:], STREAM_TOKEN))   # the token after a whole chunk
-        targets = torch.cat([toks, bonus])
-        n = accepted.long().cumprod(0).sum()                         # leading drafts accepted
+        n, targets = chain_verdict(pv, self.qs, self.drafts, seed, self.chunk_positions[0] + 1)
         self.out[0] = n
         self.out[1:].copy_(targets)
         nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])

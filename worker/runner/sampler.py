@@ -158,6 +158,25 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
     return accepted, torch.where(accepted, draft, draw(residual, u_residual))
 
 
+def chain_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled chain round's decision, on the device. p (k + 1, V): the verifier's
+    distributions over the chunk [t, d_1 .. d_k]; q (k, V) and drafts (k,): the drafts'
+    distributions and tokens; seed (1,); positions (k + 1,): the token position each row of p
+    decides. -> (n, targets (k + 1,)): n (a 0-d tensor) leading drafts accepted, each with
+    probability min(1, p / q) (its STREAM_ACCEPT number); targets[i] the draft where accepted,
+    else the STREAM_RESIDUAL draw from max(0, p_i - q_i); targets[k] the STREAM_TOKEN draw
+    from p_k (the bonus after a whole chunk). The round emits targets[:n + 1]."""
+    k = q.shape[0]
+    seeds = seed.expand(k + 1)
+    bonus = draw(p[k:], uniform(seeds[k:], positions[k:], STREAM_TOKEN))
+    if k == 0:
+        return torch.zeros((), dtype=torch.long, device=p.device), bonus
+    accepted, toks = accept_or_resample(p[:k], q, drafts, uniform(seeds[:k], positions[:k], STREAM_ACCEPT),
+                                        uniform(seeds[:k], positions[:k], STREAM_RESIDUAL))
+    return accepted.long().cumprod(0).sum(), torch.cat([toks, bonus])
+
+
 def sample_rows(logits: torch.Tensor, seen: torch.Tensor | None, p: RowSampling, seed: torch.Tensor,
                 position: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,) int64, row b for the token at absolute position[b]
