@@ -434,9 +434,10 @@ def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser,
         if i < k:
             if chooser.greedy:
                 drafts[i:i + 1] = out.greedy
+                tok = out.greedy  # the step's own buffer: its graph has fed it already
             else:
                 drafts[i:i + 1], qs[i] = chooser.draft_on_device(out.logits[0], pos + i + 1)
-            tok = drafts[i:i + 1]
+                tok = drafts[i:i + 1]
     ver = runner.verify(lane, residuals, pos, Ld, Lv)
     work = work.plus(ver.work)
     if chooser.greedy:  # the verifier's tokens and the drafts in one read
