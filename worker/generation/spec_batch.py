@@ -8,14 +8,15 @@ share their runner calls:
 
 - Draft step i of every member still drafting (k >= i) is one `Runner.decode`, each row on its
   own lane at its own position (pos + i) and depth (its draft_loops). A greedy row's token is
-  its own argmax of the step before, on the device, read only with the round's verify; a
-  sampled row's is its draft from the step before's logits (`SpeculativeStream.draft`: the
-  draw of its position). The members run in decreasing k, so each step's rows are the first
+  its own argmax of the step before, a sampled row's its draft from the step before's logits
+  (`SpeculativeStream.draft`: the draw of its position), both on the device, read only with
+  the round's decision. The members run in decreasing k, so each step's rows are the first
   rows of the step before's: a member with fewer drafts (k is cut near max_tokens) leaves the
   steps after its k-th and writes nothing past its chunk.
 - The verifies are one `Runner.verify_many` per group of members with the same (k,
   draft_loops, verify_loops): one pass runs one span of iterations over chunks of one length.
-- The greedy members' drafts and verifier tokens, every group's, come to the host in one read.
+- The greedy members' drafts and verifier tokens, every group's, come to the host in one read;
+  a sampled member's decision (`sampler.chain_verdict`, on the device) in one read of its own.
   Each member's acceptance, tokens, stats and end are its stream's own
   (`SpeculativeStream.accept`, `round_done`).
 
@@ -51,14 +52,14 @@ from tinyloop.worker.runner.stages import device_tensor
 @dataclass(eq=False)
 class _Round:
     """One member's round in a step: the stream's plan (t at pos, k drafts) and what the
-    round gathers (its work, a sampled member's drafts and their q, its verify's logits)."""
+    round gathers (its work, a sampled member's drafts' q, its verify's logits; the drafts
+    themselves sit in the step's device tensor)."""
     st: SpeculativeStream
     t: int
     pos: int
     k: int
     work: Counters = field(default_factory=Counters)
-    drafts: list[int] = field(default_factory=list)
-    qs: list = field(default_factory=list)
+    qs: list = field(default_factory=list)  # a sampled member's drafts' q, (V,) each
     logits: torch.Tensor | None = None  # (k + 1, V)
 
     @property
@@ -158,24 +159,15 @@ class SpecBatch:
         (M, max(K, 1)) on the device: round m's step i's argmax at [m, i]), K the largest k."""
         runner, K = self.runner, rounds[0].k
         residuals = drafts = out = None
-        prev_rows: dict[int, int] = {}  # round -> its row in the last step
         try:
             for i in range(K + 1):
                 live = [m for m, r in enumerate(rounds) if r.k >= i and r.lane not in updates]
                 if not live:
                     break
-                tokens, dev_rows, dev_index = [], [], []
-                for row, m in enumerate(live):
-                    r = rounds[m]
-                    if i == 0:
-                        tokens.append(r.t)
-                    elif r.st.greedy:  # the step before's argmax, on the device
-                        tokens.append(0)
-                        dev_rows.append(row)
-                        dev_index.append(prev_rows[m])
-                    else:
-                        tokens.append(r.drafts[i - 1])
-                on_device = DeviceTokens(dev_rows, out.greedy, dev_index) if dev_rows else None
+                # step 0 feeds each round's decided token; step i > 0 its draft i, on the device
+                # (drafts[m, i - 1]: a greedy row's argmax, a sampled row's draw)
+                tokens = [rounds[m].t if i == 0 else 0 for m in live]
+                on_device = DeviceTokens(list(range(len(live))), drafts[:, i - 1], live) if i else None
                 try:
                     out = runner.decode([rounds[m].lane for m in live], tokens, [rounds[m].pos + i for m in live],
                                         [rounds[m].st.spec.draft_loops for m in live], on_device=on_device, prev=out)
@@ -195,18 +187,16 @@ class SpecBatch:
                     residuals[:, i].index_copy_(0, idx, out.residual[:, 0])
                     if i < K:
                         drafts[:, i].index_copy_(0, idx, out.greedy)
-                prev_rows = {m: row for row, m in enumerate(live)}
                 for row, m in enumerate(live):
                     r = rounds[m]
                     it = out.row(row).iterations
                     r.work = r.work.plus(Counters(it, it))
                     if i < r.k and not r.st.greedy:
                         try:
-                            tok, q = r.st.draft(out.logits[row], r.pos + i + 1)
+                            drafts[m, i:i + 1], q = r.st.draft(out.logits[row], r.pos + i + 1)
                         except Exception as e:
                             self._fail(r.lane, e, updates)
                             continue
-                        r.drafts.append(tok)
                         r.qs.append(q)
         finally:
             runner.release(out)  # the residuals are copied: the step's buffers are free
@@ -276,7 +266,7 @@ class SpecBatch:
                         d, t = host[m]
                         toks, n_acc = r.st.accept(r.pos, d, None, None, t)
                     else:
-                        toks, n_acc = r.st.accept(r.pos, r.drafts, r.qs, r.logits, None)
+                        toks, n_acc = r.st.accept(r.pos, drafts[m, :r.k], r.qs, r.logits, None)
                     emitted, finish = r.st.round_done(toks, r.k, n_acc, r.work)
                 except Exception as e:
                     self._fail(r.lane, e, updates)

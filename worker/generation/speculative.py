@@ -130,13 +130,6 @@ class _Chooser:
         q = probs(logits.view(1, -1), self.sp)
         return draw(q, self._u(pos, STREAM_TOKEN)), q[0]
 
-    def draft(self, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
-        """A chain draft token at `pos` and its distribution q (None under greedy)."""
-        if self.greedy:
-            return int(logits.argmax(-1)), None
-        q = probs(logits.view(1, -1), self.sp)
-        return int(draw(q, self._u(pos, STREAM_TOKEN))), q
-
     def verdict(self, logits: torch.Tensor, qs: torch.Tensor, drafts: torch.Tensor, pos: int) -> tuple[list[int], int]:
         """A sampled chain's decision (`sampler.chain_verdict`) on the device, read in one
         transfer: the verifier's logits (k + 1, V) over the chunk whose first token sits at pos,
@@ -363,11 +356,12 @@ class SpeculativeStream:
         self._last = None
         return self._t, pos, k
 
-    def draft(self, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor | None]:
-        """A sampled chain's draft at `pos` from a draft step's logits (V,) and its q."""
-        return self._chooser.draft(logits, pos)
+    def draft(self, logits: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled chain's draft at `pos` from a draft step's logits (V,), on the device:
+        its token (1,) and its q (V,)."""
+        return self._chooser.draft_on_device(logits, pos)
 
-    def accept(self, pos: int, drafts: list[int], qs: list | None, logits: torch.Tensor | None,
+    def accept(self, pos: int, drafts: list[int] | torch.Tensor, qs: list | None, logits: torch.Tensor | None,
                targets: list[int] | None) -> tuple[list[int], int]:
         """The round's decision (`_chain_accept`): greedy from targets, sampled from qs and logits."""
         return _chain_accept(self._chooser, pos, drafts, qs, logits, targets)
@@ -448,12 +442,13 @@ def _chain_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser,
     return toks, n_acc, work, out
 
 
-def _chain_accept(chooser: _Chooser, pos: int, drafts: list[int], qs: list | None, logits: torch.Tensor | None,
-                  targets: list[int] | None) -> tuple[list[int], int]:
+def _chain_accept(chooser: _Chooser, pos: int, drafts: list[int] | torch.Tensor, qs: list | None,
+                  logits: torch.Tensor | None, targets: list[int] | None) -> tuple[list[int], int]:
     """A verified chain's decision: drafts d_1 .. d_k after the token at pos, against the
     verifier -> (the round's tokens, drafts accepted). Greedy: targets, the verifier's argmax
     at every chunk position (k + 1, on the host): accept while it equals the draft. Sampled:
-    each draft by speculative sampling from its q (qs) and the verifier's logits (k + 1, V).
+    the drafts (k,) and their q (qs, (V,) each) on the device, decided by speculative sampling
+    against the verifier's logits (k + 1, V) in one call and one read (`_Chooser.verdict`).
     The verifier's token at the first rejection, or the bonus after a fully accepted chunk, is
     the round's last token. Every random number is its position's: the same draws on any path
     that ran the round (a stream alone, a SpecBatch)."""
@@ -461,8 +456,8 @@ def _chain_accept(chooser: _Chooser, pos: int, drafts: list[int], qs: list | Non
     if targets is not None:
         n_acc = next((i for i in range(k) if targets[i] != drafts[i]), k)
         return targets[:n_acc + 1], n_acc
-    q = torch.cat(qs) if k else logits.new_empty(0, logits.shape[-1])
-    return chooser.verdict(logits, q, torch.tensor(drafts, dtype=torch.long, device=logits.device), pos)
+    q = torch.stack(qs) if k else logits.new_empty(0, logits.shape[-1])
+    return chooser.verdict(logits, q, drafts, pos)
 
 
 def _tree_round(runner: Runner, lane: int, spec: SpecParams, chooser: _Chooser, t: int, pos: int,
