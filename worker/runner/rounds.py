@@ -29,8 +29,8 @@ distributions p_i accept draft i with probability min(1, p_i / q_i) (STREAM_ACCE
 rejection emits a STREAM_RESIDUAL draw from max(0, p_i - q_i), and a fully accepted chunk the
 STREAM_TOKEN draw from p_k. The lane's temperature, top-k, top-p and seed are read from
 `params[lane]` (device memory, written when its stream starts rounds), so one graph serves
-every stream whose parameters share the flags. A repetition penalty depends on the tokens
-emitted so far: such streams take the host-driven rounds.
+every stream whose parameters share the flags. A repetition penalty, which depends on the
+tokens emitted so far, is refused (as speculative requests refuse it).
 
 With batch-invariant kernels (Settings.batch_invariant) every row of the verify is computed as
 the plain decode step computes it, so the tokens equal generate(loops=Lv)'s bit for bit;
