@@ -48,3 +48,16 @@ def test_speculative_batch_and_resume_equal_generate(pair):
         assert fast.resume_generate(h, 3, max_tokens=N) == want
     finally:
         fast.free_resume_handle(h)
+
+
+def test_sampled_speculation_on_the_kernels_decides_as_the_reference(pair):
+    """A sampled chain's device round (drafts, acceptance and residual draws on the device, the
+    uniforms from the counter-hash kernel's spec here) and a sampled tree's one-read round, on
+    the interpreted kernels, decide as the torch reference path's host-driven rounds."""
+    fast, ref = pair
+    kw = dict(max_tokens=N + 2, draft_loops=1, verify_loops=3, draft_ahead=2, temperature=0.9, seed=5)
+    got = fast.generate_speculative(PROMPT, **kw)
+    assert got == ref.generate_speculative(PROMPT, **kw)
+    assert any(key[3] is not None for key in fast.runner._rounds), "the sampled round must run on the device"
+    plain = fast.generate(PROMPT, loops=3, max_tokens=N + 2, temperature=0.9, seed=5)
+    assert fast.generate_tree_speculative(PROMPT, K_branches=2, **kw) == plain
