@@ -120,9 +120,7 @@ class _Chooser:
 
     def target(self, logits: torch.Tensor, pos: int) -> int:
         """The plain sampler's token at `pos` (argmax, or the STREAM_TOKEN draw from p)."""
-        if self.greedy:
-            return int(logits.argmax(-1))
-        return int(draw(probs(logits.view(1, -1), self.sp), self._u(pos, STREAM_TOKEN)))
+        return int(self.targets(logits.view(1, -1), torch.tensor([pos], device=self.device))[0])
 
     def draft_on_device(self, logits: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sampled chain draft at `pos` from a draft step's logits (V,), left on the device:

@@ -99,6 +99,13 @@ class ChainRound:
         torch.add(self.offsets, self.positions, out=self.chunk_positions)
         torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
 
+    def _leave(self, n: torch.Tensor, targets: torch.Tensor) -> None:
+        """The round's result: [n, targets] into `out`, and the lane's next (token, position)."""
+        self.out[0] = n
+        self.out[1:].copy_(targets)
+        nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])
+        self.state.index_copy_(0, self.slot, nxt.view(1, 2))
+
     @torch.no_grad()
     def run(self) -> None:
         if self.sampling is not None:
@@ -117,10 +124,7 @@ class ChainRound:
         h = e.run_loops(self.residuals, pc, self.Ld, self.Lv)
         targets = e.logits(e.coda(h, pc))[0].argmax(-1)             # (k + 1,): tokens at p + 1 .. p + k + 1
         n = (targets[:k] == self.drafts).long().cumprod(0).sum()    # leading drafts the verifier agrees with
-        self.out[0] = n
-        self.out[1:].copy_(targets)
-        nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])
-        self.state.index_copy_(0, self.slot, nxt.view(1, 2))
+        self._leave(n, targets)
 
     def _lane_sampling(self, rows: int) -> tuple[RowSampling, torch.Tensor]:
         """The lane's parameters as `rows` rows of RowSampling, and its seed (rows,)."""
@@ -154,7 +158,4 @@ class ChainRound:
         rows, _ = self._lane_sampling(k + 1)
         pv = probs(e.logits(e.coda(h, pc))[0], rows)                 # (k + 1, V): p at p + 1 .. p + k + 1
         n, targets = chain_verdict(pv, self.qs, self.drafts, seed, self.chunk_positions[0] + 1)
-        self.out[0] = n
-        self.out[1:].copy_(targets)
-        nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])
-        self.state.index_copy_(0, self.slot, nxt.view(1, 2))
+        self._leave(n, targets)
