@@ -15,6 +15,13 @@ time is a graph of back-to-back calls cycling through copies of the weight that 
 L2 (as bench/gemv.py times them), so every call reads its weight from HBM, with PDL and tiles as
 a model built with Settings.from_env() launches them (pdl, gemv_tiles, autotune: TINYLOOP_PDL,
 TINYLOOP_GEMV_TILES, TINYLOOP_AUTOTUNE; `tiles` in the JSON).
+
+Variants of the invariant call (`variants` in each row, microseconds and whether its rows are
+their M = 1 calls' bits): `rows=R` runs R rows of x per program (gemv's rows_per_program; the
+default is `kernels.gemv.rows_per_program_of`'s), and for a shape whose tile loops over K,
+`one-chunk BN` runs a one-chunk tile (BLOCK_N = BN, BLOCK_K >= K: the weights held in
+registers for every row of a program, rows_per_program = M) -- its M = 1 time is what that tile
+would cost the batch-1 step, its M > 1 times what it saves the batched one.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import importlib
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from bench.common import gemv_tuning, hardware, write
 from bench.decode import ceilings, device_ms
@@ -42,7 +50,14 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,5,8,16,32,64", help="row counts M, comma-separated")
     ap.add_argument("--calls", type=int, default=16, help="back-to-back calls per graph")
     ap.add_argument("--repeat", type=int, default=15, help="graph replays timed per measurement")
+    ap.add_argument("--per", default="1,4,16,64", help="rows per program of the invariant variants, comma-separated")
+    ap.add_argument("--one-chunk", default="2,4", help="BLOCK_N of the one-chunk tile variants, comma-separated "
+                                                     "(shapes whose tile loops over K)")
     args = ap.parse_args()
+    pers = [int(p) for p in args.per.split(",") if p]
+    one_chunk_bns = [int(b) for b in args.one_chunk.split(",") if b]
+    if any(p < 1 for p in pers) or any(b < 1 for b in one_chunk_bns):
+        ap.error(f"--per and --one-chunk take positive integers, got {pers} and {one_chunk_bns}")
     ms = [int(m) for m in args.rows.split(",") if m]
     if not ms or any(m < 1 for m in ms):
         ap.error(f"--rows: each M must be >= 1, got {ms}")
@@ -77,7 +92,12 @@ def main() -> None:
         swiglu = "swiglu" in fusion
         out_n = N // 2 if swiglu else N
         nw = (1 + 0.1 * torch.randn(K, device=dev)).to(torch.bfloat16)
-        tiles[name] = gemv_mod.tile(dev, out_n, K, "norm" in fusion, swiglu, "residual" in fusion, pdl, **tuning)
+        key = (out_n, K, "norm" in fusion, swiglu, "residual" in fusion, pdl)
+        tiles[name] = gemv_mod.tile(dev, *key, **tuning)
+        one_chunk = {}  # label -> the tables of a one-chunk tile for this shape
+        if tiles[name] is not None and tiles[name][1] < K:
+            for bn in one_chunk_bns:
+                one_chunk[f"one-chunk {bn}"] = ({key: (bn, triton.next_power_of_2(K), 4, 1)}, {})
         for M in ms:
             x = torch.randn(M, 1, K, device=dev, dtype=torch.bfloat16)
             kw = {"swiglu": swiglu, "pdl": pdl, **tuning}
@@ -86,8 +106,8 @@ def main() -> None:
             if "residual" in fusion:
                 kw["residual"] = torch.randn(M, 1, out_n, device=dev, dtype=torch.bfloat16)
 
-            def rows_equal(y, w=ws[0]):
-                """Every row of y equals the M = 1 call on that row alone."""
+            def rows_equal(y, w=ws[0], kw=kw):
+                """Every row of y equals the M = 1 call (with gemv arguments kw) on that row alone."""
                 return all(torch.equal(y[m:m + 1], gemv(
                     x[m:m + 1].clone(), w,
                     **dict(kw, residual=kw["residual"][m:m + 1].clone()) if "residual" in kw else kw))
@@ -100,20 +120,32 @@ def main() -> None:
                 today_ms = cuda_ms(lambda w: gemv(x, w, **kw), ws)
                 today_bitwise = rows_equal(gemv(x, ws[0], **kw))
             linear_ms = cuda_ms(lambda w: F.linear(x, w), ws)
+            variants = {}
+            for label, extra in [*[(f"rows={p}", {"rows_per_program": p}) for p in pers if p < M],
+                                 *[(lbl, {"tables": t, "rows_per_program": M}) for lbl, t in one_chunk.items()]]:
+                vkw = dict(kw, **extra)
+                t_ms = cuda_ms(lambda w: gemv(x, w, invariant=True, **vkw), ws)
+                single_kw = {k: v for k, v in vkw.items() if k != "rows_per_program"}
+                variants[label] = {"ms": t_ms, "rows_bitwise": rows_equal(gemv(x, ws[0], invariant=True, **vkw),
+                                                                          kw=single_kw)}
             results.append({
                 "name": name, "N": N, "K": K, "fusion": fusion, "M": M, "weight_MB": mb,
                 "invariant_ms": inv_ms, "today_ms": today_ms, "torch_linear_ms": linear_ms,
                 "invariant_GBps": mb / inv_ms, "today_GBps": mb / today_ms if today_ms else None,
-                "torch_GBps": mb / linear_ms, "rows_bitwise": rows_bitwise, "today_rows_bitwise": today_bitwise})
+                "torch_GBps": mb / linear_ms, "rows_bitwise": rows_bitwise, "today_rows_bitwise": today_bitwise,
+                "rows_per_program": gemv_mod.rows_per_program_of(M, tiles[name] is not None and tiles[name][1] >= K)
+                if M > 1 else 1, "variants": variants})
             today = f"{today_ms * 1e3:9.1f}" if today_ms else f"{'-':>9s}"
             ratio = f"{inv_ms / today_ms:9.2f}" if today_ms else f"{'-':>9s}"
             print(f"{name:5s} {M:3d} | {inv_ms * 1e3:9.1f} {today} {linear_ms * 1e3:9.1f} us | {ratio} "
                   f"{inv_ms / linear_ms:10.2f} | {mb / inv_ms:8.0f} | {rows_bitwise}"
-                  + ("" if today_bitwise is None or M == 1 else f" (today {today_bitwise})"))
+                  + ("" if today_bitwise is None or M == 1 else f" (today {today_bitwise})")
+                  + "".join(f" | {lbl} {v['ms'] * 1e3:.1f}{'' if v['rows_bitwise'] else ' NOT BITWISE'}"
+                            for lbl, v in variants.items()))
         del ws
     write("gemv-invariant-cuda", {"hardware": hardware(dev), "ceilings": c, "pdl": pdl,
                                   "tiles": tiles, "rows": results}, args.out_dir)
-    if not all(r["rows_bitwise"] for r in results):
+    if not all(r["rows_bitwise"] and all(v["rows_bitwise"] for v in r["variants"].values()) for r in results):
         raise SystemExit("invariant rows differ from their M = 1 calls (see rows_bitwise)")
 
 

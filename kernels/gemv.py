@@ -37,21 +37,24 @@ programs. The tiles are fixed per device and shape (``tables``' entry, then `TIL
 `default_tile`); under the interpreter one tile runs.
 
 Layout, any M, batch-invariant (``invariant=True``): ``_gemv_kernel`` itself -- the M = 1
-kernel, the same compiled function (M is not specialized), constexprs and tile as the M = 1
-call of that shape (`tile`'s; the interpreter's 8 x 64; with ``autotune`` the tile tuned for the
-M = 1 plain call) -- over M * cdiv(N, BLOCK_N) programs, program pid
-computing row pid % M of y on row block pid // M. Row m of y is then bit for bit what the
-M = 1 call computes for row m alone: a row's value depends only on its own inputs and the
-shape's fixed tile, never on M, on which rows ride with it, or on which captured batch size
-runs it. (The batched kernel below sums in another order than the M = 1 kernel, with a tile
-that may change with M, and stops at 64 rows.) The row index runs fastest, so the M programs
-of one weight block run side by side and share its weights through L2: the weight is read
-from HBM about once whatever M. The decode step's M = 1 launch is unchanged (m = 0; one
-integer division per program), so batch 1 pays nothing. M > 1 does M times one row's work
-(its FMAs on the CUDA cores, its weight tiles read from L2): still bound by the HBM read for a
-few rows, but past that it costs more than the tensor cores' tl.dot below, which reads each
-tile once for 16 rows (bench/gemv_invariant.py times both against cuBLAS). All options work on
-every row, but argmax_key (M = 1 only).
+kernel, the same compiled function (M and ROWS are not specialized), constexprs and tile as the
+M = 1 call of that shape (`tile`'s; the interpreter's 8 x 64; with ``autotune`` the tile tuned
+for the M = 1 plain call) -- each program computing ROWS rows of x one after the other on its
+row block, over cdiv(M, ROWS) * cdiv(N, BLOCK_N) programs (the row group fastest, so the groups
+of one weight block run side by side and share its weights through L2). Each row runs the
+instructions of the M = 1 launch's one row, so row m of y is bit for bit what the M = 1 call
+computes for row m alone: a row's value depends only on its own inputs and the shape's fixed
+tile, never on M, on ROWS, on which rows ride with it, or on which captured batch size runs it.
+(The batched kernel below sums in another order than the M = 1 kernel, with a tile that may
+change with M, and stops at 64 rows.) A one-chunk tile loads its weights once and keeps them in
+registers for all of its rows, so the weight is read from HBM once whatever M and each further
+row costs its FMAs on the CUDA cores alone: bound by the HBM read for a few rows (about 2M FLOPs
+a weight against 2 bytes), by the CUDA cores' FMAs past that. A multi-chunk tile reads its
+weights again for each row, from L1 or L2 (`rows_per_program_of` spreads its rows over more
+programs). The decode step's M = 1 launch is one group of one row (one integer division per
+program), so batch 1 pays nothing. bench/gemv_invariant.py times the rows per program and the
+tiles against the batched kernel and cuBLAS. All options work on every row, but argmax_key
+(M = 1 only).
 
 Layout, 2 <= M <= 64 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
 weight tile is loaded once and applied to all M rows by one tl.dot of the tile with the
@@ -117,9 +120,10 @@ def _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM: tl.constexpr):
     return xv[None, :], ss
 
 
-# M is not specialized: the M = 1 launch and the invariant M > 1 launches of a tile are one
-# compiled kernel, the same instructions for every row (Triton would otherwise compile M = 1 apart).
-@triton.jit(do_not_specialize=["M"])
+# M and ROWS are not specialized: the M = 1 launch and the invariant M > 1 launches of a tile
+# are one compiled kernel, the same instructions for every row (Triton would otherwise compile
+# M = 1 apart).
+@triton.jit(do_not_specialize=["M", "ROWS"])
 def _gemv_kernel(
     x_ptr,  # (M, K) contiguous
     w_ptr,  # (N, K) or (2N, K) with SWIGLU, unit stride along K
@@ -128,6 +132,7 @@ def _gemv_kernel(
     y_ptr,  # (M, N) contiguous
     key_ptr,  # (1,) int64, written only when ARGMAX (M = 1)
     M,
+    ROWS,  # rows of x a program computes, one after the other (M = 1: 1)
     N,
     K,
     stride_w,
@@ -143,44 +148,46 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
 ):
-    # Program pid computes row m of x and y on W's row block `block`, the row index fastest: the
-    # M programs of one block run side by side and share its weights through L2, so the weight
-    # is read from HBM about once whatever M. (One division per program; M = 1 has m = 0.)
+    # Program pid computes rows group * ROWS ... of x and y, one after the other, on W's row
+    # block `block`, the row group fastest: the groups of one block run side by side and share
+    # its weights through L2. Within a program each row runs the same instructions as the
+    # M = 1 launch's one row, so a row's value never depends on ROWS or M. (One division per
+    # program; M = 1 has one group of one row.)
     pid = tl.program_id(0)
-    block = pid // M
-    m = (pid - block * M).to(tl.int64)
-    x_ptr += m * K
-    y_ptr += m * N
-    if RESIDUAL:
-        res_ptr += m * N
+    groups = tl.cdiv(M, ROWS)
+    block = pid // groups
+    m_first = (pid - block * groups) * ROWS
+    m_end = tl.minimum(m_first + ROWS, M)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
-    dtype = x_ptr.dtype.element_ty
 
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     up_rows = w_rows
     if SWIGLU:
         up_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
     if ONE_CHUNK:
-        # The program's rows are one tile: every weight it reads goes out at once, before the
-        # PDL wait, and each row is reduced straight from the products (no accumulator tile,
-        # and the same sums as the loop's single iteration).
+        # The program's weights are one tile: all of them go out at once, before the PDL wait,
+        # and stay in registers for each of its rows, which is reduced straight from the
+        # products (no accumulator tile, and the same sums as the loop's single iteration).
         w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        xv, ss = _x_chunk(x_ptr, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32), NORM)
-        y = tl.sum(w.to(tl.float32) * xv, axis=1)
-        if SWIGLU:
-            y_up = tl.sum(up.to(tl.float32) * xv, axis=1)
+        for r in range(0, m_end - m_first):
+            m = m_first.to(tl.int64) + r
+            xv, ss = _x_chunk(x_ptr + m * K, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32),
+                              NORM)
+            y = tl.sum(w.to(tl.float32) * xv, axis=1)
+            y_up = y
+            if SWIGLU:
+                y_up = tl.sum(up.to(tl.float32) * xv, axis=1)
+            _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+                     NORM, SWIGLU, RESIDUAL, ARGMAX)
     else:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # (dead code unless NORM)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if SWIGLU:
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
-            # Each iteration loads the next chunk's weights ahead of its own FMAs. With PDL
+            # Each iteration loads the next chunk's weights ahead of its own FMAs (the last
+            # chunk of a row loads the first one of the program's next row, if any). With PDL
             # (programmatic dependent launch) this kernel may start while the previous one
             # drains: the weights never depend on it, so the first chunk's load goes out before
             # the wait, and x, the residual and everything after wait for the previous kernel's
@@ -189,20 +196,45 @@ def _gemv_kernel(
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
                 tl.extra.cuda.gdc_wait()
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + cols
-            xv, ss = _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM)
-            if not PREFETCH:
-                w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
-            acc += w.to(tl.float32) * xv
+        for r in range(0, m_end - m_first):
+            m = m_first.to(tl.int64) + r
+            x_row = x_ptr + m * K
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # (dead code unless NORM)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_up = acc
             if SWIGLU:
-                acc_up += up.to(tl.float32) * xv
-            if PREFETCH:
-                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU, EVICT)
-        y = tl.sum(acc, axis=1)
-        if SWIGLU:
-            y_up = tl.sum(acc_up, axis=1)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + cols
+                xv, ss = _x_chunk(x_row, nw_ptr, k, K, ss, NORM)
+                if not PREFETCH:
+                    w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
+                acc += w.to(tl.float32) * xv
+                if SWIGLU:
+                    acc_up += up.to(tl.float32) * xv
+                if PREFETCH:
+                    k_next = k0 + BLOCK_K
+                    wrap = k_next >= K
+                    k_next = tl.where(wrap, 0, k_next)
+                    # (tl.where, not `row_mask & ...`: the interpreter's `&` of a mask and a
+                    # scalar one is an integer tensor, which tl.load refuses as a mask)
+                    live = tl.where((m + 1 < m_end) | (k_next > 0), row_mask, False)
+                    w, up = _load_w(w_rows, up_rows, k_next + cols, live, K, SWIGLU, EVICT)
+            y = tl.sum(acc, axis=1)
+            y_up = y
+            if SWIGLU:
+                y_up = tl.sum(acc_up, axis=1)
+            _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+                     NORM, SWIGLU, RESIDUAL, ARGMAX)
 
+
+@triton.jit
+def _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+             NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr):
+    """Row m's epilogue on the program's rows: y (and the up projection's y_up) from the fp32
+    sums, times the inverse RMS of x's squares summed in ss, silu, the residual, stored (and the
+    argmax key maxed), rounding where the unfused ops round: to x's dtype."""
+    dtype = x_ptr.dtype.element_ty
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         y *= inv_rms
@@ -213,10 +245,11 @@ def _gemv_kernel(
             up *= inv_rms
         up = up.to(dtype).to(tl.float32)
         y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
+    offset = m * N
     if RESIDUAL:
-        y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        y += tl.load(res_ptr + offset + rows, mask=row_mask, other=0.0).to(tl.float32)
     y = y.to(dtype)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(y_ptr + offset + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
     if ARGMAX:
         _argmax_key_max(key_ptr, y.to(tl.float32), rows, row_mask, N)
 
@@ -616,7 +649,7 @@ def check_options(op, x, N, M, norm_weight, out_dtype, residual, argmax_key, evi
 
 
 def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None, out_dtype=None,
-         argmax_key=None, eviction_policy="", invariant=False, tables=None, autotune=False):
+         argmax_key=None, eviction_policy="", invariant=False, tables=None, autotune=False, rows_per_program=None):
     """x (..., K) holding 1 <= M <= 64 rows (any M >= 1 with invariant), weight (N, K) (with
     swiglu: (2F, K)) -> y (..., N or F).
 
@@ -624,10 +657,12 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     kept; residual has y's shape. M = 1 runs the GEMV kernel, M > 1 the batched one (one read
     of each weight tile for all rows). Options as in the module docstring; all tensors share
     x's dtype except norm_weight, which may be any float dtype.
-    invariant: M > 1 runs the GEMV kernel too, one program per row and row block (module
-    docstring, "batch-invariant"), so row m of y is bit for bit the M = 1 call's y for row m
-    of x (and of residual) alone, whatever M and the other rows; M = 1 is the same launch
-    either way.
+    invariant: M > 1 runs the GEMV kernel too, each program computing rows_per_program rows
+    of x in turn on its row block (module docstring, "batch-invariant"), so row m of y is bit
+    for bit the M = 1 call's y for row m of x (and of residual) alone, whatever M and the other
+    rows; M = 1 is the same launch either way.
+    rows_per_program: the rows of x a program of the invariant M > 1 call computes
+    (`rows_per_program_of`'s default when None); it changes the launch's speed, never y.
     pdl: launch with programmatic dependent launch and weight prefetch (None: where the hardware
     allows it, `use_pdl`); under the interpreter it selects the prefetching loop alone.
     out_dtype: x.dtype (default) or torch.float32, y's dtype: the values are rounded to x.dtype
@@ -666,6 +701,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     if not invariant and not 1 <= M <= MAX_FUSED_ROWS:
         raise ValueError(f"{op}: x (..., K) must hold 1 <= M <= {MAX_FUSED_ROWS} rows, got shape {tuple(x.shape)} "
                          f"(M = {M})" + ("; invariant=True takes any M >= 1" if M > MAX_FUSED_ROWS else ""))
+    if rows_per_program is not None and rows_per_program < 1:
+        raise ValueError(f"{op}: rows_per_program must be >= 1, got {rows_per_program}")
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"{op}: weight must be 2-D (N, K) with unit stride along K, "
                          f"got shape {tuple(weight.shape)} strides {weight.stride()}")
@@ -684,25 +721,46 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     if M > 1 and not invariant:
         return _gemv_rows(xm, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags, tables, autotune)
 
-    def args(out, key=argmax_key, rows=M):  # rows = 1: row 0 alone (the plain call `_launch_tuned` tunes)
+
+    def args(out, key=argmax_key, rows=M, per=1):  # rows = 1: row 0 alone (the plain call `_launch_tuned` tunes)
         return (xm, weight, xm if norm_weight is None else norm_weight.contiguous(),
                 out if residual is None else residual, out, out if key is None else key,
-                rows, N, K, weight.stride(0), float(eps))
+                rows, per, N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
-    # M programs per row block (`_gemv_kernel`: row fastest); M = 1 is the decode step's launch.
+    # cdiv(M, per) programs per row block (`_gemv_kernel`: row group fastest), each computing
+    # `per` rows; M = 1 is the decode step's launch.
     if interpreting():
-        _gemv[(M * triton.cdiv(N, 8),)](*args(y), **flags, PREFETCH=bool(pdl), PDL=False, BLOCK_N=8, BLOCK_K=64)
+        per = min(M, rows_per_program or 4)
+        _gemv[(triton.cdiv(M, per) * triton.cdiv(N, 8),)](*args(y, per=per), **flags, PREFETCH=bool(pdl), PDL=False,
+                                                         BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device, pdl)
     t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, tables, autotune)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
-                      rows=M, **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
+                      rows=M, per_rows=lambda c: rows_per_program_of(M, c.kwargs["BLOCK_K"] >= K, rows_per_program),
+                      **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
-    _gemv[(M * triton.cdiv(N, bn),)](*args(y), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
-                                     num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    per = rows_per_program_of(M, bk >= K, rows_per_program)
+    _gemv[(triton.cdiv(M, per) * triton.cdiv(N, bn),)](*args(y, per=per), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn,
+                                                       BLOCK_K=bk, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
+
+
+# An invariant call's rows a program: a one-chunk tile keeps its weights in registers for all
+# of them (one weight read whatever M, the rows' FMAs in turn); a multi-chunk tile reads its
+# weights again for each row (from L1 or L2), so its rows spread over more programs.
+INVARIANT_ROWS_ONE_CHUNK = 16
+INVARIANT_ROWS = 4
+
+
+def rows_per_program_of(M: int, one_chunk: bool, asked: int | None = None) -> int:
+    """The rows of x each program of an M-row gemv computes: `asked` (gemv's rows_per_program)
+    if given, else INVARIANT_ROWS_ONE_CHUNK for a one-chunk tile and INVARIANT_ROWS otherwise,
+    at most M. Every choice gives each row the same bits (`_gemv_kernel`)."""
+    per = asked if asked is not None else INVARIANT_ROWS_ONE_CHUNK if one_chunk else INVARIANT_ROWS
+    return max(1, min(M, per))
 
 
 def _device_name(device: torch.device) -> str:
@@ -714,8 +772,9 @@ def _device_name_of(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, **meta):
-    """tuned[grid](*args(y), **meta) over rows * cdiv(N, BLOCK_N) programs. A call that is not the
+def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, per_rows=None, **meta):
+    """tuned[grid](*args(y), **meta) over cdiv(N, BLOCK_N) programs, times cdiv(rows, per_rows(tile))
+    for rows > 1 rows of x (each program computing per_rows(tile) of them). A call that is not the
     plain one -- a y of another dtype than `dtype` (x's: a float32 y), the argmax epilogue, or
     gemv's invariant call of rows > 1 rows of x -- runs the tile tuned for the plain call (y of
     x's dtype, no argmax key, one row: `args(y, None)`, with rows > 1 `args(y, None, 1)`: row 0
@@ -724,7 +783,7 @@ def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, **meta):
     would depend on how they were asked for (a float32 y would differ from the bf16 one widened,
     the logits with the argmax key from those without it, a row of a batch from the row
     alone)."""
-    grid = lambda meta: (rows * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (rows * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 (rows = 1: one group)
     argmax = meta.get("ARGMAX", False)
     if y.dtype == dtype and not argmax and rows == 1:
         tuned[grid](*args(y), **meta)
@@ -737,7 +796,10 @@ def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, **meta):
         one_row = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         tuned[one_row](*(args(scratch, None) if rows == 1 else args(scratch, None, 1)), **plain)
         config = _PLAIN_CONFIG[key] = tuned.best_config
-    tuned.fn[grid(config.kwargs)](*args(y), **meta, **config.all_kwargs())  # as the autotuner launches it
+    per = per_rows(config) if rows > 1 else 1
+    groups = triton.cdiv(rows, per)
+    tuned.fn[(groups * triton.cdiv(N, config.kwargs["BLOCK_N"]),)](*args(y, per=per), **meta,
+                                                                   **config.all_kwargs())  # as the autotuner launches it
 
 
 def _gemv_rows(x, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags, tables=None, autotune=False):
@@ -786,7 +848,8 @@ def argmax_key_ref(y):
 
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
-             out_dtype=None, argmax_key=None, eviction_policy="", invariant=False, tables=None, autotune=False):
+             out_dtype=None, argmax_key=None, eviction_policy="", invariant=False, tables=None, autotune=False,
+             rows_per_program=None):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
     row by row over x's leading dims (the norm statistics are per row). (pdl and
     eviction_policy change how the kernel reads, not what it computes; invariant, tables and

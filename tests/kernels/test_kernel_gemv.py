@@ -687,3 +687,24 @@ def test_settings_take_the_rows_the_kernel_takes():
     from tinyloop.kernels.gemv import MAX_FUSED_ROWS
     from tinyloop.worker.model import settings
     assert settings.MAX_FUSED_ROWS == MAX_FUSED_ROWS
+
+
+@pytest.mark.parametrize("fusion,K", [("norm+swiglu", INV_K), ("residual", INV_K), ("norm", 40)], ids=str)
+def test_gemv_invariant_rows_per_program_change_no_bit(fusion, K):
+    """rows_per_program sets how many rows of x a program computes in turn (1, 2, 5, all):
+    every choice gives each row its M = 1 call's bits, with the prefetching loop (whose last
+    chunk of a row loads the next row's first) and the one-chunk path (weights loaded once for
+    all of a program's rows)."""
+    M = 11
+    x, w, kw = invariant_case(M, torch.bfloat16, fusion, seed=7, K=K)
+    singles = [gemv(x[m:m + 1], w, pdl=True, **first_rows(kw, slice(m, m + 1))) for m in range(M)]
+    for per in (1, 2, 5, M, 64):
+        y = gemv(x, w, pdl=True, invariant=True, rows_per_program=per, **kw)
+        for m in range(M):
+            assert torch.equal(y[m:m + 1], singles[m]), (per, m)
+
+
+def test_gemv_rows_per_program_must_be_positive():
+    w = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"gemv: rows_per_program must be >= 1, got 0"):
+        gemv(torch.randn(3, 16, device=DEVICE), w, invariant=True, rows_per_program=0)
