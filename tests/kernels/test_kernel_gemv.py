@@ -708,3 +708,32 @@ def test_gemv_rows_per_program_must_be_positive():
     w = torch.randn(8, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"gemv: rows_per_program must be >= 1, got 0"):
         gemv(torch.randn(3, 16, device=DEVICE), w, invariant=True, rows_per_program=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name,N,K,fusion", INVARIANT_GPU_SHAPES[:5], ids=[s[0] for s in INVARIANT_GPU_SHAPES[:5]])
+def test_gemv_invariant_gpu_rows_per_program_change_no_bit(name, N, K, fusion):
+    """bf16, bench-285m's shapes and fixed tiles with PDL: 8 rows at 1, 3 and 8 rows per program
+    (the prefetching loop carried across a program's rows, the one-chunk tile's registers reused
+    by them) give each row its M = 1 call's bits."""
+    torch.manual_seed(1)
+    norm, swiglu, residual = FUSIONS[fusion]
+    out_n, M = N // 2 if swiglu else N, 8
+    x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    kw = {"swiglu": swiglu, "pdl": True}
+    if norm:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    if residual:
+        kw["residual"] = torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)
+    singles = []
+    for m in range(M):
+        one = first_rows(kw, slice(m, m + 1))
+        if residual:
+            one["residual"] = one["residual"].clone()
+        singles.append(gemv(x[m:m + 1].clone(), w, **one))
+    for per in (1, 3, 8):
+        y = gemv(x, w, invariant=True, rows_per_program=per, **kw)
+        for m in range(M):
+            assert torch.equal(y[m:m + 1], singles[m]), (per, m)
