@@ -1,19 +1,21 @@
 """Batch-invariant projections (kernels/gemv.py, ``invariant=True``) against today's paths, per
-row count M, on bench-285m's five projections with the options the decode step fuses there.
+row count M, on bench-285m's five projections and the embedded default model's, with the options
+the decode step fuses there.
 
     source bench/gpu_env.sh && python -m bench.gemv_invariant --out-dir $OUT
 
-invariant=True runs M rows through the M = 1 kernel, one program per (row, row block), so each
-row is bit for bit its M = 1 call's; it does M times one row's FMAs and L2 reads where the
-batched kernel (2 <= M <= 16) reads each weight tile once for all rows through tl.dot. Per
-projection and M: microseconds of one call of the invariant gemv, of today's gemv (the M = 1
-kernel at M = 1, the batched kernel for 2..16, nothing past 16) and of torch.nn.functional.linear
-(cuBLAS, the plain projection without the fused options, every M), and the weight read's GB/s
-for each; "rows_bitwise" says whether every row of the invariant call equals its M = 1 call
-(it must), "today_rows_bitwise" whether today's batched kernel's rows do (they need not). Each
-time is a graph of back-to-back calls cycling through copies of the weight that overflow the
-L2 (as bench/gemv.py times them), so every call reads its weight from HBM, with PDL and tiles as
-a model built with Settings.from_env() launches them (pdl, gemv_tiles, autotune: TINYLOOP_PDL,
+invariant=True runs M rows through the M = 1 kernel, each program computing some of them in turn
+on its row block, so each row is bit for bit its M = 1 call's; it does M times one row's FMAs on
+the CUDA cores where the batched kernel (2 <= M <= 16) runs them on the tensor cores through
+tl.dot. Per projection and M: microseconds of one call of the invariant gemv, of today's gemv
+(the M = 1 kernel at M = 1, the batched kernel for 2..16, nothing past 16) and of
+torch.nn.functional.linear (cuBLAS, the plain projection without the fused options, every M),
+and the weight read's GB/s for each; "rows_bitwise" says whether every row of the invariant call
+equals its M = 1 call (it must), "today_rows_bitwise" whether today's batched kernel's rows do
+(they need not). Each time is a graph of back-to-back calls cycling through copies of the
+weight: bench-285m's overflow the L2 (as bench/gemv.py times them), so every call reads its
+weight from HBM; the default model's stay in it, as in its decode step. PDL and tiles as a model
+built with Settings.from_env() launches them (pdl, gemv_tiles, autotune: TINYLOOP_PDL,
 TINYLOOP_GEMV_TILES, TINYLOOP_AUTOTUNE; `tiles` in the JSON).
 
 Variants of the invariant call (`variants` in each row, microseconds and whether its rows are
@@ -40,8 +42,13 @@ from tinyloop.worker.model.settings import Settings
 
 gemv_mod = importlib.import_module("tinyloop.kernels.gemv")  # (the package exports the function gemv)
 
-# (name, N, K, fusion): one bench-285m layer's projections and its head, as bench/gemv.py fuses them
-SHAPES = [s for s in GEMV_SHAPES if s[0] != "ouro_head"]
+# (name, N, K, fusion): one bench-285m layer's projections and its head, as bench/gemv.py fuses
+# them, and the embedded default model's (d 320, 5 heads of 64 and 1 kv head, SwiGLU 704, vocab
+# 256: weights small enough to stay in the L2, where a call is bound by its latency)
+SHAPES = [s for s in GEMV_SHAPES if s[0] != "ouro_head"] + [
+    ("default.wqkv", 448, 320, "norm"), ("default.wo", 320, 320, "residual"),
+    ("default.w13", 1408, 320, "norm+swiglu"), ("default.w2", 320, 704, "residual"),
+    ("default.head", 256, 320, "norm")]
 
 
 def main() -> None:
@@ -69,7 +76,7 @@ def main() -> None:
 
     def cuda_ms(fn, ws):
         """GPU ms of one call: a graph of args.calls back-to-back calls, replayed, cycling through
-        the weight copies `ws` (together past the L2, so each call reads its weight from HBM)."""
+        the weight copies `ws` (bench-285m's together past the L2, so each call reads its weight from HBM)."""
         for w in ws[:2]:
             fn(w)  # compile outside the capture
         torch.cuda.synchronize()
@@ -87,7 +94,7 @@ def main() -> None:
         torch.manual_seed(0)
         # >= 300 MB of copies (5x the H200's L2), at least 2
         ws = [(torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
-              for _ in range(max(2, -(-300_000_000 // (N * K * 2))))]
+              for _ in range(min(args.calls, max(2, -(-300_000_000 // (N * K * 2)))))]
         mb = N * K * 2 / 1e6
         swiglu = "swiglu" in fusion
         out_n = N // 2 if swiglu else N
@@ -133,8 +140,9 @@ def main() -> None:
                 "invariant_ms": inv_ms, "today_ms": today_ms, "torch_linear_ms": linear_ms,
                 "invariant_GBps": mb / inv_ms, "today_GBps": mb / today_ms if today_ms else None,
                 "torch_GBps": mb / linear_ms, "rows_bitwise": rows_bitwise, "today_rows_bitwise": today_bitwise,
-                "rows_per_program": gemv_mod.rows_per_program_of(M, tiles[name] is not None and tiles[name][1] >= K)
-                if M > 1 else 1, "variants": variants})
+                "rows_per_program": gemv_mod.rows_per_program_of(
+                    M, tiles[name][1] >= K, triton.cdiv(out_n, tiles[name][0]), gemv_mod.sm_count(dev))
+                if M > 1 and tiles[name] is not None else None, "variants": variants})
             today = f"{today_ms * 1e3:9.1f}" if today_ms else f"{'-':>9s}"
             ratio = f"{inv_ms / today_ms:9.2f}" if today_ms else f"{'-':>9s}"
             print(f"{name:5s} {M:3d} | {inv_ms * 1e3:9.1f} {today} {linear_ms * 1e3:9.1f} us | {ratio} "

@@ -730,7 +730,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     # cdiv(M, per) programs per row block (`_gemv_kernel`: row group fastest), each computing
     # `per` rows; M = 1 is the decode step's launch.
     if interpreting():
-        per = min(M, rows_per_program or 4)
+        per = rows_per_program_of(M, False, asked=rows_per_program)
         _gemv[(triton.cdiv(M, per) * triton.cdiv(N, 8),)](*args(y, per=per), **flags, PREFETCH=bool(pdl), PDL=False,
                                                          BLOCK_N=8, BLOCK_K=64)
         return y
@@ -738,11 +738,13 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, tables, autotune)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
-                      rows=M, per_rows=lambda c: rows_per_program_of(M, c.kwargs["BLOCK_K"] >= K, rows_per_program),
+                      rows=M, per_rows=lambda c: rows_per_program_of(
+                          M, c.kwargs["BLOCK_K"] >= K, triton.cdiv(N, c.kwargs["BLOCK_N"]), sm_count(x.device),
+                          rows_per_program),
                       **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
-    per = rows_per_program_of(M, bk >= K, rows_per_program)
+    per = rows_per_program_of(M, bk >= K, triton.cdiv(N, bn), sm_count(x.device), rows_per_program) if M > 1 else 1
     _gemv[(triton.cdiv(M, per) * triton.cdiv(N, bn),)](*args(y, per=per), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn,
                                                        BLOCK_K=bk, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
@@ -750,17 +752,36 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
 
 # An invariant call's rows a program: a one-chunk tile keeps its weights in registers for all
 # of them (one weight read whatever M, the rows' FMAs in turn); a multi-chunk tile reads its
-# weights again for each row (from L1 or L2), so its rows spread over more programs.
+# weights again for each row (from L1 or L2), so it takes fewer. Either way a program's rows run
+# one after the other, so a call keeps at least PROGRAMS_PER_SM programs an SM (a small model's
+# few row blocks then spread their rows over programs that run side by side).
 INVARIANT_ROWS_ONE_CHUNK = 16
 INVARIANT_ROWS = 4
+PROGRAMS_PER_SM = 4
 
 
-def rows_per_program_of(M: int, one_chunk: bool, asked: int | None = None) -> int:
-    """The rows of x each program of an M-row gemv computes: `asked` (gemv's rows_per_program)
-    if given, else INVARIANT_ROWS_ONE_CHUNK for a one-chunk tile and INVARIANT_ROWS otherwise,
-    at most M. Every choice gives each row the same bits (`_gemv_kernel`)."""
-    per = asked if asked is not None else INVARIANT_ROWS_ONE_CHUNK if one_chunk else INVARIANT_ROWS
-    return max(1, min(M, per))
+def rows_per_program_of(M: int, one_chunk: bool, blocks: int = 1, sms: int = 0, asked: int | None = None) -> int:
+    """The rows of x each program of an M-row gemv over `blocks` row blocks computes on a GPU of
+    `sms` SMs: `asked` (gemv's rows_per_program) if given, else as many as keep
+    PROGRAMS_PER_SM * sms programs (all M without sms), at most INVARIANT_ROWS_ONE_CHUNK for a
+    one-chunk tile and INVARIANT_ROWS otherwise, evened out over the groups it makes; at most M.
+    Every choice gives each row the same bits (`_gemv_kernel`)."""
+    if asked is not None:
+        return max(1, min(M, asked))
+    per = min(M, INVARIANT_ROWS_ONE_CHUNK if one_chunk else INVARIANT_ROWS)
+    if sms:
+        per = max(1, min(per, M * blocks // (PROGRAMS_PER_SM * sms)))
+    return triton.cdiv(M, triton.cdiv(M, per))  # the same count in every group but the last
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (cached per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _device_name(device: torch.device) -> str:

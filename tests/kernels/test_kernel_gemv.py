@@ -737,3 +737,18 @@ def test_gemv_invariant_gpu_rows_per_program_change_no_bit(name, N, K, fusion):
         y = gemv(x, w, invariant=True, rows_per_program=per, **kw)
         for m in range(M):
             assert torch.equal(y[m:m + 1], singles[m]), (per, m)
+
+
+def test_rows_per_program_keeps_the_gpu_busy_and_the_groups_even():
+    """The default rows per program: capped by the tile kind, lowered until the call keeps
+    PROGRAMS_PER_SM programs an SM, evened over its groups; an asked count is taken (within 1..M)."""
+    from tinyloop.kernels.gemv import INVARIANT_ROWS, INVARIANT_ROWS_ONE_CHUNK, rows_per_program_of
+    assert rows_per_program_of(64, True) == INVARIANT_ROWS_ONE_CHUNK
+    assert rows_per_program_of(64, False) == INVARIANT_ROWS
+    assert rows_per_program_of(3, True) == 3
+    assert rows_per_program_of(5, True, blocks=128, sms=132) == 1  # 128 row blocks: every row its own program
+    assert rows_per_program_of(5, True, blocks=224, sms=132) == 2  # 3 groups of 2, 2 and 1 rows
+    assert rows_per_program_of(8, True, blocks=512, sms=132) == 4  # 7 rows would make groups of 7 and 1
+    assert rows_per_program_of(8, True, blocks=8000, sms=132) == 8
+    assert rows_per_program_of(5, True, blocks=8000, sms=132, asked=9) == 5
+    assert rows_per_program_of(5, False, asked=2) == 2
