@@ -594,25 +594,36 @@ def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pd
     """bf16, the shapes' fixed tiles (TILES with PDL, else default_tile): row m of the invariant
     M-row call is torch.equal to the M = 1 call on row m alone (a tensor of its own, as the
     decode step's); the heads also with the float32 logits Model.logits asks for."""
-    torch.manual_seed(M)
+    x, w, kw = gpu_case(M, N, K, fusion, pdl, seed=M)
+    for out_dtype in (None, torch.float32) if name.endswith("head") else (None,):
+        y = gemv(x, w, invariant=True, out_dtype=out_dtype, **kw)
+        assert y.shape == (M, 1, N // 2 if kw["swiglu"] else N)
+        for m in range(M):
+            assert torch.equal(y[m:m + 1], one_row_call(x, w, kw, m, out_dtype=out_dtype)), (out_dtype, m)
+        assert_matches_ref(y, x, w, {k: v for k, v in kw.items() if k != "pdl"})
+
+
+def gpu_case(M, N, K, fusion, pdl, seed):
+    """x (M, 1, K) bf16 on CUDA, a weight (N, K) and gemv's keyword arguments for `fusion`."""
+    torch.manual_seed(seed)
     norm, swiglu, residual = FUSIONS[fusion]
-    out_n = N // 2 if swiglu else N
     x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
     kw = {"swiglu": swiglu, "pdl": pdl}
     if norm:
         kw["norm_weight"] = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
     if residual:
-        kw["residual"] = torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)
-    for out_dtype in (None, torch.float32) if name.endswith("head") else (None,):
-        y = gemv(x, w, invariant=True, out_dtype=out_dtype, **kw)
-        assert y.shape == (M, 1, out_n)
-        for m in range(M):
-            one = first_rows(kw, slice(m, m + 1))
-            if residual:
-                one["residual"] = one["residual"].clone()
-            assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, **one)), (out_dtype, m)
-        assert_matches_ref(y, x, w, {k: v for k, v in kw.items() if k != "pdl"})
+        kw["residual"] = torch.randn(M, 1, N // 2 if swiglu else N, device="cuda", dtype=torch.bfloat16)
+    return x, w, kw
+
+
+def one_row_call(x, w, kw, m, **extra):
+    """The M = 1 call on row m of x alone (its row and residual tensors of their own, as the
+    decode step's)."""
+    one = first_rows(kw, slice(m, m + 1))
+    if "residual" in one:
+        one["residual"] = one["residual"].clone()
+    return gemv(x[m:m + 1].clone(), w, **one, **extra)
 
 
 @pytest.mark.gpu
@@ -717,25 +728,11 @@ def test_gemv_invariant_gpu_rows_per_program_change_no_bit(name, N, K, fusion):
     """bf16, bench-285m's shapes and fixed tiles with PDL: 8 rows at 1, 3 and 8 rows per program
     (the prefetching loop carried across a program's rows, the one-chunk tile's registers reused
     by them) give each row its M = 1 call's bits."""
-    torch.manual_seed(1)
-    norm, swiglu, residual = FUSIONS[fusion]
-    out_n, M = N // 2 if swiglu else N, 8
-    x = torch.randn(M, 1, K, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
-    kw = {"swiglu": swiglu, "pdl": True}
-    if norm:
-        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
-    if residual:
-        kw["residual"] = torch.randn(M, 1, out_n, device="cuda", dtype=torch.bfloat16)
-    singles = []
-    for m in range(M):
-        one = first_rows(kw, slice(m, m + 1))
-        if residual:
-            one["residual"] = one["residual"].clone()
-        singles.append(gemv(x[m:m + 1].clone(), w, **one))
+    x, w, kw = gpu_case(8, N, K, fusion, True, seed=1)
+    singles = [one_row_call(x, w, kw, m) for m in range(8)]
     for per in (1, 3, 8):
         y = gemv(x, w, invariant=True, rows_per_program=per, **kw)
-        for m in range(M):
+        for m in range(8):
             assert torch.equal(y[m:m + 1], singles[m]), (per, m)
 
 
