@@ -784,11 +784,23 @@ def gemv_invariant_body(r: Result) -> str:
         if isinstance(x, dict):
             by.setdefault(x.get("name"), {})[x.get("M")] = x
     Ms = (1, 8, 64)
-    rows = [[text(name), *(us(get(m, M, "invariant_ms")) for M in Ms), us(get(m, 8, "today_ms")),
-             us(get(m, 64, "torch_linear_ms")), yesno(all(x.get("rows_bitwise") for x in m.values()))]
+    rows = [[text(name), *(us(get(m, M, "invariant_ms")) for M in Ms), text(get(m, 8, "rows_per_program")),
+             us(get(m, 8, "today_ms")), us(get(m, 64, "torch_linear_ms")),
+             yesno(all(x.get("rows_bitwise") and all(v.get("rows_bitwise") for v in (x.get("variants") or {}).values())
+                       for x in m.values()))]
             for name, m in by.items()]
-    return table(["projection", *(f"batch-invariant, M = {M}" for M in Ms), "today's path, M = 8",
-                  "cuBLAS, M = 64", "every invariant row = its M = 1 call"], rows or [[DASH] * 7]) + "\n"
+    out = table(["projection", *(f"batch-invariant, M = {M}" for M in Ms), "its rows a program, M = 8",
+                 "today's path, M = 8", "cuBLAS, M = 64", "every invariant row = its M = 1 call"],
+                rows or [[DASH] * 8]) + "\n"
+    labels = list(dict.fromkeys(lbl for m in by.values() for x in m.values() for lbl in (x.get("variants") or {})))
+    if labels:
+        vrows = [[text(name), text(M), us(x.get("invariant_ms")),
+                  *(us(get(x, "variants", lbl, "ms")) for lbl in labels)]
+                 for name, m in by.items() for M, x in sorted(m.items()) if M in Ms]
+        out += ("\nThe invariant call at other rows per program (`rows=R`) and on one-chunk tiles (`one-chunk BN`: "
+                "BLOCK_N = BN, the weights held in registers for every row; at M = 1 what that tile would cost "
+                "the batch-1 step):\n\n" + table(["projection", "M", "default", *labels], vrows) + "\n")
+    return out
 
 
 def profile_speculative_body(r: Result) -> str:
@@ -1214,10 +1226,11 @@ SPEC_INTRO = ("`bench/speculative.py`: drafts at the draft L, verified at the ve
 PROFILE_SPEC_INTRO = ("`bench/profile_speculative.py`: a speculative round's parts timed alone on the embedded "
                       "default model, and one greedy generate of each kind against the GPU's busy time (the gap is "
                       "the GPU waiting on the host).")
-GEMV_INV_INTRO = ("`bench/gemv_invariant.py`: bench-285m's projections with their fused options, M rows a call: "
-                  "the batch-invariant path (every row through the M = 1 kernel), the default path of the run's "
-                  "commit (the M = 1 kernel, the batched tl.dot kernel for more rows) and cuBLAS, microseconds a "
-                  "call, weights read from HBM.")
+GEMV_INV_INTRO = ("`bench/gemv_invariant.py`: the projections of bench-285m (weights read from HBM) and of the "
+                  "embedded default model (weights in L2) with their fused options, M rows a call: the "
+                  "batch-invariant path (every row through the M = 1 kernel, a few rows a program), the default "
+                  "path of the run's commit (the M = 1 kernel, the batched tl.dot kernel for more rows) and "
+                  "cuBLAS, microseconds a call.")
 SAMPLING_INTRO = ("`bench/sampling.py`: sampled decoding against greedy on the embedded default model, one stream "
                   "alone and a batch whose streams sample together (all on one sampler, or each on its own "
                   "temperature, top-k, top-p and penalty), with the sampler replayed as one graph per row bucket "
