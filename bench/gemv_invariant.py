@@ -114,9 +114,9 @@ def main() -> None:
                 kw["residual"] = torch.randn(M, 1, out_n, device=dev, dtype=torch.bfloat16)
 
             def rows_equal(y, w=ws[0], kw=kw):
-                """Every row of y equals the M = 1 call (with gemv arguments kw) on that row alone."""
+                """Every row of y equals the invariant M = 1 call (with gemv arguments kw) on that row alone."""
                 return all(torch.equal(y[m:m + 1], gemv(
-                    x[m:m + 1].clone(), w,
+                    x[m:m + 1].clone(), w, invariant=True,
                     **dict(kw, residual=kw["residual"][m:m + 1].clone()) if "residual" in kw else kw))
                     for m in range(M))
 

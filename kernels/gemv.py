@@ -36,25 +36,25 @@ atomics; the row block is small enough that even the 2048-row projections launch
 programs. The tiles are fixed per device and shape (``tables``' entry, then `TILES`', else
 `default_tile`); under the interpreter one tile runs.
 
-Layout, any M, batch-invariant (``invariant=True``): ``_gemv_kernel`` itself -- the M = 1
-kernel, the same compiled function (M and ROWS are not specialized), constexprs and tile as the
-M = 1 call of that shape (`tile`'s; the interpreter's 8 x 64; with ``autotune`` the tile tuned
-for the M = 1 plain call) -- each program computing ROWS rows of x one after the other on its
-row block, over cdiv(M, ROWS) * cdiv(N, BLOCK_N) programs (the row group fastest, so the groups
-of one weight block run side by side and share its weights through L2). Each row runs the
-instructions of the M = 1 launch's one row, so row m of y is bit for bit what the M = 1 call
+Layout, any M, batch-invariant (``invariant=True``): ``_gemv_kernel`` with ROW_LOOP -- the M = 1
+kernel's code, constexprs and tile (`tile`'s; the interpreter's 8 x 64; with ``autotune`` the
+tile tuned for the M = 1 plain call), one compiled function for every M of a tile, M = 1
+included (M and ROWS are not specialized) -- each program computing ROWS rows of x one after
+the other on its row block, over cdiv(M, ROWS) * cdiv(N, BLOCK_N) programs (the row group
+fastest, so the groups of one weight block run side by side and share its weights through L2).
+Each row runs the same instructions, so row m of y is bit for bit what the invariant M = 1 call
 computes for row m alone: a row's value depends only on its own inputs and the shape's fixed
 tile, never on M, on ROWS, on which rows ride with it, or on which captured batch size runs it.
-(The batched kernel below sums in another order than the M = 1 kernel, with a tile that may
-change with M, and stops at 64 rows.) A one-chunk tile loads its weights once and keeps them in
-registers for all of its rows, so the weight is read from HBM once whatever M and each further
-row costs its FMAs on the CUDA cores alone: bound by the HBM read for a few rows (about 2M FLOPs
-a weight against 2 bytes), by the CUDA cores' FMAs past that. A multi-chunk tile reads its
-weights again for each row, from L1 or L2 (`rows_per_program_of` spreads its rows over more
-programs). The decode step's M = 1 launch is one group of one row (one integer division per
-program), so batch 1 pays nothing. bench/gemv_invariant.py times the rows per program and the
-tiles against the batched kernel and cuBLAS. All options work on every row, but argmax_key
-(M = 1 only).
+(The plain M = 1 launch is the same code compiled without the row loop: the same sums in the
+same order, left as the decode step has always run it. The batched kernel below sums in another
+order, with a tile that may change with M, and stops at 64 rows.) A one-chunk tile loads its
+weights once and keeps them in registers for all of its rows, so the weight is read from HBM
+once whatever M and each further row costs its FMAs on the CUDA cores alone: bound by the HBM
+read for a few rows (about 2M FLOPs a weight against 2 bytes), by the CUDA cores' FMAs past
+that. A multi-chunk tile reads its weights again for each row, from L1 or L2
+(`rows_per_program_of` gives it fewer rows a program). bench/gemv_invariant.py times the rows
+per program and the tiles against the batched kernel and cuBLAS. All options work on every
+row, but argmax_key (M = 1 only).
 
 Layout, 2 <= M <= 64 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
 weight tile is loaded once and applied to all M rows by one tl.dot of the tile with the
@@ -120,9 +120,9 @@ def _x_chunk(x_ptr, nw_ptr, k, K, ss, NORM: tl.constexpr):
     return xv[None, :], ss
 
 
-# M and ROWS are not specialized: the M = 1 launch and the invariant M > 1 launches of a tile
-# are one compiled kernel, the same instructions for every row (Triton would otherwise compile
-# M = 1 apart).
+# M and ROWS are not specialized: every launch of a tile with ROW_LOOP (the invariant calls, the
+# M = 1 one included) is one compiled kernel, the same instructions for every row (Triton would
+# otherwise compile M = 1 apart); without ROW_LOOP it is the plain M = 1 launch's kernel.
 @triton.jit(do_not_specialize=["M", "ROWS"])
 def _gemv_kernel(
     x_ptr,  # (M, K) contiguous
@@ -132,7 +132,7 @@ def _gemv_kernel(
     y_ptr,  # (M, N) contiguous
     key_ptr,  # (1,) int64, written only when ARGMAX (M = 1)
     M,
-    ROWS,  # rows of x a program computes, one after the other (M = 1: 1)
+    ROWS,  # with ROW_LOOP: the rows of x a program computes, one after the other
     N,
     K,
     stride_w,
@@ -147,17 +147,23 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # BLOCK_K >= K (set by the `_gemv` heuristic)
+    ROW_LOOP: tl.constexpr,  # a program computes rows m_first .. m_end - 1 in turn (else row pid % M)
 ):
-    # Program pid computes rows group * ROWS ... of x and y, one after the other, on W's row
-    # block `block`, the row group fastest: the groups of one block run side by side and share
-    # its weights through L2. Within a program each row runs the same instructions as the
-    # M = 1 launch's one row, so a row's value never depends on ROWS or M. (One division per
-    # program; M = 1 has one group of one row.)
+    # With ROW_LOOP, program pid computes rows group * ROWS ... of x and y, one after the other,
+    # on W's row block `block`, the row group fastest: the groups of one block run side by side
+    # and share its weights through L2. Each row runs the same instructions whatever ROWS, M and
+    # its place in the group, so its value never depends on them. Without it (the plain M = 1
+    # launch) program pid computes row pid % M on row block pid // M. (One division per program.)
     pid = tl.program_id(0)
-    groups = tl.cdiv(M, ROWS)
-    block = pid // groups
-    m_first = (pid - block * groups) * ROWS
-    m_end = tl.minimum(m_first + ROWS, M)
+    if ROW_LOOP:
+        groups = tl.cdiv(M, ROWS)
+        block = pid // groups
+        m_first = (pid - block * groups) * ROWS
+        m_end = tl.minimum(m_first + ROWS, M)
+    else:
+        block = pid // M
+        m_first = pid - block * M
+        m_end = m_first + 1
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -174,58 +180,91 @@ def _gemv_kernel(
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        for r in range(0, m_end - m_first):
-            m = m_first.to(tl.int64) + r
-            xv, ss = _x_chunk(x_ptr + m * K, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32),
-                              NORM)
-            y = tl.sum(w.to(tl.float32) * xv, axis=1)
-            y_up = y
-            if SWIGLU:
-                y_up = tl.sum(up.to(tl.float32) * xv, axis=1)
-            _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
-                     NORM, SWIGLU, RESIDUAL, ARGMAX)
+        if ROW_LOOP:
+            for r in range(0, m_end - m_first):
+                _one_chunk_row(w, up, m_first.to(tl.int64) + r, x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows,
+                               row_mask, cols, N, K, eps, NORM, SWIGLU, RESIDUAL, ARGMAX, BLOCK_K)
+        else:
+            _one_chunk_row(w, up, m_first.to(tl.int64), x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows,
+                           row_mask, cols, N, K, eps, NORM, SWIGLU, RESIDUAL, ARGMAX, BLOCK_K)
     else:
+        w = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)  # (replaced before any use)
+        up = w
         if PREFETCH:
-            # Each iteration loads the next chunk's weights ahead of its own FMAs (the last
-            # chunk of a row loads the first one of the program's next row, if any). With PDL
-            # (programmatic dependent launch) this kernel may start while the previous one
-            # drains: the weights never depend on it, so the first chunk's load goes out before
-            # the wait, and x, the residual and everything after wait for the previous kernel's
-            # writes.
+            # Each iteration loads the next chunk's weights ahead of its own FMAs (with
+            # ROW_LOOP, the last chunk of a row loads the first one of the program's next row,
+            # if any). With PDL (programmatic dependent launch) this kernel may start while the
+            # previous one drains: the weights never depend on it, so the first chunk's load
+            # goes out before the wait, and x, the residual and everything after wait for the
+            # previous kernel's writes.
             w, up = _load_w(w_rows, up_rows, cols, row_mask, K, SWIGLU, EVICT)
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
                 tl.extra.cuda.gdc_wait()
-        for r in range(0, m_end - m_first):
-            m = m_first.to(tl.int64) + r
-            x_row = x_ptr + m * K
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # (dead code unless NORM)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc_up = acc
-            if SWIGLU:
-                acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + cols
-                xv, ss = _x_chunk(x_row, nw_ptr, k, K, ss, NORM)
-                if not PREFETCH:
-                    w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
-                acc += w.to(tl.float32) * xv
-                if SWIGLU:
-                    acc_up += up.to(tl.float32) * xv
-                if PREFETCH:
-                    k_next = k0 + BLOCK_K
-                    wrap = k_next >= K
-                    k_next = tl.where(wrap, 0, k_next)
-                    # (tl.where, not `row_mask & ...`: the interpreter's `&` of a mask and a
-                    # scalar one is an integer tensor, which tl.load refuses as a mask)
-                    live = tl.where((m + 1 < m_end) | (k_next > 0), row_mask, False)
-                    w, up = _load_w(w_rows, up_rows, k_next + cols, live, K, SWIGLU, EVICT)
-            y = tl.sum(acc, axis=1)
-            y_up = y
-            if SWIGLU:
-                y_up = tl.sum(acc_up, axis=1)
-            _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
-                     NORM, SWIGLU, RESIDUAL, ARGMAX)
+        if ROW_LOOP:
+            for r in range(0, m_end - m_first):
+                w, up = _chunks_row(w, up, m_first.to(tl.int64) + r, m_end, x_ptr, w_rows, up_rows, nw_ptr,
+                                    res_ptr, y_ptr, key_ptr, rows, row_mask, cols, N, K, eps, NORM, SWIGLU,
+                                    RESIDUAL, ARGMAX, EVICT, PREFETCH, BLOCK_N, BLOCK_K, True)
+        else:
+            _chunks_row(w, up, m_first.to(tl.int64), m_end, x_ptr, w_rows, up_rows, nw_ptr, res_ptr, y_ptr,
+                        key_ptr, rows, row_mask, cols, N, K, eps, NORM, SWIGLU, RESIDUAL, ARGMAX, EVICT,
+                        PREFETCH, BLOCK_N, BLOCK_K, False)
+
+
+@triton.jit
+def _one_chunk_row(w, up, m, x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows, row_mask, cols, N, K, eps,
+                   NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """Row m of y on the program's rows from a one-chunk tile (w, up) in registers."""
+    xv, ss = _x_chunk(x_ptr + m * K, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32), NORM)
+    y = tl.sum(w.to(tl.float32) * xv, axis=1)
+    y_up = y
+    if SWIGLU:
+        y_up = tl.sum(up.to(tl.float32) * xv, axis=1)
+    _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+             NORM, SWIGLU, RESIDUAL, ARGMAX)
+
+
+@triton.jit
+def _chunks_row(w, up, m, m_end, x_ptr, w_rows, up_rows, nw_ptr, res_ptr, y_ptr, key_ptr, rows, row_mask, cols,
+                N, K, eps, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                ARGMAX: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, ROW_LOOP: tl.constexpr):
+    """Row m of y on the program's rows, looping over K in BLOCK_K chunks and accumulating a
+    (BLOCK_N, BLOCK_K) fp32 tile reduced once at the end. With PREFETCH, (w, up) is the first
+    chunk, loaded ahead, and each chunk loads the next; -> the chunk loaded last (with ROW_LOOP:
+    the next row's first, where row m + 1 < m_end is the program's)."""
+    x_row = x_ptr + m * K
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # (dead code unless NORM)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = acc
+    if SWIGLU:
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        xv, ss = _x_chunk(x_row, nw_ptr, k, K, ss, NORM)
+        if not PREFETCH:
+            w, up = _load_w(w_rows, up_rows, k, row_mask, K, SWIGLU, EVICT)
+        acc += w.to(tl.float32) * xv
+        if SWIGLU:
+            acc_up += up.to(tl.float32) * xv
+        if PREFETCH:
+            if ROW_LOOP:
+                k_next = tl.where(k0 + BLOCK_K >= K, 0, k0 + BLOCK_K)
+                # (tl.where, not `row_mask & ...`: the interpreter's `&` of a mask and a scalar
+                # one is an integer tensor, which tl.load refuses as a mask)
+                live = tl.where((m + 1 < m_end) | (k_next > 0), row_mask, False)
+                w, up = _load_w(w_rows, up_rows, k_next + cols, live, K, SWIGLU, EVICT)
+            else:
+                w, up = _load_w(w_rows, up_rows, k + BLOCK_K, row_mask, K, SWIGLU, EVICT)
+    y = tl.sum(acc, axis=1)
+    y_up = y
+    if SWIGLU:
+        y_up = tl.sum(acc_up, axis=1)
+    _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+             NORM, SWIGLU, RESIDUAL, ARGMAX)
+    return w, up
 
 
 @triton.jit
@@ -659,8 +698,8 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     x's dtype except norm_weight, which may be any float dtype.
     invariant: M > 1 runs the GEMV kernel too, each program computing rows_per_program rows
     of x in turn on its row block (module docstring, "batch-invariant"), so row m of y is bit
-    for bit the M = 1 call's y for row m of x (and of residual) alone, whatever M and the other
-    rows; M = 1 is the same launch either way.
+    for bit the invariant M = 1 call's y for row m of x (and of residual) alone, whatever M and
+    the other rows (the plain M = 1 call computes the same sums in the same order).
     rows_per_program: the rows of x a program of the invariant M > 1 call computes
     (`rows_per_program_of`'s default when None); it changes the launch's speed, never y.
     pdl: launch with programmatic dependent launch and weight prefetch (None: where the hardware
@@ -721,14 +760,14 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     if M > 1 and not invariant:
         return _gemv_rows(xm, weight, norm_weight, residual, y, M, N, K, eps, pdl, flags, tables, autotune)
 
-
     def args(out, key=argmax_key, rows=M, per=1):  # rows = 1: row 0 alone (the plain call `_launch_tuned` tunes)
         return (xm, weight, xm if norm_weight is None else norm_weight.contiguous(),
                 out if residual is None else residual, out, out if key is None else key,
                 rows, per, N, K, weight.stride(0), float(eps))
     flags["ARGMAX"] = argmax_key is not None
-    # cdiv(M, per) programs per row block (`_gemv_kernel`: row group fastest), each computing
-    # `per` rows; M = 1 is the decode step's launch.
+    # invariant: cdiv(M, per) programs per row block (`_gemv_kernel`: row group fastest), each
+    # computing `per` rows, M = 1 too; else M = 1, the decode step's launch
+    flags["ROW_LOOP"] = bool(invariant)
     if interpreting():
         per = rows_per_program_of(M, False, asked=rows_per_program)
         _gemv[(triton.cdiv(M, per) * triton.cdiv(N, 8),)](*args(y, per=per), **flags, PREFETCH=bool(pdl), PDL=False,

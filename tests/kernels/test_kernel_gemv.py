@@ -480,8 +480,8 @@ def test_gemv_rejects_other_out_dtypes():
 
 
 
-# invariant=True: any M through the M = 1 kernel, one program per (row, row block), so each row
-# is bit for bit the M = 1 call's for that row alone. Under the interpreter the M = 1 tile is
+# invariant=True: any M through the M = 1 kernel, a few rows a program, so each row is bit for
+# bit the invariant M = 1 call's for that row alone. Under the interpreter the M = 1 tile is
 # 8 x 64: N = 13 leaves a partial last row block and K = 100 two chunks, the last partial;
 # K = 40 takes the one-chunk path. (Shapes this small: the interpreter runs ~100 programs a
 # second, and M = 33 is 33 programs per row block.)
@@ -520,7 +520,8 @@ def test_gemv_invariant_rows_are_the_one_row_calls(fusion, dtype, pdl, K):
     call on x[m:m + 1] (its norm statistics, SwiGLU, residual row and float32 y its own), and y
     matches the reference."""
     x, w, kw = invariant_case(max(INVARIANT_MS), dtype, fusion, seed=11, K=K)
-    singles = [gemv(x[m:m + 1], w, pdl=pdl, **first_rows(kw, slice(m, m + 1))) for m in range(x.shape[0])]
+    singles = [gemv(x[m:m + 1], w, pdl=pdl, invariant=True, **first_rows(kw, slice(m, m + 1)))
+               for m in range(x.shape[0])]
     for M in INVARIANT_MS:
         kw_m = first_rows(kw, slice(0, M))
         y = gemv(x[:M], w, pdl=pdl, invariant=True, **kw_m)
@@ -552,7 +553,9 @@ def test_gemv_invariant_row_does_not_depend_on_its_batch(dtype):
 
 
 def test_gemv_invariant_one_row_is_the_plain_call():
-    """M = 1 with invariant is the M = 1 launch itself: the same y and argmax key."""
+    """M = 1 with invariant runs the plain M = 1 launch's code with its row loop: the same sums
+    in the same order, so (under the interpreter, which runs the code as written) the same y and
+    argmax key."""
     x, w, kw = invariant_case(1, torch.bfloat16, "norm", seed=5)
     keys = new_key(), new_key()
     y = gemv(x, w, argmax_key=keys[0], **kw)
@@ -600,6 +603,8 @@ def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pd
         assert y.shape == (M, 1, N // 2 if kw["swiglu"] else N)
         for m in range(M):
             assert torch.equal(y[m:m + 1], one_row_call(x, w, kw, m, out_dtype=out_dtype)), (out_dtype, m)
+        # (and within the tolerance of the plain M = 1 launch: the same sums, compiled apart)
+        assert_close(y[:1], gemv(x[:1].clone(), w, out_dtype=out_dtype, **first_rows(kw, slice(0, 1))), "projection")
         assert_matches_ref(y, x, w, {k: v for k, v in kw.items() if k != "pdl"})
 
 
@@ -618,12 +623,12 @@ def gpu_case(M, N, K, fusion, pdl, seed):
 
 
 def one_row_call(x, w, kw, m, **extra):
-    """The M = 1 call on row m of x alone (its row and residual tensors of their own, as the
-    decode step's)."""
+    """The invariant M = 1 call on row m of x alone (its row and residual tensors of their own,
+    as the invariant decode step's)."""
     one = first_rows(kw, slice(m, m + 1))
     if "residual" in one:
         one["residual"] = one["residual"].clone()
-    return gemv(x[m:m + 1].clone(), w, **one, **extra)
+    return gemv(x[m:m + 1].clone(), w, invariant=True, **one, **extra)
 
 
 @pytest.mark.gpu
@@ -631,7 +636,7 @@ def one_row_call(x, w, kw, m, **extra):
 @pytest.mark.parametrize("fusion", ["norm", "residual"])
 def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion):
     """autotune=True, a shape no table holds, the invariant call first: it runs the tile tuned
-    for the plain M = 1 call (tuned on row 0 alone), so its rows are the M = 1 calls' bits,
+    for the plain M = 1 call (tuned on row 0 alone), so its rows are the invariant M = 1 calls' bits,
     float32 y included. (The autotuner's caches are emptied after: the other tests run fixed tiles.)"""
     import importlib
     gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
@@ -647,7 +652,7 @@ def test_gemv_invariant_gpu_autotuned_rows_take_the_one_row_tile(fusion):
             for m in range(M):
                 one = first_rows(kw, slice(m, m + 1))
                 assert torch.equal(y[m:m + 1], gemv(x[m:m + 1].clone(), w, out_dtype=out_dtype, autotune=True,
-                                                    **one)), (out_dtype, m)
+                                                    invariant=True, **one)), (out_dtype, m)
         assert gemv_mod._gemv_tuned.cache and gemv_mod._PLAIN_CONFIG
         assert_matches_ref(y, x, w, kw)
     finally:
@@ -708,7 +713,7 @@ def test_gemv_invariant_rows_per_program_change_no_bit(fusion, K):
     all of a program's rows)."""
     M = 11
     x, w, kw = invariant_case(M, torch.bfloat16, fusion, seed=7, K=K)
-    singles = [gemv(x[m:m + 1], w, pdl=True, **first_rows(kw, slice(m, m + 1))) for m in range(M)]
+    singles = [gemv(x[m:m + 1], w, pdl=True, invariant=True, **first_rows(kw, slice(m, m + 1))) for m in range(M)]
     for per in (1, 2, 5, M, 64):
         y = gemv(x, w, pdl=True, invariant=True, rows_per_program=per, **kw)
         for m in range(M):
