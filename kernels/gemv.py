@@ -779,11 +779,12 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
                       rows=M, per_rows=lambda c: rows_per_program_of(
                           M, c.kwargs["BLOCK_K"] >= K, triton.cdiv(N, c.kwargs["BLOCK_N"]), sm_count(x.device),
-                          rows_per_program),
+                          rows_per_program, weight.numel() * weight.element_size()),
                       **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
-    per = rows_per_program_of(M, bk >= K, triton.cdiv(N, bn), sm_count(x.device), rows_per_program) if M > 1 else 1
+    per = rows_per_program_of(M, bk >= K, triton.cdiv(N, bn), sm_count(x.device), rows_per_program,
+                              weight.numel() * weight.element_size()) if M > 1 else 1
     _gemv[(triton.cdiv(M, per) * triton.cdiv(N, bn),)](*args(y, per=per), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn,
                                                        BLOCK_K=bk, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
@@ -792,21 +793,27 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
 # An invariant call's rows a program: a one-chunk tile keeps its weights in registers for all
 # of them (one weight read whatever M, the rows' FMAs in turn); a multi-chunk tile reads its
 # weights again for each row (from L1 or L2), so it takes fewer. Either way a program's rows run
-# one after the other, so a call keeps at least PROGRAMS_PER_SM programs an SM (a small model's
-# few row blocks then spread their rows over programs that run side by side).
+# one after the other, so a call keeps at least PROGRAMS_PER_SM programs an SM. A weight under
+# SMALL_WEIGHT_BYTES stays in the L2 between calls (a small model's): its call is bound by its
+# latency, not by the weight read, and every row takes a program of its own.
 INVARIANT_ROWS_ONE_CHUNK = 16
 INVARIANT_ROWS = 4
 PROGRAMS_PER_SM = 4
+SMALL_WEIGHT_BYTES = 4 << 20
 
 
-def rows_per_program_of(M: int, one_chunk: bool, blocks: int = 1, sms: int = 0, asked: int | None = None) -> int:
+def rows_per_program_of(M: int, one_chunk: bool, blocks: int = 1, sms: int = 0, asked: int | None = None,
+                        weight_bytes: int | None = None) -> int:
     """The rows of x each program of an M-row gemv over `blocks` row blocks computes on a GPU of
-    `sms` SMs: `asked` (gemv's rows_per_program) if given, else as many as keep
-    PROGRAMS_PER_SM * sms programs (all M without sms), at most INVARIANT_ROWS_ONE_CHUNK for a
-    one-chunk tile and INVARIANT_ROWS otherwise, evened out over the groups it makes; at most M.
-    Every choice gives each row the same bits (`_gemv_kernel`)."""
+    `sms` SMs: `asked` (gemv's rows_per_program) if given; 1 for a weight of fewer than
+    SMALL_WEIGHT_BYTES; else as many as keep PROGRAMS_PER_SM * sms programs (all M without sms),
+    at most INVARIANT_ROWS_ONE_CHUNK for a one-chunk tile and INVARIANT_ROWS otherwise, evened
+    out over the groups it makes; at most M. Every choice gives each row the same bits
+    (`_gemv_kernel`)."""
     if asked is not None:
         return max(1, min(M, asked))
+    if weight_bytes is not None and weight_bytes < SMALL_WEIGHT_BYTES:
+        return 1
     per = min(M, INVARIANT_ROWS_ONE_CHUNK if one_chunk else INVARIANT_ROWS)
     if sms:
         per = max(1, min(per, M * blocks // (PROGRAMS_PER_SM * sms)))

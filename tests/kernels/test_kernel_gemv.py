@@ -742,9 +742,10 @@ def test_gemv_invariant_gpu_rows_per_program_change_no_bit(name, N, K, fusion):
 
 
 def test_rows_per_program_keeps_the_gpu_busy_and_the_groups_even():
-    """The default rows per program: capped by the tile kind, lowered until the call keeps
-    PROGRAMS_PER_SM programs an SM, evened over its groups; an asked count is taken (within 1..M)."""
-    from tinyloop.kernels.gemv import INVARIANT_ROWS, INVARIANT_ROWS_ONE_CHUNK, rows_per_program_of
+    """The default rows per program: one for an L2-resident weight, else capped by the tile kind,
+    lowered until the call keeps PROGRAMS_PER_SM programs an SM, evened over its groups; an asked
+    count is taken (within 1..M)."""
+    from tinyloop.kernels.gemv import INVARIANT_ROWS, INVARIANT_ROWS_ONE_CHUNK, SMALL_WEIGHT_BYTES, rows_per_program_of
     assert rows_per_program_of(64, True) == INVARIANT_ROWS_ONE_CHUNK
     assert rows_per_program_of(64, False) == INVARIANT_ROWS
     assert rows_per_program_of(3, True) == 3
@@ -754,3 +755,5 @@ def test_rows_per_program_keeps_the_gpu_busy_and_the_groups_even():
     assert rows_per_program_of(8, True, blocks=8000, sms=132) == 8
     assert rows_per_program_of(5, True, blocks=8000, sms=132, asked=9) == 5
     assert rows_per_program_of(5, False, asked=2) == 2
+    assert rows_per_program_of(8, True, blocks=8000, sms=132, weight_bytes=SMALL_WEIGHT_BYTES - 1) == 1  # L2-resident
+    assert rows_per_program_of(8, True, blocks=8000, sms=132, weight_bytes=SMALL_WEIGHT_BYTES) == 8
