@@ -13,7 +13,11 @@
 #                                          #   against their own rounds in turn (bench/spec_batch.py); invariant: the
 #                                          #   batch-invariant kernels' GPU tests and benches; load-ab: load over the worker
 #                                          #   channel and over Ray, same run; load-gil: the time to first token against --gil-switch-ms;
-#                                          #   load-order: the mixed burst with --prefill-order arrival and longest, same run)
+#                                          #   load-order: the mixed burst with --prefill-order arrival and longest, same run;
+#                                          #   invariant-rows: the invariant projection's rows a program, its GPU tests, its
+#                                          #   bench, the batched step's invariant A/B and batch-1 decode; sampled-rounds: the
+#                                          #   sampler's uniforms kernel and sampled device rounds' GPU tests, the
+#                                          #   speculative bench at temperatures 0 and 0.8)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -120,6 +124,21 @@ for s in "${steps[@]}"; do
             run gemv-invariant 45 python -m bench.gemv_invariant --out-dir "$OUT" ;;
         kv) run kv-decode "${KV_S:-420}" python -m bench.kv_decode --out-dir "$OUT" ${KV_ARGS:-}
             run kv-quality 240 python -m bench.kv_quality --device cuda --out-dir "$OUT" ;;
+        invariant-rows)  # the invariant projection's row loop (kernels/gemv.py, ROW_LOOP): every row its invariant
+                         # M = 1 call's bits at any rows a program, the rows and tiles swept, the batched step with
+                         # and without invariant kernels, and the plain batch-1 decode step it must leave alone
+            run invariant-rows-tests "${TESTS_S:-100}" python -m pytest -m gpu tests/kernels/test_kernel_gemv.py \
+                -k invariant -q -p no:cacheprovider
+            run gemv-invariant "${GI_S:-100}" python -m bench.gemv_invariant --out-dir "$OUT"
+            run batch "${BATCH_S:-100}" python -m bench.batch --batch 1 2 4 8 16 --repeat 2 --out-dir "$OUT"
+            run decode "${DECODE_S:-60}" python -m bench.decode --loops 8 --skip-compile --out-dir "$OUT" ;;
+        sampled-rounds)  # the sampler's counter-based uniforms in one launch, sampled chain rounds on the device
+                         # against the host-driven ones, then the speculative bench (greedy and temperature 0.8)
+            run sampled-rounds-tests "${TESTS_S:-90}" python -m pytest -m gpu tests/worker/test_gpu_sampling.py \
+                tests/worker/test_gpu_invariant.py -k "uniforms or sampled_rounds or sampler_graph or own_samplers" \
+                -q -p no:cacheprovider
+            run speculative "${SPEC_S:-150}" python -m bench.speculative --device cuda --repeat 3 --draft-loops 2 \
+                --draft-ahead 4 6 --k-branches 1 2 --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done
