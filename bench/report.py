@@ -32,6 +32,7 @@ RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "performance.md"
 PLOT = ROOT / "docs" / "decode-vs-L.png"
 QUANT_PLOT = ROOT / "docs" / "quant-decode-vs-L.png"
+GEMV_INV_PLOT = ROOT / "docs" / "gemv-invariant-vs-M.png"
 DASH = "—"
 DEVICES = ("cuda", "gpu", "cpu")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # bench/decode.py's
@@ -800,6 +801,10 @@ def gemv_invariant_body(r: Result) -> str:
         out += ("\nThe invariant call at other rows per program (`rows=R`) and on one-chunk tiles (`one-chunk BN`: "
                 "BLOCK_N = BN, the weights held in registers for every row; at M = 1 what that tile would cost "
                 "the batch-1 step):\n\n" + table(["projection", "M", "default", *labels], vrows) + "\n")
+    if GEMV_INV_PLOT.exists():
+        out += ("\n![µs a call vs rows M per projection](gemv-invariant-vs-M.png)\n\n`python -m "
+                "bench.plot_gemv_invariant [RESULT]` draws `docs/gemv-invariant-vs-M.png` from a gemv_invariant "
+                f"result, by default `gemv-invariant-cuda.json` (commit {code(r.commit)}).\n")
     return out
 
 

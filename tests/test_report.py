@@ -94,3 +94,11 @@ def test_without_a_date_the_git_commit_time_decides(tmp_path):
     assert ("File `service-cpu-zzz.json`, commit —, run — (not recorded; committed to git 2026-01-02T00:00:00Z)"
             in cpu)
     assert "| in-process (`Model.stream`) | — | 5.000 ms | — |" in cpu
+
+
+def test_the_invariant_projection_plot_draws_the_committed_result(tmp_path):
+    """bench/plot_gemv_invariant.py draws the newest gemv-invariant result into a PNG."""
+    from bench import plot_gemv_invariant
+    out = tmp_path / "plot.png"
+    plot_gemv_invariant.main(["-o", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -1,0 +1,56 @@
+"""Plot microseconds a call against the rows M for each projection of a `bench/gemv_invariant.py`
+result: the batch-invariant call, today's path (the batched tl.dot kernel up to its row limit) and
+cuBLAS (F.linear), one colour a projection.
+
+    python -m bench.plot_gemv_invariant [bench/results/gemv-invariant-cuda.json] [-o docs/gemv-invariant-vs-M.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = (("invariant_ms", "-", "batch-invariant"), ("today_ms", "--", "today's path"),
+         ("torch_linear_ms", ":", "cuBLAS"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result", nargs="?", default=str(ROOT / "bench/results/gemv-invariant-cuda.json"))
+    ap.add_argument("-o", "--output", default=str(ROOT / "docs/gemv-invariant-vs-M.png"))
+    args = ap.parse_args(argv)
+    r = json.loads(Path(args.result).read_text())
+    by: dict[str, list[dict]] = {}
+    for row in r["rows"]:
+        by.setdefault(row["name"], []).append(row)
+    fig, ax = plt.subplots(figsize=(6.4, 5.0), dpi=120)
+    for i, (name, rows) in enumerate(by.items()):
+        rows = sorted(rows, key=lambda row: row["M"])
+        for key, style, label in PATHS:
+            pts = [(row["M"], row[key] * 1e3) for row in rows if row.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o" if key == "invariant_ms" else None, color=f"C{i}",
+                        label=f"{name}: {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    Ms = sorted({row["M"] for row in r["rows"]})
+    ax.set_xticks(Ms, [str(m) for m in Ms])
+    ax.set_xlabel("rows M a call")
+    ax.set_ylabel("µs a call")
+    hw = r["hardware"].get("gpu", r["hardware"]["device"])
+    ax.set_title(f"projections with their fused options, {hw} (commit {r.get('commit', '?')})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    fig.tight_layout()
+    fig.savefig(args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
