@@ -54,7 +54,9 @@ from tinyloop.worker.runner.stages import (EXIT_STAGES, INTERLEAVED_STAGES, Batc
 class RunnerSettings:
     """cuda_graphs: capture at start-up (CUDA only). prefill_graph_len: the longest prompt the
     prefill graphs cover (0: prefill stays eager). verify_buckets: the node counts the verify
-    graphs are built for (a chain of the default draft_ahead 4, and the longest tree).
+    graphs are built for (a chain of the default draft_ahead 4; a two-branch tree of depth 4 or
+    a chain of up to 8 drafts; the longest tree): a verify runs in the smallest that holds it,
+    its pads computed like nodes, so a bucket close to the node count keeps them few.
     prefill_rows: the prompt counts of the multi-row prefill graphs (`prefill_many`; those up
     to the lane count), each for the length buckets up to prefill_rows_bucket whose rows ×
     bucket is at most prefill_rows_len tokens: a burst of 64 short prompts is one replay per
@@ -68,7 +70,7 @@ class RunnerSettings:
     the engine can (`Engine.interleaves`)."""
     cuda_graphs: bool = False
     prefill_graph_len: int = 2048
-    verify_buckets: tuple[int, ...] = (5, 17)
+    verify_buckets: tuple[int, ...] = (5, 9, 17)
     prefill_rows: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     prefill_rows_len: int = 2048
     prefill_rows_bucket: int = 256
