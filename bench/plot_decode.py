@@ -9,10 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from bench.plots import log_axes, plt, save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,19 +31,9 @@ def main() -> None:
             if "ms" in m:
                 ax.plot([c["loops"]], [m["ms"]], "x" if "cudagraphs" in mode else "^", markersize=8,
                         label=f"torch.compile {mode} (same run)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(L, [str(x) for x in L])
-    ax.set_xlabel("loop depth L")
-    ax.set_ylabel("ms / token (batch 1, 128 tokens of context)")
     hw = r["hardware"].get("gpu", r["hardware"]["device"])
-    ax.set_title(f"bench-285m decode, bf16, {hw}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below the axes: no point hidden
-    fig.tight_layout()
-    fig.savefig(args.output)
-    print(f"wrote {args.output}")
-
+    log_axes(ax, L, "loop depth L", "ms / token (batch 1, 128 tokens of context)", f"bench-285m decode, bf16, {hw}")
+    save(fig, ax, args.output)
 
 if __name__ == "__main__":
     main()

@@ -10,10 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from bench.plots import log_axes, plt, save
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = (("invariant_ms", "-", "batch-invariant"), ("today_ms", "--", "today's path"),
@@ -37,20 +34,10 @@ def main(argv: list[str] | None = None) -> None:
             if pts:
                 ax.plot(*zip(*pts), style, marker="o" if key == "invariant_ms" else None, color=f"C{i}",
                         label=f"{name}: {label}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    Ms = sorted({row["M"] for row in r["rows"]})
-    ax.set_xticks(Ms, [str(m) for m in Ms])
-    ax.set_xlabel("rows M a call")
-    ax.set_ylabel("µs a call")
     hw = r["hardware"].get("gpu", r["hardware"]["device"])
-    ax.set_title(f"projections with their fused options, {hw} (commit {r.get('commit', '?')})", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    fig.tight_layout()
-    fig.savefig(args.output)
-    print(f"wrote {args.output}")
-
+    log_axes(ax, [row["M"] for row in r["rows"]], "rows M a call", "µs a call",
+             f"projections with their fused options, {hw} (commit {r.get('commit', '?')})", title_size=9)
+    save(fig, ax, args.output, legend_size=6, ncol=3)
 
 if __name__ == "__main__":
     main()

@@ -9,10 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from bench.plots import log_axes, plt, save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,20 +26,11 @@ def main(argv: list[str] | None = None) -> None:
         color = f"C{i}"
         ax.plot(L, [row["ms"] for row in rows], "o-", color=color, label=f"{fmt} (captured decode step)")
         ax.plot(L, [row["floor_ms"] for row in rows], "--", color=color, alpha=0.6, label=f"{fmt} floor")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    L = sorted({row["loops"] for rows in r["decode"].values() for row in rows})
-    ax.set_xticks(L, [str(x) for x in L])
-    ax.set_xlabel("loop depth L")
-    ax.set_ylabel(f"ms / token (batch 1, {r.get('context', '?')} tokens of context)")
     hw = r["hardware"].get("gpu", r["hardware"]["device"])
-    ax.set_title(f"{r.get('model', 'bench-285m')}: weight formats, {hw}", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    fig.tight_layout()
-    fig.savefig(args.output)
-    print(f"wrote {args.output}")
-
+    log_axes(ax, [row["loops"] for rows in r["decode"].values() for row in rows], "loop depth L",
+             f"ms / token (batch 1, {r.get('context', '?')} tokens of context)",
+             f"{r.get('model', 'bench-285m')}: weight formats, {hw}", title_size=9)
+    save(fig, ax, args.output)
 
 if __name__ == "__main__":
     main()
