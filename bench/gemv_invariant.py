@@ -140,10 +140,8 @@ def main() -> None:
                 "invariant_ms": inv_ms, "today_ms": today_ms, "torch_linear_ms": linear_ms,
                 "invariant_GBps": mb / inv_ms, "today_GBps": mb / today_ms if today_ms else None,
                 "torch_GBps": mb / linear_ms, "rows_bitwise": rows_bitwise, "today_rows_bitwise": today_bitwise,
-                "rows_per_program": gemv_mod.rows_per_program_of(
-                    M, tiles[name][1] >= K, triton.cdiv(out_n, tiles[name][0]), gemv_mod.sm_count(dev),
-                    weight_bytes=N * K * 2)
-                if M > 1 and tiles[name] is not None else None, "variants": variants})
+                "rows_per_program": gemv_mod.invariant_rows(M, out_n, K, *tiles[name][:2], ws[0])
+                if tiles[name] is not None else None, "variants": variants})
             today = f"{today_ms * 1e3:9.1f}" if today_ms else f"{'-':>9s}"
             ratio = f"{inv_ms / today_ms:9.2f}" if today_ms else f"{'-':>9s}"
             print(f"{name:5s} {M:3d} | {inv_ms * 1e3:9.1f} {today} {linear_ms * 1e3:9.1f} us | {ratio} "

@@ -5,21 +5,11 @@ the torch.compile baselines.
 """
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-from bench.plots import log_axes, plt, save
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.plots import log_axes, plt, result_and_output, save
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("result", nargs="?", default=str(ROOT / "bench/results/decode-cuda.json"))
-    ap.add_argument("-o", "--output", default=str(ROOT / "docs/decode-vs-L.png"))
-    args = ap.parse_args()
-    r = json.loads(Path(args.result).read_text())
+def main(argv: list[str] | None = None) -> None:
+    r, output = result_and_output(__doc__, "decode-cuda.json", "decode-vs-L.png", argv)
     rows = r["decode"]
     L = [row["loops"] for row in rows]
     fig, ax = plt.subplots(figsize=(6.4, 5.0), dpi=120)
@@ -33,7 +23,7 @@ def main() -> None:
                         label=f"torch.compile {mode} (same run)")
     hw = r["hardware"].get("gpu", r["hardware"]["device"])
     log_axes(ax, L, "loop depth L", "ms / token (batch 1, 128 tokens of context)", f"bench-285m decode, bf16, {hw}")
-    save(fig, ax, args.output)
+    save(fig, ax, output)
 
 if __name__ == "__main__":
     main()

@@ -6,24 +6,11 @@ iterations per token, one line per criterion and cache policy.
 """
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.plots import plt, result_and_output
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("result", nargs="?", default=str(ROOT / "bench/results/early-exit-cpu.json"))
-    ap.add_argument("-o", "--output", default=str(ROOT / "docs/early-exit.png"))
-    args = ap.parse_args()
-    r = json.loads(Path(args.result).read_text())
+def main(argv: list[str] | None = None) -> None:
+    r, output = result_and_output(__doc__, "early-exit-cpu.json", "early-exit.png", argv)
     full = r["rows"][0]
     L = full["loops"]
     lines: dict[str, list[dict]] = {}
@@ -51,8 +38,8 @@ def main() -> None:
     top.set_title(f"early exit on the {r['workload']['model']} model, {hw}")
     top.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(args.output)
-    print(f"wrote {args.output}")
+    fig.savefig(output)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -6,23 +6,14 @@ cuBLAS (F.linear), one colour a projection.
 """
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+from bench.plots import log_axes, plt, result_and_output, save
 
-from bench.plots import log_axes, plt, save
-
-ROOT = Path(__file__).resolve().parents[1]
 PATHS = (("invariant_ms", "-", "batch-invariant"), ("today_ms", "--", "today's path"),
          ("torch_linear_ms", ":", "cuBLAS"))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("result", nargs="?", default=str(ROOT / "bench/results/gemv-invariant-cuda.json"))
-    ap.add_argument("-o", "--output", default=str(ROOT / "docs/gemv-invariant-vs-M.png"))
-    args = ap.parse_args(argv)
-    r = json.loads(Path(args.result).read_text())
+    r, output = result_and_output(__doc__, "gemv-invariant-cuda.json", "gemv-invariant-vs-M.png", argv)
     by: dict[str, list[dict]] = {}
     for row in r["rows"]:
         by.setdefault(row["name"], []).append(row)
@@ -37,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     hw = r["hardware"].get("gpu", r["hardware"]["device"])
     log_axes(ax, [row["M"] for row in r["rows"]], "rows M a call", "µs a call",
              f"projections with their fused options, {hw} (commit {r.get('commit', '?')})", title_size=9)
-    save(fig, ax, args.output, legend_size=6, ncol=3)
+    save(fig, ax, output, legend_size=6, ncol=3)
 
 if __name__ == "__main__":
     main()

@@ -5,21 +5,11 @@ format's floor (its bytes at the copy bandwidth).
 """
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-from bench.plots import log_axes, plt, save
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.plots import log_axes, plt, result_and_output, save
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("result", nargs="?", default=str(ROOT / "bench/results/quant-decode-cuda.json"))
-    ap.add_argument("-o", "--output", default=str(ROOT / "docs/quant-decode-vs-L.png"))
-    args = ap.parse_args(argv)
-    r = json.loads(Path(args.result).read_text())
+    r, output = result_and_output(__doc__, "quant-decode-cuda.json", "quant-decode-vs-L.png", argv)
     fig, ax = plt.subplots(figsize=(6.4, 5.0), dpi=120)
     for i, (fmt, rows) in enumerate(r["decode"].items()):
         L = [row["loops"] for row in rows]
@@ -30,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     log_axes(ax, [row["loops"] for rows in r["decode"].values() for row in rows], "loop depth L",
              f"ms / token (batch 1, {r.get('context', '?')} tokens of context)",
              f"{r.get('model', 'bench-285m')}: weight formats, {hw}", title_size=9)
-    save(fig, ax, args.output)
+    save(fig, ax, output)
 
 if __name__ == "__main__":
     main()

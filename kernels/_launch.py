@@ -1,4 +1,4 @@
-"""Launch options shared by the launchers.
+"""Launch options and device facts shared by the launchers.
 
 Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start
 while the previous kernel in the stream drains; it must call ``gdc_wait`` before it reads
@@ -28,9 +28,24 @@ def use_pdl(device: torch.device, pdl: bool | None = None) -> bool:
         return bool(pdl)
     if device.type != "cuda" or interpreting():
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _capable(device_index(device))
+
+
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index (the current device's for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def sm_count(device: torch.device) -> int:
+    """A CUDA device's SM count (cached per device)."""
+    return _sm_count(device_index(device))
 
 
 @functools.lru_cache(maxsize=None)
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

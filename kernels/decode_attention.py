@@ -163,7 +163,7 @@ from ._checks import (
     interpreting,
     slots_arg,
 )
-from ._launch import use_pdl
+from ._launch import sm_count, use_pdl
 from .rope import rope_cache_write_ref
 
 LOG2E = math.log2(math.e)
@@ -548,11 +548,6 @@ def _merge_splits(m_ptr, l_ptr, acc_ptr, o_ptr, bh, HD, NUM_SPLITS, n_splits,
     tl.store(o_ptr + bh * HD + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _block_d(hd: int) -> int:
     return max(16, triton.next_power_of_2(max(hd, 1)))
 
@@ -571,7 +566,7 @@ def _split_len(B: int, Hkv: int, S: int, device: torch.device, block_n: int) -> 
     """Slots per split: enough splits for ~2 programs per SM, none shorter than MIN_SPLIT_LEN."""
     if device.type != "cuda":
         return triton.cdiv(max(S, 1), block_n) * block_n  # interpreter: one split, small grid
-    splits = min(max(triton.cdiv(2 * _sm_count(device), B * Hkv), 1), MAX_SPLITS)
+    splits = min(max(triton.cdiv(2 * sm_count(device), B * Hkv), 1), MAX_SPLITS)
     split_len = max(MIN_SPLIT_LEN, triton.cdiv(S, splits))
     return triton.cdiv(split_len, block_n) * block_n
 
@@ -777,7 +772,7 @@ def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
     takes longer ones instead: a second wave would run after the first, nearly doubling the split
     kernel's latency, while longer splits in one wave only lengthen each program's loop. Shorter
     contexts need fewer splits than the cap and keep theirs."""
-    return max(_sm_count(device) // (B * Hkv), 1) if device.type == "cuda" else None
+    return max(sm_count(device) // (B * Hkv), 1) if device.type == "cuda" else None
 
 
 def _rope_splits(B: int, Hkv: int, S: int, hd: int, device: torch.device, invariant: bool) -> tuple:

@@ -89,7 +89,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting
-from ._launch import use_pdl
+from ._launch import device_index, sm_count, use_pdl
 
 # An argmax key no row's key is below: what `argmax_key` holds before a projection maxes it.
 ARGMAX_KEY_NONE = -(2**63)
@@ -777,14 +777,12 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, tables, autotune)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
-                      rows=M, per_rows=lambda c: rows_per_program_of(
-                          M, c.kwargs["BLOCK_K"] >= K, triton.cdiv(N, c.kwargs["BLOCK_N"]), sm_count(x.device),
-                          rows_per_program, weight.numel() * weight.element_size()),
+                      rows=M, per_rows=lambda c: invariant_rows(M, N, K, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], weight,
+                                                                rows_per_program),
                       **flags, PREFETCH=pdl, PDL=pdl, launch_pdl=pdl)
         return y
     bn, bk, warps, stages = t
-    per = rows_per_program_of(M, bk >= K, triton.cdiv(N, bn), sm_count(x.device), rows_per_program,
-                              weight.numel() * weight.element_size()) if M > 1 else 1
+    per = invariant_rows(M, N, K, bn, bk, weight, rows_per_program)
     _gemv[(triton.cdiv(M, per) * triton.cdiv(N, bn),)](*args(y, per=per), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn,
                                                        BLOCK_K=bk, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
@@ -820,18 +818,20 @@ def rows_per_program_of(M: int, one_chunk: bool, blocks: int = 1, sms: int = 0, 
     return triton.cdiv(M, triton.cdiv(M, per))  # the same count in every group but the last
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """The device's SM count (cached per device)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def invariant_rows(M: int, N: int, K: int, block_n: int, block_k: int, weight: torch.Tensor,
+                   asked: int | None = None) -> int:
+    """The rows a program of gemv's M-row launch on a (block_n, block_k) tile of `weight` (its
+    N output rows, K columns) computes: `rows_per_program_of` on the weight's device; 1 for one
+    row."""
+    if M == 1:
+        return 1
+    return rows_per_program_of(M, block_k >= K, triton.cdiv(N, block_n),
+                               sm_count(weight.device), asked,
+                               weight.numel() * weight.element_size())
 
 
 def _device_name(device: torch.device) -> str:
-    return _device_name_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_name_of(device_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -850,17 +850,16 @@ def _launch_tuned(tuned, N, args, y, dtype, key, rows=1, per_rows=None, **meta):
     would depend on how they were asked for (a float32 y would differ from the bf16 one widened,
     the logits with the argmax key from those without it, a row of a batch from the row
     alone)."""
-    grid = lambda meta: (rows * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 (rows = 1: one group)
+    one_row = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     argmax = meta.get("ARGMAX", False)
     if y.dtype == dtype and not argmax and rows == 1:
-        tuned[grid](*args(y), **meta)
+        tuned[one_row](*args(y), **meta)
         return
     key = (tuned, dtype, *key)
     config = _PLAIN_CONFIG.get(key)
     if config is None:
         plain = dict(meta, ARGMAX=False) if argmax else meta
         scratch = torch.empty(y.shape, dtype=dtype, device=y.device)
-        one_row = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         tuned[one_row](*(args(scratch, None) if rows == 1 else args(scratch, None, 1)), **plain)
         config = _PLAIN_CONFIG[key] = tuned.best_config
     per = per_rows(config) if rows > 1 else 1

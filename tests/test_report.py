@@ -96,13 +96,11 @@ def test_without_a_date_the_git_commit_time_decides(tmp_path):
     assert "| in-process (`Model.stream`) | — | 5.000 ms | — |" in cpu
 
 
-@pytest.mark.parametrize("script", ["plot_gemv_invariant", "plot_quant_decode", "plot_decode"])
-def test_the_plots_draw_the_committed_results(script, tmp_path, monkeypatch):
-    """Each log-log plot script (bench/plots.py's axes and legend) draws its newest committed
-    result into a PNG."""
+@pytest.mark.parametrize("script", ["plot_gemv_invariant", "plot_quant_decode", "plot_decode", "plot_early_exit"])
+def test_the_plots_draw_the_committed_results(script, tmp_path):
+    """Each plot script (bench/plots.py's command line, axes and legend) draws its newest
+    committed result into a PNG."""
     import importlib
-    module = importlib.import_module(f"bench.{script}")
     out = tmp_path / "plot.png"
-    monkeypatch.setattr("sys.argv", [script, "-o", str(out)])  # (plot_decode reads sys.argv)
-    module.main()
+    importlib.import_module(f"bench.{script}").main(["-o", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
