@@ -48,8 +48,9 @@ tile, never on M, on ROWS, on which rows ride with it, or on which captured batc
 (The plain M = 1 launch is the same code compiled without the row loop: the same sums in the
 same order, left as the decode step has always run it. The batched kernel below sums in another
 order, with a tile that may change with M, and stops at 64 rows.) A one-chunk tile loads its
-weights once and keeps them in registers for all of its rows, so the weight is read from HBM
-once whatever M and each further row costs its FMAs on the CUDA cores alone: bound by the HBM
+weights once and keeps them in registers for all of its rows (each row's x loaded while the
+row before it computes), so the weight is read from HBM once whatever M and each further row
+costs its FMAs on the CUDA cores alone: bound by the HBM
 read for a few rows (about 2M FLOPs a weight against 2 bytes), by the CUDA cores' FMAs past
 that. A multi-chunk tile reads its weights again for each row, from L1 or L2
 (`rows_per_program_of` gives it fewer rows a program). bench/gemv_invariant.py times the rows
@@ -181,9 +182,8 @@ def _gemv_kernel(
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         if ROW_LOOP:
-            for r in range(0, m_end - m_first):
-                _one_chunk_row(w, up, m_first.to(tl.int64) + r, x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows,
-                               row_mask, cols, N, K, eps, NORM, SWIGLU, RESIDUAL, ARGMAX, BLOCK_K)
+            _one_chunk_rows(w, up, m_first.to(tl.int64), m_end, x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows,
+                            row_mask, cols, N, K, eps, NORM, SWIGLU, RESIDUAL, ARGMAX, BLOCK_K)
         else:
             _one_chunk_row(w, up, m_first.to(tl.int64), x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows,
                            row_mask, cols, N, K, eps, NORM, SWIGLU, RESIDUAL, ARGMAX, BLOCK_K)
@@ -224,6 +224,35 @@ def _one_chunk_row(w, up, m, x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows, row_m
         y_up = tl.sum(up.to(tl.float32) * xv, axis=1)
     _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
              NORM, SWIGLU, RESIDUAL, ARGMAX)
+
+
+@triton.jit
+def _one_chunk_rows(w, up, m_first, m_end, x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows, row_mask, cols, N, K,
+                    eps, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Rows m_first .. m_end - 1 of y, one after the other, on the program's rows from a one-chunk
+    tile (w, up) in registers: `_one_chunk_row`'s sums for each, but each row's x is loaded while
+    the row before it computes (a row's FMAs are then all it waits for), and the norm weight once."""
+    k_mask = cols < K
+    nw = tl.zeros([BLOCK_K], dtype=tl.float32)  # (dead code unless NORM)
+    if NORM:
+        nw = tl.load(nw_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    x_next = tl.load(x_ptr + m_first * K + cols, mask=k_mask, other=0.0)
+    for r in range(0, m_end - m_first):
+        m = m_first + r
+        xv = x_next.to(tl.float32)
+        # (tl.where, not `k_mask & ...`: see _chunks_row)
+        x_next = tl.load(x_ptr + (m + 1) * K + cols, mask=tl.where(m + 1 < m_end, k_mask, False), other=0.0)
+        ss = xv  # (dead code unless NORM)
+        if NORM:
+            ss = xv * xv  # `_x_chunk`'s 0 + x * x
+            xv = xv * nw
+        y = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        y_up = y
+        if SWIGLU:
+            y_up = tl.sum(up.to(tl.float32) * xv[None, :], axis=1)
+        _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+                 NORM, SWIGLU, RESIDUAL, ARGMAX)
 
 
 @triton.jit

@@ -514,6 +514,7 @@ def assert_matches_ref(y, x, w, kw):
     *[(f, d, False, INV_K) for f in INVARIANT_FUSIONS for d in (torch.float32, torch.bfloat16)],
     ("norm+swiglu", torch.bfloat16, True, INV_K), ("residual", torch.float32, True, INV_K),  # prefetch loop
     ("norm", torch.bfloat16, False, 40), ("residual", torch.bfloat16, True, 40),  # one chunk
+    ("norm+swiglu", torch.float32, False, 40),
 ], ids=str)
 def test_gemv_invariant_rows_are_the_one_row_calls(fusion, dtype, pdl, K):
     """For each M of INVARIANT_MS, row m of gemv(x[:M], invariant=True) is torch.equal to the M = 1
@@ -705,7 +706,8 @@ def test_settings_take_the_rows_the_kernel_takes():
     assert settings.MAX_FUSED_ROWS == MAX_FUSED_ROWS
 
 
-@pytest.mark.parametrize("fusion,K", [("norm+swiglu", INV_K), ("residual", INV_K), ("norm", 40)], ids=str)
+@pytest.mark.parametrize("fusion,K", [("norm+swiglu", INV_K), ("residual", INV_K), ("norm", 40),
+                                        ("norm+swiglu", 40), ("residual", 40)], ids=str)
 def test_gemv_invariant_rows_per_program_change_no_bit(fusion, K):
     """rows_per_program sets how many rows of x a program computes in turn (1, 2, 5, all):
     every choice gives each row its M = 1 call's bits, with the prefetching loop (whose last
