@@ -20,10 +20,12 @@ TINYLOOP_GEMV_TILES, TINYLOOP_AUTOTUNE; `tiles` in the JSON).
 
 Variants of the invariant call (`variants` in each row, microseconds and whether its rows are
 their M = 1 calls' bits): `rows=R` runs R rows of x per program (gemv's rows_per_program; the
-default is `kernels.gemv.rows_per_program_of`'s), and for a shape whose tile loops over K,
-`one-chunk BN` runs a one-chunk tile (BLOCK_N = BN, BLOCK_K >= K: the weights held in
-registers for every row of a program, rows_per_program = M) -- its M = 1 time is what that tile
-would cost the batch-1 step, its M > 1 times what it saves the batched one.
+default is `kernels.gemv.rows_per_program_of`'s). For a shape whose plain M = 1 tile loops over K
+(bench-285m's q|k|v and gate|up), the invariant call takes a one-chunk tile instead
+(`kernels.gemv.invariant_tile`; `tiles` in the JSON, the plain ones in `plain_tiles`): the
+weights held in registers for all the rows of a program. `loop BNxBK` runs it on the plain
+tile, reading the weights again for each row, and `one-chunk BN` on another one-chunk tile --
+an M = 1 time is what that tile costs the invariant batch-1 step, an M > 1 time the batched one.
 """
 from __future__ import annotations
 
@@ -58,8 +60,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=16, help="back-to-back calls per graph")
     ap.add_argument("--repeat", type=int, default=15, help="graph replays timed per measurement")
     ap.add_argument("--per", default="1,4,16,64", help="rows per program of the invariant variants, comma-separated")
-    ap.add_argument("--one-chunk", default="2,4", help="BLOCK_N of the one-chunk tile variants, comma-separated "
-                                                     "(shapes whose tile loops over K)")
+    ap.add_argument("--one-chunk", default="2,4,8", help="BLOCK_N of the one-chunk tile variants, comma-separated "
+                                                     "(shapes whose M = 1 tile loops over K)")
     args = ap.parse_args()
     pers = [int(p) for p in args.per.split(",") if p]
     one_chunk_bns = [int(b) for b in args.one_chunk.split(",") if b]
@@ -86,7 +88,7 @@ def main() -> None:
                 fn(ws[i % len(ws)])
         return device_ms(g.replay, dev, repeat=args.repeat) / args.calls
 
-    results, tiles = [], {}
+    results, tiles, plain_tiles = [], {}, {}
     header = (f"{'proj':5s} {'M':>3s} | {'invariant':>9s} {'today':>9s} {'F.linear':>9s} us | "
               f"{'inv/today':>9s} {'inv/linear':>10s} | inv GB/s | bitwise")
     print(header)
@@ -100,11 +102,14 @@ def main() -> None:
         out_n = N // 2 if swiglu else N
         nw = (1 + 0.1 * torch.randn(K, device=dev)).to(torch.bfloat16)
         key = (out_n, K, "norm" in fusion, swiglu, "residual" in fusion, pdl)
-        tiles[name] = gemv_mod.tile(dev, *key, **tuning)
-        one_chunk = {}  # label -> the tables of a one-chunk tile for this shape
-        if tiles[name] is not None and tiles[name][1] < K:
+        tiles[name] = gemv_mod.tile(dev, *key, **tuning, invariant=True)
+        plain_tiles[name] = plain = gemv_mod.tile(dev, *key, **tuning)
+        tile_variants = {}  # label -> the tables of another tile for this shape's invariant call
+        if plain is not None and plain[1] < K:
+            tile_variants[f"loop {plain[0]}x{plain[1]}"] = ({key: plain}, {})  # the M = 1 call's tile
             for bn in one_chunk_bns:
-                one_chunk[f"one-chunk {bn}"] = ({key: (bn, triton.next_power_of_2(K), 4, 1)}, {})
+                if tiles[name] is None or bn != tiles[name][0]:
+                    tile_variants[f"one-chunk {bn}"] = ({key: (bn, triton.next_power_of_2(K), 4, 1)}, {})
         for M in ms:
             x = torch.randn(M, 1, K, device=dev, dtype=torch.bfloat16)
             kw = {"swiglu": swiglu, "pdl": pdl, **tuning}
@@ -129,7 +134,7 @@ def main() -> None:
             linear_ms = cuda_ms(lambda w: F.linear(x, w), ws)
             variants = {}
             for label, extra in [*[(f"rows={p}", {"rows_per_program": p}) for p in pers if p < M],
-                                 *[(lbl, {"tables": t, "rows_per_program": M}) for lbl, t in one_chunk.items()]]:
+                                 *[(lbl, {"tables": t}) for lbl, t in tile_variants.items()]]:
                 vkw = dict(kw, **extra)
                 t_ms = cuda_ms(lambda w: gemv(x, w, invariant=True, **vkw), ws)
                 single_kw = {k: v for k, v in vkw.items() if k != "rows_per_program"}
@@ -151,7 +156,7 @@ def main() -> None:
                             for lbl, v in variants.items()))
         del ws
     write("gemv-invariant-cuda", {"hardware": hardware(dev), "ceilings": c, "pdl": pdl,
-                                  "tiles": tiles, "rows": results}, args.out_dir)
+                                  "tiles": tiles, "plain_tiles": plain_tiles, "rows": results}, args.out_dir)
     if not all(r["rows_bitwise"] and all(v["rows_bitwise"] for v in r["variants"].values()) for r in results):
         raise SystemExit("invariant rows differ from their M = 1 calls (see rows_bitwise)")
 

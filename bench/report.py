@@ -798,9 +798,10 @@ def gemv_invariant_body(r: Result) -> str:
         vrows = [[text(name), text(M), us(x.get("invariant_ms")),
                   *(us(get(x, "variants", lbl, "ms")) for lbl in labels)]
                  for name, m in by.items() for M, x in sorted(m.items()) if M in Ms]
-        out += ("\nThe invariant call at other rows per program (`rows=R`) and on one-chunk tiles (`one-chunk BN`: "
-                "BLOCK_N = BN, the weights held in registers for every row; at M = 1 what that tile would cost "
-                "the batch-1 step):\n\n" + table(["projection", "M", "default", *labels], vrows) + "\n")
+        out += ("\nThe invariant call at other rows per program (`rows=R`), on the plain call's tile that loops over "
+                "K (`loop BNxBK`: the weights read again for each row) and on other one-chunk tiles (`one-chunk BN`: "
+                "BLOCK_N = BN, the weights held in registers for every row); at M = 1 what that tile costs "
+                "the invariant batch-1 step:\n\n" + table(["projection", "M", "default", *labels], vrows) + "\n")
     if GEMV_INV_PLOT.exists():
         out += ("\n![µs a call vs rows M per projection](gemv-invariant-vs-M.png)\n\n`python -m "
                 "bench.plot_gemv_invariant [RESULT]` draws `docs/gemv-invariant-vs-M.png` from a gemv_invariant "

@@ -37,25 +37,26 @@ programs. The tiles are fixed per device and shape (``tables``' entry, then `TIL
 `default_tile`); under the interpreter one tile runs.
 
 Layout, any M, batch-invariant (``invariant=True``): ``_gemv_kernel`` with ROW_LOOP -- the M = 1
-kernel's code, constexprs and tile (`tile`'s; the interpreter's 8 x 64; with ``autotune`` the
-tile tuned for the M = 1 plain call), one compiled function for every M of a tile, M = 1
-included (M and ROWS are not specialized) -- each program computing ROWS rows of x one after
-the other on its row block, over cdiv(M, ROWS) * cdiv(N, BLOCK_N) programs (the row group
-fastest, so the groups of one weight block run side by side and share its weights through L2).
-Each row runs the same instructions, so row m of y is bit for bit what the invariant M = 1 call
-computes for row m alone: a row's value depends only on its own inputs and the shape's fixed
-tile, never on M, on ROWS, on which rows ride with it, or on which captured batch size runs it.
-(The plain M = 1 launch is the same code compiled without the row loop: the same sums in the
-same order, left as the decode step has always run it. The batched kernel below sums in another
+kernel's code and constexprs on a tile of its own (`tile`'s, made one chunk where the M = 1 tile
+loops over K: `invariant_tile`; the interpreter's 8 x 64; with ``autotune`` the tile tuned for
+the M = 1 plain call), one compiled function for every M of a tile, M = 1 included (M and ROWS
+are not specialized) -- each program computing ROWS rows of x one after the other on its row
+block, over cdiv(M, ROWS) * cdiv(N, BLOCK_N) programs (the row group fastest, so the groups of
+one weight block run side by side and share its weights through L2). Each row runs the same
+instructions, so row m of y is bit for bit what the invariant M = 1 call computes for row m
+alone: a row's value depends only on its own inputs and the shape's fixed tile, never on M, on
+ROWS, on which rows ride with it, or on which captured batch size runs it. (The plain M = 1
+launch is the same code compiled without the row loop, left as the decode step has always run
+it: on the same tile, the same sums in the same order. The batched kernel below sums in another
 order, with a tile that may change with M, and stops at 64 rows.) A one-chunk tile loads its
-weights once and keeps them in registers for all of its rows (each row's x loaded while the
-row before it computes), so the weight is read from HBM once whatever M and each further row
-costs its FMAs on the CUDA cores alone: bound by the HBM
-read for a few rows (about 2M FLOPs a weight against 2 bytes), by the CUDA cores' FMAs past
-that. A multi-chunk tile reads its weights again for each row, from L1 or L2
+weights once and keeps them in registers for all of its rows (each row's x loaded while the row
+before it computes), so the weight is read from HBM once whatever M and each further row costs
+its FMAs on the CUDA cores alone: bound by the HBM read for a few rows (about 2M FLOPs a weight
+against 2 bytes), by the CUDA cores' FMAs past that. A multi-chunk tile (a sweep's `tables`
+entry, the autotuner's) reads its weights again for each row, from L1 or L2
 (`rows_per_program_of` gives it fewer rows a program). bench/gemv_invariant.py times the rows
-per program and the tiles against the batched kernel and cuBLAS. All options work on every
-row, but argmax_key (M = 1 only).
+per program and the tiles against the batched kernel and cuBLAS. All options work on every row,
+but argmax_key (M = 1 only).
 
 Layout, 2 <= M <= 64 (``_gemv_rows_kernel``): the same grid over N, but each (BLOCK_N, BLOCK_K)
 weight tile is loaded once and applied to all M rows by one tl.dot of the tile with the
@@ -458,12 +459,16 @@ def table_entry(code_table: dict, which: int, tables, device: torch.device, key:
 
 
 def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
-         pdl: bool, tables=None, autotune: bool = False) -> tuple[int, int, int, int] | None:
+         pdl: bool, tables=None, autotune: bool = False, invariant: bool = False) -> tuple[int, int, int, int] | None:
     """The M = 1 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages) on a CUDA device: tables'
-    (`table_entry`), else TILES', else the default; None: the autotuner picks (autotune, a shape
-    no table holds)."""
-    t = table_entry(TILES, 0, tables, device, (N, K, norm, swiglu, residual, pdl))
-    return t or (None if autotune else default_tile(K))
+    (`table_entry`: a sweep's tile runs as it is), else TILES', else the default -- for an
+    invariant call, made one chunk (`invariant_tile`); None: the autotuner picks (autotune, a
+    shape no table holds)."""
+    key = (N, K, norm, swiglu, residual, pdl)
+    if tables is not None and key in tables[0]:
+        return tables[0][key]
+    t = table_entry(TILES, 0, None, device, key) or (None if autotune else default_tile(K))
+    return invariant_tile(t, K, swiglu) if invariant and t is not None else t
 
 
 def rows_tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
@@ -728,7 +733,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     invariant: M > 1 runs the GEMV kernel too, each program computing rows_per_program rows
     of x in turn on its row block (module docstring, "batch-invariant"), so row m of y is bit
     for bit the invariant M = 1 call's y for row m of x (and of residual) alone, whatever M and
-    the other rows (the plain M = 1 call computes the same sums in the same order).
+    the other rows (the plain M = 1 call on the same tile computes the same sums in the same order).
     rows_per_program: the rows of x a program of the invariant M > 1 call computes
     (`rows_per_program_of`'s default when None); it changes the launch's speed, never y.
     pdl: launch with programmatic dependent launch and weight prefetch (None: where the hardware
@@ -803,7 +808,7 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
                                                          BLOCK_N=8, BLOCK_K=64)
         return y
     pdl = use_pdl(x.device, pdl)
-    t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, tables, autotune)
+    t = tile(x.device, N, K, flags["NORM"], flags["SWIGLU"], flags["RESIDUAL"], pdl, tables, autotune, invariant)
     if t is None:
         _launch_tuned(_gemv_tuned, N, args, y, x.dtype, (N, K, weight.stride(0), x.device, pdl, *flags.values()),
                       rows=M, per_rows=lambda c: invariant_rows(M, N, K, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], weight,
@@ -815,6 +820,28 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
     _gemv[(triton.cdiv(M, per) * triton.cdiv(N, bn),)](*args(y, per=per), **flags, PREFETCH=pdl, PDL=pdl, BLOCK_N=bn,
                                                        BLOCK_K=bk, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
+
+
+# The weights a program of an invariant call holds in registers when its shape's tile loops over K:
+# such a call takes a one-chunk tile of this many weights a row block instead (`invariant_tile`).
+INVARIANT_ONE_CHUNK_WEIGHTS = 8192
+
+
+def invariant_tile(t: tuple[int, int, int, int], K: int, swiglu: bool = False) -> tuple[int, int, int, int]:
+    """The tile of an invariant call whose M = 1 tile is t = (BLOCK_N, BLOCK_K, num_warps,
+    num_stages): t itself where it is one chunk (BLOCK_K >= K) or K pads past
+    INVARIANT_ONE_CHUNK_WEIGHTS; else a one-chunk tile of that many weights a program
+    (INVARIANT_ONE_CHUNK_WEIGHTS // K padded rows, half as many with swiglu's two weight tiles;
+    4 warps). A multi-chunk tile reads its weights once for each row a program computes, a
+    one-chunk one once for all of them (`_gemv_kernel`), so the batched step's q|k|v and gate|up
+    read their weights once whatever M; it changes the order the rows are summed in, the same
+    for every M, M = 1 included."""
+    bn, bk, warps, stages = t
+    k_pad = triton.next_power_of_2(K)
+    rows = INVARIANT_ONE_CHUNK_WEIGHTS // k_pad // (2 if swiglu else 1)
+    if bk >= K or rows < 1:
+        return t
+    return rows, k_pad, 4, 1
 
 
 # An invariant call's rows a program: a one-chunk tile keeps its weights in registers for all

@@ -698,6 +698,28 @@ def test_default_rows_tiles_fit_the_shared_memory():
         assert _rows_launchable((bn, bk, warps, stages, mode), 2048)
 
 
+def test_invariant_calls_take_one_chunk_tiles(monkeypatch):
+    """An invariant call whose code tile loops over K takes a one-chunk tile of
+    INVARIANT_ONE_CHUNK_WEIGHTS weights a program instead (bench-285m's q|k|v, 2048 columns: 4
+    rows a program; gate|up, two weight tiles: 2); a one-chunk tile, a K past that many weights
+    and a tiles table's entry (a sweep's, run as it is) stay as they are."""
+    import importlib
+    gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
+    monkeypatch.setattr(gemv_mod, "_device_name", lambda device: "NVIDIA H200")
+    gpu = torch.device("cuda", 0)
+    qkv, gate_up, wo = (6144, 2048, True, False, False, True), (5632, 2048, True, True, False, True), \
+        (2048, 2048, False, False, True, True)
+    assert gemv_mod.tile(gpu, *qkv)[1] < 2048 and gemv_mod.tile(gpu, *gate_up)[1] < 2048  # loops over K
+    assert gemv_mod.tile(gpu, *qkv, invariant=True) == (4, 2048, 4, 1)
+    assert gemv_mod.tile(gpu, *gate_up, invariant=True) == (2, 2048, 4, 1)
+    assert gemv_mod.tile(gpu, *wo, invariant=True) == gemv_mod.tile(gpu, *wo)  # one chunk already
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 3000) == (2, 4096, 4, 1)
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 9000) == (2, 1024, 4, 3)  # 16384 padded columns: too many
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 5000, swiglu=True) == (2, 1024, 4, 3)  # two tiles of 8192
+    looping = ({qkv: (16, 512, 4, 1)}, {})
+    assert gemv_mod.tile(gpu, *qkv, tables=looping, invariant=True) == (16, 512, 4, 1)
+
+
 def test_settings_take_the_rows_the_kernel_takes():
     """worker/model/settings.py keeps its own copy of the batched kernel's row limit (the gateway
     imports settings without torch or triton): the two stay one number."""
