@@ -17,7 +17,8 @@
 #                                          #   invariant-rows: the invariant projection's rows a program, its GPU tests, its
 #                                          #   bench, the batched step's invariant A/B and batch-1 decode; sampled-rounds: the
 #                                          #   sampler's uniforms kernel and sampled device rounds' GPU tests, the
-#                                          #   speculative bench at temperatures 0 and 0.8)
+#                                          #   speculative bench at temperatures 0 and 0.8; profile-spec: where a
+#                                          #   speculative round's time goes, its kernels by name)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -139,6 +140,7 @@ for s in "${steps[@]}"; do
                 -q -p no:cacheprovider
             run speculative "${SPEC_S:-150}" python -m bench.speculative --device cuda --repeat 3 --draft-loops 2 \
                 --draft-ahead 4 6 --k-branches 1 2 --out-dir "$OUT" ;;
+        profile-spec) run profile-speculative "${PROFILE_S:-60}" python -m bench.profile_speculative --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done
