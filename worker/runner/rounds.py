@@ -43,6 +43,7 @@ import functools
 
 import torch
 
+from tinyloop.kernels.chain_state import chain_leave, chain_leave_ref, chain_load, chain_load_ref
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE
 from tinyloop.kernels.sampling import greedy_feed, greedy_feed_ref
 from tinyloop.worker.runner.engine import Engine
@@ -75,7 +76,6 @@ class ChainRound:
         self.ring = torch.zeros(2, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.residuals = torch.zeros(1, k + 1, cfg.residual_width, dtype=table.dtype, device=dev)
         self.drafts = torch.zeros(k, dtype=torch.long, device=dev)
-        self.offsets = torch.arange(k + 1, device=dev)[None]
         self.chunk_positions = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
         self.sampling, self.params = sampling, params
@@ -85,6 +85,11 @@ class ChainRound:
             self.qs = torch.zeros(k, cfg.vocab_size, dtype=torch.float32, device=dev)  # the drafts' q
         # (pdl: Settings.pdl, which the engine's ops carry on either backend)
         self._feed = functools.partial(greedy_feed if dev.type == "cuda" else greedy_feed_ref, pdl=engine.ops.pdl)
+        # the lane state's loads and stores: one launch each with the Triton ops (interpreted on
+        # the CPU too), the torch spec's few small kernels else
+        triton_ops = engine.ops.name == "triton"
+        self._chain_load = chain_load if triton_ops else chain_load_ref
+        self._chain_leave = chain_leave if triton_ops else chain_leave_ref
 
     @property
     def work(self) -> tuple[int, int]:
@@ -93,18 +98,16 @@ class ChainRound:
 
     def _load(self) -> None:
         """The lane's token and position (state[lane]) into the round's inputs."""
-        lane_state = self.state.index_select(0, self.slot)          # (1, 2): token, position
-        self.tokens.copy_(lane_state[:, :1])
-        self.positions.copy_(lane_state[:, 1:])
-        torch.add(self.offsets, self.positions, out=self.chunk_positions)
-        torch.index_select(self.table, 0, self.tokens.view(1), out=self.x.view(1, -1))
+        self._chain_load(self.state, self.slot, self.table, self.tokens, self.positions, self.chunk_positions,
+                         self.x)
 
-    def _leave(self, n: torch.Tensor, targets: torch.Tensor) -> None:
-        """The round's result: [n, targets] into `out`, and the lane's next (token, position)."""
-        self.out[0] = n
-        self.out[1:].copy_(targets)
-        nxt = torch.stack([targets.gather(0, n.view(1))[0], self.chunk_positions[0, 0] + n + 1])
-        self.state.index_copy_(0, self.slot, nxt.view(1, 2))
+    def _leave(self, targets: torch.Tensor, n: torch.Tensor | None = None) -> None:
+        """The round's result: [n, targets] into `out`, and the lane's next (token, position);
+        n: the sampled verdict's, else (greedy) the leading drafts equal to their targets."""
+        if n is None:
+            self._chain_leave(targets, self.state, self.slot, self.chunk_positions, self.out, drafts=self.drafts)
+        else:
+            self._chain_leave(targets, self.state, self.slot, self.chunk_positions, self.out, n=n.view(1))
 
     @torch.no_grad()
     def run(self) -> None:
@@ -123,8 +126,7 @@ class ChainRound:
         pc = e.make_pass(self.slot, self.chunk_positions, S)
         h = e.run_loops(self.residuals, pc, self.Ld, self.Lv)
         targets = e.logits(e.coda(h, pc))[0].argmax(-1)             # (k + 1,): tokens at p + 1 .. p + k + 1
-        n = (targets[:k] == self.drafts).long().cumprod(0).sum()    # leading drafts the verifier agrees with
-        self._leave(n, targets)
+        self._leave(targets)
 
     def _lane_sampling(self, rows: int) -> tuple[RowSampling, torch.Tensor]:
         """The lane's parameters as `rows` rows of RowSampling, and its seed (rows,)."""
@@ -158,4 +160,4 @@ class ChainRound:
         rows, _ = self._lane_sampling(k + 1)
         pv = probs(e.logits(e.coda(h, pc))[0], rows)                 # (k + 1, V): p at p + 1 .. p + k + 1
         n, targets = chain_verdict(pv, self.qs, self.drafts, seed, self.chunk_positions[0] + 1)
-        self._leave(n, targets)
+        self._leave(targets, n)
