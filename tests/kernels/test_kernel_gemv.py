@@ -595,7 +595,8 @@ INVARIANT_GPU_SHAPES = [
 @pytest.mark.parametrize("M", [2, 5, 16, 64])
 @pytest.mark.parametrize("name,N,K,fusion", INVARIANT_GPU_SHAPES, ids=[s[0] for s in INVARIANT_GPU_SHAPES])
 def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pdl):
-    """bf16, the shapes' fixed tiles (TILES with PDL, else default_tile): row m of the invariant
+    """bf16, the shapes' fixed invariant tiles (TILES with PDL, else default_tile; made one chunk
+    by invariant_tile where those loop over K): row m of the invariant
     M-row call is torch.equal to the M = 1 call on row m alone (a tensor of its own, as the
     decode step's); the heads also with the float32 logits Model.logits asks for."""
     x, w, kw = gpu_case(M, N, K, fusion, pdl, seed=M)
