@@ -804,8 +804,8 @@ def gemv_invariant_body(r: Result) -> str:
                 "the invariant batch-1 step:\n\n" + table(["projection", "M", "default", *labels], vrows) + "\n")
     if GEMV_INV_PLOT.exists():
         out += ("\n![µs a call vs rows M per projection](gemv-invariant-vs-M.png)\n\n`python -m "
-                "bench.plot_gemv_invariant [RESULT]` draws `docs/gemv-invariant-vs-M.png` from a gemv_invariant "
-                f"result, by default `gemv-invariant-cuda.json` (commit {code(r.commit)}).\n")
+                f"bench.plot_gemv_invariant bench/results/{r.path.name}` draws `docs/gemv-invariant-vs-M.png` from "
+                f"this result (commit {code(r.commit)}).\n")
     return out
 
 

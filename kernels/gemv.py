@@ -829,17 +829,20 @@ INVARIANT_ONE_CHUNK_WEIGHTS = 8192
 
 def invariant_tile(t: tuple[int, int, int, int], K: int, swiglu: bool = False) -> tuple[int, int, int, int]:
     """The tile of an invariant call whose M = 1 tile is t = (BLOCK_N, BLOCK_K, num_warps,
-    num_stages): t itself where it is one chunk (BLOCK_K >= K) or K pads past
-    INVARIANT_ONE_CHUNK_WEIGHTS; else a one-chunk tile of that many weights a program
-    (INVARIANT_ONE_CHUNK_WEIGHTS // K padded rows, half as many with swiglu's two weight tiles;
-    4 warps). A multi-chunk tile reads its weights once for each row a program computes, a
-    one-chunk one once for all of them (`_gemv_kernel`), so the batched step's q|k|v and gate|up
-    read their weights once whatever M; it changes the order the rows are summed in, the same
-    for every M, M = 1 included."""
+    num_stages): t itself where it is one chunk (BLOCK_K >= K), where K pads past
+    INVARIANT_ONE_CHUNK_WEIGHTS, or where padding K to a power of two adds more than an eighth
+    (masked lanes the row loop would carry for every row: bench-285m's w2, 5632 columns in 8192,
+    cost the invariant batch-1 step 14 % on an H100 where its looping tile cost 3 %,
+    gemv-invariant-cuda.json and batch-cuda.json); else a one-chunk tile of that many weights a
+    program (INVARIANT_ONE_CHUNK_WEIGHTS // K padded rows, half as many with swiglu's two weight
+    tiles; 4 warps). A multi-chunk tile reads its weights once for each row a program computes,
+    a one-chunk one once for all of them (`_gemv_kernel`), so the batched step's q|k|v and
+    gate|up read their weights once whatever M; it changes the order the rows are summed in, the
+    same for every M, M = 1 included."""
     bn, bk, warps, stages = t
     k_pad = triton.next_power_of_2(K)
     rows = INVARIANT_ONE_CHUNK_WEIGHTS // k_pad // (2 if swiglu else 1)
-    if bk >= K or rows < 1:
+    if bk >= K or rows < 1 or 8 * k_pad > 9 * K:
         return t
     return rows, k_pad, 4, 1
 

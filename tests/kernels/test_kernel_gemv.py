@@ -605,8 +605,6 @@ def test_gemv_invariant_gpu_rows_are_the_one_row_calls(name, N, K, fusion, M, pd
         assert y.shape == (M, 1, N // 2 if kw["swiglu"] else N)
         for m in range(M):
             assert torch.equal(y[m:m + 1], one_row_call(x, w, kw, m, out_dtype=out_dtype)), (out_dtype, m)
-        # (and within the tolerance of the plain M = 1 launch: the same sums, compiled apart)
-        assert_close(y[:1], gemv(x[:1].clone(), w, out_dtype=out_dtype, **first_rows(kw, slice(0, 1))), "projection")
         assert_matches_ref(y, x, w, {k: v for k, v in kw.items() if k != "pdl"})
 
 
@@ -703,7 +701,8 @@ def test_invariant_calls_take_one_chunk_tiles(monkeypatch):
     """An invariant call whose code tile loops over K takes a one-chunk tile of
     INVARIANT_ONE_CHUNK_WEIGHTS weights a program instead (bench-285m's q|k|v, 2048 columns: 4
     rows a program; gate|up, two weight tiles: 2); a one-chunk tile, a K past that many weights
-    and a tiles table's entry (a sweep's, run as it is) stay as they are."""
+    or padded by over an eighth, and a tiles table's entry (a sweep's, run as it is) stay as
+    they are."""
     import importlib
     gemv_mod = importlib.import_module("tinyloop.kernels.gemv")
     monkeypatch.setattr(gemv_mod, "_device_name", lambda device: "NVIDIA H200")
@@ -714,9 +713,11 @@ def test_invariant_calls_take_one_chunk_tiles(monkeypatch):
     assert gemv_mod.tile(gpu, *qkv, invariant=True) == (4, 2048, 4, 1)
     assert gemv_mod.tile(gpu, *gate_up, invariant=True) == (2, 2048, 4, 1)
     assert gemv_mod.tile(gpu, *wo, invariant=True) == gemv_mod.tile(gpu, *wo)  # one chunk already
-    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 3000) == (2, 4096, 4, 1)
-    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 9000) == (2, 1024, 4, 3)  # 16384 padded columns: too many
-    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 5000, swiglu=True) == (2, 1024, 4, 3)  # two tiles of 8192
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 3900) == (2, 4096, 4, 1)
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 3000) == (2, 1024, 4, 3)  # 4096 columns: over an eighth more
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 5632) == (2, 1024, 4, 3)  # bench-285m's w2 (8192 columns)
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 16000) == (2, 1024, 4, 3)  # 16384 padded columns: too many
+    assert gemv_mod.invariant_tile((2, 1024, 4, 3), 4096, swiglu=True) == (1, 4096, 4, 1)
     looping = ({qkv: (16, 512, 4, 1)}, {})
     assert gemv_mod.tile(gpu, *qkv, tables=looping, invariant=True) == (16, 512, 4, 1)
 

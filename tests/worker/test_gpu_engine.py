@@ -130,17 +130,17 @@ def test_speculative_replays_its_drafts_and_verifies(pair, monkeypatch):
 
 
 def test_tree_speculation_replays_the_stages(pair, monkeypatch):
-    """Tree rounds (K = 2, 3, 4 at draft_ahead 4: trees of 9, 13 and 17 nodes, bucket 17)
-    replay the captured stages for every draft depth and the verify: the tokens of plain
+    """Tree rounds (K = 2, 3, 4 at draft_ahead 4: trees of 9, 13 and 17 nodes, buckets 9, 17
+    and 17) replay the captured stages for every draft depth and the verify: the tokens of plain
     generate at verify_loops and the eager tree rounds' acceptance and loop work (the torch
     reference has no graphs), greedy and sampled."""
     fast, ref = pair
-    run = fast.runner.tree(0, 17, 0, TreeStages.span(0, 6, prelude=True))
-    assert run.graphed and run.ts.bucket == 17
-    stages = run.ts
     calls = _replays(monkeypatch, fast.runner.graphs)
     for p in PROMPTS:
         for K, extra in ((2, {}), (4, {}), (3, dict(temperature=0.8, seed=5))):
+            run = fast.runner.tree(0, 1 + 4 * K, 0, TreeStages.span(0, 6, prelude=True))
+            assert run.graphed and run.ts.bucket == (9 if K == 2 else 17)
+            stages = run.ts
             kw = dict(max_tokens=20, draft_loops=2, verify_loops=6, draft_ahead=4, K_branches=K, **extra)
             stages.prefix.zero_()
             calls.clear()
@@ -545,7 +545,7 @@ def test_graph_count_does_not_depend_on_the_lanes(tiny_path, pair, monkeypatch):
                         ref.generate(p, loops=4, max_tokens=12, **extra), lane
         finally:
             m.close()
-    assert counts[2][:3] == counts[8][:3] == [L, 2 * (L + 2), 2 * (L + 2)]
+    assert counts[2][:3] == counts[8][:3] == [L, 2 * (L + 2), 3 * (L + 2)]
     assert (counts[2][3], counts[8][3]) == (L + 2, 3 * (L + 2))
 
 
