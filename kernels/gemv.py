@@ -831,9 +831,9 @@ def invariant_tile(t: tuple[int, int, int, int], K: int, swiglu: bool = False) -
     """The tile of an invariant call whose M = 1 tile is t = (BLOCK_N, BLOCK_K, num_warps,
     num_stages): t itself where it is one chunk (BLOCK_K >= K), where K pads past
     INVARIANT_ONE_CHUNK_WEIGHTS, or where padding K to a power of two adds more than an eighth
-    (masked lanes the row loop would carry for every row: bench-285m's w2, 5632 columns in 8192,
-    cost the invariant batch-1 step 14 % on an H100 where its looping tile cost 3 %,
-    gemv-invariant-cuda.json and batch-cuda.json); else a one-chunk tile of that many weights a
+    (masked lanes that every row would carry, and fewer rows a program: such a tile, bench-285m's
+    w2 with 5632 columns in 8192, is slower than its looping tile for the few rows of a batch-1
+    step and a small batch); else a one-chunk tile of that many weights a
     program (INVARIANT_ONE_CHUNK_WEIGHTS // K padded rows, half as many with swiglu's two weight
     tiles; 4 warps). A multi-chunk tile reads its weights once for each row a program computes,
     a one-chunk one once for all of them (`_gemv_kernel`), so the batched step's q|k|v and
