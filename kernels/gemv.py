@@ -468,7 +468,7 @@ def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residua
     if tables is not None and key in tables[0]:
         return tables[0][key]
     t = table_entry(TILES, 0, None, device, key) or (None if autotune else default_tile(K))
-    return invariant_tile(t, K, swiglu) if invariant and t is not None else t
+    return invariant_tile(t, K) if invariant and t is not None else t
 
 
 def rows_tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residual: bool,
@@ -827,21 +827,21 @@ def gemv(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, 
 INVARIANT_ONE_CHUNK_WEIGHTS = 8192
 
 
-def invariant_tile(t: tuple[int, int, int, int], K: int, swiglu: bool = False) -> tuple[int, int, int, int]:
+def invariant_tile(t: tuple[int, int, int, int], K: int) -> tuple[int, int, int, int]:
     """The tile of an invariant call whose M = 1 tile is t = (BLOCK_N, BLOCK_K, num_warps,
     num_stages): t itself where it is one chunk (BLOCK_K >= K), where K pads past
     INVARIANT_ONE_CHUNK_WEIGHTS, or where padding K to a power of two adds more than an eighth
     (masked lanes that every row would carry, and fewer rows a program: such a tile, bench-285m's
     w2 with 5632 columns in 8192, is slower than its looping tile for the few rows of a batch-1
-    step and a small batch); else a one-chunk tile of that many weights a
-    program (INVARIANT_ONE_CHUNK_WEIGHTS // K padded rows, half as many with swiglu's two weight
-    tiles; 4 warps). A multi-chunk tile reads its weights once for each row a program computes,
-    a one-chunk one once for all of them (`_gemv_kernel`), so the batched step's q|k|v and
-    gate|up read their weights once whatever M; it changes the order the rows are summed in, the
-    same for every M, M = 1 included."""
+    step and a small batch); else a one-chunk tile of INVARIANT_ONE_CHUNK_WEIGHTS // K padded
+    rows, 4 warps (with swiglu as many rows of each of its two weight tiles: gate|up's four rows
+    of 2048 columns beat two, at one row and at many). A multi-chunk tile reads its weights once
+    for each row a program computes, a one-chunk one once for all of them (`_gemv_kernel`), so
+    the batched step's q|k|v and gate|up read their weights once whatever M; it changes the order
+    the rows are summed in, the same for every M, M = 1 included."""
     bn, bk, warps, stages = t
     k_pad = triton.next_power_of_2(K)
-    rows = INVARIANT_ONE_CHUNK_WEIGHTS // k_pad // (2 if swiglu else 1)
+    rows = INVARIANT_ONE_CHUNK_WEIGHTS // k_pad
     if bk >= K or rows < 1 or 8 * k_pad > 9 * K:
         return t
     return rows, k_pad, 4, 1

@@ -77,9 +77,8 @@ def _leave(targets, fn, lane, **kw):
 
 def test_bad_arguments_are_refused():
     state, slot = lane_state(0).to(DEVICE), torch.tensor([1], device=DEVICE)
-    targets, out, chunk = torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(1, 3,
-                                                                                                         dtype=torch.long)
-    targets, out, chunk = targets.to(DEVICE), out.to(DEVICE), chunk.to(DEVICE)
+    targets, out = torch.zeros(3, dtype=torch.long, device=DEVICE), torch.zeros(4, dtype=torch.long, device=DEVICE)
+    chunk = torch.zeros(1, 3, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="pass drafts .* or n"):
         chain_leave(targets, state, slot, chunk, out)
     with pytest.raises(ValueError, match=r"drafts must have shape \(2,\)"):
@@ -89,5 +88,5 @@ def test_bad_arguments_are_refused():
                                                                                       device=DEVICE))
     table = torch.zeros(V, D, device=DEVICE)
     with pytest.raises(ValueError, match=r"x must have shape \(1, 1, 37\)"):
-        chain_load(state, slot, table, out[:1].view(1, 1), out[1:2].view(1, 1), chunk, torch.zeros(1, D + 1,
-                                                                                                   device=DEVICE))
+        chain_load(state, slot, table, out[:1].view(1, 1), out[1:2].view(1, 1), chunk,
+                   torch.zeros(1, D + 1, device=DEVICE))
