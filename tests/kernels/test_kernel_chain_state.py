@@ -90,3 +90,31 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"x must have shape \(1, 1, 37\)"):
         chain_load(state, slot, table, out[:1].view(1, 1), out[1:2].view(1, 1), chunk,
                    torch.zeros(1, D + 1, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_chain_state_gpu_is_its_spec(greedy):
+    """The compiled launches on CUDA (bf16 table) against the spec on the same tensors."""
+    T, D_gpu = 5, 2048
+    state = lane_state(3).cuda()
+    table = torch.randn(V, D_gpu, device="cuda").to(torch.bfloat16)
+    slot = torch.tensor([2], device="cuda")
+    loads = []
+    for fn in (chain_load, chain_load_ref):
+        bufs = (torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, 1, dtype=torch.long, device="cuda"),
+                torch.zeros(1, T, dtype=torch.long, device="cuda"),
+                torch.zeros(1, 1, D_gpu, dtype=torch.bfloat16, device="cuda"))
+        fn(state, slot, table, *bufs)
+        loads.append(bufs)
+    assert all(torch.equal(a, b) for a, b in zip(*loads))
+    targets = torch.tensor([4, 9, 9, 1, 7], device="cuda")
+    kw = {"drafts": torch.tensor([4, 9, 2, 1], device="cuda")} if greedy else {"n": torch.tensor([3], device="cuda")}
+    outs = []
+    for fn in (chain_leave, chain_leave_ref):
+        st, out = state.clone(), torch.zeros(T + 1, dtype=torch.long, device="cuda")
+        fn(targets, st, slot, loads[0][2], out, **kw)
+        outs.append((out, st))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert outs[0][0][0].item() == (2 if greedy else 3)
