@@ -219,6 +219,15 @@ def _one_chunk_row(w, up, m, x_ptr, nw_ptr, res_ptr, y_ptr, key_ptr, rows, row_m
                    BLOCK_K: tl.constexpr):
     """Row m of y on the program's rows from a one-chunk tile (w, up) in registers."""
     xv, ss = _x_chunk(x_ptr + m * K, nw_ptr, cols, K, tl.zeros([BLOCK_K], dtype=tl.float32), NORM)
+    _one_chunk_out(w, up, xv, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+                   NORM, SWIGLU, RESIDUAL, ARGMAX)
+
+
+@triton.jit
+def _one_chunk_out(w, up, xv, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+                   NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr):
+    """Row m of y from a one-chunk tile (w, up) and the row's x as a (1, BLOCK_K) fp32 row (times
+    the norm weight with NORM; ss its squares): each row reduced straight from the products."""
     y = tl.sum(w.to(tl.float32) * xv, axis=1)
     y_up = y
     if SWIGLU:
@@ -248,12 +257,8 @@ def _one_chunk_rows(w, up, m_first, m_end, x_ptr, nw_ptr, res_ptr, y_ptr, key_pt
         if NORM:
             ss = xv * xv  # `_x_chunk`'s 0 + x * x
             xv = xv * nw
-        y = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-        y_up = y
-        if SWIGLU:
-            y_up = tl.sum(up.to(tl.float32) * xv[None, :], axis=1)
-        _row_out(y, y_up, ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
-                 NORM, SWIGLU, RESIDUAL, ARGMAX)
+        _one_chunk_out(w, up, xv[None, :], ss, m, rows, row_mask, res_ptr, y_ptr, key_ptr, N, K, eps, x_ptr,
+                       NORM, SWIGLU, RESIDUAL, ARGMAX)
 
 
 @triton.jit
@@ -839,10 +844,9 @@ def invariant_tile(t: tuple[int, int, int, int], K: int) -> tuple[int, int, int,
     for each row a program computes, a one-chunk one once for all of them (`_gemv_kernel`), so
     the batched step's q|k|v and gate|up read their weights once whatever M; it changes the order
     the rows are summed in, the same for every M, M = 1 included."""
-    bn, bk, warps, stages = t
     k_pad = triton.next_power_of_2(K)
     rows = INVARIANT_ONE_CHUNK_WEIGHTS // k_pad
-    if bk >= K or rows < 1 or 8 * k_pad > 9 * K:
+    if t[1] >= K or rows < 1 or 8 * k_pad > 9 * K:
         return t
     return rows, k_pad, 4, 1
 

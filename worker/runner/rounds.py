@@ -104,10 +104,8 @@ class ChainRound:
     def _leave(self, targets: torch.Tensor, n: torch.Tensor | None = None) -> None:
         """The round's result: [n, targets] into `out`, and the lane's next (token, position);
         n: the sampled verdict's, else (greedy) the leading drafts equal to their targets."""
-        if n is None:
-            self._chain_leave(targets, self.state, self.slot, self.chunk_positions, self.out, drafts=self.drafts)
-        else:
-            self._chain_leave(targets, self.state, self.slot, self.chunk_positions, self.out, n=n.view(1))
+        decided = {"drafts": self.drafts} if n is None else {"n": n.view(1)}
+        self._chain_leave(targets, self.state, self.slot, self.chunk_positions, self.out, **decided)
 
     @torch.no_grad()
     def run(self) -> None:
