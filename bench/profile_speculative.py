@@ -6,7 +6,9 @@ greedy speculative generate against the GPU's busy time.
 Parts (each the median of many calls, synchronised around each, so host time counts): the
 batch-1 decode step at draft_loops and at verify_loops (graph replays), the verify of a chain
 of draft_ahead + 1 tokens from the draft's residuals, a whole chain round driven by the host
-(speculative._chain_round) and, with device rounds, one round on the device (one graph). Then one
+(speculative._chain_round) and, with device rounds, one round on the device (one graph); the
+kernels of the verify, of one plain step at verify_loops and of a device round, by name (run
+with TINYLOOP_PDL=0 for each kernel's own time: with PDL a kernel's span covers its wait). Then one
 speculative generate and one plain generate under torch.profiler: wall time, the union of the
 GPU's kernel intervals (busy), kernels launched and the host's top operators, so the gap between
 wall and busy is the device waiting on the host. The model is built as bench/speculative.py
@@ -64,21 +66,22 @@ def _busy(prof) -> tuple[float, int, list]:
     return busy / 1e3, kernels, host
 
 
-def round_kernels(r, Ld: int, Lv: int, k: int, pos: int, reps: int = 10) -> list[dict]:
-    """The kernels of one device round (its graph replayed `reps` times under the profiler), by
-    name: launches and GPU microseconds per round, most expensive first."""
-    r.chain_round(0, Ld, Lv, k, state=(65, pos)).result()  # captured before the profile
+def kernels_of(fn, reps: int = 10) -> list[dict]:
+    """The kernels that `fn` launches (run once before, then `reps` times under the profiler),
+    by name: launches and GPU microseconds a call, most expensive first. With PDL a kernel's
+    span includes its wait on the one before it (TINYLOOP_PDL=0 gives each kernel's own)."""
+    fn()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            r.chain_round(0, Ld, Lv, k, state=(65, pos)).result()
+            fn()
     by: dict = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             name = e.name[:80]
             n, t = by.get(name, (0, 0.0))
             by[name] = (n + 1, t + (e.time_range.end - e.time_range.start))
-    rows = [{"kernel": name, "per_round": n / reps, "us_per_round": t / reps} for name, (n, t) in by.items()]
-    return sorted(rows, key=lambda x: -x["us_per_round"])
+    rows = [{"kernel": name, "per_call": n / reps, "us_per_call": t / reps} for name, (n, t) in by.items()]
+    return sorted(rows, key=lambda x: -x["us_per_call"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,9 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         parts["chain_round_host_ms"] = _ms(round_, dev)
         if r.settings.device_rounds:
             parts["chain_round_device_ms"] = _ms(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(), dev)
-        by_kernel = []
+        # the kernels of a round, of its verify alone and of one plain step at verify_loops
+        kernels = {"verify": kernels_of(lambda: r.verify(0, res, pos, Ld, Lv)),
+                   "decode_at_verify_loops": kernels_of(lambda: step(Lv))}
         if r.settings.device_rounds:
-            by_kernel = round_kernels(r, Ld, Lv, k, pos)
+            kernels["round"] = kernels_of(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result())
         r.release(last[0])
         r.release(out[0])
         print(parts)
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "batch_invariant": args.batch_invariant,
                                            "device_rounds": r.settings.device_rounds, "draft_loops": Ld,
                                            "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs,
-                                           "round_kernels": by_kernel},
+                                           "pdl": r.settings.pdl, "kernels": kernels},
               args.out_dir)
 
 
