@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     Ld, Lv, k = args.draft_loops, args.verify_loops, args.draft_ahead
-    with Model(args.model, max_seq_len=512, device="cuda", n_slots=1,
-               settings=Settings.from_env().replace(batch_invariant=args.batch_invariant)) as m:
+    settings = Settings.from_env().replace(batch_invariant=args.batch_invariant)
+    with Model(args.model, max_seq_len=512, device="cuda", n_slots=1, settings=settings) as m:
         dev, r = m.device, m.runner
         prompt = m.tokenizer.encode(PROMPTS[0])
         m.generate(prompt, loops=Lv, max_tokens=4)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "batch_invariant": args.batch_invariant,
                                            "device_rounds": r.settings.device_rounds, "draft_loops": Ld,
                                            "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs,
-                                           "pdl": r.settings.pdl, "kernels": kernels},
+                                           "pdl": settings.pdl, "kernels": kernels},
               args.out_dir)
 
 
