@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         if r.settings.device_rounds:
             parts["chain_round_device_ms"] = _ms(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(), dev)
         # the kernels of a round, of its verify alone and of one plain step at verify_loops
-        kernels = {"verify": kernels_of(lambda: r.verify(0, res, pos, Ld, Lv)),
+        by_kernel = {"verify": kernels_of(lambda: r.verify(0, res, pos, Ld, Lv)),
                    "decode_at_verify_loops": kernels_of(lambda: step(Lv))}
         if r.settings.device_rounds:
-            kernels["round"] = kernels_of(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result())
+            by_kernel["round"] = kernels_of(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result())
         r.release(last[0])
         r.release(out[0])
         print(parts)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "batch_invariant": args.batch_invariant,
                                            "device_rounds": r.settings.device_rounds, "draft_loops": Ld,
                                            "verify_loops": Lv, "draft_ahead": k, "parts": parts, "runs": runs,
-                                           "pdl": settings.pdl, "kernels": kernels},
+                                           "pdl": settings.pdl, "kernels": by_kernel},
               args.out_dir)
 
 
