@@ -26,6 +26,9 @@ default is `kernels.gemv.rows_per_program_of`'s). For a shape whose plain M = 1 
 weights held in registers for all the rows of a program. `loop BNxBK` runs it on the plain
 tile, reading the weights again for each row, and `one-chunk BN` on another one-chunk tile --
 an M = 1 time is what that tile costs the invariant batch-1 step, an M > 1 time the batched one.
+For a weight that stays in the L2 (the default model's), `tile BNxW` runs the invariant tile's
+BLOCK_K on BLOCK_N = BN rows a program and W warps: such calls are bound by their latency and the
+programs they launch, not by the weight read.
 """
 from __future__ import annotations
 
@@ -62,7 +65,16 @@ def main() -> None:
     ap.add_argument("--per", default="1,4,16,64", help="rows per program of the invariant variants, comma-separated")
     ap.add_argument("--one-chunk", default="2,4,8", help="BLOCK_N of the one-chunk tile variants, comma-separated "
                                                      "(shapes whose M = 1 tile loops over K)")
+    ap.add_argument("--small-tiles", default="4x4,8x4,16x4,2x1,8x1",
+                    help="BLOCK_NxNUM_WARPS of the tile variants of weights small enough to stay in the L2 "
+                         "(the default model's), on the invariant tile's BLOCK_K, comma-separated")
+    ap.add_argument("--shapes", default="", help="only the projections whose name starts with one of these "
+                                                  "prefixes, comma-separated (default: all)")
     args = ap.parse_args()
+    small_tiles = [tuple(int(v) for v in t.split("x")) for t in args.small_tiles.split(",") if t]
+    if any(len(t) != 2 or min(t) < 1 for t in small_tiles):
+        ap.error(f"--small-tiles takes BLOCK_NxNUM_WARPS pairs of positive integers, got {args.small_tiles!r}")
+    prefixes = tuple(p for p in args.shapes.split(",") if p)
     pers = [int(p) for p in args.per.split(",") if p]
     one_chunk_bns = [int(b) for b in args.one_chunk.split(",") if b]
     if any(p < 1 for p in pers) or any(b < 1 for b in one_chunk_bns):
@@ -93,6 +105,8 @@ def main() -> None:
               f"{'inv/today':>9s} {'inv/linear':>10s} | inv GB/s | bitwise")
     print(header)
     for name, N, K, fusion in SHAPES:
+        if prefixes and not name.startswith(prefixes):
+            continue
         torch.manual_seed(0)
         # >= 300 MB of copies (5x the H200's L2), at least 2
         ws = [(torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
@@ -110,6 +124,14 @@ def main() -> None:
             for bn in one_chunk_bns:
                 if tiles[name] is None or bn != tiles[name][0]:
                     tile_variants[f"one-chunk {bn}"] = ({key: (bn, triton.next_power_of_2(K), 4, 1)}, {})
+        inv = tiles[name]
+        if inv is not None and N * K * 2 < gemv_mod.SMALL_WEIGHT_BYTES:
+            # a weight that stays in the L2: its calls are bound by latency and by the programs
+            # they launch (every row of an M-row call takes programs of its own), so the row
+            # block's height and the warps that reduce it are what the variants move
+            for bn, warps in small_tiles:
+                if (bn, warps) != (inv[0], inv[2]):
+                    tile_variants[f"tile {bn}x{warps}"] = ({key: (bn, inv[1], warps, inv[3])}, {})
         for M in ms:
             x = torch.randn(M, 1, K, device=dev, dtype=torch.bfloat16)
             kw = {"swiglu": swiglu, "pdl": pdl, **tuning}
