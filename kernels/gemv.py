@@ -403,12 +403,18 @@ TILES: dict[str, dict[tuple, tuple[int, int, int, int]]] = {
 }
 
 
-def default_tile(K: int) -> tuple[int, int, int, int]:
+def default_tile(K: int, weight_bytes: int | None = None) -> tuple[int, int, int, int]:
     """The M = 1 tile of a shape TILES does not hold: (2, BLOCK_K, 4, 3), BLOCK_K the padded K
     up to 1024 (one chunk for K <= 1024): bench-285m's w2 and head tile in TILES before their
-    one-chunk tiles, and as good as the best tile of a sweep of each projection of the default
-    model and the Ouro-1.4B shapes (multi-chunk tiles), so a shape without an entry loses little."""
-    return 2, min(1024, triton.next_power_of_2(max(K, 16))), 4, 3
+    one-chunk tiles, and as good as the best tile of a sweep of each projection of the Ouro-1.4B
+    shapes (multi-chunk tiles), so a shape without an entry loses little. A one-chunk weight of
+    fewer than SMALL_WEIGHT_BYTES (the default model's, which stay in the L2) takes one warp: its
+    call is bound by latency, and one warp sums a row without a cross-warp step, which shortens
+    the M = 1 call and, far more, an invariant call of a few rows, whose programs multiply with
+    its rows (bench/gemv_invariant.py's `tile 2x1` variants)."""
+    block_k = min(1024, triton.next_power_of_2(max(K, 16)))
+    small = weight_bytes is not None and weight_bytes < SMALL_WEIGHT_BYTES and block_k >= K
+    return 2, block_k, 1 if small else 4, 3
 
 
 # The M = 2..64 launch's (BLOCK_N, BLOCK_K, num_warps, num_stages, PDL mode) per device, shape and
@@ -472,7 +478,8 @@ def tile(device: torch.device, N: int, K: int, norm: bool, swiglu: bool, residua
     key = (N, K, norm, swiglu, residual, pdl)
     if tables is not None and key in tables[0]:
         return tables[0][key]
-    t = table_entry(TILES, 0, None, device, key) or (None if autotune else default_tile(K))
+    # (the tables are for 2-byte weights: SwiGLU's gate and up are two N x K halves)
+    t = table_entry(TILES, 0, None, device, key) or (None if autotune else default_tile(K, (1 + swiglu) * N * K * 2))
     return invariant_tile(t, K) if invariant and t is not None else t
 
 

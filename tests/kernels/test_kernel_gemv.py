@@ -185,6 +185,19 @@ def test_fixed_tiles_are_launchable():
                 assert (_rows_launchable if rows else _launchable)(tile, key[1]), (key, tile)
     for K in (1, 64, 320, 704, 2048, 5632):
         assert _launchable(default_tile(K), K), K
+        assert _launchable(default_tile(K, 320 * K * 2), K), K
+
+
+def test_small_one_chunk_weights_take_one_warp():
+    """default_tile: a weight that stays in the L2 (under SMALL_WEIGHT_BYTES) and fits one chunk
+    takes one warp; a large weight, one that loops over K, or an unknown size four -- and the
+    rest of the tile is the same either way."""
+    from tinyloop.kernels.gemv import SMALL_WEIGHT_BYTES, default_tile
+    assert default_tile(320, 448 * 320 * 2) == (2, 512, 1, 3)
+    assert default_tile(704, 320 * 704 * 2) == (2, 1024, 1, 3)
+    assert default_tile(320) == (2, 512, 4, 3)
+    assert default_tile(320, SMALL_WEIGHT_BYTES) == (2, 512, 4, 3)
+    assert default_tile(2048, 256 * 2048 * 2) == (2, 1024, 4, 3)    # loops over K: two chunks
     for N, bm in itertools.product((256, 2048, 4096, 6144, 32000), (16, 32, 64)):
         assert _rows_launchable(default_rows_tile(N, bm), 2048) and N / default_rows_tile(N, bm)[0] >= 16, N
 
@@ -226,7 +239,7 @@ def test_tiles_tables_come_before_the_code_tables(monkeypatch):
     assert gemv_mod.rows_tile(gpu, *rows_key, tables=tables) == rows_mine
     assert gemv_mod.rows_tile(gpu, *rows_key) == rows_code
     untabled = (448, 320, True, False, False, True)
-    assert gemv_mod.tile(gpu, *untabled, tables=tables) == gemv_mod.default_tile(320)
+    assert gemv_mod.tile(gpu, *untabled, tables=tables) == gemv_mod.default_tile(320, 448 * 320 * 2)
     assert gemv_mod.tile(gpu, *untabled, tables=tables, autotune=True) is None
     assert gemv_mod.tile(gpu, *untabled, tables=({untabled: mine}, {}), autotune=True) == mine
     # off CUDA the code's tables hold nothing: the handed table alone
