@@ -6,8 +6,9 @@ greedy speculative generate against the GPU's busy time.
 Parts (each the median of many calls, synchronised around each, so host time counts): the
 batch-1 decode step at draft_loops and at verify_loops (graph replays), the verify of a chain
 of draft_ahead + 1 tokens from the draft's residuals, a whole chain round driven by the host
-(speculative._chain_round) and, with device rounds, one round on the device (one graph); the
-kernels of the verify, of one plain step at verify_loops and of a device round, by name (run
+(speculative._chain_round) and, with device rounds, one round on the device (one graph), greedy
+and sampled (--temperature); the kernels of the verify, of one plain step at verify_loops and of
+a device round (greedy and sampled), by name (run
 with TINYLOOP_PDL=0 for each kernel's own time: with PDL a kernel's span covers its wait). Then one
 speculative generate and one plain generate under torch.profiler: wall time, the union of the
 GPU's kernel intervals (busy), kernels launched and the host's top operators, so the gap between
@@ -28,6 +29,7 @@ from tinyloop.worker import Model
 from tinyloop.worker.model.settings import Settings
 from tinyloop.worker.generation import speculative as spec_mod
 from tinyloop.worker.generation.speculative import SpecParams, _Chooser
+from tinyloop.worker.runner.sampler import SamplingParams
 
 
 def _ms(fn, dev, n=50, warmup=5) -> float:
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--verify-loops", type=int, default=8)
     ap.add_argument("--draft-ahead", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="the sampled round's (top-k 50, as bench/speculative.py samples)")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="batch-invariant kernels and device rounds (Settings.batch_invariant)")
     ap.add_argument("--out-dir", default=None)
@@ -119,13 +123,18 @@ def main(argv: list[str] | None = None) -> None:
         def round_():
             _, _, _, last[0] = spec_mod._chain_round(r, 0, sp, chooser, 65, pos, k, last[0])
         parts["chain_round_host_ms"] = _ms(round_, dev)
+        sampled = SamplingParams(temperature=args.temperature, top_k=50)
         if r.settings.device_rounds:
             parts["chain_round_device_ms"] = _ms(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(), dev)
+            parts["chain_round_sampled_device_ms"] = _ms(lambda: r.chain_round(
+                0, Ld, Lv, k, state=(65, pos), sampling=sampled, seed=1).result(), dev)
         # the kernels of a round, of its verify alone and of one plain step at verify_loops
         by_kernel = {"verify": kernels_of(lambda: r.verify(0, res, pos, Ld, Lv)),
                    "decode_at_verify_loops": kernels_of(lambda: step(Lv))}
         if r.settings.device_rounds:
             by_kernel["round"] = kernels_of(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result())
+            by_kernel["round_sampled"] = kernels_of(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos), sampling=sampled,
+                                                                          seed=1).result())
         r.release(last[0])
         r.release(out[0])
         print(parts)
