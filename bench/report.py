@@ -817,10 +817,24 @@ def profile_speculative_body(r: Result) -> str:
     runs = d.get("runs") if isinstance(d.get("runs"), dict) else {}
     gen = [[name, ms(get(x, "wall_ms"), 2), ms(get(x, "gpu_busy_ms_profiled"), 2), text(get(x, "tokens")),
             text(get(x, "verify_steps"))] for name, x in runs.items()]
+    kernels = d.get("kernels") if isinstance(d.get("kernels"), dict) else {}
+    names = {"verify": "the verify", "decode_at_verify_loops": "one plain step at verify L",
+             "round": "a greedy device round", "round_sampled": "a sampled device round"}
+    krows = []
+    for key, ks in kernels.items():
+        ks = [k for k in ks if isinstance(k, dict)] if isinstance(ks, list) else []
+        top = sorted(ks, key=lambda k: -(k.get("us_per_call") or 0))[:4]
+        krows.append([names.get(key, key), num(sum(k.get("per_call") or 0 for k in ks), ".0f"),
+                      num(sum(k.get("us_per_call") or 0 for k in ks), ".0f", " µs"),
+                      "; ".join(f"`{str(k.get('kernel'))[:40]}` {num(k.get('per_call'), '.0f')}" for k in top)])
+    ktable = ("" if not krows else
+              f"\n\nKernels a call (PDL {yesno(d.get('pdl'))}: with PDL a kernel's span includes its wait on the one "
+              f"before, so the sums overlap):\n\n"
+              + table(["call", "launches", "kernels' spans summed", "most time (launches)"], krows))
     return (f"Draft L {text(d.get('draft_loops'))}, verify L {text(d.get('verify_loops'))}, draft ahead "
             f"{text(d.get('draft_ahead'))}; batch-invariant kernels {yesno(d.get('batch_invariant'))}, device rounds "
             f"{yesno(d.get('device_rounds'))}.\n\n"
-            + table(["part (median, synchronised)", "time"], rows or [[DASH] * 2]) + "\n\nOne generate:\n\n"
+            + table(["part (median, synchronised)", "time"], rows or [[DASH] * 2]) + ktable + "\n\nOne generate:\n\n"
             + table(["run", "wall", "GPU busy", "tokens", "rounds"], gen or [[DASH] * 5]) + "\n")
 
 
