@@ -2,7 +2,7 @@
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.runner.sampler import RowSampling, SamplingParams, probs, sample, sample_rows, uniform
+from tinyloop.worker.runner.sampler import RowSampling, SamplingParams, draw, probs, sample, sample_rows, uniform
 
 from stage_graphs import with_stage_graphs
 
@@ -23,6 +23,23 @@ def test_uniform_stream_is_a_function_of_seed_and_position():
     assert u[0] == u[3] and u[0] != u[1] and u[0] != u[2]
     big = uniform(torch.zeros(100_000, dtype=torch.long), torch.arange(100_000))
     assert 0 <= big.min() and big.max() < 1 and abs(big.mean().item() - 0.5) < 0.01
+
+
+def test_a_float32_draw_is_the_draw_of_its_widened_distribution():
+    """draw sorts a float32 distribution as float32 and widens the sorted values: the tokens are
+    those of sorting the float64 widening (the order and the ties survive widening), on rows
+    with many exact ties, zeros (a top-k's tail) and u near the CDF's ends."""
+    torch.manual_seed(0)
+    B, V = 512, 64
+    pr = torch.randint(0, 6, (B, V)).float() / 8           # coarse values: ties everywhere
+    pr[:, V // 2:] *= (torch.rand(B, V // 2) < 0.3)        # zeros, as a top-k leaves
+    pr[0] = 0.0                                           # a row with no mass takes its first token
+    pr = pr / pr.sum(-1, keepdim=True).clamp_min(1e-30)
+    u = torch.cat([torch.rand(B - 4, dtype=torch.float64),
+                   torch.tensor([0.0, 1e-12, 1 - 1e-12, 0.5], dtype=torch.float64)])
+    got = draw(pr, u)
+    assert pr.dtype == torch.float32 and torch.equal(got, draw(pr.double(), u))
+    assert int(got[0]) == 0
 
 
 def test_top_k_and_top_p_never_emit_excluded_tokens():
