@@ -186,6 +186,8 @@ def test_fixed_tiles_are_launchable():
     for K in (1, 64, 320, 704, 2048, 5632):
         assert _launchable(default_tile(K), K), K
         assert _launchable(default_tile(K, 320 * K * 2), K), K
+    for N, bm in itertools.product((256, 2048, 4096, 6144, 32000), (16, 32, 64)):
+        assert _rows_launchable(default_rows_tile(N, bm), 2048) and N / default_rows_tile(N, bm)[0] >= 16, N
 
 
 def test_small_one_chunk_weights_take_one_warp():
@@ -198,8 +200,6 @@ def test_small_one_chunk_weights_take_one_warp():
     assert default_tile(320) == (2, 512, 4, 3)
     assert default_tile(320, SMALL_WEIGHT_BYTES) == (2, 512, 4, 3)
     assert default_tile(2048, 256 * 2048 * 2) == (2, 1024, 4, 3)    # loops over K: two chunks
-    for N, bm in itertools.product((256, 2048, 4096, 6144, 32000), (16, 32, 64)):
-        assert _rows_launchable(default_rows_tile(N, bm), 2048) and N / default_rows_tile(N, bm)[0] >= 16, N
 
 
 @pytest.mark.gpu
