@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         parts["decode_ms_at_verify_loops"] = _ms(lambda: step(Lv), dev)
         res = out[0].residual.new_zeros(1, k + 1, out[0].residual.shape[-1])
         parts["verify_ms"] = _ms(lambda: r.verify(0, res, pos, Ld, Lv), dev)
-        chooser = _Chooser(m.make_request(prompt).sampling, 0, dev)
+        chooser = _Chooser(m.make_request(prompt).sampling, 0, dev, r.settings.fused_sampler)
         sp = SpecParams(Ld, Lv, k)
         last = [None]
 

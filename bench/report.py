@@ -846,16 +846,20 @@ def sampling_body(r: Result) -> str:
             (f"{B} streams, one sampler", "batched_sampled", "ms_per_step"),
             (f"{B} streams, a sampler each", "batched_mixed", "ms_per_step")]
     rows = []
+    fused = isinstance(d.get("fused_sampler"), dict)
     for label, key, unit in runs:
-        g, e = get(d, "sampler_graphs", key), get(d, "sampler_eager", key)
+        g, e, f = get(d, "sampler_graphs", key), get(d, "sampler_eager", key), get(d, "fused_sampler", key)
         rows.append([label, ms(get(g, unit)), count(get(g, "tokens_per_s")), ms(get(e, unit)),
-                     count(get(e, "tokens_per_s")), yesno(get(d, "equal", key))])
+                     count(get(e, "tokens_per_s")), yesno(get(d, "equal", key))]
+                    + ([ms(get(f, unit)), count(get(f, "tokens_per_s")), yesno(get(d, "fused_equal", key))]
+                       if fused else []))
     return (f"L = {text(d.get('loops'))}, prompts of {text(d.get('context'))} tokens, {text(d.get('tokens'))} tokens "
             f"generated; sampled: temperature 0.8, top-k 50, top-p 0.95. Sampled against greedy with the sampler "
             f"graphs: {num(d.get('sampled_vs_greedy_alone'), '.2f', '×')} alone, "
             f"{num(d.get('sampled_vs_greedy_batched'), '.2f', '×')} batched, "
             f"{num(d.get('mixed_vs_greedy_batched'), '.2f', '×')} with a sampler each.\n\n"
-            + table(["run", "sampler graphs: ms", "tokens/s", "ops one by one: ms", "tokens/s", "same tokens"], rows)
+            + table(["run", "sampler graphs: ms", "tokens/s", "ops one by one: ms", "tokens/s", "same tokens"]
+                    + (["fused launches: ms", "tokens/s", "same tokens as the graphs"] if fused else []), rows)
             + "\n")
 
 

@@ -18,7 +18,8 @@
 #                                          #   bench, the batched step's invariant A/B and batch-1 decode; sampled-rounds: the
 #                                          #   sampler's uniforms kernel and sampled device rounds' GPU tests, the
 #                                          #   speculative bench at temperatures 0 and 0.8; profile-spec: where a
-#                                          #   speculative round's time goes, its kernels by name)
+#                                          #   speculative round's time goes, its kernels by name; fused-sampler:
+#                                          #   the fused sampler's GPU tests and its sampling / speculative A/B)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -140,6 +141,17 @@ for s in "${steps[@]}"; do
                 -q -p no:cacheprovider
             run speculative "${SPEC_S:-150}" python -m bench.speculative --device cuda --repeat 3 --draft-loops 2 \
                 --draft-ahead 4 6 --k-branches 1 2 --out-dir "$OUT" ;;
+        fused-sampler)  # the fused sampler (kernels/sample_rows.py, Settings.fused_sampler): its kernel tests and
+                        # the fused paths' tests on the GPU, then the sampling bench (graphs, ops one by one,
+                        # fused) and the speculative bench at temperature 0.8 with it off and on, same run
+            run fused-sampler-tests "${TESTS_S:-240}" python -m pytest -m "" tests/kernels/test_kernel_sample_rows.py \
+                tests/worker/test_sampling.py tests/worker/test_device_rounds.py -k "fused or rows or bad" -q -p no:cacheprovider
+            run sampling "${SAMPLING_S:-240}" python -m bench.sampling --out-dir "$OUT"
+            for f in 0 1; do
+                mkdir -p "$OUT/fused-$f"
+                TINYLOOP_FUSED_SAMPLER=$f run "speculative-fused-$f" "${SPEC_S:-150}" python -m bench.speculative \
+                    --device cuda --repeat 3 --draft-loops 2 --draft-ahead 4 --k-branches 1 --out-dir "$OUT/fused-$f"
+            done ;;
         profile-spec) run profile-speculative "${PROFILE_S:-60}" python -m bench.profile_speculative --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac

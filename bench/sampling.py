@@ -12,9 +12,12 @@ On the embedded default model (or --model) at L = --loops, prompts of --context 
             repetition penalties that differ per stream), ms per step and tokens/s
 
 each on a model whose sampling replays one captured graph per row bucket
-(Settings.sampler_graphs, the default) and on one that launches the sampling ops one by one
-(`sampler_graphs=False`), both with CUDA graphs for the model's own steps. `equal`: whether the
-two models' tokens agree, stream by stream (they must: the same ops either way).
+(Settings.sampler_graphs, the default), on one that launches the sampling ops one by one
+(`sampler_graphs=False`), and on one whose sampler graphs hold the fused launches
+(`fused_sampler=True`: kernels/sample_rows.py), all with CUDA graphs for the model's own steps.
+`equal`: whether the first two models' tokens agree, stream by stream (they must: the same ops
+either way); `fused_equal`: whether the fused model's do (they may differ where a draw lands
+within the sums' last bits of a boundary).
 """
 from __future__ import annotations
 
@@ -78,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device(args.device)
     kw = dict(max_seq_len=args.context + args.tokens + 64, device=dev, n_slots=args.batch)
     models = {"sampler_graphs": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=True), **kw),
-              "sampler_eager": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=False), **kw)}
+              "sampler_eager": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=False), **kw),
+              "fused_sampler": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=True,
+                                                                                      fused_sampler=True), **kw)}
     first = models["sampler_graphs"]
     ps = prompts(args.batch, args.context, first.config.vocab_size)
     result: dict = {"hardware": hardware(dev), "model": first.path, "loops": args.loops, "context": args.context,
@@ -98,12 +103,17 @@ def main(argv: list[str] | None = None) -> None:
         print(name, {k: round(v.get("tokens_per_s", 0)) for k, v in row.items()})
     result["equal"] = {f"{where}_{kind}": ids["sampler_graphs", where, kind] == ids["sampler_eager", where, kind]
                        for (_, where, kind) in ids if _ == "sampler_graphs"}
+    result["fused_equal"] = {f"{where}_{kind}": ids["sampler_graphs", where, kind] == ids["fused_sampler", where, kind]
+                             for (_, where, kind) in ids if _ == "sampler_graphs"}
     g = result["sampler_graphs"]
     result["sampled_vs_greedy_alone"] = g["alone_sampled"]["tokens_per_s"] / g["alone_greedy"]["tokens_per_s"]
     result["sampled_vs_greedy_batched"] = g["batched_sampled"]["tokens_per_s"] / g["batched_greedy"]["tokens_per_s"]
     result["mixed_vs_greedy_batched"] = g["batched_mixed"]["tokens_per_s"] / g["batched_greedy"]["tokens_per_s"]
     result["graphs_vs_eager_sampled_alone"] = (g["alone_sampled"]["tokens_per_s"]
                                                / result["sampler_eager"]["alone_sampled"]["tokens_per_s"])
+    f = result["fused_sampler"]
+    result["fused_vs_graphs_sampled_alone"] = f["alone_sampled"]["tokens_per_s"] / g["alone_sampled"]["tokens_per_s"]
+    result["fused_vs_graphs_mixed_batched"] = f["batched_mixed"]["tokens_per_s"] / g["batched_mixed"]["tokens_per_s"]
     print({k: v for k, v in result.items() if k.endswith(("alone", "batched")) or k == "equal"})
     for m in models.values():
         m.close()

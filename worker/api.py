@@ -158,6 +158,7 @@ class Model:
         self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len,
                                                                device_rounds=device_rounds,
                                                                sampler_graphs=settings.sampler_graphs,
+                                                               fused_sampler=settings.fused_sampler,
                                                                interleave=settings.interleave))
         self.n_slots = n_slots
         # seconds by part and graph count: what a worker's start-up cost (the actor logs it)

@@ -174,3 +174,25 @@ def test_a_round_refuses_a_repetition_penalty(rounds_model):
     with pytest.raises(ValueError, match="no repetition penalty"):
         rounds_model.runner.chain_round(0, 2, 6, 4, state=(1, 5),
                                         sampling=SamplingParams(temperature=0.8, repetition_penalty=1.2))
+
+
+def test_fused_sampled_rounds_decide_as_the_host_driven_rounds(ckpt_dir, monkeypatch):
+    """With Settings.fused_sampler the rounds on the device and the host-driven ones both draw
+    through the fused launches (counted on the real functions) and still decide alike."""
+    from tinyloop.worker.runner import rounds as rounds_mod
+    calls = []
+
+    def counted(fn):
+        def run(*args, **kw):
+            calls.append(kw.get("fused", args[2] if len(args) > 2 else False))
+            return fn(*args, **kw)
+        return run
+    monkeypatch.setattr(rounds_mod, "draw", counted(rounds_mod.draw))
+    path = damped_checkpoint(ckpt_dir / "damped-fused-rounds.tinyloop", CONFIGS["gqa-prelude-coda"], 3, 0.03)
+    with Model(path, max_seq_len=96, n_slots=2, settings=ON.replace(fused_sampler=True)) as m:
+        spec = dict(draft_loops=2, verify_loops=6, draft_ahead=4, seed=7, **SAMPLED[0])
+        want = host_rounds(m, m.generate_speculative, PROMPTS[0], max_tokens=12, **spec)
+        out = m.generate_speculative(PROMPTS[0], max_tokens=12, **spec)
+        assert out == want and out.stats["accepted_tokens"] == want.stats["accepted_tokens"]
+        assert any(key[3] is not None for key in m.runner._rounds), "the stream must have run device rounds"
+    assert calls and all(calls), "every draft of a device round draws through the fused launch"

@@ -137,3 +137,44 @@ def test_a_row_without_finite_logits_takes_its_first_token():
     logits[1] = float("nan")
     got = sample_rows(logits, seen, RowSampling.of([ROWS[2]] * 3, logits.shape[1], logits.device), seed, pos)
     assert 0 <= int(got[1]) < logits.shape[1]
+
+
+def test_fused_sampling_draws_the_torch_tokens():
+    """sample_rows with the fused launches (kernels/sample_rows.py, under the interpreter here)
+    draws the torch ops' token in every row of a mix of every parameter shape: the two differ
+    only in sums' last bits, which no draw here lands within."""
+    params = ROWS * 4
+    logits, seen, seed, pos = _rows_case(len(params), seed=3)
+    rs = RowSampling.of(params, logits.shape[1], logits.device)
+    assert torch.equal(sample_rows(logits, seen, rs, seed, pos, fused=True), sample_rows(logits, seen, rs, seed, pos))
+    torch.testing.assert_close(probs(logits, rs, fused=True), probs(logits, rs), rtol=1e-5, atol=1e-7)
+
+
+def test_fused_sampler_setting_reaches_every_sampling_path(tiny_path, monkeypatch):
+    """Settings.fused_sampler: a sampled generate, a sampled speculative generate and its
+    verdicts run the fused launches (counted on the real functions), and draw what the torch ops
+    draw; without it they never run."""
+    from tinyloop.worker.model.settings import Settings
+    from tinyloop.worker.runner import sampler as sampler_mod
+    calls = {"probs": 0, "draw": 0}
+
+    def counted(name, fn):
+        def run(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return run
+    monkeypatch.setattr(sampler_mod, "probs_rows", counted("probs", sampler_mod.probs_rows))
+    monkeypatch.setattr(sampler_mod, "draw_rows", counted("draw", sampler_mod.draw_rows))
+    kw = dict(max_tokens=6, temperature=0.8, top_k=20, seed=5)
+    out = {}
+    for fused in (False, True):
+        settings = Settings.from_env({"TINYLOOP_FUSED_SAMPLER": str(int(fused))})
+        assert settings.fused_sampler is fused and Settings.from_env({}).fused_sampler is False
+        with Model(tiny_path, max_seq_len=64, n_slots=2, settings=settings) as m:
+            assert m.runner.settings.fused_sampler is fused
+            out[fused] = (m.generate(PROMPT, loops=3, **kw),
+                          m.generate_speculative(PROMPT, draft_loops=1, verify_loops=3, draft_ahead=2, **kw))
+        if not fused:
+            assert calls == {"probs": 0, "draw": 0}
+    assert calls["probs"] > 6 and calls["draw"] > 6
+    assert out[True] == out[False]

@@ -100,10 +100,12 @@ class SpecParams:
 
 
 class _Chooser:
-    """The verifier's and the draft's token choices at absolute positions, for one request."""
+    """The verifier's and the draft's token choices at absolute positions, for one request.
+    fused: the sampler's launches (Settings.fused_sampler, the runner's), as the device rounds
+    and plain sampling take them, so every path draws alike."""
 
-    def __init__(self, sampling: SamplingParams, seed: int, device):
-        self.sp = sampling
+    def __init__(self, sampling: SamplingParams, seed: int, device, fused: bool = False):
+        self.sp, self.fused = sampling, fused
         self.greedy = sampling.greedy
         self.seed = torch.tensor([seed], device=device)
         self.device = device
@@ -116,7 +118,8 @@ class _Chooser:
         (N,) tokens (the argmax, or row n's STREAM_TOKEN draw at positions[n] from its p)."""
         if self.greedy:
             return logits.argmax(-1)
-        return draw(probs(logits, self.sp), uniform(self.seed.expand(len(positions)), positions, STREAM_TOKEN))
+        return draw(probs(logits, self.sp, self.fused),
+                    uniform(self.seed.expand(len(positions)), positions, STREAM_TOKEN), self.fused)
 
     def target(self, logits: torch.Tensor, pos: int) -> int:
         """The plain sampler's token at `pos` (argmax, or the STREAM_TOKEN draw from p)."""
@@ -125,16 +128,16 @@ class _Chooser:
     def draft_on_device(self, logits: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sampled chain draft at `pos` from a draft step's logits (V,), left on the device:
         (its token (1,), its distribution q (V,))."""
-        q = probs(logits.view(1, -1), self.sp)
-        return draw(q, self._u(pos, STREAM_TOKEN)), q[0]
+        q = probs(logits.view(1, -1), self.sp, self.fused)
+        return draw(q, self._u(pos, STREAM_TOKEN), self.fused), q[0]
 
     def verdict(self, logits: torch.Tensor, qs: torch.Tensor, drafts: torch.Tensor, pos: int) -> tuple[list[int], int]:
         """A sampled chain's decision (`sampler.chain_verdict`) on the device, read in one
         transfer: the verifier's logits (k + 1, V) over the chunk whose first token sits at pos,
         the drafts' q (k, V) and tokens (k,) -> (the round's tokens, drafts accepted)."""
         k = len(drafts)
-        n, targets = chain_verdict(probs(logits, self.sp), qs, drafts, self.seed,
-                                   torch.arange(pos + 1, pos + k + 2, device=self.device))
+        n, targets = chain_verdict(probs(logits, self.sp, self.fused), qs, drafts, self.seed,
+                                   torch.arange(pos + 1, pos + k + 2, device=self.device), self.fused)
         both = torch.cat([n.view(1), targets]).tolist()
         return both[1:both[0] + 2], both[0]
 
@@ -187,7 +190,7 @@ class SpeculativeStream:
 
     def __init__(self, runner: Runner, lane: int, req: Request, spec: SpecParams):
         self.runner, self.lane, self.req, self.spec = runner, lane, req, spec
-        self._chooser = _Chooser(req.sampling, req.seed, runner.device)
+        self._chooser = _Chooser(req.sampling, req.seed, runner.device, runner.settings.fused_sampler)
         self._emit = _Emitter(req)
         self._work = Counters()
         self._rounds = self._drafted = self._accepted = 0

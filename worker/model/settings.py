@@ -48,6 +48,11 @@ class Settings:
     sampler_graphs: with CUDA graphs, sampling (any temperature, top-k, top-p, penalty) replays
     one captured graph per row bucket; off, its ops launch one by one (the A/B of
     bench/sampling.py).
+    fused_sampler: sampling's distribution (temperature, top-k, top-p) and its draw in one
+    launch each, a row a program (kernels/sample_rows.py), where the vocabulary fits one
+    (MAX_VOCAB); off, some thirty torch ops. The two round a distribution's last bits
+    differently, so a draw can differ where its number lands within them of a boundary; every
+    path of a process (plain, batched, speculative, device rounds) takes the same one.
     int4_tiles: a bench/int4_tiles.py result whose tiles the INT4 kernels take before the
     code's tables (kernels/int4_gemv.py TILES, MATMUL_TILES): a sweep tried on a model without
     editing the code (bench/quant_decode.py --tiles); None: the code's tables.
@@ -79,6 +84,7 @@ class Settings:
     batch_invariant: bool = False
     device_rounds: bool | None = None
     sampler_graphs: bool = True
+    fused_sampler: bool = False
     int4_tiles: str | None = None
     interleave: bool = True
     gemv_tiles: str | None = None
@@ -124,7 +130,8 @@ class Settings:
         TINYLOOP_PREFILL_GRAPH_LEN, TINYLOOP_FUSED_ROWS, TINYLOOP_L2_KEEP_FRACTION,
         TINYLOOP_L2_STREAM, TINYLOOP_CANCEL_ROUND (0/1), TINYLOOP_CROSS_ITER_ROUND (0/1),
         TINYLOOP_DUAL_BIT (0/1), TINYLOOP_DUAL_BIT_SWITCH, TINYLOOP_BATCH_INVARIANT (0/1),
-        TINYLOOP_DEVICE_ROUNDS (0/1), TINYLOOP_SAMPLER_GRAPHS (0/1), TINYLOOP_INT4_TILES (a path),
+        TINYLOOP_DEVICE_ROUNDS (0/1), TINYLOOP_SAMPLER_GRAPHS (0/1), TINYLOOP_FUSED_SAMPLER (0/1),
+        TINYLOOP_INT4_TILES (a path),
         TINYLOOP_INTERLEAVE (0/1), TINYLOOP_GEMV_TILES (a path), TINYLOOP_PDL (0/1) and
         TINYLOOP_AUTOTUNE (0/1); kv_mode by the reference runtime's switches
         (`kv_mode_from_env`). A 0/1 switch reads "0", "false", "no" and "" as off, anything
@@ -134,7 +141,8 @@ class Settings:
         kinds = {"backend": str, "cuda_graphs": flag,
                  "prefill_graph_len": int, "fused_rows": int, "l2_keep_fraction": float, "l2_stream": str,
                  "cancel_round": flag, "cross_iter_round": flag, "dual_bit": flag, "dual_bit_switch": int,
-                 "batch_invariant": flag, "device_rounds": flag, "sampler_graphs": flag, "int4_tiles": str,
+                 "batch_invariant": flag, "device_rounds": flag, "sampler_graphs": flag, "fused_sampler": flag,
+                 "int4_tiles": str,
                  "interleave": flag, "gemv_tiles": str, "pdl": flag, "autotune": flag}
         values = {}
         for name, parse in kinds.items():

@@ -54,10 +54,12 @@ class ChainRound:
     """The static buffers and the eager run of one (Ld, Lv, k) round (what a graph captures)."""
 
     def __init__(self, engine: Engine, state: torch.Tensor, draft_loops: int, verify_loops: int, k: int,
-                 sampling: tuple[int, bool] | None = None, params: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 sampling: tuple[int, bool] | None = None, params: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 fused: bool = False):
         """sampling: None (greedy) or the (k_max, top_p_any) flags of the lanes it serves;
         params: then the per-lane tables (lanes, 2) fp32 [temperature, top_p] and (lanes, 2)
-        int64 [top_k, seed]."""
+        int64 [top_k, seed]; fused: the sampled round's distributions and draws in a launch
+        each (Settings.fused_sampler, as the host-driven rounds and plain sampling take them)."""
         if not 1 <= draft_loops < verify_loops:
             raise ValueError(f"a round drafts at 1 <= draft_loops < verify_loops, got {draft_loops}, {verify_loops}")
         if k < 1:
@@ -78,7 +80,7 @@ class ChainRound:
         self.drafts = torch.zeros(k, dtype=torch.long, device=dev)
         self.chunk_positions = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(k + 2, dtype=torch.long, device=dev)
-        self.sampling, self.params = sampling, params
+        self.sampling, self.params, self.fused = sampling, params, fused
         if sampling is not None:
             if params is None:
                 raise ValueError("a sampled round reads its lane's parameters: pass the params tables")
@@ -146,16 +148,16 @@ class ChainRound:
             h = e.run_loops(e.prelude(self.x, p), p, 0, self.Ld)
             self.residuals[:, i].copy_(h[:, 0])
             if i < k:
-                q = probs(e.logits(e.coda(h, p), p).view(1, V), one)
+                q = probs(e.logits(e.coda(h, p), p).view(1, V), one, self.fused)
                 self.qs[i].copy_(q[0])
                 self.positions += 1
-                d = draw(q, uniform(seed, self.positions.view(1), STREAM_TOKEN))
+                d = draw(q, uniform(seed, self.positions.view(1), STREAM_TOKEN), self.fused)
                 self.drafts[i:i + 1].copy_(d)
                 self.tokens.copy_(d.view(1, 1))
                 torch.index_select(self.table, 0, d, out=self.x.view(1, -1))
         pc = e.make_pass(self.slot, self.chunk_positions, S)
         h = e.run_loops(self.residuals, pc, self.Ld, self.Lv)
         rows, _ = self._lane_sampling(k + 1)
-        pv = probs(e.logits(e.coda(h, pc))[0], rows)                 # (k + 1, V): p at p + 1 .. p + k + 1
-        n, targets = chain_verdict(pv, self.qs, self.drafts, seed, self.chunk_positions[0] + 1)
+        pv = probs(e.logits(e.coda(h, pc))[0], rows, self.fused)     # (k + 1, V): p at p + 1 .. p + k + 1
+        n, targets = chain_verdict(pv, self.qs, self.drafts, seed, self.chunk_positions[0] + 1, self.fused)
         self._leave(targets, n)

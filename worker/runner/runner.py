@@ -67,7 +67,8 @@ class RunnerSettings:
     round where graphs are captured (eager elsewhere: the CPU tests). sampler_graphs: with
     graphs, `sample` replays a captured sampler per row bucket. interleave: batched steps of
     streams at different depths run their rows each at its own iteration (`interleave`), where
-    the engine can (`Engine.interleaves`)."""
+    the engine can (`Engine.interleaves`). fused_sampler: sampling's distributions and draws in
+    a launch each (sampler.probs / draw) where the vocabulary fits one program."""
     cuda_graphs: bool = False
     prefill_graph_len: int = 2048
     verify_buckets: tuple[int, ...] = (5, 9, 17)
@@ -77,6 +78,7 @@ class RunnerSettings:
     device_rounds: bool = False
     sampler_graphs: bool = True
     interleave: bool = True
+    fused_sampler: bool = False
 
 
 class LanePool:
@@ -1069,11 +1071,12 @@ class Runner:
         if self.graphs is not None and self.settings.sampler_graphs:
             if self._sampler is None:
                 self._sampler = SamplerGraphs(self.config.vocab_size, [1, *self._batch_buckets], self.device,
-                                              self.graphs.capture_call)
+                                              self.graphs.capture_call, self.settings.fused_sampler)
             if self._sampler.covers(logits.shape[0]):
                 return self._sampler.sample(logits, seen, params, seeds, positions)
         rs = RowSampling.of(params, logits.shape[-1], self.device)
-        return sample_rows(logits, seen, rs, device_tensor(seeds, self.device), device_tensor(positions, self.device))
+        return sample_rows(logits, seen, rs, device_tensor(seeds, self.device), device_tensor(positions, self.device),
+                           self.settings.fused_sampler)
 
     def _exit_state(self) -> ExitState:
         if self._exit_checks is None:
@@ -1173,7 +1176,7 @@ class Runner:
         rnd = self._rounds.get(key)
         if rnd is None:
             rnd = self._rounds[key] = ChainRound(self.engine, self._round_state, draft_loops, verify_loops, k,
-                                                 flags, self._round_params)
+                                                 flags, self._round_params, self.settings.fused_sampler)
         if state is not None:
             t, pos = state
             if not self.round_fits(pos, k):

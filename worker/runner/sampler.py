@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.kernels import counter_hash
+from tinyloop.kernels._checks import interpreting
+from tinyloop.kernels.sample_rows import MAX_VOCAB, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref
 from tinyloop.worker.runner.stages import device_tensor
 
 # Independent streams at one position.
@@ -99,51 +101,34 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, pe
     return torch.where(seen, penalised, logits)
 
 
-def probs(logits: torch.Tensor, p: SamplingParams | RowSampling) -> torch.Tensor:
+def probs(logits: torch.Tensor, p: SamplingParams | RowSampling, fused: bool = False) -> torch.Tensor:
     """The distribution sampling draws from: temperature, then top-k, then top-p, per row.
     (B, V) fp32. The logits are shifted by their maximum before the temperature divides them,
     so any temperature > 0 gives finite scores: the best token's is 0, and a tiny temperature
     sends the others to -inf (greedy in the limit) rather than overflowing to inf - inf = NaN.
     A greedy row (temperature 0) gets the distribution at temperature 1 (its token is the
-    argmax all the same: `sample_rows`)."""
-    logits = logits.float()
+    argmax all the same: `sample_rows`). fused (Settings.fused_sampler): one launch
+    (kernels/sample_rows.py) where it applies (`_fits`), else the torch ops."""
     B, V = logits.shape
     if isinstance(p, SamplingParams):
         p = RowSampling.of([p] * B, V, logits.device)
-    t = torch.where(p.temperature > 0, p.temperature, 1.0)[:, None]
-    logits = (logits - logits.amax(-1, keepdim=True)) / t
-    if p.k_max:
-        has_k = ((p.top_k > 0) & (p.top_k < V))[:, None]
-        kth = torch.topk(logits, p.k_max, dim=-1).values.gather(1, (p.top_k.clamp(1, p.k_max) - 1)[:, None])
-        logits = logits.masked_fill(has_k & (logits < kth), float("-inf"))
-    pr = torch.softmax(logits, dim=-1)
-    if p.top_p_any:
-        has_p = (p.top_p < 1.0)[:, None]
-        sorted_p, idx = torch.sort(pr, dim=-1, descending=True, stable=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop_sorted = ((sorted_p.cumsum(-1) - sorted_p) >= p.top_p[:, None]) & has_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        kept = pr.masked_fill(drop, 0.0)
-        pr = torch.where(has_p, kept / kept.sum(-1, keepdim=True), pr)
-    return pr
+    rows = probs_rows if _fits(fused, logits) else probs_rows_ref
+    return rows(logits, p.temperature, p.top_k, p.top_p, p.k_max, p.top_p_any)
 
 
-def draw(pr: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw over tokens in descending-probability order. pr (B, V), u (B,) -> (B,).
-    The CDF is summed in float64; a float32 pr is sorted as it is and widened after: widening is
-    exact and keeps every order and tie, so the draw is the one of the widened sort, and a GPU
-    sorts four-byte keys several times faster than eight-byte ones."""
-    sorted_p, idx = torch.sort(pr, dim=-1, descending=True, stable=True)
-    sorted_p = sorted_p.double()
-    cdf = sorted_p.cumsum(-1)
-    target = (u * cdf[:, -1]).unsqueeze(-1)
-    pick = torch.searchsorted(cdf, target, right=True).clamp_max(pr.shape[-1] - 1)
-    # never land on a zero-probability tail token through rounding at the very end
-    # (a row with no positive probability, NaN logits from a diverged model, takes its first
-    # token rather than an index of -1)
-    n_pos = (sorted_p > 0).sum(-1, keepdim=True)
-    pick = torch.minimum(pick, n_pos - 1).clamp_min(0)
-    return idx.gather(-1, pick).squeeze(-1)
+def draw(pr: torch.Tensor, u: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """Inverse-CDF draw over tokens in descending-probability order, ties by index. pr (B, V),
+    u (B,) float64 -> (B,). fused (Settings.fused_sampler): one launch (kernels/sample_rows.py)
+    for a float32 pr where it applies (`_fits`), else the torch ops."""
+    if pr.dtype == torch.float32 and _fits(fused, pr):
+        return draw_rows(pr, u)
+    return draw_rows_ref(pr, u)
+
+
+def _fits(fused: bool, rows: torch.Tensor) -> bool:
+    """Whether the fused launches take rows (B, V): asked for, a vocabulary one program holds,
+    and a device Triton runs on (CUDA, or CPU tensors under the interpreter: the tests)."""
+    return fused and rows.shape[-1] <= MAX_VOCAB and (rows.is_cuda or interpreting())
 
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
@@ -163,17 +148,18 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
 
 
 def chain_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  positions: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A sampled chain round's decision, on the device. p (k + 1, V): the verifier's
     distributions over the chunk [t, d_1 .. d_k]; q (k, V) and drafts (k,): the drafts'
     distributions and tokens; seed (1,); positions (k + 1,): the token position each row of p
     decides. -> (n, targets (k + 1,)): n (a 0-d tensor) leading drafts accepted, each with
     probability min(1, p / q) (its STREAM_ACCEPT number); targets[i] the draft where accepted,
     else the STREAM_RESIDUAL draw from max(0, p_i - q_i); targets[k] the STREAM_TOKEN draw
-    from p_k (the bonus after a whole chunk). The round emits targets[:n + 1]."""
+    from p_k (the bonus after a whole chunk). The round emits targets[:n + 1]. fused: the bonus
+    draw's (`draw`; the residual draws, from float64 differences, take the torch ops)."""
     k = q.shape[0]
     seeds = seed.expand(k + 1)
-    bonus = draw(p[k:], uniform(seeds[k:], positions[k:], STREAM_TOKEN))
+    bonus = draw(p[k:], uniform(seeds[k:], positions[k:], STREAM_TOKEN), fused)
     if k == 0:
         return torch.zeros((), dtype=torch.long, device=p.device), bonus
     accepted, toks = accept_or_resample(p[:k], q, drafts, uniform(seeds[:k], positions[:k], STREAM_ACCEPT),
@@ -182,18 +168,19 @@ def chain_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, seed: 
 
 
 def sample_rows(logits: torch.Tensor, seen: torch.Tensor | None, p: RowSampling, seed: torch.Tensor,
-                position: torch.Tensor) -> torch.Tensor:
+                position: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,) int64, row b for the token at absolute position[b]
     with seed[b] and its own parameters: the argmax of the penalised logits where the row is
     greedy, else the STREAM_TOKEN draw from `probs`. seen (B, V) bool: the tokens each row has
-    seen (read only where p.penalty_any)."""
+    seen (read only where p.penalty_any). fused: `probs` and `draw` in a launch each
+    (Settings.fused_sampler)."""
     logits = logits.float()
     if p.penalty_any:
         logits = apply_repetition_penalty(logits, seen, p.penalty)
     best = logits.argmax(-1)
     if not p.sampled_any:
         return best
-    return torch.where(p.temperature > 0, draw(probs(logits, p), uniform(seed, position)), best)
+    return torch.where(p.temperature > 0, draw(probs(logits, p, fused), uniform(seed, position), fused), best)
 
 
 def sample(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingParams,
@@ -210,10 +197,11 @@ class SamplerGraphs:
     """sample_rows as CUDA graphs, one per (row bucket, the host flags of RowSampling), over
     static buffers a call fills: the logits, the seen masks, and the rows' float and integer
     parameters (one copy each). `capture` is the runner's graph capture (one shared
-    pool: replays never overlap)."""
+    pool: replays never overlap). fused: sample_rows' (Settings.fused_sampler)."""
 
-    def __init__(self, vocab: int, buckets: list[int], device: torch.device, capture):
+    def __init__(self, vocab: int, buckets: list[int], device: torch.device, capture, fused: bool = False):
         self.vocab, self.buckets, self.device, self._capture = vocab, buckets, device, capture
+        self.fused = fused
         self.logits = torch.zeros(buckets[-1], vocab, dtype=torch.float32, device=device)
         self.seen = torch.zeros(buckets[-1], vocab, dtype=torch.bool, device=device)
         # per bucket: (3, bucket) temperature, top_p, penalty and (3, bucket) top_k, seed, position
@@ -270,7 +258,8 @@ class SamplerGraphs:
             rs = RowSampling(fparams[0], iparams[0], fparams[1], fparams[2], *flags)
 
             def run():
-                out.copy_(sample_rows(self.logits[:bucket], self.seen[:bucket], rs, iparams[1], iparams[2]))
+                out.copy_(sample_rows(self.logits[:bucket], self.seen[:bucket], rs, iparams[1], iparams[2],
+                                      self.fused))
             self.graphs[key] = (self._capture(run), out)
         graph, out = self.graphs[key]
         graph.replay()

@@ -1,0 +1,184 @@
+"""A sampling step's distributions and draws, one program per row, for vocabularies of up to
+MAX_VOCAB tokens: what the runtime's torch ops do (worker/runner/sampler.py) in two launches
+instead of some thirty.
+
+``probs_rows``: logits (B, V) -> (B, V) fp32, each row's distribution: the logits shifted by
+their maximum and divided by the row's temperature (1 where it is 0: a greedy row), then the
+row's top-k (top_k[b] in 1..V - 1 keeps the scores at least its k-th largest; 0 or >= V keeps
+all), the softmax, then the row's top-p (top_p[b] < 1 keeps the smallest prefix, in descending
+order with ties by index, whose mass reaches top_p: the first token always stays) renormalized.
+k_max and top_p_any are the host's flags of the call (`RowSampling`): k_max (at most V) 0 skips
+the top-k, top_p_any False the top-p; a row's top-k in force must not exceed k_max.
+
+``draw_rows``: pr (B, V) fp32, u (B,) fp64 in [0, 1) -> (B,) int64: the inverse-CDF draw over
+the tokens in descending-probability order, ties by index: the first token whose float64
+cumulative probability exceeds u times the row's total, never a token of zero probability (a
+row with none, NaN logits among them, takes the first token in that order).
+
+The order is one sort of int64 keys, (the probability's fp32 bits, V - 1 - index): a
+probability is >= 0, so its bits order as it does, and no two keys are equal. The kernels
+compute what ``probs_rows_ref`` / ``draw_rows_ref`` compute (the torch ops the runtime runs where
+the kernels do not apply) up to the order in which sums are taken: the temperature, the top-k
+threshold and the orders are exact, the softmax and the cumulative sums round differently in
+their last bits, so a draw can differ only where u lands within those bits of a boundary.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_device, check_dtype, check_rank, check_shape
+
+MAX_VOCAB = 8192  # one program holds a row (and sorts it) in its registers
+
+
+@triton.jit
+def _order_keys(p, offs, valid, V):
+    """(fp32 bits of p, V - 1 - index) as one int64 key per token: descending keys are
+    descending probabilities, ties by ascending index; an invalid lane -1, below every key. A
+    NaN (a diverged row's) becomes the positive quiet NaN, above every number, as torch.sort
+    places NaNs."""
+    p = tl.where(p != p, float("nan"), p)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (V - 1 - offs).to(tl.int64)
+    return tl.where(valid, key, -1)
+
+
+@triton.jit
+def _key_prob(key):
+    """The probability a key holds (0 for an invalid lane's -1)."""
+    return tl.where(key >= 0, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _probs_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, stride_lv, stride_t,
+                       stride_k, stride_p, stride_o, V, K_MAX,
+                       TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    valid = offs < V
+    x = tl.load(logits_ptr + b * stride_l + offs * stride_lv, mask=valid, other=float("-inf")).to(tl.float32)
+    t = tl.load(temp_ptr + b * stride_t)
+    t = tl.where(t > 0, t, 1.0)
+    s = (x - tl.max(x, axis=0)) / t
+    if TOP_K:
+        k = tl.load(top_k_ptr + b * stride_k)
+        has_k = (k > 0) & (k < V)
+        rank = tl.minimum(tl.maximum(k, 1), K_MAX) - 1
+        ordered = tl.sort(s, descending=True)  # the padding's -inf last
+        kth = tl.max(tl.where(offs == rank, ordered, float("-inf")), axis=0)
+        s = tl.where(has_k & (s < kth), float("-inf"), s)
+    e = tl.where(valid, tl.exp(s - tl.max(s, axis=0)), 0.0)
+    p = e / tl.sum(e, axis=0)
+    if TOP_P:
+        top_p = tl.load(top_p_ptr + b * stride_p)
+        key = _order_keys(p, offs, valid, V)
+        ordered = tl.sort(key, descending=True)
+        sp = _key_prob(ordered)
+        # keep the prefix whose mass before each token is below top_p: its last key is the
+        # smallest kept one
+        kept = tl.sum(tl.where((tl.cumsum(sp, axis=0) - sp < top_p) & (ordered >= 0), 1, 0), axis=0)
+        last = tl.max(tl.where(offs == kept - 1, ordered, -1), axis=0)
+        q = tl.where(key >= last, p, 0.0)
+        p = tl.where(top_p < 1.0, q / tl.sum(q, axis=0), p)
+    tl.store(out_ptr + b * stride_o + offs, p, mask=valid)
+
+
+@triton.jit
+def _draw_rows_kernel(pr_ptr, u_ptr, out_ptr, stride_p, stride_pv, stride_u, V, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    valid = offs < V
+    p = tl.load(pr_ptr + b * stride_p + offs * stride_pv, mask=valid, other=0.0)
+    ordered = tl.sort(_order_keys(p, offs, valid, V), descending=True)
+    sp = _key_prob(ordered)
+    cdf = tl.cumsum(sp.to(tl.float64), axis=0)
+    target = tl.load(u_ptr + b * stride_u) * tl.max(tl.where(offs == V - 1, cdf, float("-inf")), axis=0)
+    pick = tl.minimum(tl.sum(tl.where(valid & (cdf <= target), 1, 0), axis=0), V - 1)
+    positive = tl.sum(tl.where(valid & (sp > 0), 1, 0), axis=0)
+    pick = tl.maximum(tl.minimum(pick, positive - 1), 0)
+    key = tl.max(tl.where(offs == pick, ordered, -1), axis=0)
+    tl.store(out_ptr + b, V - 1 - (key & 0xFFFFFFFF))
+
+
+def _check_rows(op, x, name, dtypes):
+    check_rank(op, name, x, 2, "(B, V)")
+    check_dtype(op, name, x, dtypes)
+    V = x.shape[1]
+    if not 1 <= V <= MAX_VOCAB:
+        raise ValueError(f"{op}: {name} (B, V) needs 1 <= V <= MAX_VOCAB = {MAX_VOCAB} (a row in one "
+                         f"program), got V = {V}")
+    return x.shape[0], V
+
+
+def probs_rows(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool):
+    """logits (B, V) fp16 / bf16 / fp32; temperature, top_p (B,) fp32; top_k (B,) int64; the
+    host's k_max (the largest top-k in force, 0: none) and top_p_any -> (B, V) fp32 (module
+    docstring). Any strides (a row's parameters expanded from one value: stride 0)."""
+    op = "probs_rows"
+    B, V = _check_rows(op, logits, "logits", (torch.float16, torch.bfloat16, torch.float32))
+    check_device(op, logits=logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+                           ("top_p", top_p, torch.float32)):
+        check_shape(op, name, t, (B,))
+        check_dtype(op, name, t, (dtype,))
+    if not 0 <= k_max <= V:
+        raise ValueError(f"{op}: k_max is 0 (no top-k) or a width in 1..V = {V}, got {k_max}")
+    out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+    if B:
+        _probs_rows_kernel[(B,)](logits, temperature, top_k, top_p, out, *logits.stride(), temperature.stride(0),
+                                 top_k.stride(0), top_p.stride(0), out.stride(0), V, max(k_max, 1), TOP_K=k_max > 0, TOP_P=bool(top_p_any),
+                                 BLOCK_V=triton.next_power_of_2(V), num_warps=4)
+    return out
+
+
+def draw_rows(pr, u):
+    """pr (B, V) fp32, u (B,) fp64 -> (B,) int64 (module docstring). Any strides."""
+    op = "draw_rows"
+    B, _ = _check_rows(op, pr, "pr", (torch.float32,))
+    check_device(op, pr=pr, u=u)
+    check_shape(op, "u", u, (B,))
+    check_dtype(op, "u", u, (torch.float64,))
+    out = torch.empty(B, dtype=torch.int64, device=pr.device)
+    if B:
+        _draw_rows_kernel[(B,)](pr, u, out, *pr.stride(), u.stride(0), pr.shape[1], BLOCK_V=triton.next_power_of_2(pr.shape[1]),
+                                num_warps=4)
+    return out
+
+
+def probs_rows_ref(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool):
+    """The spec, in torch (the runtime's path where the kernels do not apply): probs_rows."""
+    logits = logits.float()
+    V = logits.shape[-1]
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    logits = (logits - logits.amax(-1, keepdim=True)) / t
+    if k_max:
+        has_k = ((top_k > 0) & (top_k < V))[:, None]
+        kth = torch.topk(logits, k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])
+        logits = logits.masked_fill(has_k & (logits < kth), float("-inf"))
+    pr = torch.softmax(logits, dim=-1)
+    if top_p_any:
+        has_p = (top_p < 1.0)[:, None]
+        sorted_p, idx = torch.sort(pr, dim=-1, descending=True, stable=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = ((sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]) & has_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        kept = pr.masked_fill(drop, 0.0)
+        pr = torch.where(has_p, kept / kept.sum(-1, keepdim=True), pr)
+    return pr
+
+
+def draw_rows_ref(pr, u):
+    """The spec, in torch: draw_rows, for a pr of any float dtype (the CDF summed in float64; a
+    float32 pr is sorted as it is and widened after: widening is exact and keeps every order and
+    tie, so the draw is that of the widened sort, and a GPU sorts four-byte keys several times
+    faster than eight-byte ones)."""
+    sorted_p, idx = torch.sort(pr, dim=-1, descending=True, stable=True)
+    sorted_p = sorted_p.double()
+    cdf = sorted_p.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    pick = torch.searchsorted(cdf, target, right=True).clamp_max(pr.shape[-1] - 1)
+    # never land on a zero-probability tail token through rounding at the very end
+    # (a row with no positive probability, NaN logits from a diverged model, takes its first
+    # token rather than an index of -1)
+    n_pos = (sorted_p > 0).sum(-1, keepdim=True)
+    pick = torch.minimum(pick, n_pos - 1).clamp_min(0)
+    return idx.gather(-1, pick).squeeze(-1)
