@@ -8,8 +8,8 @@ batch-1 decode step at draft_loops and at verify_loops (graph replays), the veri
 of draft_ahead + 1 tokens from the draft's residuals, a whole chain round driven by the host
 (speculative._chain_round) and, with device rounds, one round on the device (one graph), greedy
 and sampled (--temperature); the kernels of the verify, of one plain step at verify_loops and of
-a device round (greedy and sampled), by name (run
-with TINYLOOP_PDL=0 for each kernel's own time: with PDL a kernel's span covers its wait). Then one
+a device round (greedy and sampled), by name (run with TINYLOOP_PDL=0 for each kernel's own
+time: with PDL a kernel's span covers its wait). Then one
 speculative generate and one plain generate under torch.profiler: wall time, the union of the
 GPU's kernel intervals (busy), kernels launched and the host's top operators, so the gap between
 wall and busy is the device waiting on the host. The model is built as bench/speculative.py
@@ -124,17 +124,17 @@ def main(argv: list[str] | None = None) -> None:
             _, _, _, last[0] = spec_mod._chain_round(r, 0, sp, chooser, 65, pos, k, last[0])
         parts["chain_round_host_ms"] = _ms(round_, dev)
         sampled = SamplingParams(temperature=args.temperature, top_k=50)
+        rounds = {}  # one device round each, greedy and sampled
         if r.settings.device_rounds:
-            parts["chain_round_device_ms"] = _ms(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(), dev)
-            parts["chain_round_sampled_device_ms"] = _ms(lambda: r.chain_round(
-                0, Ld, Lv, k, state=(65, pos), sampling=sampled, seed=1).result(), dev)
-        # the kernels of a round, of its verify alone and of one plain step at verify_loops
+            rounds = {"round": lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result(),
+                      "round_sampled": lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos), sampling=sampled,
+                                                             seed=1).result()}
+            parts["chain_round_device_ms"] = _ms(rounds["round"], dev)
+            parts["chain_round_sampled_device_ms"] = _ms(rounds["round_sampled"], dev)
+        # the kernels of the verify alone, of one plain step at verify_loops and of the rounds
         by_kernel = {"verify": kernels_of(lambda: r.verify(0, res, pos, Ld, Lv)),
-                   "decode_at_verify_loops": kernels_of(lambda: step(Lv))}
-        if r.settings.device_rounds:
-            by_kernel["round"] = kernels_of(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos)).result())
-            by_kernel["round_sampled"] = kernels_of(lambda: r.chain_round(0, Ld, Lv, k, state=(65, pos), sampling=sampled,
-                                                                          seed=1).result())
+                     "decode_at_verify_loops": kernels_of(lambda: step(Lv)),
+                     **{name: kernels_of(fn) for name, fn in rounds.items()}}
         r.release(last[0])
         r.release(out[0])
         print(parts)

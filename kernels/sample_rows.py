@@ -15,8 +15,8 @@ the tokens in descending-probability order, ties by index: the first token whose
 cumulative probability exceeds u times the row's total, never a token of zero probability (a
 row with none, NaN logits among them, takes the first token in that order).
 
-The order is one sort of int64 keys, (the probability's fp32 bits, V - 1 - index): a
-probability is >= 0, so its bits order as it does, and no two keys are equal. The kernels
+The order is one sort of int64 keys, kernels/sampling.py's `order_key` (the probability's
+order-preserving bits, then V - 1 - index): no two keys are equal. The kernels
 compute what ``probs_rows_ref`` / ``draw_rows_ref`` compute (the torch ops the runtime runs where
 the kernels do not apply) up to the order in which sums are taken: the temperature, the top-k
 threshold and the orders are exact, the softmax and the cumulative sums round differently in
@@ -27,24 +27,24 @@ import triton
 import triton.language as tl
 
 from ._checks import check_device, check_dtype, check_rank, check_shape
+from .sampling import order_key
 
 MAX_VOCAB = 8192  # one program holds a row (and sorts it) in its registers
 
 
 @triton.jit
 def _order_keys(p, offs, valid, V):
-    """(fp32 bits of p, V - 1 - index) as one int64 key per token: descending keys are
-    descending probabilities, ties by ascending index; an invalid lane -1, below every key. A
-    NaN (a diverged row's) becomes the positive quiet NaN, above every number, as torch.sort
-    places NaNs."""
-    p = tl.where(p != p, float("nan"), p)
-    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (V - 1 - offs).to(tl.int64)
-    return tl.where(valid, key, -1)
+    """kernels/sampling.py's `order_key` of each probability (descending keys: descending
+    probabilities, ties by ascending index), an invalid lane -1, below every key. A NaN (a
+    diverged row's) becomes the positive quiet NaN, above every number, as torch.sort places
+    NaNs."""
+    return tl.where(valid, order_key(tl.where(p != p, float("nan"), p), offs, V), -1)
 
 
 @triton.jit
 def _key_prob(key):
-    """The probability a key holds (0 for an invalid lane's -1)."""
+    """The probability a key holds (0 for an invalid lane's -1): a probability is >= 0, so its
+    key's high word is its bits unchanged."""
     return tl.where(key >= 0, (key >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
 
 

@@ -93,6 +93,19 @@ def _greedy_feed_kernel(
 
 
 @triton.jit
+def order_key(x, offs, V):
+    """One int64 key per fp32 x at index offs of V: x's order-preserving bits in the high word,
+    V - 1 - offs in the low one, so descending keys are descending values, ties by ascending
+    index, and no two keys are equal."""
+    # -0.0 and +0.0 compare equal, so they must get one key prefix (+0.0's) and tie by index.
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    # Flipping the magnitude bits of negatives makes signed integer order equal float order.
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    return (ordered << 32) | (V - 1 - offs).to(tl.int64)
+
+
+@triton.jit
 def _selection_key_kernel(
     logits_ptr,  # (B, V)
     keys_ptr,  # (B, V) int64 contiguous
@@ -104,12 +117,7 @@ def _selection_key_kernel(
     offs = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < V
     x = tl.load(logits_ptr + b * stride_logits_b + offs * stride_logits_v, mask=mask, other=0.0)
-    # -0.0 and +0.0 compare equal, so they must get one key prefix (+0.0's) and tie by index.
-    x = tl.where(x == 0.0, 0.0, x.to(tl.float32))
-    bits = x.to(tl.int32, bitcast=True)
-    # Flipping the magnitude bits of negatives makes signed integer order equal float order.
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    tl.store(keys_ptr + b * V + offs, (ordered << 32) | (V - 1 - offs), mask=mask)
+    tl.store(keys_ptr + b * V + offs, order_key(x.to(tl.float32), offs, V), mask=mask)
 
 
 @triton.jit
