@@ -143,7 +143,7 @@ for s in "${steps[@]}"; do
                 --draft-ahead 4 6 --k-branches 1 2 --out-dir "$OUT" ;;
         fused-sampler)  # the fused sampler (kernels/sample_rows.py, Settings.fused_sampler): its kernel tests and
                         # the fused paths' tests on the GPU, then the sampling bench (graphs, ops one by one,
-                        # fused) and the speculative bench at temperature 0.8 with it off and on, same run
+                        # fused), and the speculative bench and the sampled round's profile with it off and on
             run fused-sampler-tests "${TESTS_S:-240}" python -m pytest -m "" tests/kernels/test_kernel_sample_rows.py \
                 tests/worker/test_sampling.py tests/worker/test_device_rounds.py -k "fused or rows or bad" -q -p no:cacheprovider
             run sampling "${SAMPLING_S:-240}" python -m bench.sampling --out-dir "$OUT"
@@ -151,6 +151,8 @@ for s in "${steps[@]}"; do
                 mkdir -p "$OUT/fused-$f"
                 TINYLOOP_FUSED_SAMPLER=$f run "speculative-fused-$f" "${SPEC_S:-150}" python -m bench.speculative \
                     --device cuda --repeat 3 --draft-loops 2 --draft-ahead 4 --k-branches 1 --out-dir "$OUT/fused-$f"
+                TINYLOOP_FUSED_SAMPLER=$f run "profile-speculative-fused-$f" "${PROFILE_S:-60}" \
+                    python -m bench.profile_speculative --out-dir "$OUT/fused-$f"
             done ;;
         profile-spec) run profile-speculative "${PROFILE_S:-60}" python -m bench.profile_speculative --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
