@@ -61,14 +61,21 @@ def _splitmix64(x):
 
 
 @triton.jit
+def uniform_of(seed, pos, stream):
+    """The uniform of int64 seed and position (scalars or blocks) on `stream`, a float64 in
+    [0, 1): `uniform`'s numbers, for kernels that draw their own (kernels/sample_rows.py)."""
+    x = _splitmix64(seed.to(tl.uint64, bitcast=True) * 4 + stream)
+    x = _splitmix64(x ^ pos.to(tl.uint64, bitcast=True))
+    return (x >> 11).to(tl.float64) * (1.0 / 9007199254740992.0)
+
+
+@triton.jit
 def _uniform_kernel(seed_ptr, pos_ptr, out_ptr, n, stream, stride_seed, stride_pos, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    seed = tl.load(seed_ptr + i * stride_seed, mask=m, other=0).to(tl.uint64, bitcast=True)
-    pos = tl.load(pos_ptr + i * stride_pos, mask=m, other=0).to(tl.uint64, bitcast=True)
-    x = _splitmix64(seed * 4 + stream)
-    x = _splitmix64(x ^ pos)
-    tl.store(out_ptr + i, (x >> 11).to(tl.float64) * (1.0 / 9007199254740992.0), mask=m)
+    seed = tl.load(seed_ptr + i * stride_seed, mask=m, other=0)
+    pos = tl.load(pos_ptr + i * stride_pos, mask=m, other=0)
+    tl.store(out_ptr + i, uniform_of(seed, pos, stream), mask=m)
 
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int = 0) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""A sampling step's distributions and draws, one program per row, for vocabularies of up to
-MAX_VOCAB tokens: what the runtime's torch ops do (worker/runner/sampler.py) in two launches
-instead of some thirty.
+"""A sampling step's distributions and draws, and a sampled speculative round's verdict, one
+program per row, for vocabularies of up to MAX_VOCAB tokens: what the runtime's torch ops do
+(worker/runner/sampler.py) in a launch each instead of some thirty.
 
 ``probs_rows``: logits (B, V) -> (B, V) fp32, each row's distribution: the logits shifted by
 their maximum and divided by the row's temperature (1 where it is 0: a greedy row), then the
@@ -15,6 +15,13 @@ the tokens in descending-probability order, ties by index: the first token whose
 cumulative probability exceeds u times the row's total, never a token of zero probability (a
 row with none, NaN logits among them, takes the first token in that order).
 
+``verdict_rows``: a sampled chain round's decision (speculative sampling, Leviathan et al. 2023
+and Chen et al. 2023) in one launch, one program a position, each drawing its own counter-based
+uniforms (kernels/counter_hash.py): draft i stays with probability min(1, p_i / q_i), a rejected
+one's position takes the draw from max(0, p_i - q_i) (float64 masses: their values sorted, ties
+by index), the last the bonus draw from p_k; program 0 counts the drafts kept before the first
+rejection.
+
 The order is one sort of int64 keys, kernels/sampling.py's `order_key` (the probability's
 order-preserving bits, then V - 1 - index): no two keys are equal. The kernels
 compute what ``probs_rows_ref`` / ``draw_rows_ref`` compute (the torch ops the runtime runs where
@@ -27,9 +34,17 @@ import triton
 import triton.language as tl
 
 from ._checks import check_device, check_dtype, check_rank, check_shape
+from .counter_hash import uniform_of, uniform_ref
 from .sampling import order_key
 
 MAX_VOCAB = 8192  # one program holds a row (and sorts it) in its registers
+
+# The counter-based random streams at one position (kernels/counter_hash.py's `stream`), and
+# the same as the kernels' constexprs (a jitted function reads no other globals)
+STREAM_TOKEN = 0     # the token drawn at a position
+STREAM_ACCEPT = 1    # speculative sampling's accept test
+STREAM_RESIDUAL = 2  # speculative sampling's draw from the residual distribution
+_TOKEN, _ACCEPT, _RESIDUAL = tl.constexpr(STREAM_TOKEN), tl.constexpr(STREAM_ACCEPT), tl.constexpr(STREAM_RESIDUAL)
 
 
 @triton.jit
@@ -83,20 +98,87 @@ def _probs_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, out_ptr, stri
 
 
 @triton.jit
+def _draw_row(p, offs, valid, V, u):
+    """The inverse-CDF draw of u from one row's fp32 probabilities p (valid lanes): the token."""
+    ordered = tl.sort(_order_keys(p, offs, valid, V), descending=True)
+    sp = _key_prob(ordered)
+    cdf = tl.cumsum(sp.to(tl.float64), axis=0)
+    target = u * tl.max(tl.where(offs == V - 1, cdf, float("-inf")), axis=0)
+    pick = tl.minimum(tl.sum(tl.where(valid & (cdf <= target), 1, 0), axis=0), V - 1)
+    positive = tl.sum(tl.where(valid & (sp > 0), 1, 0), axis=0)
+    pick = tl.maximum(tl.minimum(pick, positive - 1), 0)
+    key = tl.max(tl.where(offs == pick, ordered, -1), axis=0)
+    return V - 1 - (key & 0xFFFFFFFF)
+
+
+@triton.jit
+def _draw_row64(r, offs, valid, V, u):
+    """`_draw_row` for float64 masses r >= 0 (a residual's), which an int64 key cannot hold with
+    its index: the values sorted alone, then the picked value's index found among its ties in
+    ascending order (the stable sort's)."""
+    r = tl.where(valid, r, -1.0)  # the padding below every mass: sorted last
+    ordered = tl.sort(r, descending=True)
+    sp = tl.where(ordered > 0, ordered, 0.0)
+    cdf = tl.cumsum(sp, axis=0)
+    target = u * tl.max(tl.where(offs == V - 1, cdf, float("-inf")), axis=0)
+    pick = tl.minimum(tl.sum(tl.where(valid & (cdf <= target), 1, 0), axis=0), V - 1)
+    positive = tl.sum(tl.where(sp > 0, 1, 0), axis=0)
+    pick = tl.maximum(tl.minimum(pick, positive - 1), 0)
+    v = tl.max(tl.where(offs == pick, ordered, -2.0), axis=0)
+    tie = valid & (r == v)
+    nth = pick - tl.sum(tl.where(valid & (r > v), 1, 0), axis=0)  # v's place among its ties
+    return tl.sum(tl.where(tie & (tl.cumsum(tie.to(tl.int32), axis=0) == nth + 1), offs, 0), axis=0).to(tl.int64)
+
+
+@triton.jit
 def _draw_rows_kernel(pr_ptr, u_ptr, out_ptr, stride_p, stride_pv, stride_u, V, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     valid = offs < V
     p = tl.load(pr_ptr + b * stride_p + offs * stride_pv, mask=valid, other=0.0)
-    ordered = tl.sort(_order_keys(p, offs, valid, V), descending=True)
-    sp = _key_prob(ordered)
-    cdf = tl.cumsum(sp.to(tl.float64), axis=0)
-    target = tl.load(u_ptr + b * stride_u) * tl.max(tl.where(offs == V - 1, cdf, float("-inf")), axis=0)
-    pick = tl.minimum(tl.sum(tl.where(valid & (cdf <= target), 1, 0), axis=0), V - 1)
-    positive = tl.sum(tl.where(valid & (sp > 0), 1, 0), axis=0)
-    pick = tl.maximum(tl.minimum(pick, positive - 1), 0)
-    key = tl.max(tl.where(offs == pick, ordered, -1), axis=0)
-    tl.store(out_ptr + b, V - 1 - (key & 0xFFFFFFFF))
+    tl.store(out_ptr + b, _draw_row(p, offs, valid, V, tl.load(u_ptr + b * stride_u)))
+
+
+@triton.jit
+def _verdict_kernel(p_ptr, q_ptr, drafts_ptr, seed_ptr, pos_ptr, out_ptr, stride_p, stride_pv, stride_q, stride_qv,
+                    stride_d, stride_pos, K, V, BLOCK_V: tl.constexpr):
+    """Program i < K: draft i's accept test and, rejected, its residual draw; program K: the
+    bonus draw from p_K. Program 0 also counts the drafts accepted before the first rejection
+    (each test is two loads and a uniform: it repeats them rather than wait for the others)."""
+    i = tl.program_id(0)
+    seed = tl.load(seed_ptr)
+    if i == 0:
+        n = K
+        alive = K > 0
+        for j in range(0, K):
+            d = tl.load(drafts_ptr + j * stride_d)
+            pd = tl.load(p_ptr + j * stride_p + d * stride_pv).to(tl.float64)
+            qd = tl.load(q_ptr + j * stride_q + d * stride_qv).to(tl.float64)
+            ok = uniform_of(seed, tl.load(pos_ptr + j * stride_pos), _ACCEPT) * qd < pd
+            n = tl.where(alive & ~ok, j, n)
+            alive = alive & ok
+        tl.store(out_ptr, n.to(tl.int64))
+    offs = tl.arange(0, BLOCK_V)
+    valid = offs < V
+    pos = tl.load(pos_ptr + i * stride_pos)
+    p = tl.load(p_ptr + i * stride_p + offs * stride_pv, mask=valid, other=0.0)
+    if i == K:
+        tok = _draw_row(p, offs, valid, V, uniform_of(seed, pos, _TOKEN))
+    else:
+        d = tl.load(drafts_ptr + i * stride_d)
+        q = tl.load(q_ptr + i * stride_q + offs * stride_qv, mask=valid, other=0.0)
+        pd = tl.sum(tl.where(offs == d, p, 0.0), axis=0).to(tl.float64)
+        qd = tl.sum(tl.where(offs == d, q, 0.0), axis=0).to(tl.float64)
+        if uniform_of(seed, pos, _ACCEPT) * qd < pd:
+            tok = d
+        else:
+            u = uniform_of(seed, pos, _RESIDUAL)
+            r = tl.maximum(p.to(tl.float64) - q.to(tl.float64), 0.0)
+            if tl.sum(tl.where(valid, r, 0.0), axis=0) > 0:
+                tok = _draw_row64(r, offs, valid, V, u)
+            else:  # p == q leaves no residual mass (and accepts every draft): the spec draws from p
+                tok = _draw_row(p, offs, valid, V, u)
+    tl.store(out_ptr + 1 + i, tok)
 
 
 def _warps(V: int) -> int:
@@ -149,6 +231,58 @@ def draw_rows(pr, u):
         _draw_rows_kernel[(B,)](pr, u, out, *pr.stride(), u.stride(0), pr.shape[1], BLOCK_V=triton.next_power_of_2(pr.shape[1]),
                                 num_warps=_warps(pr.shape[1]))
     return out
+
+
+def verdict_rows(p, q, drafts, seed, positions):
+    """A sampled chain round's decision in one launch. p (k + 1, V) fp32: the verifier's
+    distributions over the chunk; q (k, V) fp32 and drafts (k,) int64: the drafts'; seed (1,)
+    int64; positions (k + 1,) int64: the position each row of p decides -> (k + 2,) int64:
+    n, the drafts accepted before the first rejection, then the k + 1 targets (module
+    docstring: `verdict_rows_ref` is the spec). Any strides."""
+    op = "verdict_rows"
+    k1, V = _check_rows(op, p, "p", (torch.float32,))
+    k = k1 - 1
+    check_device(op, p=p, q=q, drafts=drafts, seed=seed, positions=positions)
+    check_shape(op, "q", q, (k, V))
+    check_dtype(op, "q", q, (torch.float32,))
+    for name, t, shape in (("drafts", drafts, (k,)), ("seed", seed, (1,)), ("positions", positions, (k1,))):
+        check_shape(op, name, t, shape)
+        check_dtype(op, name, t, (torch.int64,))
+    out = torch.empty(k + 2, dtype=torch.int64, device=p.device)
+    _verdict_kernel[(k1,)](p, q, drafts, seed, positions, out, *p.stride(), *q.stride(), drafts.stride(0),
+                           positions.stride(0), k, V, BLOCK_V=triton.next_power_of_2(V), num_warps=_warps(V))
+    return out
+
+
+def accept_or_resample_ref(p, q, draft, u_accept, u_residual):
+    """Speculative sampling's decision at one position, batched over rows (Leviathan et al.
+    2023; Chen et al. 2023). p, q (B, V) target and draft distributions, draft (B,) tokens
+    drawn from q, uniforms (B,) -> (accepted (B,) bool, token (B,)): the draft where accepted
+    (probability min(1, p / q)), else a draw from normalize(max(0, p - q)). The token is
+    distributed as p."""
+    p, q = p.double(), q.double()
+    pd, qd = p.gather(1, draft[:, None])[:, 0], q.gather(1, draft[:, None])[:, 0]
+    accepted = u_accept * qd < pd  # u < p / q without dividing; always true where p >= q
+    residual = (p - q).clamp_min(0)
+    # p == q leaves no residual mass (and then every draft is accepted): fall back to p
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    return accepted, torch.where(accepted, draft, draw_rows_ref(residual, u_residual))
+
+
+def verdict_rows_ref(p, q, drafts, seed, positions, uniform=uniform_ref):
+    """The spec, in torch: verdict_rows -- (n (a 0-d tensor), targets (k + 1,)): draft i is
+    accepted with probability min(1, p_i / q_i) (its STREAM_ACCEPT uniform), targets[i] the
+    draft where accepted, else the STREAM_RESIDUAL draw from max(0, p_i - q_i); targets[k] the
+    STREAM_TOKEN draw from p_k (the bonus after a whole chunk); n the leading drafts accepted.
+    uniform: kernels/counter_hash.py's, or its reference (the same numbers)."""
+    k = q.shape[0]
+    seeds = seed.expand(k + 1)
+    bonus = draw_rows_ref(p[k:], uniform(seeds[k:], positions[k:], STREAM_TOKEN))
+    if k == 0:
+        return torch.zeros((), dtype=torch.long, device=p.device), bonus
+    accepted, toks = accept_or_resample_ref(p[:k], q, drafts, uniform(seeds[:k], positions[:k], STREAM_ACCEPT),
+                                            uniform(seeds[:k], positions[:k], STREAM_RESIDUAL))
+    return accepted.long().cumprod(0).sum(), torch.cat([toks, bonus])
 
 
 def probs_rows_ref(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool):

@@ -5,7 +5,9 @@ import pytest
 import torch
 from kernel_tolerances import DEVICE
 
-from tinyloop.kernels.sample_rows import MAX_VOCAB, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref
+from tinyloop.kernels.counter_hash import uniform_ref
+from tinyloop.kernels.sample_rows import (MAX_VOCAB, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref, verdict_rows,
+                                          verdict_rows_ref)
 
 
 def row_params(B, V, seed):
@@ -106,6 +108,37 @@ def test_draw_rows_never_draws_a_zero_and_takes_the_first_of_an_empty_row():
     assert got.tolist() == draw_rows_ref(pr, u).tolist() == [2, 0, 0, 3]
 
 
+def chunks(k, V, seed, trials):
+    """Sampled chain chunks of k drafts: p (k + 1, V) and q (k, V) as near to each other as a
+    trial's noise leaves them (from q = p, so every draft stays, to far apart), with ties among
+    their probabilities, one q above p everywhere (a rejection with no residual mass: the spec
+    draws from p), and the drafts drawn from q."""
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        p = torch.softmax(torch.randint(-2, 3, (k + 1, V), generator=g).float() * (1 + trial % 2), -1)
+        q = torch.softmax(p[:k].log() + torch.randn(k, V, generator=g) * (trial % 3) * 0.7, -1)
+        if k and trial % 4 == 3:
+            q[0] = 2 * p[0]
+        seed_t, positions = torch.tensor([trial * 7919 + k]), torch.arange(50 + trial, 50 + trial + k + 1)
+        drafts = draw_rows_ref(q, uniform_ref(seed_t.expand(k), positions[:k], 0))
+        yield tuple(t.to(DEVICE) for t in (p, q, drafts, seed_t, positions))
+
+
+@pytest.mark.parametrize("k, V", [(0, 9), (1, 5), (4, 33), (6, 100)])
+def test_verdict_rows_is_its_spec(k, V):
+    """The round's decision in one launch: the spec's count of accepted drafts and every row's
+    target (accepted drafts, residual draws with ties among the residuals, the fall-back to p,
+    the bonus draw), over chunks that stop at different drafts."""
+    stops = set()
+    for p, q, drafts, seed, positions in chunks(k, V, seed=V, trials=12):
+        got = verdict_rows(p, q, drafts, seed, positions)
+        n, targets = verdict_rows_ref(p, q, drafts, seed, positions)
+        assert got.dtype == torch.int64 and got.shape == (k + 2,)
+        assert int(got[0]) == int(n) and got[1:].tolist() == targets.tolist()
+        stops.add(int(n))
+    assert len(stops) > 1 or k == 0
+
+
 def test_bad_input_is_refused():
     ok = torch.zeros(2, 8, device=DEVICE)
     f32 = torch.ones(2, device=DEVICE)
@@ -123,6 +156,13 @@ def test_bad_input_is_refused():
         draw_rows(ok.double(), u)
     with pytest.raises(ValueError, match="u"):
         draw_rows(ok, u.float())
+    one, pos = torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.arange(2, device=DEVICE)
+    with pytest.raises(ValueError, match="q"):
+        verdict_rows(ok, ok, k[:1], one, pos)                     # q must be (k, V) = (1, 8)
+    with pytest.raises(ValueError, match="drafts"):
+        verdict_rows(ok, ok[:1], k[:1].float(), one, pos)
+    with pytest.raises(ValueError, match="positions"):
+        verdict_rows(ok, ok[:1], k[:1], one, pos[:1])
 
 
 @pytest.mark.gpu
@@ -130,8 +170,8 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("V", [256, 2048, MAX_VOCAB])
 def test_sample_rows_on_the_gpu_are_their_spec(V):
     """The compiled kernels at the embedded model's vocabulary, a BPE model's and the largest
-    (4, 8 and 16 warps): distributions close to the spec with the same kept tokens, and the
-    spec's draws."""
+    (4, 8 and 16 warps): distributions close to the spec with the same kept tokens, the spec's
+    draws, and the spec's chain verdicts."""
     B = 32
     logits = logits_of(B, V, torch.bfloat16, seed=V, ties=False).cuda()
     temps, ks, ps, k_max = (t.cuda() if isinstance(t, torch.Tensor) else t for t in row_params(B, V, seed=V))
@@ -141,3 +181,8 @@ def test_sample_rows_on_the_gpu_are_their_spec(V):
     assert torch.equal(got > 0, want > 0)
     u = torch.rand(B, dtype=torch.float64, device="cuda")
     assert torch.equal(draw_rows(want, u), draw_rows_ref(want, u))
+    for p, q, drafts, seed, positions in chunks(4, V, seed=V, trials=8):
+        p, q, drafts, seed, positions = (t.cuda() for t in (p, q, drafts, seed, positions))
+        got = verdict_rows(p, q, drafts, seed, positions)
+        n, targets = verdict_rows_ref(p, q, drafts, seed, positions)
+        assert int(got[0]) == int(n) and got[1:].tolist() == targets.tolist()

@@ -22,13 +22,13 @@ import torch
 
 from tinyloop.kernels import counter_hash
 from tinyloop.kernels._checks import interpreting
-from tinyloop.kernels.sample_rows import MAX_VOCAB, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref
+from tinyloop.kernels.sample_rows import (MAX_VOCAB, STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN,
+                                          accept_or_resample_ref, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref,
+                                          verdict_rows, verdict_rows_ref)
 from tinyloop.worker.runner.stages import device_tensor
 
-# Independent streams at one position.
-STREAM_TOKEN = 0        # the token drawn at a position
-STREAM_ACCEPT = 1       # speculative accept test
-STREAM_RESIDUAL = 2     # speculative resample from the residual distribution
+# (STREAM_TOKEN, STREAM_ACCEPT, STREAM_RESIDUAL: the independent random streams at one position,
+# kernels/sample_rows.py's)
 
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int = STREAM_TOKEN) -> torch.Tensor:
@@ -133,18 +133,10 @@ def _fits(fused: bool, rows: torch.Tensor) -> bool:
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor,
                        u_accept: torch.Tensor, u_residual: torch.Tensor):
-    """Speculative sampling's decision at one position, batched over rows.
-
-    p, q (B, V) target and draft distributions, draft (B,) tokens drawn from q, uniforms (B,).
-    -> (accepted (B,) bool, token (B,)): the draft where accepted (probability
-    min(1, p / q)), else a draw from normalize(max(0, p - q)). The token is distributed as p."""
-    p, q = p.double(), q.double()
-    pd, qd = p.gather(1, draft[:, None])[:, 0], q.gather(1, draft[:, None])[:, 0]
-    accepted = u_accept * qd < pd  # u < p / q without dividing; always true where p >= q
-    residual = (p - q).clamp_min(0)
-    # p == q leaves no residual mass (and then every draft is accepted): fall back to p
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    return accepted, torch.where(accepted, draft, draw(residual, u_residual))
+    """Speculative sampling's decision at one position, batched over rows
+    (kernels/sample_rows.py's `accept_or_resample_ref`): (accepted (B,), token (B,)), the token
+    distributed as p."""
+    return accept_or_resample_ref(p, q, draft, u_accept, u_residual)
 
 
 def chain_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor,
@@ -155,16 +147,13 @@ def chain_verdict(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, seed: 
     decides. -> (n, targets (k + 1,)): n (a 0-d tensor) leading drafts accepted, each with
     probability min(1, p / q) (its STREAM_ACCEPT number); targets[i] the draft where accepted,
     else the STREAM_RESIDUAL draw from max(0, p_i - q_i); targets[k] the STREAM_TOKEN draw
-    from p_k (the bonus after a whole chunk). The round emits targets[:n + 1]. fused: the bonus
-    draw's (`draw`; the residual draws, from float64 differences, take the torch ops)."""
-    k = q.shape[0]
-    seeds = seed.expand(k + 1)
-    bonus = draw(p[k:], uniform(seeds[k:], positions[k:], STREAM_TOKEN), fused)
-    if k == 0:
-        return torch.zeros((), dtype=torch.long, device=p.device), bonus
-    accepted, toks = accept_or_resample(p[:k], q, drafts, uniform(seeds[:k], positions[:k], STREAM_ACCEPT),
-                                        uniform(seeds[:k], positions[:k], STREAM_RESIDUAL))
-    return accepted.long().cumprod(0).sum(), torch.cat([toks, bonus])
+    from p_k (the bonus after a whole chunk). The round emits targets[:n + 1]. fused
+    (Settings.fused_sampler): one launch (kernels/sample_rows.py's `verdict_rows`) where it
+    applies, else the torch ops (`verdict_rows_ref`, the uniforms in a launch each)."""
+    if p.dtype == q.dtype == torch.float32 and _fits(fused, p):
+        out = verdict_rows(p, q, drafts, seed, positions)
+        return out[0], out[1:]
+    return verdict_rows_ref(p, q, drafts, seed, positions, uniform)
 
 
 def sample_rows(logits: torch.Tensor, seen: torch.Tensor | None, p: RowSampling, seed: torch.Tensor,
