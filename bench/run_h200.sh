@@ -19,7 +19,8 @@
 #                                          #   sampler's uniforms kernel and sampled device rounds' GPU tests, the
 #                                          #   speculative bench at temperatures 0 and 0.8; profile-spec: where a
 #                                          #   speculative round's time goes, its kernels by name; fused-sampler:
-#                                          #   the fused sampler's GPU tests and its sampling / speculative A/B)
+#                                          #   the fused sampler's GPU tests and its sampling / speculative A/B;
+#                                          #   profile-batch: where a batched step's time goes, GPU busy against wall)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -154,6 +155,7 @@ for s in "${steps[@]}"; do
                 TINYLOOP_FUSED_SAMPLER=$f run "profile-speculative-fused-$f" "${PROFILE_S:-60}" \
                     python -m bench.profile_speculative --out-dir "$OUT/fused-$f"
             done ;;
+        profile-batch) run profile-batch "${PROFILE_S:-90}" python -m bench.profile_batch --out-dir "$OUT" ${PROFILE_BATCH_ARGS:-} ;;
         profile-spec) run profile-speculative "${PROFILE_S:-60}" python -m bench.profile_speculative --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
