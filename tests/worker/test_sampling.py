@@ -156,7 +156,7 @@ def test_fused_sampler_setting_reaches_every_sampling_path(tiny_path, monkeypatc
     draw; without it they never run."""
     from tinyloop.worker.model.settings import Settings
     from tinyloop.worker.runner import sampler as sampler_mod
-    calls = {"probs": 0, "draw": 0}
+    calls = {"probs": 0, "draw": 0, "verdict": 0}
 
     def counted(name, fn):
         def run(*args, **kw):
@@ -165,6 +165,7 @@ def test_fused_sampler_setting_reaches_every_sampling_path(tiny_path, monkeypatc
         return run
     monkeypatch.setattr(sampler_mod, "probs_rows", counted("probs", sampler_mod.probs_rows))
     monkeypatch.setattr(sampler_mod, "draw_rows", counted("draw", sampler_mod.draw_rows))
+    monkeypatch.setattr(sampler_mod, "verdict_rows", counted("verdict", sampler_mod.verdict_rows))
     kw = dict(max_tokens=6, temperature=0.8, top_k=20, seed=5)
     out = {}
     for fused in (False, True):
@@ -175,6 +176,6 @@ def test_fused_sampler_setting_reaches_every_sampling_path(tiny_path, monkeypatc
             out[fused] = (m.generate(PROMPT, loops=3, **kw),
                           m.generate_speculative(PROMPT, draft_loops=1, verify_loops=3, draft_ahead=2, **kw))
         if not fused:
-            assert calls == {"probs": 0, "draw": 0}
-    assert calls["probs"] > 6 and calls["draw"] > 6
+            assert calls == {"probs": 0, "draw": 0, "verdict": 0}
+    assert calls["probs"] > 6 and calls["draw"] > 6 and calls["verdict"] > 0
     assert out[True] == out[False]
