@@ -10,6 +10,11 @@ order with ties by index, whose mass reaches top_p: the first token always stays
 k_max and top_p_any are the host's flags of the call (`RowSampling`): k_max (at most V) 0 skips
 the top-k, top_p_any False the top-p; a row's top-k in force must not exceed k_max.
 
+``choose_rows``: a whole sampling step in one launch, logits (B, V) -> (B,) int64: each row's
+draw from its ``probs_rows`` distribution with its own counter-based STREAM_TOKEN uniform
+(kernels/counter_hash.py, of the row's seed and position), or its logits' argmax where its
+temperature is 0.
+
 ``draw_rows``: pr (B, V) fp32, u (B,) fp64 in [0, 1) -> (B,) int64: the inverse-CDF draw over
 the tokens in descending-probability order, ties by index: the first token whose float64
 cumulative probability exceeds u times the row's total, never a token of zero probability (a
@@ -64,18 +69,12 @@ def _key_prob(key):
 
 
 @triton.jit
-def _probs_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, stride_lv, stride_t,
-                       stride_k, stride_p, stride_o, V, K_MAX,
-                       TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_V: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_V)
-    valid = offs < V
-    x = tl.load(logits_ptr + b * stride_l + offs * stride_lv, mask=valid, other=float("-inf")).to(tl.float32)
-    t = tl.load(temp_ptr + b * stride_t)
+def _row_probs(x, offs, valid, V, t, k, top_p, K_MAX, TOP_K: tl.constexpr, TOP_P: tl.constexpr):
+    """One row's distribution (`probs_rows`) from its fp32 logits x (padding -inf), temperature
+    t, top-k k and top-p top_p."""
     t = tl.where(t > 0, t, 1.0)
     s = (x - tl.max(x, axis=0)) / t
     if TOP_K:
-        k = tl.load(top_k_ptr + b * stride_k)
         has_k = (k > 0) & (k < V)
         rank = tl.minimum(tl.maximum(k, 1), K_MAX) - 1
         ordered = tl.sort(s, descending=True)  # the padding's -inf last
@@ -84,7 +83,6 @@ def _probs_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, out_ptr, stri
     e = tl.where(valid, tl.exp(s - tl.max(s, axis=0)), 0.0)
     p = e / tl.sum(e, axis=0)
     if TOP_P:
-        top_p = tl.load(top_p_ptr + b * stride_p)
         key = _order_keys(p, offs, valid, V)
         ordered = tl.sort(key, descending=True)
         sp = _key_prob(ordered)
@@ -94,7 +92,44 @@ def _probs_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, out_ptr, stri
         last = tl.max(tl.where(offs == kept - 1, ordered, -1), axis=0)
         q = tl.where(key >= last, p, 0.0)
         p = tl.where(top_p < 1.0, q / tl.sum(q, axis=0), p)
+    return p
+
+
+@triton.jit
+def _probs_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, stride_lv, stride_t,
+                       stride_k, stride_p, stride_o, V, K_MAX,
+                       TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    valid = offs < V
+    x = tl.load(logits_ptr + b * stride_l + offs * stride_lv, mask=valid, other=float("-inf")).to(tl.float32)
+    p = _row_probs(x, offs, valid, V, tl.load(temp_ptr + b * stride_t), tl.load(top_k_ptr + b * stride_k),
+                   tl.load(top_p_ptr + b * stride_p), K_MAX, TOP_K, TOP_P)
     tl.store(out_ptr + b * stride_o + offs, p, mask=valid)
+
+
+@triton.jit
+def _choose_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, pos_ptr, out_ptr, stride_l, stride_lv,
+                        stride_t, stride_k, stride_p, stride_s, stride_pos, V, K_MAX,
+                        TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A row's token: its draw from its distribution (its STREAM_TOKEN uniform), or the argmax
+    of its logits where its temperature is 0 (the first of the largest; NaN above every number,
+    as torch.argmax)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    valid = offs < V
+    x = tl.load(logits_ptr + b * stride_l + offs * stride_lv, mask=valid, other=float("-inf")).to(tl.float32)
+    t = tl.load(temp_ptr + b * stride_t)
+    if t > 0:
+        p = _row_probs(x, offs, valid, V, t, tl.load(top_k_ptr + b * stride_k), tl.load(top_p_ptr + b * stride_p),
+                       K_MAX, TOP_K, TOP_P)
+        u = uniform_of(tl.load(seed_ptr + b * stride_s), tl.load(pos_ptr + b * stride_pos), _TOKEN)
+        tok = _draw_row(p, offs, valid, V, u)
+    else:
+        key = tl.max(tl.where(valid, order_key(tl.where(x != x, float("nan"), x), offs, V), -9223372036854775807),
+                     axis=0)
+        tok = V - 1 - (key & 0xFFFFFFFF)
+    tl.store(out_ptr + b, tok)
 
 
 @triton.jit
@@ -198,11 +233,8 @@ def _check_rows(op, x, name, dtypes):
     return x.shape[0], V
 
 
-def probs_rows(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool):
-    """logits (B, V) fp16 / bf16 / fp32; temperature, top_p (B,) fp32; top_k (B,) int64; the
-    host's k_max (the largest top-k in force, 0: none) and top_p_any -> (B, V) fp32 (module
-    docstring). Any strides (a row's parameters expanded from one value: stride 0)."""
-    op = "probs_rows"
+def _check_params(op, logits, temperature, top_k, top_p, k_max):
+    """probs_rows' and choose_rows' checks of the logits and the rows' parameters -> (B, V)."""
     B, V = _check_rows(op, logits, "logits", (torch.float16, torch.bfloat16, torch.float32))
     check_device(op, logits=logits, temperature=temperature, top_k=top_k, top_p=top_p)
     for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
@@ -211,11 +243,39 @@ def probs_rows(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool):
         check_dtype(op, name, t, (dtype,))
     if not 0 <= k_max <= V:
         raise ValueError(f"{op}: k_max is 0 (no top-k) or a width in 1..V = {V}, got {k_max}")
+    return B, V
+
+
+def probs_rows(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool):
+    """logits (B, V) fp16 / bf16 / fp32; temperature, top_p (B,) fp32; top_k (B,) int64; the
+    host's k_max (the largest top-k in force, 0: none) and top_p_any -> (B, V) fp32 (module
+    docstring). Any strides (a row's parameters expanded from one value: stride 0)."""
+    B, V = _check_params("probs_rows", logits, temperature, top_k, top_p, k_max)
     out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
     if B:
         _probs_rows_kernel[(B,)](logits, temperature, top_k, top_p, out, *logits.stride(), temperature.stride(0),
                                  top_k.stride(0), top_p.stride(0), out.stride(0), V, max(k_max, 1), TOP_K=k_max > 0, TOP_P=bool(top_p_any),
                                  BLOCK_V=triton.next_power_of_2(V), num_warps=_warps(V))
+    return out
+
+
+def choose_rows(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool, seed, position):
+    """A sampling step in one launch: logits (B, V) fp16 / bf16 / fp32; `probs_rows`'
+    parameters; seed, position (B,) int64 -> (B,) int64: row b's STREAM_TOKEN draw (its seed
+    and position's counter-based uniform) from its distribution, or its logits' argmax where its
+    temperature is 0 (`choose_rows_ref` is the spec). Any strides."""
+    op = "choose_rows"
+    B, V = _check_params(op, logits, temperature, top_k, top_p, k_max)
+    check_device(op, logits=logits, seed=seed, position=position)
+    for name, t in (("seed", seed), ("position", position)):
+        check_shape(op, name, t, (B,))
+        check_dtype(op, name, t, (torch.int64,))
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        _choose_rows_kernel[(B,)](logits, temperature, top_k, top_p, seed, position, out, *logits.stride(),
+                                  temperature.stride(0), top_k.stride(0), top_p.stride(0), seed.stride(0),
+                                  position.stride(0), V, max(k_max, 1), TOP_K=k_max > 0, TOP_P=bool(top_p_any),
+                                  BLOCK_V=triton.next_power_of_2(V), num_warps=_warps(V))
     return out
 
 
@@ -305,6 +365,14 @@ def probs_rows_ref(logits, temperature, top_k, top_p, k_max: int, top_p_any: boo
         kept = pr.masked_fill(drop, 0.0)
         pr = torch.where(has_p, kept / kept.sum(-1, keepdim=True), pr)
     return pr
+
+
+def choose_rows_ref(logits, temperature, top_k, top_p, k_max: int, top_p_any: bool, seed, position,
+                    uniform=uniform_ref):
+    """The spec, in torch: choose_rows (uniform: kernels/counter_hash.py's, or its reference)."""
+    best = logits.float().argmax(-1)
+    pr = probs_rows_ref(logits, temperature, top_k, top_p, k_max, top_p_any)
+    return torch.where(temperature > 0, draw_rows_ref(pr, uniform(seed, position, STREAM_TOKEN)), best)
 
 
 def draw_rows_ref(pr, u):

@@ -6,8 +6,8 @@ import torch
 from kernel_tolerances import DEVICE
 
 from tinyloop.kernels.counter_hash import uniform_ref
-from tinyloop.kernels.sample_rows import (MAX_VOCAB, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref, verdict_rows,
-                                          verdict_rows_ref)
+from tinyloop.kernels.sample_rows import (MAX_VOCAB, choose_rows, choose_rows_ref, draw_rows, draw_rows_ref, probs_rows,
+                                          probs_rows_ref, verdict_rows, verdict_rows_ref)
 
 
 def row_params(B, V, seed):
@@ -99,6 +99,31 @@ def test_draw_rows_is_its_spec(V):
     assert torch.equal(draw_rows(pr, u), draw_rows_ref(pr, u))
 
 
+@pytest.mark.parametrize("B, V, dtype, ties", [(10, 7, torch.bfloat16, True), (15, 100, torch.float32, False)])
+def test_choose_rows_is_its_spec(B, V, dtype, ties):
+    """A sampling step in one launch: each sampled row's draw (its own seed and position) and
+    each greedy row's argmax, the first of ties, as the spec's torch ops choose them."""
+    logits = logits_of(B, V, dtype, seed=B + V, ties=ties)
+    temps, ks, ps, k_max = row_params(B, V, seed=B)
+    seed = torch.arange(B, dtype=torch.int64, device=DEVICE) * 977
+    position = torch.full((1,), 40, dtype=torch.int64, device=DEVICE).expand(B)  # a stride-0 row
+    for top_p_any in (False, True):
+        got = choose_rows(logits, temps, ks, ps, k_max, top_p_any, seed, position)
+        assert got.dtype == torch.int64 and got.shape == (B,)
+        assert torch.equal(got, choose_rows_ref(logits, temps, ks, ps, k_max, top_p_any, seed, position))
+
+
+def test_choose_rows_argmax_takes_torchs_ties_and_nans():
+    """A greedy row's token is torch.argmax's: the first of equal maxima (-0.0 equal to 0.0),
+    the first NaN where there is one, a row of -inf its first token."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[-0.0, 0.0, -1.0], [1.0, nan, nan], [-inf, -inf, -inf], [-5.0, -2.0, -2.0]], device=DEVICE)
+    zero, one = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    k = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    got = choose_rows(logits, zero, k, one, 0, False, k, k)
+    assert got.tolist() == logits.argmax(-1).tolist() == [0, 1, 0, 1]
+
+
 def test_draw_rows_never_draws_a_zero_and_takes_the_first_of_an_empty_row():
     """A zero-probability token is never drawn even at u near 1; a row with no positive mass
     (all zero, or NaN from a diverged model) takes token 0, as the spec."""
@@ -156,6 +181,10 @@ def test_bad_input_is_refused():
         draw_rows(ok.double(), u)
     with pytest.raises(ValueError, match="u"):
         draw_rows(ok, u.float())
+    with pytest.raises(ValueError, match="position"):
+        choose_rows(ok, f32, k, f32, 0, False, k, k[:1])
+    with pytest.raises(ValueError, match="seed"):
+        choose_rows(ok, f32, k, f32, 0, False, k.float(), k)
     one, pos = torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.arange(2, device=DEVICE)
     with pytest.raises(ValueError, match="q"):
         verdict_rows(ok, ok, k[:1], one, pos)                     # q must be (k, V) = (1, 8)
@@ -171,7 +200,7 @@ def test_bad_input_is_refused():
 def test_sample_rows_on_the_gpu_are_their_spec(V):
     """The compiled kernels at the embedded model's vocabulary, a BPE model's and the largest
     (4, 8 and 16 warps): distributions close to the spec with the same kept tokens, the spec's
-    draws, and the spec's chain verdicts."""
+    draws, a whole sampling step's tokens, and the spec's chain verdicts."""
     B = 32
     logits = logits_of(B, V, torch.bfloat16, seed=V, ties=False).cuda()
     temps, ks, ps, k_max = (t.cuda() if isinstance(t, torch.Tensor) else t for t in row_params(B, V, seed=V))
@@ -181,6 +210,9 @@ def test_sample_rows_on_the_gpu_are_their_spec(V):
     assert torch.equal(got > 0, want > 0)
     u = torch.rand(B, dtype=torch.float64, device="cuda")
     assert torch.equal(draw_rows(want, u), draw_rows_ref(want, u))
+    seed, position = torch.arange(B, device="cuda") * 31, torch.arange(B, device="cuda") + 7
+    assert torch.equal(choose_rows(logits, temps, ks, ps, k_max, True, seed, position),
+                       choose_rows_ref(logits, temps, ks, ps, k_max, True, seed, position))
     for p, q, drafts, seed, positions in chunks(4, V, seed=V, trials=8):
         p, q, drafts, seed, positions = (t.cuda() for t in (p, q, drafts, seed, positions))
         got = verdict_rows(p, q, drafts, seed, positions)

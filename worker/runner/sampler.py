@@ -23,7 +23,7 @@ import torch
 from tinyloop.kernels import counter_hash
 from tinyloop.kernels._checks import interpreting
 from tinyloop.kernels.sample_rows import (MAX_VOCAB, STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN,
-                                          accept_or_resample_ref, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref,
+                                          accept_or_resample_ref, choose_rows, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref,
                                           verdict_rows, verdict_rows_ref)
 from tinyloop.worker.runner.stages import device_tensor
 
@@ -161,11 +161,13 @@ def sample_rows(logits: torch.Tensor, seen: torch.Tensor | None, p: RowSampling,
     """logits (B, V) -> next tokens (B,) int64, row b for the token at absolute position[b]
     with seed[b] and its own parameters: the argmax of the penalised logits where the row is
     greedy, else the STREAM_TOKEN draw from `probs`. seen (B, V) bool: the tokens each row has
-    seen (read only where p.penalty_any). fused: `probs` and `draw` in a launch each
-    (Settings.fused_sampler)."""
+    seen (read only where p.penalty_any). fused (Settings.fused_sampler): the argmax or draw of
+    every row in one launch (kernels/sample_rows.py's `choose_rows`) where it applies."""
     logits = logits.float()
     if p.penalty_any:
         logits = apply_repetition_penalty(logits, seen, p.penalty)
+    if p.sampled_any and _fits(fused, logits):
+        return choose_rows(logits, p.temperature, p.top_k, p.top_p, p.k_max, p.top_p_any, seed, position)
     best = logits.argmax(-1)
     if not p.sampled_any:
         return best
