@@ -8,13 +8,16 @@ lone stream takes): the wall ms per step over --steps steps; then --profiled ste
 torch.profiler: per step, the GPU's busy time (the union of its kernels' and copies' intervals)
 and so its idle time (wall minus busy: the device waiting on the host), and the kernels and
 copies by name (GPU ms and launches per step). A step whose GPU is idle for much of its wall
-is bound by the host's work between launches; one whose kernels fill it, by the kernels.
+is bound by the host's work between launches; one whose kernels fill it, by the kernels. Then
+(--cprofile N) the same steps under cProfile: the host functions with the most time of their
+own per step (cProfile's overhead included).
 
 The model is built as a worker builds it (`Model(cuda_graphs=True)`: every graph captured at
 load), with max(--batch) lanes."""
 from __future__ import annotations
 
 import argparse
+import cProfile
 import time
 
 import torch
@@ -24,6 +27,7 @@ from bench.batch import prompts
 from bench.common import hardware, write
 from bench.decode import random_checkpoint
 from bench.profile_decode import kernel_rows
+from bench.profile_exit_batch import top_functions
 from tinyloop.worker import Model
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import decode_steps
@@ -42,9 +46,10 @@ def busy_ms(prof) -> float:
     return total / 1e3
 
 
-def measured(step, steps: int, profiled: int) -> dict:
+def measured(step, steps: int, profiled: int, hot: int) -> dict:
     """step() run `steps` times timed on the wall clock, then `profiled` times under the
-    profiler -> the per-step figures (module docstring)."""
+    profiler -> the per-step figures (module docstring); with hot > 0, then `steps` more under
+    cProfile: the host functions with the most time of their own, ms per step."""
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
@@ -58,8 +63,18 @@ def measured(step, steps: int, profiled: int) -> dict:
     busy = busy_ms(prof) / profiled
     rows = [{"kernel": r["kernel"], "ms_per_step": r["ms"], "launches_per_step": r["launches"]}
             for r in kernel_rows(prof, profiled)]
-    return {"wall_ms": wall, "gpu_busy_ms": busy, "gpu_idle_ms": max(wall - busy, 0.0),
-            "launches_per_step": sum(r["launches_per_step"] for r in rows), "kernels": rows}
+    out = {"wall_ms": wall, "gpu_busy_ms": busy, "gpu_idle_ms": max(wall - busy, 0.0),
+           "launches_per_step": sum(r["launches_per_step"] for r in rows), "kernels": rows}
+    if hot:
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        host.disable()
+        out["host_functions"] = [{**r, "own_ms": r["own_ms"] / steps, "cum_ms": r["cum_ms"] / steps,
+                                  "calls": r["calls"] / steps} for r in top_functions(host, hot)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,13 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per stream")
     ap.add_argument("--steps", type=int, default=48, help="steps timed on the wall clock")
     ap.add_argument("--profiled", type=int, default=8, help="steps profiled")
+    ap.add_argument("--cprofile", type=int, default=25, metavar="N",
+                    help="list the N host functions with the most time of their own per step (0: none)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     cfg = PRESETS[args.preset]
     lanes = max(args.batch)
     warm = 4
-    tokens = warm + args.steps + args.profiled + 2
+    tokens = warm + 2 * args.steps + args.profiled + 2
     m = Model(random_checkpoint(args.preset, cfg), max_seq_len=args.context + tokens + 64, device=dev,
               dtype=torch.bfloat16, n_slots=lanes, prefill_graph_len=args.context, cuda_graphs=True)
     ps = prompts(lanes, args.context, cfg.vocab_size)
@@ -90,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens_alone = decode_steps(m.start(request(ps[0]), 0))
     for _ in range(warm):
         next(tokens_alone)
-    result["alone"] = measured(lambda: next(tokens_alone), args.steps, args.profiled)
+    result["alone"] = measured(lambda: next(tokens_alone), args.steps, args.profiled, args.cprofile)
     for _ in tokens_alone:  # to its end: the lane's last step released
         pass
     rows = []
@@ -100,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             b.join(m.start(request(p), lane))
         for _ in range(warm):
             b.step()
-        row = {"streams": B, **measured(b.step, args.steps, args.profiled)}
+        row = {"streams": B, **measured(b.step, args.steps, args.profiled, args.cprofile)}
         rows.append(row)
         for lane in list(b.states):
             b.leave(lane)
@@ -111,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['launches_per_step']:.0f} launches")
         for k in r["kernels"][:12]:
             print(f"  {k['ms_per_step'] * 1e3:8.1f} us  x{k['launches_per_step']:5.1f}  {k['kernel'][:100]}")
+        for f in r.get("host_functions", [])[:15]:
+            print(f"  host {f['own_ms'] * 1e3:7.1f} us own {f['cum_ms'] * 1e3:8.1f} us cum x{f['calls']:5.1f}  {f['function'][:90]}")
     write("profile-batch-cuda", result, args.out_dir)
     m.close()
 
