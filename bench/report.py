@@ -116,7 +116,7 @@ CURRENT = [
     ("quant-error", "cpu"), ("quant-quality", "cpu"), ("early-exit", "cuda"), ("early-exit", "cpu"),
     ("early-exit-ouro", "cuda"), ("early-exit-ouro", "cpu"),
     ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
-    ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"),
+    ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"), ("profile-batch", "cuda"),
     ("batch-fused", "cuda"), ("batch-interleave", "cuda"),
     ("spec-batch", "cuda"), ("spec-batch", "cpu"),
 ]
@@ -853,13 +853,49 @@ def sampling_body(r: Result) -> str:
                      count(get(e, "tokens_per_s")), yesno(get(d, "equal", key))]
                     + ([ms(get(f, unit)), count(get(f, "tokens_per_s")), yesno(get(d, "fused_equal", key))]
                        if fused else []))
+    def over_greedy(name, key, greedy):
+        s, g = get(d, name, key, "tokens_per_s"), get(d, name, greedy, "tokens_per_s")
+        return s / g if isnum(s) and isnum(g) and g else None
+    fused_line = (f" With the fused launches: {num(over_greedy('fused_sampler', 'alone_sampled', 'alone_greedy'), '.2f', '×')}"
+                  f" alone, {num(over_greedy('fused_sampler', 'batched_sampled', 'batched_greedy'), '.2f', '×')} batched, "
+                  f"{num(over_greedy('fused_sampler', 'batched_mixed', 'batched_greedy'), '.2f', '×')} with a sampler "
+                  "each." if fused else "")
     return (f"L = {text(d.get('loops'))}, prompts of {text(d.get('context'))} tokens, {text(d.get('tokens'))} tokens "
             f"generated; sampled: temperature 0.8, top-k 50, top-p 0.95. Sampled against greedy with the sampler "
             f"graphs: {num(d.get('sampled_vs_greedy_alone'), '.2f', '×')} alone, "
             f"{num(d.get('sampled_vs_greedy_batched'), '.2f', '×')} batched, "
-            f"{num(d.get('mixed_vs_greedy_batched'), '.2f', '×')} with a sampler each.\n\n"
+            f"{num(d.get('mixed_vs_greedy_batched'), '.2f', '×')} with a sampler each.{fused_line}\n\n"
             + table(["run", "sampler graphs: ms", "tokens/s", "ops one by one: ms", "tokens/s", "same tokens"]
                     + (["fused launches: ms", "tokens/s", "same tokens as the graphs"] if fused else []), rows)
+            + "\n")
+
+
+PROFILE_BATCH_KERNELS = 8  # the kernels of the largest batch the doc lists (the JSON has every one)
+
+
+def profile_batch_body(r: Result) -> str:
+    d = r.data
+    runs = [("one stream alone", d.get("alone"))] + [(f"{text(x.get('streams'))} streams", x)
+                                                     for x in (d.get("rows") or []) if isinstance(x, dict)]
+    rows = []
+    for label, x in runs:
+        x = x if isinstance(x, dict) else {}
+        wall, idle = x.get("wall_ms"), x.get("gpu_idle_ms")
+        rows.append([label, ms(wall), ms(x.get("gpu_busy_ms")), ms(idle),
+                     share(idle / wall) if isnum(idle) and isnum(wall) and wall else DASH, count(x.get("launches_per_step"))])
+    last = runs[-1][1] if isinstance(runs[-1][1], dict) else {}
+    kernels = [[code(k.get("kernel", "")[:80]), num(get(k, "ms_per_step"), ".1f", scale=1e3),
+                num(get(k, "launches_per_step"), ".0f")] for k in (last.get("kernels") or [])[:PROFILE_BATCH_KERNELS]]
+    host = [[code(f.get("function", "")[:80]), num(get(f, "own_ms"), ".1f", scale=1e3), num(get(f, "cum_ms"), ".1f", scale=1e3)]
+            for f in (last.get("host_functions") or [])[:PROFILE_BATCH_KERNELS]]
+    return (f"Model {text(d.get('model'))}, L = {text(d.get('loops'))}, {text(d.get('context'))} tokens of context, "
+            f"greedy; {text(d.get('steps'))} steps timed, {text(d.get('profiled'))} profiled.\n\n"
+            + table(["run", "wall per step", "GPU busy", "GPU idle", "idle share", "launches"], rows)
+            + f"\n\nThe kernels and copies of a step of {runs[-1][0]} (GPU µs summed over the launches; with PDL "
+              "a kernel's time overlaps the one before it):\n\n"
+            + table(["kernel", "µs per step", "launches"], kernels or [[DASH] * 3])
+            + ("\n\nThe host functions with the most time of their own in that step (cProfile's overhead "
+               "included):\n\n" + table(["function", "own µs per step", "cumulative µs"], host) if host else "")
             + "\n")
 
 
@@ -1256,6 +1292,9 @@ GEMV_INV_INTRO = ("`bench/gemv_invariant.py`: the projections of bench-285m (wei
                   "batch-invariant path (every row through the M = 1 kernel, a few rows a program), the default "
                   "path of the run's commit (the M = 1 kernel, the batched tl.dot kernel for more rows) and "
                   "cuBLAS, microseconds a call.")
+PROFILE_BATCH_INTRO = ("`bench/profile_batch.py`: streams stepped together by the worker's Batcher on the "
+                       "captured graphs, and one stream alone: the wall time of a step against the GPU's busy time "
+                       "in it (the union of its kernels and copies); the rest is the device waiting on the host.")
 SAMPLING_INTRO = ("`bench/sampling.py`: sampled decoding against greedy on the embedded default model, one stream "
                   "alone and a batch whose streams sample together (all on one sampler, or each on its own "
                   "temperature, top-k, top-p and penalty), with the sampler replayed as one graph per row bucket "
@@ -1293,6 +1332,8 @@ def render(results: Path = RESULTS) -> str:
                 batch_fused_body, batch_extra),
         section("Interleaved decode of mixed depths", BATCH_INTERLEAVE_INTRO, n(("batch-interleave", "cuda")),
                 batch_interleave_body, batch_extra),
+        section("Where a batched step's time goes", PROFILE_BATCH_INTRO, n(("profile-batch", "cuda")),
+                profile_batch_body),
         section("Prefill", PREFILL_INTRO, n(("prefill", "cuda")), prefill_body, prefill_extra),
         section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),
         section("Self-speculative decoding", SPEC_INTRO, n(("speculative", "cuda")), speculative_body,
