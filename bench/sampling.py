@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     kw = dict(max_seq_len=args.context + args.tokens + 64, device=dev, n_slots=args.batch)
-    models = {"sampler_graphs": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=True), **kw),
-              "sampler_eager": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=False), **kw),
+    unfused = Settings.from_env().replace(fused_sampler=False)
+    models = {"sampler_graphs": Model(args.model, settings=unfused.replace(sampler_graphs=True), **kw),
+              "sampler_eager": Model(args.model, settings=unfused.replace(sampler_graphs=False), **kw),
               "fused_sampler": Model(args.model, settings=Settings.from_env().replace(sampler_graphs=True,
                                                                                       fused_sampler=True), **kw)}
     first = models["sampler_graphs"]

@@ -153,12 +153,13 @@ class Model:
         cuda_graphs = self.device.type == "cuda" if settings.cuda_graphs is None else settings.cuda_graphs
         cache = make_cache(self.kv_mode, self.config, n_slots, self.max_seq_len, self.config.max_loops,
                            self.device, self.dtype)
+        fused_sampler = self.device.type == "cuda" if settings.fused_sampler is None else settings.fused_sampler
         device_rounds = (settings.batch_invariant and bool(cuda_graphs) if settings.device_rounds is None
                          else settings.device_rounds)
         self.runner = Runner(model, cache, ops, RunnerSettings(bool(cuda_graphs), settings.prefill_graph_len,
                                                                device_rounds=device_rounds,
                                                                sampler_graphs=settings.sampler_graphs,
-                                                               fused_sampler=settings.fused_sampler,
+                                                               fused_sampler=fused_sampler,
                                                                interleave=settings.interleave))
         self.n_slots = n_slots
         # seconds by part and graph count: what a worker's start-up cost (the actor logs it)

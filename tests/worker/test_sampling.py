@@ -153,7 +153,7 @@ def test_fused_sampling_draws_the_torch_tokens():
 def test_fused_sampler_setting_reaches_every_sampling_path(tiny_path, monkeypatch):
     """Settings.fused_sampler: a sampled generate's steps, a sampled speculative generate's drafts
     and its verdicts run the fused launches (counted on the real functions), and draw what the torch ops
-    draw; without it they never run."""
+    draw; without it they never run; unset, it is on with CUDA alone."""
     from tinyloop.worker.model.settings import Settings
     from tinyloop.worker.runner import sampler as sampler_mod
     calls = {"choose": 0, "probs": 0, "draw": 0, "verdict": 0}
@@ -168,10 +168,12 @@ def test_fused_sampler_setting_reaches_every_sampling_path(tiny_path, monkeypatc
     monkeypatch.setattr(sampler_mod, "draw_rows", counted("draw", sampler_mod.draw_rows))
     monkeypatch.setattr(sampler_mod, "verdict_rows", counted("verdict", sampler_mod.verdict_rows))
     kw = dict(max_tokens=6, temperature=0.8, top_k=20, seed=5)
+    with Model(tiny_path, max_seq_len=64, n_slots=2, settings=Settings()) as m:  # the default: on with CUDA
+        assert m.runner.settings.fused_sampler is (m.device.type == "cuda")
     out = {}
     for fused in (False, True):
         settings = Settings.from_env({"TINYLOOP_FUSED_SAMPLER": str(int(fused))})
-        assert settings.fused_sampler is fused and Settings.from_env({}).fused_sampler is False
+        assert settings.fused_sampler is fused and Settings.from_env({}).fused_sampler is None
         with Model(tiny_path, max_seq_len=64, n_slots=2, settings=settings) as m:
             assert m.runner.settings.fused_sampler is fused
             out[fused] = (m.generate(PROMPT, loops=3, **kw),

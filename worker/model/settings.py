@@ -50,9 +50,10 @@ class Settings:
     bench/sampling.py).
     fused_sampler: sampling's distribution (temperature, top-k, top-p) and its draw in one
     launch each, a row a program (kernels/sample_rows.py), where the vocabulary fits one
-    (MAX_VOCAB); off, some thirty torch ops. The two round a distribution's last bits
-    differently, so a draw can differ where its number lands within them of a boundary; every
-    path of a process (plain, batched, speculative, device rounds) takes the same one.
+    (MAX_VOCAB), and a sampled chain round's verdict in one more; off, some thirty torch ops
+    each; None: on with CUDA. The two round a distribution's last bits differently, so a draw
+    can differ where its number lands within them of a boundary; every path of a process
+    (plain, batched, speculative, device rounds) takes the same one.
     int4_tiles: a bench/int4_tiles.py result whose tiles the INT4 kernels take before the
     code's tables (kernels/int4_gemv.py TILES, MATMUL_TILES): a sweep tried on a model without
     editing the code (bench/quant_decode.py --tiles); None: the code's tables.
@@ -84,7 +85,7 @@ class Settings:
     batch_invariant: bool = False
     device_rounds: bool | None = None
     sampler_graphs: bool = True
-    fused_sampler: bool = False
+    fused_sampler: bool | None = None
     int4_tiles: str | None = None
     interleave: bool = True
     gemv_tiles: str | None = None
