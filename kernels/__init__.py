@@ -20,7 +20,8 @@ from .decode_attention import (
 from .gemv import ARGMAX_KEY_NONE, argmax_key_ref, gemv, gemv_ref
 from .rmsnorm import rms_norm, rms_norm_ref
 from .rope import apply_rope_ref, rope_cache_write, rope_cache_write_ref
-from .sample_rows import draw_rows, draw_rows_ref, probs_rows, probs_rows_ref
+from .sample_rows import (choose_rows, choose_rows_ref, draw_rows, draw_rows_ref, probs_rows, probs_rows_ref, verdict_rows,
+                          verdict_rows_ref)
 from .sampling import argmax, argmax_ref, greedy_feed, greedy_feed_ref, sample_top_k, sample_top_k_ref
 from .swiglu import swiglu, swiglu_ref
 from .tree_attention import ancestors_from_parents, tree_attention, tree_attention_ref
@@ -32,6 +33,8 @@ __all__ = [
     "argmax",
     "argmax_key_ref",
     "argmax_ref",
+    "choose_rows",
+    "choose_rows_ref",
     "decode_attention",
     "decode_attention_ref",
     "draw_rows",
@@ -60,4 +63,6 @@ __all__ = [
     "tree_attention_ref",
     "uniform",
     "uniform_ref",
+    "verdict_rows",
+    "verdict_rows_ref",
 ]
