@@ -88,6 +88,19 @@ def provenance() -> dict:
     return {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def gpu_busy_ms(prof) -> float:
+    """The GPU's busy time in a torch.profiler run, ms: the union of its kernels' and copies'
+    intervals (overlapping ones, as PDL makes them, count once)."""
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total / 1e3
+
+
 def write(name: str, payload: dict, out_dir: str | None = None) -> Path:
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.batch import prompts
-from bench.common import hardware, write
+from bench.common import gpu_busy_ms, hardware, write
 from bench.decode import random_checkpoint
 from bench.profile_decode import kernel_rows
 from bench.profile_exit_batch import top_functions
@@ -32,18 +32,6 @@ from tinyloop.worker import Model
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import decode_steps
 from tinyloop.worker.model.config import PRESETS
-
-
-def busy_ms(prof) -> float:
-    """The union of the GPU's kernel and copy intervals in prof, ms."""
-    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
-                   if ev.device_type == torch.autograd.DeviceType.CUDA)
-    total, end = 0.0, float("-inf")
-    for s, e in spans:
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total / 1e3
 
 
 def measured(step, steps: int, profiled: int, hot: int) -> dict:
@@ -60,7 +48,7 @@ def measured(step, steps: int, profiled: int, hot: int) -> dict:
         for _ in range(profiled):
             step()
         torch.cuda.synchronize()
-    busy = busy_ms(prof) / profiled
+    busy = gpu_busy_ms(prof) / profiled
     rows = [{"kernel": r["kernel"], "ms_per_step": r["ms"], "launches_per_step": r["launches"]}
             for r in kernel_rows(prof, profiled)]
     out = {"wall_ms": wall, "gpu_busy_ms": busy, "gpu_idle_ms": max(wall - busy, 0.0),

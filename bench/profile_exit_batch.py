@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.common import hardware, warm_until_steady, write
+from bench.common import gpu_busy_ms, hardware, warm_until_steady, write
 
 
 def busy_share(model, prompts, L: int, n: int, tokens: int, kw: dict) -> tuple[float, float]:
@@ -28,18 +28,7 @@ def busy_share(model, prompts, L: int, n: int, tokens: int, kw: dict) -> tuple[f
         model.generate_batch(prompts, per_lane_loops=[L] * n, max_tokens=tokens, **kw)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy, cur = 0.0, None
-    for a, b in sorted((e.time_range.start, e.time_range.end) for e in ev):
-        if cur is None or a > cur[1]:
-            if cur is not None:
-                busy += cur[1] - cur[0]
-            cur = [a, b]
-        else:
-            cur[1] = max(cur[1], b)
-    if cur is not None:
-        busy += cur[1] - cur[0]
-    return wall, busy / 1e3
+    return wall, gpu_busy_ms(prof)
 
 
 def top_functions(prof: cProfile.Profile, n: int) -> list[dict]:

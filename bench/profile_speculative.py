@@ -23,7 +23,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import hardware, write
+from bench.common import gpu_busy_ms, hardware, write
 from bench.speculative import PROMPTS
 from tinyloop.worker import Model
 from tinyloop.worker.model.settings import Settings
@@ -47,25 +47,10 @@ def _ms(fn, dev, n=50, warmup=5) -> float:
 
 def _busy(prof) -> tuple[float, int, list]:
     """(ms the GPU ran kernels or copies, union of intervals; kernels; top host ops by self time)."""
-    spans, kernels = [], 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            spans.append((e.time_range.start, e.time_range.end))
-            kernels += 1
-    spans.sort()
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     top = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]
     host = [{"op": a.key, "calls": a.count, "self_cpu_ms": a.self_cpu_time_total / 1e3} for a in top]
-    return busy / 1e3, kernels, host
+    return gpu_busy_ms(prof), kernels, host
 
 
 def kernels_of(fn, reps: int = 10) -> list[dict]:

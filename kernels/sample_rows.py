@@ -53,12 +53,12 @@ _TOKEN, _ACCEPT, _RESIDUAL = tl.constexpr(STREAM_TOKEN), tl.constexpr(STREAM_ACC
 
 
 @triton.jit
-def _order_keys(p, offs, valid, V):
-    """kernels/sampling.py's `order_key` of each probability (descending keys: descending
-    probabilities, ties by ascending index), an invalid lane -1, below every key. A NaN (a
-    diverged row's) becomes the positive quiet NaN, above every number, as torch.sort places
-    NaNs."""
-    return tl.where(valid, order_key(tl.where(p != p, float("nan"), p), offs, V), -1)
+def _order_keys(p, offs, valid, V, invalid=-1):
+    """kernels/sampling.py's `order_key` of each value (descending keys: descending values,
+    ties by ascending index), an invalid lane `invalid` (-1: below the key of every probability,
+    which is >= 0). A NaN (a diverged row's) becomes the positive quiet NaN, above every number,
+    as torch.sort and torch.argmax place NaNs."""
+    return tl.where(valid, order_key(tl.where(p != p, float("nan"), p), offs, V), invalid)
 
 
 @triton.jit
@@ -126,8 +126,7 @@ def _choose_rows_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, po
         u = uniform_of(tl.load(seed_ptr + b * stride_s), tl.load(pos_ptr + b * stride_pos), _TOKEN)
         tok = _draw_row(p, offs, valid, V, u)
     else:
-        key = tl.max(tl.where(valid, order_key(tl.where(x != x, float("nan"), x), offs, V), -9223372036854775807),
-                     axis=0)
+        key = tl.max(_order_keys(x, offs, valid, V, -9223372036854775807), axis=0)  # below every logit's key
         tok = V - 1 - (key & 0xFFFFFFFF)
     tl.store(out_ptr + b, tok)
 

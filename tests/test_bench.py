@@ -614,3 +614,18 @@ def test_generate_ab_bench_cpu(tmp_path, tiny_path):
     row = r["rounds_decode_us_per_token"]["head"][0]["2"]
     assert row == pytest.approx(generate_ab.decode_us(r["rounds_tok_s"]["head"][0]["2"],
                                                       r["rounds_first_ms"]["head"][0]["2"], 4))
+
+
+def test_gpu_busy_ms_counts_overlapping_spans_once():
+    """bench.common.gpu_busy_ms: the union of the GPU events' intervals (a PDL kernel that starts
+    inside the one before it adds only its tail), host events left out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.common import gpu_busy_ms
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    spans = [(0, 10, cuda), (5, 12, cuda), (20, 25, cuda), (30, 40, cpu), (21, 22, cuda)]
+    prof = SimpleNamespace(events=lambda: [SimpleNamespace(device_type=d, time_range=SimpleNamespace(start=a, end=b))
+                                           for a, b, d in spans])
+    assert gpu_busy_ms(prof) == (12 + 5) / 1e3

@@ -171,7 +171,7 @@ def sample_rows(logits: torch.Tensor, seen: torch.Tensor | None, p: RowSampling,
     best = logits.argmax(-1)
     if not p.sampled_any:
         return best
-    return torch.where(p.temperature > 0, draw(probs(logits, p, fused), uniform(seed, position), fused), best)
+    return torch.where(p.temperature > 0, draw(probs(logits, p), uniform(seed, position)), best)
 
 
 def sample(logits: torch.Tensor, seen: torch.Tensor | None, p: SamplingParams,
