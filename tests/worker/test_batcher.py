@@ -348,6 +348,11 @@ def test_idle_rows_of_a_bucket_touch_nothing(model):
     for stage in BatchStep.stages(max(depths)):
         step.run(stage)
     assert torch.equal(step.logits[:2], want.logits) and torch.equal(step.x[:2], want.residual)
+    assert torch.equal(step.greedy[:2], want.logits.argmax(-1))  # the coda's argmax, in the step
+    # a second load through the other staging slot: the rows as asked, the rest idle again
+    step.load(lanes[:1], tokens[:1], positions[:1], depths[:1])
+    assert step.ctl[:, :2].tolist() == [[tokens[0], 0], [positions[0], cache.max_seq_len], [depths[0], 0],
+                                        [lanes[0], 0]]
     # the live rows rewrote their own position with the same values; nothing else moved
     assert torch.equal(cache.k, after[0]) and torch.equal(cache.v, after[1])
 

@@ -309,7 +309,8 @@ class Batcher:
                 except Exception as e:  # this stream's sampling alone: the streams joined since go on
                     failed, go_on = {lanes[0]: e}, {}
             else:
-                out.detach()  # the rows outlive the next launch, which reuses the step's buffers
+                # the rows are read (sampled) before the next launch overwrites the step's
+                # buffers, and not after: the launch lets them go (`prev`) and copies nothing
                 for row, lane in rows:
                     self.states[lane].advanced(out.row(row))
                 toks, failed = self._sample([self.states[lane] for lane in lanes], out, [row for row, _ in rows])
@@ -412,8 +413,7 @@ class Batcher:
             self.steps += 1
             self.lane_steps += len(ended)
         self.rows_stepped = B
-        out.detach()  # the rows outlive the next launch, which reuses the step's buffers
-        toks = out.greedy[:B]
+        toks = out.greedy[:B]  # read by the next launch's load, before its passes overwrite it
         if steady.hist is None:  # the first repeat: the depths before the launch in flight
             steady.hist = np.full((B, EXIT_HISTORY), -1, dtype=np.int64)
             steady.turn = np.zeros(B, dtype=np.int64)
@@ -431,6 +431,8 @@ class Batcher:
         expected = (np.where(guess > start, guess, depth) - start).tolist()
         passes = chunk_passes(expected, self.runner.pass_overhead + self.host_cost.passes)
         positions = [p + 1 if f else p for p, f in zip(steady.positions, fin)]
+        for row in ended:  # handed their rows before the next launch overwrites the buffers they view
+            sts[row].advanced(out.row(row))
         rows = steady.rows
         nxt = self.runner.interleave(lanes, steady.tokens, positions, steady.depths, starts, passes,
                                      on_device=DeviceTokens(rows, toks, rows), prev=self._last, exits=steady.rules)
@@ -441,8 +443,6 @@ class Batcher:
         # the rows midway through a token, as `_ends` leaves them (the general path reads them)
         self._iters.clear()
         self._iters.update((lane, s) for lane, s in zip(lanes, starts) if s)
-        for row in ended:
-            sts[row].advanced(out.row(row))
         updates: dict[int, Update] = {}
         if ended:
             host = out.greedy_host  # read with the launch's ends
@@ -627,7 +627,7 @@ class Batcher:
         """Start copying the tokens to the host (pinned buffer + event on CUDA), before the
         next step is launched behind them on the same stream."""
         if toks.device.type != "cuda":
-            self._host = toks
+            self._host = toks.clone()  # toks may view the step's buffers, which the next launch overwrites
             return
         n = toks.shape[0]
         if self._host is None or self._host.shape[0] < n:

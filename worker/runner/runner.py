@@ -668,8 +668,7 @@ class Runner:
                         active -= 1
                     bucket = next(x for x in self._batch_buckets if x >= active)
                 self.graphs.replay("batch", bucket, stage)
-        logits = step.logits[:B]
-        out = StepOut(logits, logits.argmax(-1), step.x[:B], None, work, depths=list(depths))
+        out = StepOut(step.logits[:B], step.greedy[:B], step.x[:B], None, work, depths=list(depths))
         self._owners["batch"] = out
         return out
 

@@ -84,6 +84,7 @@ class StagedPass:
     the logits, set by the subclass)."""
 
     depth: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None  # where set: the coda's argmax of the logits, a row each
 
     @staticmethod
     def stages(loops: int) -> list:
@@ -97,6 +98,8 @@ class StagedPass:
             self.x.copy_(e.embed_prelude(self.tokens, p))
         elif stage == "coda":
             self.logits.copy_(self.coda_logits(e.coda(self.x, p)))
+            if self.greedy is not None:
+                torch.argmax(self.logits, -1, out=self.greedy)
         else:
             self.x.copy_(e.run_loops(self.x, p, stage, stage + 1, depth=self.depth))
 
@@ -194,7 +197,10 @@ def rows_prefill_views(buffers: tuple, rows: int, bucket: int) -> tuple:
 
 class BatchStep(StagedPass):
     """One decode step of `bucket` rows: per row a token, its position, its depth
-    (`Engine.run_loops(depth=...)`) and its cache slot, all in one (4, bucket) int64 buffer.
+    (`Engine.run_loops(depth=...)`) and its cache slot, all in one (4, bucket) int64 buffer,
+    written from a host staging buffer (`Staging`: one copy, no tensor made per step). The
+    coda also writes each row's greedy token (`greedy`, unless argmax is off): inside the
+    step's graph, not a launch of its own after it.
 
     A row that takes no part is idle: token 0, position `max_seq_len` (outside the cache:
     `rope_decode_attention` neither writes nor reads its cache), depth 0, slot 0. No stage
@@ -202,12 +208,14 @@ class BatchStep(StagedPass):
     positions in the buffer. The buffers may be views of larger ones shared by every bucket
     (`batch_buffers`): their stages never run at once."""
 
-    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
-        ctl, x, logits = buffers if buffers is not None else batch_buffers(engine, bucket)
+    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None, argmax: bool = True):
+        ctl, x, logits, greedy = buffers if buffers is not None else batch_buffers(engine, bucket)
         self.engine, self.bucket = engine, bucket
         self.ctl = ctl[:, :bucket]                       # (4, bucket): tokens, positions, depths, slots
         self.tokens, self.depth = self.ctl[0, :, None], self.ctl[2]
         self.x, self.logits = x[:bucket], logits[:bucket]  # (bucket, 1, D), (bucket, V)
+        self.greedy = greedy[:bucket] if argmax else None  # (bucket,)
+        self._staging = None  # made on the first load (the host side of ctl)
         S = engine.cache.max_seq_len
         # no rope: rows kept in this pass would go stale, its positions change every step
         self.p = Pass(self.ctl[3], self.ctl[1, :, None], S + 1)
@@ -220,10 +228,15 @@ class BatchStep(StagedPass):
         """Rows [0, len(lanes)) from the lists, the rest idle. on_device (row indices, tokens),
         both device tensors: those rows' tokens, sampled on the device and not read on the
         host yet; they replace the host list's entries (row indices None: rows 0, 1, ...)."""
-        pad = self.bucket - len(lanes)
-        S = self.engine.cache.max_seq_len
-        self.ctl.copy_(_pinned([tokens + [0] * pad, positions + [S] * pad, depths + [0] * pad,
-                                lanes + [0] * pad], self.ctl), non_blocking=True)
+        B = len(lanes)
+        if self._staging is None:
+            self._staging = Staging((4, self.bucket), self.ctl.dtype, self.ctl.device)
+        v = self._staging.next()
+        for k, (row, idle) in enumerate(((tokens, 0), (positions, self.engine.cache.max_seq_len), (depths, 0),
+                                         (lanes, 0))):
+            v[k, :B] = row
+            v[k, B:] = idle
+        self._staging.copy_to(self.ctl)
         _device_tokens_into(self.ctl[0], on_device)
 
 
@@ -240,12 +253,13 @@ def _device_tokens_into(tokens: torch.Tensor, on_device: tuple[torch.Tensor | No
 
 def batch_buffers(engine: Engine, bucket: int) -> tuple:
     """Static buffers of a batched decode step of up to `bucket` rows: (tokens, positions,
-    depths, slots), residual, logits."""
+    depths, slots), residual, logits, greedy tokens."""
     cfg, device = engine.config, engine.cache.device
     dtype = engine.model.tok_embeddings.weight.dtype
     return (torch.zeros(4, bucket, dtype=torch.long, device=device),
             torch.zeros(bucket, 1, cfg.residual_width, dtype=dtype, device=device),
-            torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device))
+            torch.zeros(bucket, cfg.vocab_size, dtype=torch.float32, device=device),
+            torch.zeros(bucket, dtype=torch.long, device=device))
 
 
 class InterleavedStep(StagedPass):
