@@ -20,7 +20,8 @@
 #                                          #   speculative bench at temperatures 0 and 0.8; profile-spec: where a
 #                                          #   speculative round's time goes, its kernels by name; fused-sampler:
 #                                          #   the fused sampler's GPU tests and its sampling / speculative A/B;
-#                                          #   profile-batch: where a batched step's time goes, GPU busy against wall)
+#                                          #   profile-batch: where a batched step's time goes, GPU busy against wall;
+#                                          #   attention-tiles: the decode attention's split tile by batch size and context)
 #
 # BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
 # base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
@@ -155,6 +156,7 @@ for s in "${steps[@]}"; do
                 TINYLOOP_FUSED_SAMPLER=$f run "profile-speculative-fused-$f" "${PROFILE_S:-60}" \
                     python -m bench.profile_speculative --out-dir "$OUT/fused-$f"
             done ;;
+        attention-tiles) run attention-tiles "${ATTN_S:-180}" python -m bench.attention_tiles --out-dir "$OUT" ${ATTN_ARGS:-} ;;
         profile-batch) run profile-batch "${PROFILE_S:-90}" python -m bench.profile_batch --out-dir "$OUT" ${PROFILE_BATCH_ARGS:-} ;;
         profile-spec) run profile-speculative "${PROFILE_S:-60}" python -m bench.profile_speculative --out-dir "$OUT" ;;
         *) echo "unknown step $s"; exit 2 ;;

@@ -642,7 +642,7 @@ def _check_rope(op, q, k, v, cos, sin, positions, k_cache, v_cache, slots, chunk
 
 def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len, positions=None,
                      max_active=None, lane_split_len=None, has_slots=False, write_only=False, tree=None,
-                     pdl=None):
+                     pdl=None, tile=None):
     """Launch a split kernel taking (*inputs, m, l, acc, *strides, H, S, HD, GROUP, NUM_SPLITS,
     SPLIT_LEN, qk_scale) over the (B, Hkv, num_splits) grid, num_splits = cdiv(S, split_len), then
     the merge: o (B, H, hd). has_slots: the SLOTS constexpr (inputs and strides then carry the
@@ -655,6 +655,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     tree: rope_tree_attention's (write_slots, depth, ancestor_slots, base) rows (`_tree_rows`),
     the TREE constexpr of both kernels; None: stand-ins the kernels never read.
     pdl: both launches' programmatic dependent launch (`use_pdl`).
+    tile: the split kernel's (BLOCK_N, num_stages); None: (`_block_n`, SPLIT_STAGES).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     # the write-only kernel stores no o and no partials: one-row stand-ins for its pointers
@@ -670,6 +671,9 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     l = torch.empty_like(m)
     acc = torch.empty((parts, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device, pdl) and not interpreting()
+    block_n, stages = tile if tile is not None else (_block_n(BLOCK_D), SPLIT_STAGES)
+    if block_n < 16 or block_n & (block_n - 1) or stages < 1:
+        raise ValueError(f"split tile {tile!r}: BLOCK_N a power of two >= 16 and at least one stage")
     rope = positions is not None
     if rope:
         tree_args = _tree_args(tree, positions)
@@ -680,14 +684,14 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
         *((max_active, *tree_args) if rope else ()),
         # tl.dot needs every dim >= 16; padded group rows load nothing (masked).
         BLOCK_G=max(16, triton.next_power_of_2(H // Hkv)),
-        BLOCK_N=_block_n(BLOCK_D),
+        BLOCK_N=block_n,
         BLOCK_D=BLOCK_D,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=pdl,
         SLOTS=has_slots,
         **({"WRITE_ONLY": write_only, "TREE": tree is not None} if rope else {}),
         num_warps=4,
-        num_stages=SPLIT_STAGES,
+        num_stages=stages,
         launch_pdl=pdl,
     )
     if write_only:
@@ -748,7 +752,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=None, *, pdl=No
 
 
 def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len, max_active=None,
-                          lane_split_len=None, slots=None, write_only=False, tree=None, pdl=None):
+                          lane_split_len=None, slots=None, write_only=False, tree=None, pdl=None, tile=None):
     """rope_decode_attention with an explicit split length (slots per split) and most active
     splits a lane (default: a full cache's); tests use them to force many splits on short caches,
     and longer ones than split_len. write_only: the WRITE_ONLY launch (the cache write alone,
@@ -762,7 +766,7 @@ def _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale
                             (*q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
                              *positions.stride(), stride_slots, *k_cache.stride(), *v_cache.stride()),
                             q, Hkv, S, scale, split_len, positions, max_active, lane_split_len,
-                            has_slots=slots is not None, write_only=write_only, tree=tree, pdl=pdl)
+                            has_slots=slots is not None, write_only=write_only, tree=tree, pdl=pdl, tile=tile)
 
 
 def _one_wave(B: int, Hkv: int, device: torch.device) -> int | None:
@@ -784,7 +788,7 @@ def _rope_splits(B: int, Hkv: int, S: int, hd: int, device: torch.device, invari
 
 
 def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots=None, invariant=False, *,
-                          pdl=None):
+                          pdl=None, tile=None):
     """RoPE + cache write of one new token per lane + decode attention, in one split launch and
     the merge: q (B, 1, H, hd), k, v (B, 1, Hkv, hd), cos, sin tables (P >= S, hd // 2) gathered
     at positions (B,) int64, caches (B, Hkv, S, hd) written in place -> o (B, H, hd) in q.dtype.
@@ -796,12 +800,14 @@ def rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
     invariant: launch with B = 1's split parameters (module docstring, "Batch invariance"), so
     a row's output is bit for bit the same at any B (and as a row of rope_chunk_attention);
     otherwise they follow B, which fills the GPU better but groups a row's partials by B.
-    pdl: programmatic dependent launch (module docstring; None: where the hardware allows it)."""
+    pdl: programmatic dependent launch (module docstring; None: where the hardware allows it).
+    tile: the split kernel's (BLOCK_N, num_stages), for sweeps (bench/attention_tiles.py); None:
+    the default. A tile changes no row's result beyond its order of K / V slots per tile."""
     _check_rope("rope_decode_attention", q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     B, _, H, hd = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     return _rope_decode_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale,
-                                  *_rope_splits(B, Hkv, S, hd, q.device, invariant), slots, pdl=pdl)
+                                  *_rope_splits(B, Hkv, S, hd, q.device, invariant), slots, pdl=pdl, tile=tile)
 
 
 def _rope_chunk_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, slots, split_len,

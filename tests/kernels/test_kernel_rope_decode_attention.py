@@ -104,6 +104,21 @@ def test_rope_decode_attention_matches_ref(S, hd, H, Hkv, dtype):
     assert torch.equal(out[3], got.v[3, 0].repeat_interleave(G, dim=0))
 
 
+@pytest.mark.parametrize("tile", [(32, 1), (64, 2)])
+def test_rope_decode_attention_takes_any_split_tile(tile):
+    """An explicit (BLOCK_N, num_stages), as bench/attention_tiles.py sweeps them: the same
+    attention and cache writes as the reference; a tile no launch can take is refused."""
+    S, hd, H, Hkv = 130, 32, 4, 2
+
+    def launch(*args):
+        return rope_decode_attention(*args, tile=tile)
+    run_both(launch, 4, H, Hkv, hd, S, F16, lane_positions(S), seed=7, scale=hd ** -0.5)
+    got = make_inputs(4, H, Hkv, hd, S, F16, lane_positions(S), seed=7)
+    for bad in ((48, 1), (8, 2), (32, 0)):
+        with pytest.raises(ValueError, match="split tile"):
+            rope_decode_attention(*got[:8], hd ** -0.5, tile=bad)
+
+
 @pytest.mark.parametrize("split_len", [16, 48])
 @pytest.mark.parametrize("S", [33, 130])
 @pytest.mark.parametrize("H, Hkv", [(3, 3), (4, 2), (8, 2)])
