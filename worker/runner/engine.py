@@ -144,8 +144,13 @@ class Engine:
 
     @torch.no_grad()
     def run_loops(self, x: torch.Tensor, p: Pass, start: int, stop: int,
-                  lane_loops: list[int] | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
-        """Apply iterations [start, stop) of the shared block in place of the residual.
+                  lane_loops: list[int] | None = None, depth: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply iterations [start, stop) of the shared block to the residual x.
+
+        out: a buffer of x's shape (x itself allowed) that the last iteration writes its
+        result into, and which is returned: a stage set's static residual takes the result
+        with no copy of its own (with depth, the kept rows are selected straight into it).
 
         Two forms of per-lane depth (mixed-depth batches):
         - lane_loops, sorted in descending order: iteration i advances only the lanes with
@@ -166,12 +171,14 @@ class Engine:
                        for j in range(cfg.n_loop_layers)]
             y = self.model.iteration(x[:n], attends, i)
             if depth is not None:
-                y = torch.where((depth > i)[:, None, None], y, x)
+                y = torch.where((depth > i)[:, None, None], y, x, out=out if i == stop - 1 else None)
             x = y if n == x.shape[0] else torch.cat([y, x[n:]], 0)
             if p.norm_max is not None:
                 # per-iteration safety check: the residual norm of every token, kept on device
                 p.norm_max[:n] = torch.maximum(p.norm_max[:n], self.model.state(y).float().norm(dim=-1).amax(-1))
             self._trace(p, f"loop.{i}", x)
+        if out is not None and x is not out:
+            x = out.copy_(x)
         return x
 
     @property

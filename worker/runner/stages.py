@@ -101,7 +101,7 @@ class StagedPass:
             if self.greedy is not None:
                 torch.argmax(self.logits, -1, out=self.greedy)
         else:
-            self.x.copy_(e.run_loops(self.x, p, stage, stage + 1, depth=self.depth))
+            e.run_loops(self.x, p, stage, stage + 1, depth=self.depth, out=self.x)
 
     def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
