@@ -4,11 +4,13 @@ worker's Batcher (as bench/batch.py steps them), profiled.
     source bench/gpu_env.sh && python -m bench.profile_batch --out-dir $OUT   # -> profile-batch-cuda.json
 
 For each --batch size B, and for one stream alone (its pipelined batch-1 decode, the path a
-lone stream takes): the wall ms per step over --steps steps; then --profiled steps under
-torch.profiler: per step, the GPU's busy time (the union of its kernels' and copies' intervals)
-and so its idle time (wall minus busy: the device waiting on the host), and the kernels and
-copies by name (GPU ms and launches per step). A step whose GPU is idle for much of its wall
-is bound by the host's work between launches; one whose kernels fill it, by the kernels. Then
+lone stream takes): the wall ms per step over --steps steps, once the steps capture no more
+graphs (a sequence of stages launched often is captured as one graph: `warm_until_steady`);
+then --profiled steps under torch.profiler: per step, the GPU's busy time (the union of its
+kernels' and copies' intervals) and so its idle time (wall minus busy: the device waiting on
+the host, or on the gaps between a graph's kernels, about a microsecond each where a kernel
+does not launch early by PDL), and the kernels and copies by name (GPU ms and launches per
+step). The host functions (below) tell the two apart. Then
 (--cprofile N) the same steps under cProfile: the host functions with the most time of their
 own per step (cProfile's overhead included).
 
@@ -24,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.batch import prompts
-from bench.common import gpu_busy_ms, hardware, write
+from bench.common import gpu_busy_ms, hardware, warm_until_steady, write
 from bench.decode import random_checkpoint
 from bench.profile_decode import kernel_rows
 from bench.profile_exit_batch import top_functions
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cuda")
     cfg = PRESETS[args.preset]
     lanes = max(args.batch)
-    warm = 4
+    warm = 40  # at most: warm_until_steady's runs, until a step captures no graph (a fused sequence)
     tokens = warm + 2 * args.steps + args.profiled + 2
     m = Model(random_checkpoint(args.preset, cfg), max_seq_len=args.context + tokens + 64, device=dev,
               dtype=torch.bfloat16, n_slots=lanes, prefill_graph_len=args.context, cuda_graphs=True)
@@ -93,8 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         return m.make_request(p, loops=args.loops, max_tokens=tokens, stop_token_ids=[])
 
     tokens_alone = decode_steps(m.start(request(ps[0]), 0))
-    for _ in range(warm):
-        next(tokens_alone)
+    warm_until_steady(lambda: next(tokens_alone), m, max_runs=warm)
     result["alone"] = measured(lambda: next(tokens_alone), args.steps, args.profiled, args.cprofile)
     for _ in tokens_alone:  # to its end: the lane's last step released
         pass
@@ -103,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         b = Batcher(m.runner)
         for lane, p in enumerate(ps[:B]):
             b.join(m.start(request(p), lane))
-        for _ in range(warm):
-            b.step()
+        warm_until_steady(b.step, m, min_runs=4, max_runs=warm)
         row = {"streams": B, **measured(b.step, args.steps, args.profiled, args.cprofile)}
         rows.append(row)
         for lane in list(b.states):

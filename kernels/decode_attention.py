@@ -562,6 +562,18 @@ def _block_n(block_d: int) -> int:
     return SPLIT_BLOCK_N if block_d <= 128 else 32
 
 
+def _split_stages(B: int, Hkv: int, device: torch.device, rope: bool) -> int:
+    """The split kernel's software-pipeline stages: SPLIT_STAGES, but one where rope_decode_attention's
+    (row, kv head) pairs alone fill more than a wave. Three stages take 139 KB of shared memory
+    at hd 128, so one program runs per SM; one stage takes far less, so several share an SM and
+    the grid runs in one wave, which saves more than the pipelining of each program's loop gives
+    (bench/attention_tiles.py sweeps it; a grid of one wave keeps the pipelining). The stages
+    change no row's result: the tiles and their order stay."""
+    if rope and device.type == "cuda" and B * Hkv > sm_count(device):
+        return 1
+    return SPLIT_STAGES
+
+
 def _split_len(B: int, Hkv: int, S: int, device: torch.device, block_n: int) -> int:
     """Slots per split: enough splits for ~2 programs per SM, none shorter than MIN_SPLIT_LEN."""
     if device.type != "cuda":
@@ -655,7 +667,7 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     tree: rope_tree_attention's (write_slots, depth, ancestor_slots, base) rows (`_tree_rows`),
     the TREE constexpr of both kernels; None: stand-ins the kernels never read.
     pdl: both launches' programmatic dependent launch (`use_pdl`).
-    tile: the split kernel's (BLOCK_N, num_stages); None: (`_block_n`, SPLIT_STAGES).
+    tile: the split kernel's (BLOCK_N, num_stages); None: (`_block_n`, `_split_stages`).
     q is the (B, H, hd) query (rotated or not): it gives the shapes, dtype and device."""
     B, H, hd = q.shape
     # the write-only kernel stores no o and no partials: one-row stand-ins for its pointers
@@ -671,10 +683,10 @@ def _split_and_merge(split_kernel, inputs, strides, q, Hkv, S, scale, split_len,
     l = torch.empty_like(m)
     acc = torch.empty((parts, H, num_splits, hd), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q.device, pdl) and not interpreting()
-    block_n, stages = tile if tile is not None else (_block_n(BLOCK_D), SPLIT_STAGES)
+    rope = positions is not None
+    block_n, stages = tile if tile is not None else (_block_n(BLOCK_D), _split_stages(B, Hkv, q.device, rope))
     if block_n < 16 or block_n & (block_n - 1) or stages < 1:
         raise ValueError(f"split tile {tile!r}: BLOCK_N a power of two >= 16 and at least one stage")
-    rope = positions is not None
     if rope:
         tree_args = _tree_args(tree, positions)
     split_kernel[(B, Hkv, 1 if write_only else num_splits)](
