@@ -561,6 +561,23 @@ def test_rope_decode_attention_gpu_bf16(positions, Hkv):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_decode_attention_gpu_stages_change_nothing():
+    """A batch whose (row, kv head) pairs fill more than a wave launches with one pipeline
+    stage (`_split_stages`): its output is bit for bit that of three stages, and the reference's."""
+    from tinyloop.kernels._launch import sm_count
+    from tinyloop.kernels.decode_attention import SPLIT_STAGES, _split_stages
+    H, Hkv, hd, S = 16, 16, 128, 2048
+    B = sm_count(torch.device("cuda")) // Hkv + 4
+    assert _split_stages(B, Hkv, torch.device("cuda"), True) == 1
+    positions = [(97 * i) % S for i in range(B - 1)] + [S]  # and an idle lane
+    out, got = run_both(rope_decode_attention, B, H, Hkv, hd, S, torch.bfloat16, positions, seed=3,
+                        scale=hd ** -0.5)
+    again = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=3)
+    assert torch.equal(rope_decode_attention(*again[:8], hd ** -0.5, tile=(128, SPLIT_STAGES)), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split_len, max_active", [(None, None), (64, None), (256, 3)])
 def test_rope_decode_attention_gpu_cuda_graph(split_len, max_active):
     """No host sync and grids independent of the positions: one captured graph replays at any
