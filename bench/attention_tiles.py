@@ -8,7 +8,8 @@ A decode step's attention reads each row's cached K / V once, so the calls cycle
 --layers layers' caches (more bytes than the L2 holds) and run back to back in one captured
 graph, as in a step. Per (B, context): µs per call of each tile, the K / V bytes a call reads
 and the bandwidth that makes, and each tile's largest difference from the default tile's
-output (a tile changes only the order in which a row's slots are summed)."""
+output (the launcher's own choice at that batch size: a tile changes only the order in which a
+row's slots are summed, its stages nothing)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import hardware, write
-from tinyloop.kernels.decode_attention import SPLIT_STAGES, _block_d, _block_n, rope_decode_attention
+from tinyloop.kernels.decode_attention import _block_d, _block_n, _split_stages, rope_decode_attention
 from tinyloop.worker.model.config import PRESETS
 
 TILES = [(128, 3), (128, 2), (128, 1), (64, 3), (64, 2), (64, 1), (32, 2)]
@@ -63,7 +64,6 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     angles = torch.arange(S, device=dev, dtype=torch.float32)[:, None] * torch.rand(hd // 2, device=dev, generator=g)
     cos, sin = angles.cos(), angles.sin()
-    default = (_block_n(_block_d(hd)), SPLIT_STAGES)
     rows = []
     for B in tqdm(args.batch, desc="batch sizes"):
         caches = [(torch.randn(B, Hkv, S, hd, device=dev, dtype=torch.bfloat16, generator=g),
@@ -73,6 +73,7 @@ def main() -> None:
         k = torch.randn(B, 1, Hkv, hd, device=dev, dtype=torch.bfloat16, generator=g)
         v = torch.randn_like(k)
         slots = torch.arange(B, device=dev)
+        default = (_block_n(_block_d(hd)), _split_stages(B, Hkv, dev, True))  # the launcher's tile at this B
         for ctx in args.context:
             positions = torch.full((B,), ctx, dtype=torch.long, device=dev)
 
@@ -81,7 +82,8 @@ def main() -> None:
                 return rope_decode_attention(q, k, v, cos, sin, positions, kc, vc, hd ** -0.5, slots=slots,
                                              tile=tile)
             want = call(0, default).float()
-            row = {"B": B, "context": ctx, "kv_bytes": 2 * B * Hkv * (ctx + 1) * hd * 2, "tiles": []}
+            row = {"B": B, "context": ctx, "default_tile": list(default),
+                   "kv_bytes": 2 * B * Hkv * (ctx + 1) * hd * 2, "tiles": []}
             for tile in TILES:
                 diff = (call(0, tile).float() - want).abs().max().item()
                 us = graph_us(lambda i, tile=tile: call(i, tile), args.calls, args.repeat)
@@ -96,7 +98,7 @@ def main() -> None:
         del caches
         torch.cuda.empty_cache()
     write("attention-tiles-cuda", {"preset": args.preset, "heads": H, "kv_heads": Hkv, "head_dim": hd,
-                              "max_seq_len": S, "default_tile": list(default), "layers": args.layers,
+                              "max_seq_len": S, "layers": args.layers,
                               "calls": args.calls, "hardware": hardware(dev), "rows": rows}, args.out_dir)
 
 

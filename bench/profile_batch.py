@@ -34,6 +34,7 @@ from tinyloop.worker import Model
 from tinyloop.worker.generation.batcher import Batcher
 from tinyloop.worker.generation.decode import decode_steps
 from tinyloop.worker.model.config import PRESETS
+from tinyloop.worker.runner.graphs import FUSE_AFTER
 
 
 def measured(step, steps: int, profiled: int, hot: int) -> dict:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         return m.make_request(p, loops=args.loops, max_tokens=tokens, stop_token_ids=[])
 
     tokens_alone = decode_steps(m.start(request(ps[0]), 0))
-    warm_until_steady(lambda: next(tokens_alone), m, max_runs=warm)
+    warm_until_steady(lambda: next(tokens_alone), m, min_runs=FUSE_AFTER + 2, max_runs=warm)
     result["alone"] = measured(lambda: next(tokens_alone), args.steps, args.profiled, args.cprofile)
     for _ in tokens_alone:  # to its end: the lane's last step released
         pass
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         b = Batcher(m.runner)
         for lane, p in enumerate(ps[:B]):
             b.join(m.start(request(p), lane))
-        warm_until_steady(b.step, m, min_runs=4, max_runs=warm)
+        warm_until_steady(b.step, m, min_runs=FUSE_AFTER + 2, max_runs=warm)
         row = {"streams": B, **measured(b.step, args.steps, args.profiled, args.cprofile)}
         rows.append(row)
         for lane in list(b.states):
