@@ -13,39 +13,16 @@ row's slots are summed, its stages nothing)."""
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from tqdm import tqdm
 
 from bench.common import hardware, write
+from bench.decode import graph_ms
 from tinyloop.kernels.decode_attention import _block_d, _block_n, _split_stages, rope_decode_attention
 from tinyloop.worker.model.config import PRESETS
 
 TILES = [(128, 3), (128, 2), (128, 1), (64, 3), (64, 2), (64, 1), (32, 2)]
-
-
-def graph_us(fn, calls: int, repeat: int) -> float:
-    """Median µs per call of `calls` calls of fn(i) captured in one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):  # compile and warm outside the capture
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -85,8 +62,8 @@ def main() -> None:
             row = {"B": B, "context": ctx, "default_tile": list(default),
                    "kv_bytes": 2 * B * Hkv * (ctx + 1) * hd * 2, "tiles": []}
             for tile in TILES:
-                diff = (call(0, tile).float() - want).abs().max().item()
-                us = graph_us(lambda i, tile=tile: call(i, tile), args.calls, args.repeat)
+                diff = (call(0, tile).float() - want).abs().max().item()  # compiled, outside the capture
+                us = graph_ms(lambda i, tile=tile: call(i, tile), args.calls, dev, args.repeat) * 1e3
                 row["tiles"].append({"tile": list(tile), "us": us, "GBps": row["kv_bytes"] / us / 1e3,
                                      "max_abs_diff": diff})
             best = min(row["tiles"], key=lambda t: t["us"])

@@ -84,6 +84,18 @@ def device_ms(fn, device: torch.device, repeat: int = 20, warmup: int = 3) -> fl
     return statistics.median(times)
 
 
+def graph_ms(call, calls: int, device: torch.device, repeat: int = 20) -> float:
+    """GPU ms of one call(i): `calls` back-to-back calls (i = 0 .. calls - 1) captured in one
+    graph and replayed, its median over `repeat` replays divided by `calls` (one launch alone
+    would time the host's launch cost instead). Compile call's kernels first: a capture cannot."""
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            call(i)
+    return device_ms(g.replay, device, repeat=repeat) / calls
+
+
 def ceilings(device: torch.device) -> dict:
     """Copy bandwidth and bf16 matmul rate (GPU: 2 GiB copies, far past the L2, 60 MiB on the
     H200, and an 8192^3 matmul; CPU: small sizes, for a smoke run)."""

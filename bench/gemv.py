@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import gemv_tuning, hardware, write
-from bench.decode import ceilings, device_ms
+from bench.decode import ceilings, graph_ms
 from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
 
@@ -64,12 +64,7 @@ def main() -> None:
         weight that together overflow the L2, so every call reads its weight from HBM."""
         for w in ws:
             fn(w)  # compile / autotune outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(calls):
-                fn(ws[i % len(ws)])
-        return device_ms(g.replay, dev, repeat=repeat) / calls
+        return graph_ms(lambda i: fn(ws[i % len(ws)]), calls, dev, repeat)
 
     def weights(N, K):
         torch.manual_seed(0)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 
 from bench.common import gemv_tuning, hardware, write
-from bench.decode import ceilings, device_ms
+from bench.decode import ceilings, graph_ms
 from bench.gemv import SHAPES as GEMV_SHAPES
 from tinyloop.kernels.gemv import MAX_ROWS, gemv
 from tinyloop.worker.model.settings import Settings
@@ -93,12 +93,7 @@ def main() -> None:
         the weight copies `ws` (bench-285m's together past the L2, so each call reads its weight from HBM)."""
         for w in ws[:2]:
             fn(w)  # compile outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(args.calls):
-                fn(ws[i % len(ws)])
-        return device_ms(g.replay, dev, repeat=args.repeat) / args.calls
+        return graph_ms(lambda i: fn(ws[i % len(ws)]), args.calls, dev, args.repeat)
 
     results, tiles, plain_tiles = [], {}, {}
     header = (f"{'proj':5s} {'M':>3s} | {'invariant':>9s} {'today':>9s} {'F.linear':>9s} us | "

@@ -22,7 +22,7 @@ import triton
 from tqdm import tqdm
 
 from bench.common import gemv_tuning, hardware, write
-from bench.decode import ceilings, device_ms
+from bench.decode import ceilings, graph_ms
 from tinyloop.kernels.gemv import gemv
 from tinyloop.kernels.rmsnorm import rms_norm
 from tinyloop.worker.model.settings import Settings
@@ -57,12 +57,7 @@ def main() -> None:
     def cuda_us(fn, ws, calls=24):
         for w in ws:
             fn(w)  # compile outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(calls):
-                fn(ws[i % len(ws)])
-        return device_ms(g.replay, dev, repeat=20) / calls * 1e3
+        return graph_ms(lambda i: fn(ws[i % len(ws)]), calls, dev) * 1e3
 
     bar = tqdm(total=len(SHAPES) * len(Ms), desc="rows tiles")
     for name, N, K, fusion in SHAPES:
