@@ -175,6 +175,15 @@ def test_mask_form_mixed_depth_equals_prefix_form(model):
     for b, L in enumerate(depths):
         q = e.make_pass(torch.tensor([1 + b]), pos[b:b + 1], int(pos[b]) + 1)
         assert torch.equal(got[b:b + 1], e.run_loops(x[b:b + 1].clone(), q, 0, L))
+    # out=: the result selected into a buffer (the residual itself, as a stage set passes it), an
+    # iteration at a time, and with no depth (a copy into it)
+    into = x.clone()
+    for i in range(max(depths)):
+        assert e.run_loops(into, p, i, i + 1, depth=torch.tensor(depths), out=into) is into
+    assert torch.equal(into, got)
+    into = torch.empty_like(x)
+    assert e.run_loops(x.clone(), p, 0, 2, out=into) is into
+    assert torch.equal(into, e.run_loops(x.clone(), p, 0, 2))
 
 
 def test_decode_on_the_full_cache_without_the_safety_check_is_batched(model):

@@ -147,9 +147,9 @@ def test_warm_start_runs_each_iteration_once(tiny_spec, staged_spec, tree, stage
     calls = []
     real = e.run_loops
 
-    def spy(x, p, start, stop, lane_loops=None, depth=None):
+    def spy(x, p, start, stop, lane_loops=None, depth=None, out=None):
         calls.append((start, stop, x.shape[1]))
-        return real(x, p, start, stop, lane_loops, depth)
+        return real(x, p, start, stop, lane_loops, depth, out)
 
     e.run_loops = spy
     try:
