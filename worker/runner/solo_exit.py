@@ -92,7 +92,7 @@ class _Half:
 
     def __init__(self, engine, op):
         dev = engine.cache.device
-        self.step = BatchStep(engine, 1, argmax=False)  # its greedy token goes to a ring of its own
+        self.step = BatchStep(engine, 1)
         self.state = ExitState(engine.model, 1, dev, op)
         self.event = torch.cuda.Event() if dev.type == "cuda" else None
         # the row's (token, position, depth, lane) on the host, copied into the stage set's

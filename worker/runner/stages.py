@@ -84,7 +84,6 @@ class StagedPass:
     the logits, set by the subclass)."""
 
     depth: torch.Tensor | None = None
-    greedy: torch.Tensor | None = None  # where set: the coda's argmax of the logits, a row each
 
     @staticmethod
     def stages(loops: int) -> list:
@@ -98,8 +97,8 @@ class StagedPass:
             self.x.copy_(e.embed_prelude(self.tokens, p))
         elif stage == "coda":
             self.logits.copy_(self.coda_logits(e.coda(self.x, p)))
-            if self.greedy is not None:
-                torch.argmax(self.logits, -1, out=self.greedy)
+        elif stage == "greedy":  # a batched step's (BatchStep.stages)
+            torch.argmax(self.logits, -1, out=self.greedy)
         else:
             e.run_loops(self.x, p, stage, stage + 1, depth=self.depth, out=self.x)
 
@@ -198,9 +197,10 @@ def rows_prefill_views(buffers: tuple, rows: int, bucket: int) -> tuple:
 class BatchStep(StagedPass):
     """One decode step of `bucket` rows: per row a token, its position, its depth
     (`Engine.run_loops(depth=...)`) and its cache slot, all in one (4, bucket) int64 buffer,
-    written from a host staging buffer (`Staging`: one copy, no tensor made per step). The
-    coda also writes each row's greedy token (`greedy`, unless argmax is off): inside the
-    step's graph, not a launch of its own after it.
+    written from a host staging buffer (`Staging`: one copy, no tensor made per step). A
+    stage after the coda, "greedy", writes each row's greedy token (`greedy`): inside the
+    step's graph, not a launch of its own after it. The early-exit step, which runs the coda
+    for its checks too, leaves that stage out.
 
     A row that takes no part is idle: token 0, position `max_seq_len` (outside the cache:
     `rope_decode_attention` neither writes nor reads its cache), depth 0, slot 0. No stage
@@ -208,17 +208,21 @@ class BatchStep(StagedPass):
     positions in the buffer. The buffers may be views of larger ones shared by every bucket
     (`batch_buffers`): their stages never run at once."""
 
-    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None, argmax: bool = True):
+    def __init__(self, engine: Engine, bucket: int, buffers: tuple | None = None):
         ctl, x, logits, greedy = buffers if buffers is not None else batch_buffers(engine, bucket)
         self.engine, self.bucket = engine, bucket
         self.ctl = ctl[:, :bucket]                       # (4, bucket): tokens, positions, depths, slots
         self.tokens, self.depth = self.ctl[0, :, None], self.ctl[2]
         self.x, self.logits = x[:bucket], logits[:bucket]  # (bucket, 1, D), (bucket, V)
-        self.greedy = greedy[:bucket] if argmax else None  # (bucket,)
+        self.greedy = greedy[:bucket]                    # (bucket,)
         self._staging = None  # made on the first load (the host side of ctl)
         S = engine.cache.max_seq_len
         # no rope: rows kept in this pass would go stale, its positions change every step
         self.p = Pass(self.ctl[3], self.ctl[1, :, None], S + 1)
+
+    @staticmethod
+    def stages(loops: int) -> list:
+        return [*StagedPass.stages(loops), "greedy"]
 
     def coda_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.engine.logits(h)[:, -1]
