@@ -10,9 +10,8 @@ then --profiled steps under torch.profiler: per step, the GPU's busy time (the u
 kernels' and copies' intervals) and so its idle time (wall minus busy: the device waiting on
 the host, or on the gaps between a graph's kernels, about a microsecond each where a kernel
 does not launch early by PDL), and the kernels and copies by name (GPU ms and launches per
-step). The host functions (below) tell the two apart. Then
-(--cprofile N) the same steps under cProfile: the host functions with the most time of their
-own per step (cProfile's overhead included).
+step). Then (--cprofile N) the same steps under cProfile: the host functions with the most time
+of their own per step (cProfile's overhead included), which tell the two causes of idle apart.
 
 The model is built as a worker builds it (`Model(cuda_graphs=True)`: every graph captured at
 load), with max(--batch) lanes."""

@@ -117,7 +117,7 @@ CURRENT = [
     ("early-exit-ouro", "cuda"), ("early-exit-ouro", "cpu"),
     ("gemv-invariant", "cuda"), ("profile-speculative", "cuda"),
     ("sampling", "cuda"), ("profile-exit", "cuda"), ("profile-exit-batch", "cuda"), ("profile-batch", "cuda"),
-    ("batch-fused", "cuda"), ("batch-interleave", "cuda"), ("attention-tiles", "cuda"),
+    ("batch-fused", "cuda"), ("batch-interleave", "cuda"),
     ("spec-batch", "cuda"), ("spec-batch", "cpu"),
 ]
 
@@ -873,24 +873,6 @@ def sampling_body(r: Result) -> str:
 PROFILE_BATCH_KERNELS = 8  # the kernels of the largest batch the doc lists (the JSON has every one)
 
 
-def attention_tiles_body(r: Result) -> str:
-    d = r.data
-    rows_in = [x for x in (d.get("rows") or []) if isinstance(x, dict)]
-    tiles = [tuple(t.get("tile") or ()) for t in (rows_in[0].get("tiles") or [])] if rows_in else []
-    rows = []
-    for x in rows_in:
-        us = {tuple(t.get("tile") or ()): t.get("us") for t in (x.get("tiles") or []) if isinstance(t, dict)}
-        best = min((t for t in x.get("tiles") or [] if isnum(t.get("us"))), key=lambda t: t["us"], default={})
-        rows.append([text(x.get("B")), text(x.get("context"))] + [num(us.get(t), ".1f") for t in tiles]
-                    + [num(best.get("GBps"), ".0f")])
-    return (f"Model {text(d.get('preset'))}: {text(d.get('heads'))} heads, {text(d.get('kv_heads'))} KV heads of "
-            f"{text(d.get('head_dim'))}, a cache of {text(d.get('max_seq_len'))} positions; µs per call of each "
-            "(slots a tile, pipeline stages), and the K / V bandwidth of the fastest.\n\n"
-            + table(["B", "cached slots"] + [f"{t[0]}, {t[1]}" for t in tiles] + ["fastest GB/s"],
-                    rows or [[DASH] * (3 + len(tiles))])
-            + "\n")
-
-
 def profile_batch_body(r: Result) -> str:
     d = r.data
     runs = [("one stream alone", d.get("alone"))] + [(f"{text(x.get('streams'))} streams", x)
@@ -1314,11 +1296,6 @@ PROFILE_BATCH_INTRO = ("`bench/profile_batch.py`: streams stepped together by th
                        "captured graphs, and one stream alone: the wall time of a step against the GPU's busy time "
                        "in it (the union of its kernels and copies); the rest is the device waiting on the host "
                        "or on the gaps between a graph's kernels.")
-ATTENTION_TILES_INTRO = ("`bench/attention_tiles.py`: the decode attention (`rope_decode_attention`, its split "
-                         "launch and the merge) at each batch size and number of cached slots, for each tile of "
-                         "its split kernel, calls back to back in a captured graph over caches past the L2. Three "
-                         "pipeline stages hold one program an SM; the launcher takes one stage where a batch's "
-                         "(row, KV head) pairs alone fill more than the SMs.")
 SAMPLING_INTRO = ("`bench/sampling.py`: sampled decoding against greedy on the embedded default model, one stream "
                   "alone and a batch whose streams sample together (all on one sampler, or each on its own "
                   "temperature, top-k, top-p and penalty), with the sampler replayed as one graph per row bucket "
@@ -1358,8 +1335,6 @@ def render(results: Path = RESULTS) -> str:
                 batch_interleave_body, batch_extra),
         section("Where a batched step's time goes", PROFILE_BATCH_INTRO, n(("profile-batch", "cuda")),
                 profile_batch_body),
-        section("The decode attention's tile", ATTENTION_TILES_INTRO, n(("attention-tiles", "cuda")),
-                attention_tiles_body),
         section("Prefill", PREFILL_INTRO, n(("prefill", "cuda")), prefill_body, prefill_extra),
         section("Warm-start resume vs fresh", WARM_INTRO, n(("warmstart", "cuda")), warmstart_body, warmstart_extra),
         section("Self-speculative decoding", SPEC_INTRO, n(("speculative", "cuda")), speculative_body,
