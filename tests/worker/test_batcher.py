@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.generation.batcher import Batcher, chunk_passes, expected_remaining
+from tinyloop.worker.generation.batcher import Batcher, chunk_passes, expected_remaining, regime_passes
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
 from tinyloop.worker.runner.stages import BatchStep
 
@@ -514,7 +514,7 @@ def test_interleaved_rows_each_run_their_own_iterations(tiny_path):
         assert {bk for bk, _ in graphs.replayed("batch")} <= {2}
         overhead = m.runner.pass_overhead
     depths, starts, passes = calls[0]
-    assert starts == [0] * 6 and passes == chunk_passes(depths, overhead)
+    assert starts == [0] * 6 and passes == regime_passes(depths, depths, overhead)
     # the first launch: every row embeds its token, `passes` passes, the coda for the rows done
     first = replays[:passes + 3]
     assert first == [(8, s) for s in ["prelude", *["iter"] * passes, "save", "coda"]]
@@ -548,6 +548,28 @@ def test_chunk_passes():
     for bad in ([], [0, 3]):
         with pytest.raises(ValueError, match="at least one iteration left"):
             chunk_passes(bad, 1.0)
+
+
+def test_regime_passes():
+    # a quarter each at 4, 8, 16, 32 (bench-285m's 3.3 passes of overhead): launches of 8, as
+    # chunk_passes takes from token boundaries
+    quarters = [4] * 16 + [8] * 16 + [16] * 16 + [32] * 16
+    assert regime_passes(quarters, quarters, 3.3) == 8
+    # the same depths out of step (a burst's rows start their tokens launches apart): the best
+    # launch now ends the depth-4 rows and the depth-8 rows at 4 left, every launch 4 passes
+    # long, while launches of 8 bring the rows in line and then cost less a row-iteration
+    depths = [4] * 22 + [8] * 15 + [16] * 12 + [32] * 15
+    remaining = [4] * 22 + [4] * 9 + [8] * 6 + [4, 8, 12, 16] * 3 + ([4, 8, 12, 16, 20, 24, 28, 32] * 2)[:15]
+    assert chunk_passes(remaining, 3.3) == 4 and regime_passes(depths, remaining, 3.3) == 8
+    assert regime_passes([16] * 12 + [32] * 15, [16] * 12 + [32] * 15, 3.3) == 16  # the shallow ones gone
+    assert regime_passes([32] * 4, [32, 7, 20, 1], 3.3) == 32   # one depth: a whole token a launch
+    assert regime_passes([32] * 2, [3, 5], 3.3) == 5            # no pass past the longest remainder
+    assert regime_passes([5, 32], [5, 32], 0.0) == 1            # no overhead: no row ever waits
+    assert regime_passes([6, 32], [6, 32], 3.3) == 8            # a length no depth has: 32 in four
+    for d, r, match in (([], [], "at least one row"), ([4], [4, 4], "one depth a row"),
+                        ([4, 8], [0, 3], "between one iteration"), ([4], [5], "between one iteration")):
+        with pytest.raises(ValueError, match=match):
+            regime_passes(d, r, 1.0)
 
 
 def test_host_cost_turns_into_passes():
