@@ -570,8 +570,8 @@ def test_rope_decode_attention_gpu_stages_change_nothing():
     B = sm_count(torch.device("cuda")) // Hkv + 4
     assert _split_stages(B, Hkv, torch.device("cuda"), True) == 1
     positions = [(97 * i) % S for i in range(B - 1)] + [S]  # and an idle lane
-    out, got = run_both(rope_decode_attention, B, H, Hkv, hd, S, torch.bfloat16, positions, seed=3,
-                        scale=hd ** -0.5)
+    out, _ = run_both(rope_decode_attention, B, H, Hkv, hd, S, torch.bfloat16, positions, seed=3,
+                      scale=hd ** -0.5)
     again = make_inputs(B, H, Hkv, hd, S, torch.bfloat16, positions, seed=3)
     assert torch.equal(rope_decode_attention(*again[:8], hd ** -0.5, tile=(128, SPLIT_STAGES)), out)
 

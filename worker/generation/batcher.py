@@ -65,8 +65,9 @@ Update = tuple[list[int], Finish | None] | Exception
 
 
 def chunk_passes(remaining: list[int], overhead: float) -> int:
-    """How many passes an interleaved launch runs, given each row's iterations left on its
-    token and the launch's own cost in passes (`Runner.pass_overhead`: prelude, coda, head):
+    """How many passes an interleaved launch with exit rules runs (the best launch for the rows
+    as they stand; rows of fixed depths take `regime_passes`), given each row's iterations left
+    on its token and the launch's own cost in passes (`Runner.pass_overhead`: prelude, coda, head):
     the count among the rows' remainders with the most row-iterations per unit of cost (a row
     whose token ends sooner waits for the launch's end, at no cost in a memory-bound pass);
     the fewer passes on a tie."""
