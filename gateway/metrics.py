@@ -18,6 +18,10 @@ TPOT = Histogram("tinyloop_time_per_output_token_seconds",
 DEPTH = Counter("tinyloop_requests_by_depth_total", "streams by the depth (loops) they asked for",
                 ["method", "loops"])
 QUEUED = Gauge("tinyloop_worker_queued_requests", "requests waiting for a cache lane", ["worker"])
+UP = Gauge("tinyloop_worker_up", "1 while the worker takes new work, 0 while it is out of placement "
+           "(a failed call or a health poll it did not answer in time) until it answers again", ["worker"])
+LEFT = Counter("tinyloop_worker_left_placement_total", "times a worker was taken out of placement, by cause",
+               ["worker", "cause"])
 RUNNING = Gauge("tinyloop_worker_running_lanes", "cache lanes held by a stream or a call", ["worker"])
 
 

@@ -88,6 +88,7 @@ class _Worker:
         self.others = 0
         self.label = info["worker_id"]
         self.healthy = True
+        metrics.UP.labels(self.label).set(1)
         self.lanes = max(1, int(info.get("lanes", 1)))
         for key, seconds in info.get("startup", {}).items():  # worker/api.py Model.startup
             if key.endswith("_s"):
@@ -204,10 +205,14 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", "no worker is available")
         return min(live, key=lambda w: w.load_now() / w.lanes)
 
-    def _worker_failed(self, w: _Worker) -> None:
-        """Take a failed worker out of placement until Ray has restarted it (new epoch)."""
+    def _worker_failed(self, w: _Worker, cause: str, detail: str) -> None:
+        """Take a failed worker out of placement until it answers again (after a restart, with a
+        new epoch). `cause` is the metric's label (a few fixed words), `detail` the log's."""
         if w.healthy:
             w.healthy = False
+            log.warning("%s is out of placement (%s): %s", w.label, cause, detail)
+            metrics.UP.labels(w.label).set(0)
+            metrics.LEFT.labels(w.label, cause).inc()
             loop = asyncio.get_running_loop()
             loop.create_task(self._probe(w))
             self._health_changed()
@@ -221,6 +226,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
             try:
                 await w.refresh(self.o.worker_channel)
                 w.healthy = True
+                metrics.UP.labels(w.label).set(1)
                 log.info("%s is back (epoch %d)", w.label, w.info["epoch"])
                 self._health_changed()
                 return
@@ -240,7 +246,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         try:
             out = await getattr(w.actor, method).remote(*args)
         except _ACTOR_ERRORS as e:
-            self._worker_failed(w)
+            self._worker_failed(w, "call_failed", f"{method}: {type(e).__name__}: {e}")
             raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} is unavailable: "
                                f"{type(e).__name__}") from None
         if out.WhichOneof("result") == "error":
@@ -413,7 +419,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                 "UNAVAILABLE", "DRAINING", "the gateway shut down before the stream finished; retry elsewhere"))
         except (_ChannelDown, *_ACTOR_ERRORS) as e:
             done = True
-            self._worker_failed(w)
+            self._worker_failed(w, "stream_failed", f"{actor_method} mid-stream: {type(e).__name__}: {e}")
             await self._fail(method, context, ServiceError(
                 "UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} failed mid-stream ({type(e).__name__}); "
                 "the request was not retried"))
@@ -717,8 +723,12 @@ class Gateway:
                                                    self.options.health_interval_s * 5)
                     if stats.get("epoch") != w.info.get("epoch"):  # Ray restarted it between two polls
                         await w.refresh(self.options.worker_channel, self.options.health_interval_s * 5)
-                except (asyncio.TimeoutError, *_ACTOR_ERRORS):
-                    self.servicer._worker_failed(w)
+                except asyncio.TimeoutError:
+                    self.servicer._worker_failed(w, "poll_timeout", f"no stats within "
+                                                 f"{self.options.health_interval_s * 5:g} s")
+                    continue
+                except _ACTOR_ERRORS as e:
+                    self.servicer._worker_failed(w, "poll_failed", f"{type(e).__name__}: {e}")
                     continue
                 w.polled(stats)
                 metrics.QUEUED.labels(w.label).set(stats["queued"])

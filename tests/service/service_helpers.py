@@ -47,3 +47,17 @@ def wait_idle(actors, timeout: float = 5.0, handles: bool = False) -> list[dict]
         if idle or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def wait_placeable(gateway, timeout: float = 10.0) -> None:
+    """Wait until the gateway sees every worker in placement with nothing on it (its own streams
+    and handle builds ended, none of another gateway's at the last poll), so a placement test
+    starts from equal workers; fail with the gateway's view where it does not come to that."""
+    servicer = gateway.gateway.servicer
+    deadline = time.monotonic() + timeout
+    while not all(w.healthy and w.load_now() == 0 for w in servicer.workers):
+        if time.monotonic() > deadline:
+            raise AssertionError("the workers did not come to rest in the gateway's view: " + ", ".join(
+                f"{w.label} healthy={w.healthy} inflight={w.inflight} others={w.others}"
+                for w in servicer.workers))
+        time.sleep(0.02)

@@ -7,6 +7,7 @@ import time
 import grpc
 import pytest
 import ray
+from prometheus_client import REGISTRY
 
 from tinyloop.client import TinyLoopClient, TinyLoopError
 
@@ -14,6 +15,13 @@ from service_helpers import running_service, wait_idle
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 99, 3, 42]
+CAUSES = ("call_failed", "stream_failed", "poll_timeout", "poll_failed")
+
+
+def times_left(worker: str) -> float:
+    """The gateway's count of the times it took the worker out of placement, every cause."""
+    return sum(REGISTRY.get_sample_value("tinyloop_worker_left_placement_total",
+                                         {"worker": worker, "cause": c}) or 0.0 for c in CAUSES)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +47,7 @@ def test_killed_worker_mid_stream(service):
     bystander = iter(bystander_stream)
     got = list(next(bystander).ids)
     assert got
+    left_before = {w: times_left(w) for w in ("worker-0", "worker-1")}
     ray.kill(actors[0], no_restart=False)
     assert ray.get(actors[1].stats.remote())["streams"] >= 1, "the bystander stream ended before the kill"
     with pytest.raises(TinyLoopError) as e:
@@ -73,6 +82,11 @@ def test_killed_worker_mid_stream(service):
     assert [w["epoch"] for w in info["workers"]] == [2, 1]
     while not all(w.healthy for w in gw.gateway.servicer.workers):
         time.sleep(0.1)
+    # the loss and the return show in the metrics: worker-0 left placement once (by whichever of
+    # the failed stream and the health poll saw it first) and is up again; worker-1 never left
+    assert times_left("worker-0") - left_before["worker-0"] == 1
+    assert times_left("worker-1") == left_before["worker-1"]
+    assert [REGISTRY.get_sample_value("tinyloop_worker_up", {"worker": w}) for w in ("worker-0", "worker-1")] == [1, 1]
     workers_seen = {c.generate(PROMPT, loops=2, max_tokens=30).collect()[1].worker_id for _ in range(4)}
     assert workers_seen == {"worker-0", "worker-1"}
     assert c.free_handle(survivor.handle_id) is True

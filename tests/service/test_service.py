@@ -14,7 +14,7 @@ import ray
 from tinyloop.client import AsyncTinyLoopClient, TinyLoopClient, TinyLoopError
 from tinyloop.gateway import handles
 
-from service_helpers import MAX_MESSAGE, wait_idle, worker_stats
+from service_helpers import MAX_MESSAGE, wait_idle, wait_placeable, worker_stats
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 99, 3, 42]
@@ -80,17 +80,22 @@ def test_generate_can_return_a_handle(client, local_model):
     client.free_handle(c.handle_id)
 
 
-def test_two_workers_handles_stay_new_work_spreads(client, actors):
-    built = [client.build_resume_handle(PROMPT, l_used=2, max_loops=6) for _ in range(6)]
-    assert {h.worker_id for h in built} == {"worker-0", "worker-1"}
-    for h in built:
-        assert handles.decode(h.handle_id).worker == int(h.worker_id.split("-")[1])
-        _, c = client.resume(h.handle_id, 4, max_tokens=3).collect()
-        assert c.worker_id == h.worker_id
-    per_worker = [s["handles"] for s in worker_stats(actors)]
-    assert per_worker == [sum(h.worker_id == f"worker-{i}" for h in built) for i in range(2)]
-    for h in built:
-        client.free_handle(h.handle_id)
+def test_two_workers_handles_stay_new_work_spreads(client, actors, gateway):
+    wait_placeable(gateway)
+    built = []
+    try:
+        for _ in range(6):
+            built.append(client.build_resume_handle(PROMPT, l_used=2, max_loops=6))
+        assert {h.worker_id for h in built} == {"worker-0", "worker-1"}
+        for h in built:
+            assert handles.decode(h.handle_id).worker == int(h.worker_id.split("-")[1])
+            _, c = client.resume(h.handle_id, 4, max_tokens=3).collect()
+            assert c.worker_id == h.worker_id
+        per_worker = [s["handles"] for s in worker_stats(actors)]
+        assert per_worker == [sum(h.worker_id == f"worker-{i}" for h in built) for i in range(2)]
+    finally:  # a failure here leaves no handle behind for the tests after it
+        for h in built:
+            client.free_handle(h.handle_id)
     # Concurrent streams go to the least-loaded worker: both take part.
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         done = list(pool.map(lambda _: client.generate(PROMPT, loops=4, max_tokens=40).collect()[1].worker_id,
@@ -99,11 +104,12 @@ def test_two_workers_handles_stay_new_work_spreads(client, actors):
     assert all(s["handles"] == 0 for s in wait_idle(actors))
 
 
-def test_new_work_goes_to_the_less_loaded_worker(client, actors):
+def test_new_work_goes_to_the_less_loaded_worker(client, actors, gateway):
     """Placement is by load, not by turn: while one worker runs long streams, every new
     request goes to the other (a rotation would alternate). Two streams, because the idle
     worker's polled count may still hold a request that just finished (up to a poll interval
     old): one stream could tie with it, two cannot."""
+    wait_placeable(gateway)
     h = client.build_resume_handle(PROMPT, l_used=2, max_loops=8)
     busy = h.worker_id
     streams = [client.resume(h.handle_id, 8, max_tokens=2000) for _ in range(2)]  # on the handle's worker
@@ -516,6 +522,7 @@ def test_prometheus_metrics_are_served_and_count(client):
     # the workers' own gauges and step histograms, from the gateway's probes
     for name in ("tinyloop_worker_queued_requests", "tinyloop_worker_running_lanes"):
         assert re.search(rf'^{name}\{{worker="worker-0"\}} 0.0$', after, re.M), name
+    assert re.search(r'^tinyloop_worker_up\{worker="worker-0"\} 1.0$', after, re.M), after
     rows = re.findall(r'^tinyloop_worker_batch_rows_count\{worker="[^"]+"\} ([0-9.e+]+)$', after, re.M)
     prefill = re.findall(r'^tinyloop_worker_prefill_tokens_per_step_sum\{worker="[^"]+"\} ([0-9.e+]+)$',
                          after, re.M)
