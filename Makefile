@@ -28,8 +28,9 @@ run: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
+# the slowest tests are listed after the run: the suite has to stay well inside CI's time
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 gpu-test: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
