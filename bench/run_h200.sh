@@ -23,8 +23,9 @@
 #                                          #   profile-batch: where a batched step's time goes, GPU busy against wall;
 #                                          #   attention-tiles: the decode attention's split tile by batch size and context)
 #
-# BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode and
-# base-batch run that checkout's decode / batch benchmarks into $OUT/base (BASE_COMMIT names it).
+# BASE=<an older checkout> adds the same-run baseline of a change: steps base-decode,
+# base-batch and base-load run that checkout's decode / batch / load benchmarks into $OUT/base
+# (BASE_COMMIT names it).
 #
 # Pass TINYLOOP_COMMIT=<commit> from the calling side when the host's copy of .git may be stale:
 # the JSONs record it. PACK_LOGS=1 packs the logs into logs.tgz at the end (fewer files to fetch).
@@ -97,6 +98,13 @@ for s in "${steps[@]}"; do
             args="--out-dir $(cd "$OUT/base" && pwd)"
             [ "$what" = decode ] && args="$args ${DECODE_ARGS:-}"
             run "$s" "${BASE_S:-150}" bash -c "cd '$BASE' && unset PYTHONPATH && source bench/gpu_env.sh && TINYLOOP_COMMIT='${BASE_COMMIT:-}' python -m bench.$what $args" ;;
+        base-load)  # the service under load from the checkout in BASE into $OUT/base (carry .whl): by
+            # default the plain and mixed bursts and the closed loops at 64 streams (no probes), what a
+            # scheduling change moves
+            mkdir -p "$OUT/base"
+            run base-load "${BASE_LOAD_S:-240}" bash -c "cd '$BASE' && export PYTHONPATH=/tmp/site && source bench/gpu_env.sh && \
+                TINYLOOP_COMMIT='${BASE_COMMIT:-}' python -m bench.load --out-dir '$(cd "$OUT/base" && pwd)' \
+                ${BASE_LOAD_ARGS:---concurrency 64 --probes 0}" ;;
         generate-ab)  # Model.generate of the checkout in BASE against this tree's, alternated (bench/generate_ab.py)
             run generate-ab "${GENAB_S:-300}" python -m bench.generate_ab --tree "base=$BASE" --tree head=. \
                 --out-dir "$OUT" ${GENAB_ARGS:-} ;;
