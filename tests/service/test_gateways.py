@@ -63,7 +63,14 @@ def test_placement_sees_the_load_another_gateway_put_on_a_worker(gateways):
         stream = a.resume(h.handle_id, 8, max_tokens=2000)  # runs on the handle's worker
         it = iter(stream)
         assert next(it).ids
-        time.sleep(0.5)  # several of the second gateway's polls
+        # the second gateway's polls have seen the stream, and both workers are in its placement
+        view = second.gateway.servicer.workers
+        busy = next(w for w in view if w.label == h.worker_id)
+        deadline = time.monotonic() + 10
+        while not (busy.others >= 1 and all(w.healthy for w in view)):
+            assert time.monotonic() < deadline, "the second gateway's polls did not see the stream: " + ", ".join(
+                f"{w.label} healthy={w.healthy} others={w.others}" for w in view)
+            time.sleep(0.02)
         seen = []
         for _ in range(4):
             # back to back: a poll in flight while the one before ran counts it as the second
