@@ -6,8 +6,8 @@ from kernel_tolerances import DEVICE, assert_close
 
 from tinyloop.kernels.gemv import ARGMAX_KEY_NONE, argmax_key_ref, gemv, gemv_ref
 
-CASES = [  # (N, K): a row block and a K chunk that divide, and ones that do not
-    (8, 64), (24, 192), (13, 100), (70, 33),
+CASES = [  # (N, K): the interpreter's row block and K chunk (INTERPRET_TILE) that divide, and ones that do not
+    (64, 64), (24, 192), (13, 100), (70, 33),
 ]
 # (N, K, swiglu) of bench-285m's projections (wqkv, wo, w13, w2, head), bf16 on the GPU
 GPU_SHAPES = [(6144, 2048, False), (2048, 2048, False), (11264, 2048, True), (2048, 5632, False),
@@ -495,7 +495,7 @@ def test_gemv_rejects_other_out_dtypes():
 
 # invariant=True: any M through the M = 1 kernel, a few rows a program, so each row is bit for
 # bit the invariant M = 1 call's for that row alone. Under the interpreter the M = 1 tile is
-# 8 x 64: N = 13 leaves a partial last row block and K = 100 two chunks, the last partial;
+# INTERPRET_TILE, 32 x 64: N = 13 leaves a partial row block and K = 100 two chunks, the last partial;
 # K = 40 takes the one-chunk path. (Shapes this small: the interpreter runs ~100 programs a
 # second, and M = 33 is 33 programs per row block.)
 INV_N, INV_K = 13, 100
