@@ -496,6 +496,12 @@ def test_prometheus_metrics_are_served_and_count(client):
         m = re.search(rf"^{name}\{{{labels}\}} ([0-9.e+]+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 
+    wt = "tinyloop_worker_time_to_first_token_seconds"
+
+    def worker_streams(before: str, after: str) -> float:
+        return sum(value(after, f"{wt}_count", f'worker="{w}"') - value(before, f"{wt}_count", f'worker="{w}"')
+                   for w in ("worker-0", "worker-1"))
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -504,8 +510,14 @@ def test_prometheus_metrics_are_served_and_count(client):
         before = scrape()
         ids, _ = client.generate(PROMPT, loops=2, max_tokens=7).collect()
         expect(INVALID, "INVALID_ARGUMENT", client.generate([], max_tokens=4).collect)
-        time.sleep(2.5)  # a health probe (every second) brings the workers' step histograms
-        after = scrape()
+        # a health probe (every second) brings the workers' step histograms: wait for the one
+        # that brings this stream's worker-side first token (a loaded host can delay it)
+        deadline = time.monotonic() + 15
+        while True:
+            after = scrape()
+            if worker_streams(before, after) >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         server.shutdown()
         thread.join()
@@ -533,10 +545,7 @@ def test_prometheus_metrics_are_served_and_count(client):
     # the worker-side time to first tokens: the stream above counted (with any of the test before
     # whose count the probe before `before` had not brought yet), within the gateway's (the
     # worker's clock starts after the gateway's and stops before the chunk reaches it)
-    wt = "tinyloop_worker_time_to_first_token_seconds"
-    streams = sum(value(after, f"{wt}_count", f'worker="{w}"') - value(before, f"{wt}_count", f'worker="{w}"')
-                  for w in ("worker-0", "worker-1"))
-    assert streams >= 1, after
+    assert worker_streams(before, after) >= 1, after
     worker_s = sum(value(after, f"{wt}_sum", f'worker="{w}"') for w in ("worker-0", "worker-1"))
     gateway_s = float(re.search(r"^tinyloop_time_to_first_token_seconds_sum ([0-9.e+-]+)$", after, re.M).group(1))
     assert 0 < worker_s <= gateway_s, after
