@@ -37,7 +37,7 @@ def worker_stats(actors) -> list[dict]:
     return ray.get([a.stats.remote() for a in actors])
 
 
-def wait_idle(actors, timeout: float = 5.0, handles: bool = False) -> list[dict]:
+def wait_idle(actors, timeout: float = 15.0, handles: bool = False) -> list[dict]:
     """Poll the worker-side counts until no lane (and, with handles, no handle) is in use."""
     deadline = time.monotonic() + timeout
     while True:
