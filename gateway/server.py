@@ -146,6 +146,13 @@ def _deadline(context, p) -> None:
         p.timeout_s = remaining
 
 
+def _brief(e: BaseException) -> str:
+    """An error for one log line: its type and the first line of its message (a Ray actor
+    error's message carries the actor's whole traceback)."""
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 class _ChannelDown(Exception):
     """The worker's token channel broke mid-call (the worker died or restarted)."""
 
@@ -246,7 +253,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
         try:
             out = await getattr(w.actor, method).remote(*args)
         except _ACTOR_ERRORS as e:
-            self._worker_failed(w, "call_failed", f"{method}: {type(e).__name__}: {e}")
+            self._worker_failed(w, "call_failed", f"{method}: {_brief(e)}")
             raise ServiceError("UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} is unavailable: "
                                f"{type(e).__name__}") from None
         if out.WhichOneof("result") == "error":
@@ -419,7 +426,7 @@ class TinyLoopServicer(pb_grpc.TinyLoopServicer):
                 "UNAVAILABLE", "DRAINING", "the gateway shut down before the stream finished; retry elsewhere"))
         except (_ChannelDown, *_ACTOR_ERRORS) as e:
             done = True
-            self._worker_failed(w, "stream_failed", f"{actor_method} mid-stream: {type(e).__name__}: {e}")
+            self._worker_failed(w, "stream_failed", f"{actor_method} mid-stream: {_brief(e)}")
             await self._fail(method, context, ServiceError(
                 "UNAVAILABLE", "WORKER_UNAVAILABLE", f"{w.label} failed mid-stream ({type(e).__name__}); "
                 "the request was not retried"))
@@ -724,11 +731,12 @@ class Gateway:
                     if stats.get("epoch") != w.info.get("epoch"):  # Ray restarted it between two polls
                         await w.refresh(self.options.worker_channel, self.options.health_interval_s * 5)
                 except asyncio.TimeoutError:
-                    self.servicer._worker_failed(w, "poll_timeout", f"no stats within "
-                                                 f"{self.options.health_interval_s * 5:g} s")
+                    self.servicer._worker_failed(w, "poll_timeout", f"no answer within "
+                                                 f"{self.options.health_interval_s * 5:g} s (its stats, or "
+                                                 "its info after a restart)")
                     continue
                 except _ACTOR_ERRORS as e:
-                    self.servicer._worker_failed(w, "poll_failed", f"{type(e).__name__}: {e}")
+                    self.servicer._worker_failed(w, "poll_failed", _brief(e))
                     continue
                 w.polled(stats)
                 metrics.QUEUED.labels(w.label).set(stats["queued"])

@@ -2,6 +2,7 @@
 its old handles answer HANDLE_LOST, and the other worker serves throughout."""
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -30,8 +31,9 @@ def service(ray_cluster, model_path):
         yield service
 
 
-def test_killed_worker_mid_stream(service):
+def test_killed_worker_mid_stream(service, caplog):
     actors, gw = service
+    caplog.set_level(logging.WARNING, logger="tinyloop.gateway")
     c = TinyLoopClient(gw.address, caller="alice")
     h = {}
     while len(h) < 2:
@@ -87,6 +89,9 @@ def test_killed_worker_mid_stream(service):
     assert times_left("worker-0") - left_before["worker-0"] == 1
     assert times_left("worker-1") == left_before["worker-1"]
     assert [REGISTRY.get_sample_value("tinyloop_worker_up", {"worker": w}) for w in ("worker-0", "worker-1")] == [1, 1]
+    # and the gateway's log says so, one line with the cause
+    out = [r.getMessage() for r in caplog.records if "is out of placement" in r.getMessage()]
+    assert len(out) == 1 and out[0].startswith("worker-0 is out of placement (") and "\n" not in out[0], out
     workers_seen = {c.generate(PROMPT, loops=2, max_tokens=30).collect()[1].worker_id for _ in range(4)}
     assert workers_seen == {"worker-0", "worker-1"}
     assert c.free_handle(survivor.handle_id) is True
