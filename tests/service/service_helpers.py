@@ -49,15 +49,21 @@ def wait_idle(actors, timeout: float = 15.0, handles: bool = False) -> list[dict
         time.sleep(0.02)
 
 
+def wait_view(gateway, ready, what: str, timeout: float = 10.0) -> None:
+    """Wait until ready(the gateway's workers) holds; fail with `what` and the gateway's view of
+    each worker (in placement, its own in-flight count, the others' at the last poll)."""
+    workers = gateway.gateway.servicer.workers
+    deadline = time.monotonic() + timeout
+    while not ready(workers):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: " + ", ".join(
+                f"{w.label} healthy={w.healthy} inflight={w.inflight} others={w.others}" for w in workers))
+        time.sleep(0.02)
+
+
 def wait_placeable(gateway, timeout: float = 10.0) -> None:
     """Wait until the gateway sees every worker in placement with nothing on it (its own streams
     and handle builds ended, none of another gateway's at the last poll), so a placement test
-    starts from equal workers; fail with the gateway's view where it does not come to that."""
-    servicer = gateway.gateway.servicer
-    deadline = time.monotonic() + timeout
-    while not all(w.healthy and w.load_now() == 0 for w in servicer.workers):
-        if time.monotonic() > deadline:
-            raise AssertionError("the workers did not come to rest in the gateway's view: " + ", ".join(
-                f"{w.label} healthy={w.healthy} inflight={w.inflight} others={w.others}"
-                for w in servicer.workers))
-        time.sleep(0.02)
+    starts from equal workers."""
+    wait_view(gateway, lambda workers: all(w.healthy and w.load_now() == 0 for w in workers),
+              "the workers did not come to rest in the gateway's view", timeout)

@@ -4,13 +4,11 @@ serve --attach` does for an extra replica) resumes and frees handles the first o
 places new work by the load the other gateway put on each worker."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tinyloop.client import TinyLoopClient
 
-from service_helpers import MAX_MESSAGE, running_service, wait_idle
+from service_helpers import MAX_MESSAGE, running_service, wait_idle, wait_view
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 99, 3, 42]
@@ -64,13 +62,9 @@ def test_placement_sees_the_load_another_gateway_put_on_a_worker(gateways):
         it = iter(stream)
         assert next(it).ids
         # the second gateway's polls have seen the stream, and both workers are in its placement
-        view = second.gateway.servicer.workers
-        busy = next(w for w in view if w.label == h.worker_id)
-        deadline = time.monotonic() + 10
-        while not (busy.others >= 1 and all(w.healthy for w in view)):
-            assert time.monotonic() < deadline, "the second gateway's polls did not see the stream: " + ", ".join(
-                f"{w.label} healthy={w.healthy} others={w.others}" for w in view)
-            time.sleep(0.02)
+        busy = next(w for w in second.gateway.servicer.workers if w.label == h.worker_id)
+        wait_view(second, lambda workers: busy.others >= 1 and all(w.healthy for w in workers),
+                  "the second gateway's polls did not see the stream")
         seen = []
         for _ in range(4):
             # back to back: a poll in flight while the one before ran counts it as the second
