@@ -508,7 +508,8 @@ def test_the_decode_loop_never_waits_for_the_gpu(pair):
 def test_graph_count_does_not_depend_on_the_lanes(tiny_path, pair, monkeypatch):
     """Cache slots are device inputs, so no graph belongs to a lane: a model of 2 lanes and one
     of 8 capture the same decode (one per depth), prefill and verify graphs (one per bucket and
-    stage); only the batch buckets grow, one per power of two up to the lane count. One decode
+    stage); only the batch buckets grow, one per power of two up to the lane count (each with
+    its stages and the greedy tokens' stage). One decode
     graph serves two streams on lanes 3 and 5 interleaved step by step (every replay reloads
     the lane and the position), greedy and sampled, each its stream alone and the reference."""
     from tinyloop.worker.generation.decode import decode_steps
@@ -546,8 +547,10 @@ def test_graph_count_does_not_depend_on_the_lanes(tiny_path, pair, monkeypatch):
                         ref.generate(p, loops=4, max_tokens=12, **extra), lane
         finally:
             m.close()
-    assert counts[2][:3] == counts[8][:3] == [L, 2 * (L + 2), 3 * (L + 2)]
-    assert (counts[2][3], counts[8][3]) == (L + 2, 3 * (L + 2))
+    stages = len(PaddedPrefill.stages(L))  # prelude, L iterations, coda
+    assert counts[2][:3] == counts[8][:3] == [L, 2 * stages, 3 * stages]
+    batch = len(BatchStep.stages(L))  # and the greedy tokens' stage after the coda
+    assert (counts[2][3], counts[8][3]) == (batch, 3 * batch)
 
 
 def test_close_frees_the_graphs_without_a_collection(tiny_path):
