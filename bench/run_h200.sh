@@ -57,7 +57,9 @@ run() {  # run NAME SECONDS CMD...: time-limited, logged, never aborts the scrip
 
 for s in "${steps[@]}"; do
     case $s in
-        tests) run tests "${TESTS_S:-200}" python -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/worker/test_gpu_engine.py tests/worker/test_gpu_sampling.py tests/worker/test_l2_policy.py tests/worker/test_rope_tables.py tests/test_bench.py} -q -p no:cacheprovider ;;
+        # -v: each test named in tests.log as it ends, so a run cut short by its limit still says
+        # which failed (about 6 minutes on an H100)
+        tests) run tests "${TESTS_S:-420}" python -m pytest -m gpu ${TEST_PATHS:-tests/kernels tests/worker/test_gpu_engine.py tests/worker/test_gpu_sampling.py tests/worker/test_l2_policy.py tests/worker/test_rope_tables.py tests/test_bench.py} -v --tb=short -rf -p no:cacheprovider ;;
         gemv) run gemv 90 python -m bench.gemv --out-dir "$OUT" ;;
         profile) run profile "${PROFILE_S:-90}" python -m bench.profile_decode --out-dir "$OUT" ${PROFILE_ARGS:-} ;;
         families) run families "${FAMILIES_S:-420}" python -m bench.families --out-dir "$OUT" ${FAMILIES_ARGS:-} ;;
