@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tinyloop.worker import Model
-from tinyloop.worker.generation.batcher import Batcher, chunk_passes, expected_remaining, regime_passes
+from tinyloop.worker.generation.batcher import Batcher, chunk_passes, expected_remaining
 from tinyloop.worker.generation.decode import DecodeState, decode_steps
 from tinyloop.worker.runner.stages import BatchStep
 
@@ -514,7 +514,7 @@ def test_interleaved_rows_each_run_their_own_iterations(tiny_path):
         assert {bk for bk, _ in graphs.replayed("batch")} <= {2}
         overhead = m.runner.pass_overhead
     depths, starts, passes = calls[0]
-    assert starts == [0] * 6 and passes == regime_passes(depths, depths, overhead)
+    assert starts == [0] * 6 and passes == chunk_passes(depths, overhead)
     # the first launch: every row embeds its token, `passes` passes, the coda for the rows done
     first = replays[:passes + 3]
     assert first == [(8, s) for s in ["prelude", *["iter"] * passes, "save", "coda"]]
@@ -548,60 +548,6 @@ def test_chunk_passes():
     for bad in ([], [0, 3]):
         with pytest.raises(ValueError, match="at least one iteration left"):
             chunk_passes(bad, 1.0)
-
-
-def test_regime_passes():
-    # a quarter each at 4, 8, 16, 32 (bench-285m's 3.3 passes of overhead): launches of 8, as
-    # chunk_passes takes from token boundaries
-    quarters = [4] * 16 + [8] * 16 + [16] * 16 + [32] * 16
-    assert regime_passes(quarters, quarters, 3.3) == 8
-    # the same depths out of step (a burst's rows start their tokens launches apart): the best
-    # launch now ends the depth-4 rows and the depth-8 rows at 4 left, every launch 4 passes
-    # long, while launches of 8 bring the rows in line and then cost less a row-iteration
-    depths = [4] * 22 + [8] * 15 + [16] * 12 + [32] * 15
-    remaining = [4] * 22 + [4] * 9 + [8] * 6 + [4, 8, 12, 16] * 3 + ([4, 8, 12, 16, 20, 24, 28, 32] * 2)[:15]
-    assert chunk_passes(remaining, 3.3) == 4 and regime_passes(depths, remaining, 3.3) == 8
-    assert regime_passes([16] * 12 + [32] * 15, [16] * 12 + [32] * 15, 3.3) == 16  # the shallow ones gone
-    assert regime_passes([32] * 4, [32, 7, 20, 1], 3.3) == 32   # one depth: a whole token a launch
-    assert regime_passes([32] * 2, [3, 5], 3.3) == 5            # no pass past the longest remainder
-    assert regime_passes([5, 32], [5, 32], 0.0) == 1            # no overhead: no row ever waits
-    assert regime_passes([6, 32], [6, 32], 3.3) == 8            # a length no depth has: 32 in four
-    for d, r, match in (([], [], "at least one row"), ([4], [4, 4], "one depth a row"),
-                        ([4, 8], [0, 3], "between one iteration"), ([4], [5], "between one iteration")):
-        with pytest.raises(ValueError, match=match):
-            regime_passes(d, r, 1.0)
-
-
-def _burst_cost(policy, depths: list[int], tokens: int, per_launch: int, overhead: float) -> float:
-    """Launches over a burst of rows at fixed depths, `per_launch` of them joining before each
-    launch until all have, each decoding `tokens` tokens: the passes the launches cost in all,
-    each launch its passes and its overhead (the model `regime_passes` and `chunk_passes` cost
-    launches by)."""
-    waiting, rows, cost = list(depths), [], 0.0
-    while waiting or rows:
-        rows += [[d, tokens, d] for d in waiting[:per_launch]]  # depth, tokens left, iterations left
-        waiting = waiting[per_launch:]
-        g = policy([r[0] for r in rows], [r[2] for r in rows])
-        cost += g + overhead
-        for r in rows:
-            if r[2] <= g:
-                r[1], r[2] = r[1] - 1, r[0]
-            else:
-                r[2] -= g
-        rows = [r for r in rows if r[1]]
-    return cost
-
-
-def test_regime_passes_costs_a_burst_less_than_the_best_launch_now():
-    """A burst of streams at depths 4 to 32 joining eight a launch (a scheduler prefills eight
-    prompts a step): launches of regime_passes' length cost the burst fewer passes in all than
-    the best launch for the rows as they stand, which holds them out of step."""
-    import random
-    rng = random.Random(7)
-    depths = [rng.choice([4, 8, 16, 32]) for _ in range(64)]
-    regime = _burst_cost(lambda d, r: regime_passes(d, r, 3.3), depths, 32, 8, 3.3)
-    best_now = _burst_cost(lambda d, r: chunk_passes(r, 3.3), depths, 32, 8, 3.3)
-    assert regime < 0.93 * best_now, (regime, best_now)  # 1,296 passes against 1,435
 
 
 def test_host_cost_turns_into_passes():

@@ -22,8 +22,8 @@ is then a number of passes over every stream's row, each row at its own iteratio
 token, and only the rows whose token reaches its depth come back with logits; the others go on
 in the next launch from where they stopped. So a stream at depth 4 decodes several tokens
 (up to eight) while one at depth 32 decodes one, instead of every row's step lasting the
-deepest row's 32 iterations. How many passes a launch runs is `regime_passes`' choice (with
-exit rules, `chunk_passes`'). Rows of one depth at a token boundary run the plain batched step.
+deepest row's 32 iterations. How many passes a launch runs is `chunk_passes`' choice. Rows of
+one depth at a token boundary run the plain batched step.
 
 Where the runner says so (`Runner.exit_interleaves`: on CUDA), streams with an early-exit rule
 interleave too where the rule can be checked inside the passes (`ExitRule.interleaves`: the gate
@@ -65,9 +65,8 @@ Update = tuple[list[int], Finish | None] | Exception
 
 
 def chunk_passes(remaining: list[int], overhead: float) -> int:
-    """How many passes an interleaved launch with exit rules runs (the best launch for the rows
-    as they stand; rows of fixed depths take `regime_passes`), given each row's iterations left
-    on its token and the launch's own cost in passes (`Runner.pass_overhead`: prelude, coda, head):
+    """How many passes an interleaved launch runs, given each row's iterations left on its
+    token and the launch's own cost in passes (`Runner.pass_overhead`: prelude, coda, head):
     the count among the rows' remainders with the most row-iterations per unit of cost (a row
     whose token ends sooner waits for the launch's end, at no cost in a memory-bound pass);
     the fewer passes on a tie."""
@@ -80,36 +79,6 @@ def chunk_passes(remaining: list[int], overhead: float) -> int:
         if r > rate * (1 + 1e-12):
             best, rate = g, r
     return best
-
-
-def regime_passes(depths: list[int], remaining: list[int], overhead: float) -> int:
-    """How many passes an interleaved launch of rows with no exit rule runs, given each row's
-    depth and iterations left on its token and the launch's own cost in passes (as
-    `chunk_passes`): the length g of a run of equal launches with the most row-iterations per
-    unit of cost once the rows keep to it (a row at depth d then takes ceil(d / g) launches a
-    token and waits for the launch's end where its token ends sooner), capped at the longest
-    remainder; the fewer passes on a tie.
-
-    Launches of one length keep the rows in step: a row whose token ends mid-launch waits for
-    the launch's end, so its next token starts on the launches' boundaries, and within two
-    launches every row is in line. The best launch now (`chunk_passes`) is not: its length is
-    where most rows end, so the rows that end elsewhere fall out of step with them, and the
-    launches stay as short as the shallowest rows, paying their prelude, coda and head often.
-    A stream's depth is fixed, so its rows' steady state is known; an exit rule's is not, and
-    those launches take `chunk_passes` over the expected remainders."""
-    if not depths or len(depths) != len(remaining):
-        raise ValueError(f"one depth a row, for at least one row, got {len(depths)} depths for {len(remaining)} rows")
-    if min(remaining) < 1 or any(r > d for d, r in zip(depths, remaining)):
-        raise ValueError(f"every row has between one iteration and its depth left, got {remaining} of {depths}")
-    counts = Counter(depths)
-    # every length after which some depth takes one launch fewer a token: ceil(d / k) for k >= 1
-    lengths = sorted({-(-d // k) for d in counts for k in range(1, d + 1)})
-    best, rate = 0, -1.0
-    for g in lengths:
-        r = sum(n * d / -(-d // g) for d, n in counts.items()) / (overhead + g)
-        if r > rate * (1 + 1e-12):
-            best, rate = g, r
-    return min(best, max(remaining))
 
 
 EXIT_HISTORY = 4  # a stream's latest token depths that its next token's expected depth reads
@@ -551,12 +520,8 @@ class Batcher:
             positions.append(st.pos)
         exits = rules if any(r is not None for r in rules) else None
         overhead = self.runner.pass_overhead
-        if drain:
-            passes = max(d - s for d, s in zip(depths, starts))
-        elif exits:
-            passes = chunk_passes(expected, overhead + self.host_cost.passes)
-        else:
-            passes = regime_passes(depths, expected, overhead)
+        passes = (max(d - s for d, s in zip(depths, starts)) if drain else
+                  chunk_passes(expected, overhead + (self.host_cost.passes if exits else 0.0)))
         out = self.runner.interleave(lanes, tokens, positions, depths, starts, passes,
                                      on_device=self._device_tokens(lanes, on_device, values), prev=self._last,
                                      exits=exits)
