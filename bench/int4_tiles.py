@@ -139,15 +139,16 @@ def call(shape, w, x, nw, res, G, bits, tile, M=1, pdl=None):
     return lambda: q4.int4_gemv(xs, *w, G, **kw)
 
 
-def check(fn, shape, w, x, nw, res, G, bits, M=1) -> str | None:
-    """None, or why the tile's output is off the reference (the kernel tests' tolerance)."""
+def check(fn, shape, w, x, nw, res, G, bits, M=1, tile=None) -> str | None:
+    """None, or why the tile's output is off the reference (the kernel tests' tolerance; the
+    reference rounds where the call on this tile does)."""
     xs = x if M == 1 else x.expand(M, -1).contiguous()
     kw = dict(bits=bits, swiglu=shape["swiglu"])
     if shape["norm"]:
         kw["norm_weight"] = nw
     if shape["residual"]:
         kw["residual"] = res if M == 1 else res.expand(M, -1).contiguous()
-    ref = q4.int4_gemv_ref(xs, *w, G, **kw).float()
+    ref = q4.int4_gemv_ref(xs, *w, G, tile=tile, **kw).float()
     y = fn().float()
     if not torch.isfinite(y).all():
         return "non-finite output"
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             if why is None:
                 fn = call(s, w, x, nw, res, G, bits, t, M, pdl)
                 try:
-                    why = check(fn, s, w, x, nw, res, G, bits, M)
+                    why = check(fn, s, w, x, nw, res, G, bits, M, t)
                 except Exception as e:  # noqa: BLE001
                     why = f"{type(e).__name__}: {e}"[:300]
             if why is not None:

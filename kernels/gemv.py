@@ -993,12 +993,24 @@ def argmax_key_ref(y):
 
 def gemv_ref(x, weight, *, norm_weight=None, eps=1e-6, swiglu=False, residual=None, pdl=None,
              out_dtype=None, argmax_key=None, eviction_policy="", invariant=False, tables=None, autotune=False,
-             rows_per_program=None):
+             rows_per_program=None, rounds_normed_x=None):
     """The spec, in plain torch: the unfused ops, each rounding where the fused kernel does,
     row by row over x's leading dims (the norm statistics are per row). (pdl and
     eviction_policy change how the kernel reads, not what it computes; invariant, tables and
-    autotune, which summation order a row gets, and this spec has one of its own.)"""
-    y = (x.float() * (1 if norm_weight is None else norm_weight.float())) @ weight.float().t()
+    autotune, which summation order a row gets, and this spec has one of its own.)
+    rounds_normed_x: whether x times the norm weight is rounded to x's dtype before the
+    product, as the batched kernel does (its dot takes both operands in one dtype); None: as
+    `gemv` runs, M > 1 rows without invariant. Unmodelled, that rounding moves a SwiGLU output
+    past the projection tolerance at bench-285m's shapes, where the up value scales the gate's
+    error."""
+    xn = x.float()
+    if norm_weight is not None:
+        if rounds_normed_x is None:
+            rounds_normed_x = math.prod(x.shape[:-1]) > 1 and not invariant
+        xn = xn * norm_weight.float()
+        if rounds_normed_x:
+            xn = xn.to(x.dtype).float()
+    y = xn @ weight.float().t()
     if norm_weight is not None:
         y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     y = y.to(x.dtype)

@@ -794,8 +794,9 @@ TILES: dict[str, dict[tuple, tuple]] = {
 MATMUL_TILES: dict[str, dict[tuple, tuple]] = {
     # bench/int4_tiles.py --rows 4 16 (bench/results/int4-tiles-cuda.json) and --rows 8
     # (int4-tiles-rows8-cuda.json) on the H200: bench-285m's projections; a pairs tile runs the
-    # rows one by one (`_rows_tile`), where it beat every GEMM tile (the GEMM's SwiGLU tiles missed
-    # the sweep's tolerance at these shapes)
+    # rows one by one (`_rows_tile`), where it beat every GEMM tile that passed the sweep's check
+    # (that sweep's reference did not round x times the norm weight as the GEMM does, so it
+    # failed every GEMM tile of the SwiGLU projection: a new sweep compares them too)
     "NVIDIA H200": {
         (4, 6144, 2048, 128, 4, True, False, False): ('pairs', 128, 1, 4, 1, 4),
         (4, 2048, 2048, 128, 4, False, False, True): ('pairs', 256, 1, 8, 1, 8),
@@ -1081,9 +1082,19 @@ def int4_dequantize_ref(qweight, scales, zeros, group_size, bits=4):
     return (q - zeros.float().repeat_interleave(group_size, 1)) * scales.float().repeat_interleave(group_size, 1)
 
 
-def int4_gemv_ref(x, qweight, scales, zeros, group_size, bits=4, **options):
-    """The spec: kernels.gemv's reference on the dequantized weight, rounded to x's dtype."""
+def int4_gemv_ref(x, qweight, scales, zeros, group_size, bits=4, *, tile=None, tables=None, **options):
+    """The spec: kernels.gemv's reference on the dequantized weight, rounded to x's dtype. x
+    times the norm weight is rounded to x's dtype where `int4_gemv` (with this tile and these
+    tables) runs the GEMM, whose dot takes it so (`_x_cols`); the M = 1 kernels and a pairs
+    tile's rows keep it exact."""
     from .gemv import gemv_ref
+    if options.get("norm_weight") is not None and "rounds_normed_x" not in options:
+        M = math.prod(x.shape[:-1])
+        swiglu = bool(options.get("swiglu"))
+        flags = dict(NORM=True, SWIGLU=swiglu, RESIDUAL=options.get("residual") is not None)
+        N = qweight.shape[0] // (2 if swiglu else 1)
+        options["rounds_normed_x"] = M > 1 and _rows_tile("int4_gemv_ref", x, qweight, group_size, bits, flags, N,
+                                                          x.shape[-1], M, tile, tables) is None
     return gemv_ref(x, int4_dequantize_ref(qweight, scales, zeros, group_size, bits).to(x.dtype), **options)
 
 

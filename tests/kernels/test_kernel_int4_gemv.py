@@ -173,7 +173,7 @@ def test_int4_gemv_mma_matches_ref(N, K, G, tile, kernel, dtype, norm, swiglu, r
         kw["residual"] = torch.randn(1, 1, N, generator=g).to(DEVICE, dtype)
     y = int4_gemv(x, *q, G, swiglu=swiglu, pdl=pdl, tile=tile, **kw)
     assert y.shape == (1, 1, N)
-    assert_close(y, int4_gemv_ref(x, *q, G, swiglu=swiglu, **kw), "projection")
+    assert_close(y, int4_gemv_ref(x, *q, G, swiglu=swiglu, tile=tile, **kw), "projection")
 
 
 def one_hot_columns(q, G, dtype, cols, tile):
@@ -284,7 +284,7 @@ def test_int4_matmul_explicit_tiles(tile):
     x = torch.randn(5, 256, generator=g).to(DEVICE)
     assert_close(int4_matmul(x, *q, 64, tile=tile), int4_matmul_ref(x, *q, 64), "projection")
     nw = torch.rand(256, generator=g).to(DEVICE)
-    assert_close(int4_gemv(x, *q, 64, norm_weight=nw, tile=tile), int4_gemv_ref(x, *q, 64, norm_weight=nw),
+    assert_close(int4_gemv(x, *q, 64, norm_weight=nw, tile=tile), int4_gemv_ref(x, *q, 64, norm_weight=nw, tile=tile),
                  "projection")
 
 
@@ -302,7 +302,8 @@ def test_int4_mma_bench_285m_shapes(N, K, swiglu, tile):
     nw = torch.rand(K, generator=g).to(DEVICE, torch.bfloat16)
     res = torch.randn(1, 1, N, generator=g).to(DEVICE, torch.bfloat16)
     assert_close(int4_gemv(x, *q, 128, norm_weight=nw, swiglu=swiglu, pdl=True, eviction_policy="evict_last",
-                           tile=tile), int4_gemv_ref(x, *q, 128, norm_weight=nw, swiglu=swiglu), "projection")
+                           tile=tile),
+                 int4_gemv_ref(x, *q, 128, norm_weight=nw, swiglu=swiglu, tile=tile), "projection")
     assert_close(int4_gemv(x, *q, 128, residual=res, swiglu=swiglu, pdl=False, tile=tile),
                  int4_gemv_ref(x, *q, 128, residual=res, swiglu=swiglu), "projection")
     if not swiglu:
@@ -329,7 +330,7 @@ def test_int4_pairs_rows_are_each_the_one_row_call(rows, norm, swiglu, residual,
         one = int4_gemv(x[m:m + 1], *q, G, swiglu=swiglu, tile=tile, residual=None if res is None else res[m:m + 1],
                         **kw)
         assert torch.equal(y[m:m + 1], one), m
-    assert_close(y, int4_gemv_ref(x, *q, G, swiglu=swiglu, residual=res, **kw), "projection")
+    assert_close(y, int4_gemv_ref(x, *q, G, swiglu=swiglu, residual=res, tile=tile, **kw), "projection")
 
 
 def test_int4_rows_tile_refusals():
