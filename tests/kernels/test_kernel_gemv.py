@@ -215,7 +215,8 @@ def test_untabled_shapes_take_a_fixed_tile_not_the_autotuner():
         x = torch.randn(M, 1, 320, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(448, 320, device="cuda") / 320 ** 0.5).to(torch.bfloat16)
         nw = (1 + 0.1 * torch.randn(320, device="cuda")).to(torch.bfloat16)
-        assert_close(gemv(x, w, norm_weight=nw, invariant=invariant), gemv_ref(x, w, norm_weight=nw), "projection")
+        assert_close(gemv(x, w, norm_weight=nw, invariant=invariant),
+                     gemv_ref(x, w, norm_weight=nw, invariant=invariant), "projection")
     assert not gemv_mod._gemv_tuned.cache and not gemv_mod._gemv_rows_tuned.cache
 
 
@@ -517,10 +518,11 @@ def first_rows(kw, rows):
 
 
 def assert_matches_ref(y, x, w, kw):
-    """y within the projection tolerance of gemv_ref; a float32 y (out_f32) holds values of x's
-    dtype, so it is compared in x's dtype, with that dtype's tolerance."""
+    """y, an invariant call's, within the projection tolerance of gemv_ref's invariant spec; a
+    float32 y (out_f32) holds values of x's dtype, so it is compared in x's dtype, with that
+    dtype's tolerance."""
     ref_kw = {k: v for k, v in kw.items() if k != "out_dtype"}
-    assert_close(y.to(x.dtype), gemv_ref(x, w, **ref_kw), "projection")
+    assert_close(y.to(x.dtype), gemv_ref(x, w, invariant=True, **ref_kw), "projection")
 
 
 @pytest.mark.parametrize("fusion,dtype,pdl,K", [
