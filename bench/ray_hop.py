@@ -9,9 +9,14 @@ worker's token channel (worker/serving/channel.py: frames on a TCP connection fr
 process, the real channel server in front of the actor's `generate`). The worker yields the first tokens
 at once. This measures both alone on a local Ray cluster, from an asyncio driver as the
 gateway's: a plain actor call's round trip, and for each path a stream's first item and each
-further item (medians over --calls calls). A service's TTFT overhead over in-process
-(bench/load.py's `one_stream_vs_in_process`) is at least its path's first item plus the public
-gRPC hop.
+further item (medians over --calls calls).
+
+The public side too, from an asyncio client (`AsyncTinyLoopClient`) as a caller's: the bare gRPC
+hop (a grpc.aio server on its own event loop thread, with the gateway's server options and
+interceptor, whose `Generate` yields the items at once), and the whole path through the real
+gateway (`GatewayThread`) in front of the same worker over its channel. A service's TTFT overhead
+over in-process (bench/load.py's `ttft_overhead_ms`) is at least the gateway path's first item;
+that less the bare gRPC hop and the channel's first item is what the gateway's own code adds.
 """
 from __future__ import annotations
 
@@ -40,6 +45,15 @@ class Echo:
 
     async def call(self) -> int:
         return 1
+
+    async def info(self) -> dict:
+        """What the gateway reads of a worker's info (`WorkerActor.info`): its channel offered."""
+        return {"worker_id": "echo", "epoch": 0, "lanes": 1, "vocab_size": 256, "max_loops": 8, "default_loops": 8,
+                "channel": await self.channel()}
+
+    async def stats(self, origin: str = "") -> dict:
+        """What the gateway's health poll reads (`WorkerActor.stats`)."""
+        return {"epoch": 0, "streams": 0, "own_streams": 0, "queued": 0, "active_lanes": 0, "steps": {}}
 
     async def channel(self) -> dict:
         from tinyloop.worker.serving import channel
@@ -70,7 +84,86 @@ async def _channel_hops(actor, calls: int, items: int) -> tuple[list[float], lis
     return first, rest
 
 
-async def measure(calls: int, items: int) -> dict:
+class _BareServer:
+    """A grpc.aio server on its own event loop thread, set up as the gateway's (its server options
+    and interceptor), whose `Generate` yields `max_tokens` one-token chunks and a Complete at once."""
+
+    def __init__(self):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bare-grpc", daemon=True)
+        self.thread.start()
+        self.server, self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
+
+    async def _start(self):
+        import grpc
+
+        from tinyloop.client import tinyloop_pb2 as pb
+        from tinyloop.client import tinyloop_pb2_grpc as pb_grpc
+        from tinyloop.gateway.server import GatewayOptions, MalformedRequests, server_options
+
+        class Servicer(pb_grpc.TinyLoopServicer):
+            async def Generate(self, request, context):
+                for i in range(request.max_tokens):
+                    yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(ids=[i]))
+                yield pb.GenerateResponse(request_id=request.request_id, complete=pb.Complete(
+                    finish_reason=pb.FINISH_REASON_LENGTH, worker_id="echo"))
+
+        server = grpc.aio.server(options=server_options(GatewayOptions()), interceptors=[MalformedRequests()])
+        pb_grpc.add_TinyLoopServicer_to_server(Servicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+async def _public_hops(address: str, calls: int, items: int) -> tuple[list[float], list[float]]:
+    """A stream's first item and each next one (the Complete included) from an asyncio client."""
+    from tinyloop.client import AsyncTinyLoopClient
+
+    first, rest = [], []
+    async with AsyncTinyLoopClient(address) as c:
+        await c.generate([1] * 8, loops=8, max_tokens=items).collect()  # the connection up, the handler warm
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            t_first = None
+            async for _ in c.generate([1] * 8, loops=8, max_tokens=items):
+                if t_first is None:
+                    t_first = time.perf_counter()
+            first.append(t_first - t0)
+            rest.append((time.perf_counter() - t_first) / items)
+    return first, rest
+
+
+def public(actor, calls: int, items: int) -> dict:
+    """The bare gRPC hop and the whole path through the gateway in front of `actor`, each from an
+    asyncio client on this thread, the servers on threads of their own."""
+    from tinyloop.gateway.server import GatewayOptions, GatewayThread
+
+    bare = _BareServer()
+    try:
+        b_first, b_rest = asyncio.run(_public_hops(f"127.0.0.1:{bare.port}", calls, items))
+    finally:
+        bare.stop()
+    gw = GatewayThread([actor], GatewayOptions(port=0))
+    try:
+        g_first, g_rest = asyncio.run(_public_hops(gw.address, calls, items))
+    finally:
+        gw.stop()
+    return {"grpc_first_item_ms": _ms(b_first), "grpc_next_item_ms": _ms(b_rest),
+            "gateway_first_item_ms": _ms(g_first), "gateway_next_item_ms": _ms(g_rest)}
+
+
+def _ms(xs: list[float]) -> float:
+    return round(1e3 * statistics.median(xs), 3)
+
+
+async def measure(calls: int, items: int) -> tuple[dict, object]:
     import ray
 
     actor = ray.remote(max_concurrency=100)(Echo).remote()
@@ -92,10 +185,9 @@ async def measure(calls: int, items: int) -> dict:
         first.append(t_first - t0)
         rest.append((time.perf_counter() - t_first) / max(1, items - 1))
     ch_first, ch_rest = await _channel_hops(actor, calls, items)
-    ms = lambda xs: round(1e3 * statistics.median(xs), 3)  # noqa: E731
-    return {"plain_call_ms": ms(plain), "stream_first_item_ms": ms(first), "stream_next_item_ms": ms(rest),
-            "channel_first_item_ms": ms(ch_first), "channel_next_item_ms": ms(ch_rest),
-            "calls": calls, "items_per_stream": items}
+    return {"plain_call_ms": _ms(plain), "stream_first_item_ms": _ms(first), "stream_next_item_ms": _ms(rest),
+            "channel_first_item_ms": _ms(ch_first), "channel_next_item_ms": _ms(ch_rest),
+            "calls": calls, "items_per_stream": items}, actor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,13 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     if started:
         ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        res = asyncio.run(measure(args.calls, args.items))
+        res, actor = asyncio.run(measure(args.calls, args.items))
+        res.update(public(actor, args.calls, args.items))
+        ray.kill(actor)
     finally:
         if started:
             ray.shutdown()
+    # what the gateway's own code adds to a first item: its path less the two hops it is made of
+    res["gateway_own_first_item_ms"] = round(
+        res["gateway_first_item_ms"] - res["grpc_first_item_ms"] - res["channel_first_item_ms"], 3)
     print(f"Ray actor call {res['plain_call_ms']:.2f} ms; Ray streaming call: first item "
           f"{res['stream_first_item_ms']:.2f} ms, each next {res['stream_next_item_ms']:.2f} ms; worker channel: "
-          f"first item {res['channel_first_item_ms']:.2f} ms, each next {res['channel_next_item_ms']:.2f} ms")
+          f"first item {res['channel_first_item_ms']:.2f} ms, each next {res['channel_next_item_ms']:.2f} ms; "
+          f"bare gRPC: first item {res['grpc_first_item_ms']:.2f} ms; through the gateway: first item "
+          f"{res['gateway_first_item_ms']:.2f} ms (its own code {res['gateway_own_first_item_ms']:.2f} ms)")
     write("ray-hop-cpu", {"hardware": hardware(torch.device("cpu")), "ray": ray.__version__, "results": res},
           args.out_dir)
     return 0

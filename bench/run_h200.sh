@@ -4,8 +4,8 @@
 #
 #   bash bench/run_h200.sh [steps...]      # steps: tests gemv profile decode batch prefill warmstart
 #                                          #   speculative startup (default: all); tiles, load, families, kv, quant,
-#                                          #   int4-tune, exit, interleave, load-ab on demand (load: the service under load; carry .whl for
-#                                          #   Ray; kv: the KV cache modes' decode speed and quality; quant: INT4 against
+#                                          #   int4-tune, exit, interleave, load-ab, hops on demand (load: the service under load; carry .whl for
+#                                          #   Ray; hops: bench/ray_hop.py, the service's hops with no model, on the host's CPU, Ray too; kv: the KV cache modes' decode speed and quality; quant: INT4 against
 #                                          #   bf16; int4-tune: the INT4 GPU tests, tile sweep and decode A/B;
 #                                          #   exit: early exit's sweep, bench/early_exit.py; profile-exit: where an exit step's time goes;
 #                                          #   profile-exit-batch: where a batch of exit streams' time goes; sampling: sampled against greedy
@@ -93,6 +93,7 @@ for s in "${steps[@]}"; do
                 run "load-gil-$g" "${LOAD_S:-150}" python -m bench.load --out-dir "$OUT/gil-$g" --concurrency 1 \
                     --mixed 0 --gil-switch-ms "$g" ${LOAD_ARGS:-}
             done ;;
+        hops) run hops "${HOPS_S:-120}" python -m bench.ray_hop --calls 200 --out-dir "$OUT" ;;
         startup) run startup "${STARTUP_S:-300}" python -m bench.startup --preset bench-285m --lanes 1 8 64 --max-seq-len 4096 --out-dir "$OUT" ;;
         base-decode|base-batch)
             what=${s#base-}

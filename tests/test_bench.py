@@ -565,7 +565,9 @@ def test_early_exit_bench_cpu(tmp_path, tiny_path):
 
 def test_ray_hop_bench(tmp_path):
     """bench/ray_hop.py on a local Ray cluster: a plain call's round trip and, through Ray and
-    through the worker channel, a stream's first and next items, all positive; bad counts refused."""
+    through the worker channel, a stream's first and next items, all positive; the bare gRPC hop
+    and the whole path through the real gateway in front of the worker, whose first item costs at
+    least the gRPC hop's; bad counts refused."""
     from bench import ray_hop
     with pytest.raises(ValueError, match="--items >= 2"):
         ray_hop.main(["--items", "1", "--out-dir", str(tmp_path)])
@@ -574,6 +576,10 @@ def test_ray_hop_bench(tmp_path):
     assert r["calls"] == 3 and r["items_per_stream"] == 3
     assert r["plain_call_ms"] > 0 and r["stream_first_item_ms"] > 0 and r["stream_next_item_ms"] > 0
     assert r["channel_first_item_ms"] > 0 and r["channel_next_item_ms"] > 0
+    assert r["grpc_first_item_ms"] > 0 and r["grpc_next_item_ms"] > 0 and r["gateway_next_item_ms"] > 0
+    assert r["gateway_first_item_ms"] > r["grpc_first_item_ms"]
+    assert r["gateway_own_first_item_ms"] == pytest.approx(
+        r["gateway_first_item_ms"] - r["grpc_first_item_ms"] - r["channel_first_item_ms"], abs=2e-3)
 
 
 def test_quant_decode_bench_cpu(tmp_path):
